@@ -1,0 +1,40 @@
+"""What to audit: a model, its batches, and how one step runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Union
+
+import torch
+from torch import nn
+
+Batches = Union[Iterable[Any], Callable[[int], Iterable[Any]]]
+
+
+@dataclass
+class Probe:
+    """One fresh set-up of a model to audit; built again (after seeding) for every repeat.
+
+    `batches` is an iterable re-iterated every epoch (a DataLoader) or a callable
+    `epoch -> iterable`. `step(model, batch)` returns a loss tensor or a dict of loss
+    tensors when the model is in train mode, and the model's outputs in eval mode
+    (detaudit calls `model.train()` / `model.eval()` before the steps; the step can read
+    `model.training`). Backward, gradient scaling, accumulation, clipping and the
+    optimizer and scheduler steps are driven by detaudit so that it can record them.
+    """
+
+    model: nn.Module
+    batches: Batches
+    step: Callable[[nn.Module, Any], Any]
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    scaler: Any = None
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
+    autocast: Callable[[], Any] | None = None
+
+    def epoch_batches(self, epoch: int) -> Iterable[Any]:
+        """The batches of one epoch."""
+        if callable(self.batches) and not hasattr(self.batches, "__iter__"):
+            return self.batches(epoch)
+        return self.batches
