@@ -1,0 +1,371 @@
+"""Aligns N traces by key and says where, when and why they first differ.
+
+Records are paired by (step, phase, module, call, slot), never by position, so when one
+repeat keeps more boxes after NMS the rest still pairs up and the fork is reported.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .recorder import BACKWARD, FORWARD, GRAD, OPTIMIZER, OUTPUT, STATE
+from .trace import Trace
+
+Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot
+
+ORIGIN, CONTAINS, PROPAGATED = "origin", "contains-origin", "propagated"
+CAUSES = ("data", "rng", "params", "forward", "backward", "optimizer", "none")
+_CAUSE_TEXT = {
+    "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not reproducible",
+    "rng": "an RNG stream differs: something drew a different amount of randomness",
+    "params": "the parameters differ before the step (initialisation or an earlier update)",
+    "forward": "a forward computation gave different results from equal inputs",
+    "backward": "a backward computation gave different gradients from equal upstream gradients",
+    "optimizer": "the optimizer update differs while gradients agree",
+    "none": "no divergence",
+}
+
+
+@dataclass
+class RecordDiff:
+    """One record whose fingerprint is not the same in every repeat."""
+
+    step: int
+    phase: str
+    module: str
+    call: int
+    slot: str
+    differing: int  # repeats (besides repeat 0) whose value differs or is missing
+    missing: int  # repeats without this record at all
+    repeats: int
+    ref: dict[str, Any] = field(default_factory=dict)  # shape, dtype, norm, absmax of repeat 0
+    other: dict[str, Any] = field(default_factory=dict)  # the same for the first differing repeat
+
+    @property
+    def key(self) -> Key:
+        return (self.step, self.phase, self.module, self.call, self.slot)
+
+    @property
+    def where(self) -> str:
+        """`module[call] slot`, with `(model)` for the root module."""
+        name = self.module or "(model)"
+        return f"{name}{f'[{self.call}]' if self.call else ''} {self.slot}"
+
+
+@dataclass
+class CallFinding:
+    """A module call that differs in one phase of one step, and its role in the divergence."""
+
+    step: int
+    phase: str  # forward or backward
+    module: str
+    call: int
+    role: str  # origin, contains-origin or propagated
+    slots: list[str]
+    differing: int
+    repeats: int
+    rng: bool = False  # the call's RNG draw differs
+
+
+@dataclass
+class LossDrift:
+    """When the loss stops being bit-identical, and by how much it differs each step."""
+
+    first_step: int | None
+    first_epoch: int | None
+    per_step: list[tuple[int, int, float]]  # (step, epoch, max relative difference)
+
+    def per_epoch(self) -> list[tuple[int, float]]:
+        """(epoch, max relative loss difference in that epoch)."""
+        out: dict[int, float] = {}
+        for _, epoch, rel in self.per_step:
+            out[epoch] = max(out.get(epoch, 0.0), rel)
+        return sorted(out.items())
+
+
+@dataclass
+class Comparison:
+    """What N repeats of one probe agree and disagree on."""
+
+    repeats: int
+    steps: list[tuple[int, int, int]]  # (step, epoch, index in epoch) of repeat 0
+    total_records: int
+    differing_records: int
+    missing_records: int
+    first_step: int | None
+    first_by_phase: dict[str, RecordDiff]
+    findings: list[CallFinding]  # every differing module call, all steps
+    cause: str
+    loss: LossDrift
+    param_drift_step: int | None
+    fork: RecordDiff | None
+    differing_by_step: dict[int, int]
+    failures: dict[int, str]
+    first_diffs: list[RecordDiff] = field(default_factory=list)  # first step, execution order
+
+    @property
+    def deterministic(self) -> bool:
+        return self.first_step is None and not self.failures
+
+    @property
+    def first_epoch(self) -> int | None:
+        return self.epoch_of(self.first_step)
+
+    def epoch_of(self, step: int | None) -> int | None:
+        """The (0-based) epoch of a global step."""
+        for s, epoch, _ in self.steps:
+            if s == step:
+                return epoch
+        return None
+
+    @property
+    def origins(self) -> list[CallFinding]:
+        """Origin calls of the first divergent step, forward before backward."""
+        return [f for f in self.findings if f.step == self.first_step and f.role == ORIGIN]
+
+    @property
+    def cause_text(self) -> str:
+        return _CAUSE_TEXT[self.cause]
+
+    @property
+    def flaky_records(self) -> int:
+        """Differing records that agree in some repeats and not in others."""
+        return sum(1 for d in self.first_diffs if 0 < d.differing < d.repeats - 1)
+
+
+class _Index:
+    """One trace's records: key -> (fp, row) and the execution order within each step."""
+
+    def __init__(self, trace: Trace) -> None:
+        r = trace.records
+        self.trace = trace
+        self.fp: dict[Key, str] = {}
+        self.row: dict[Key, int] = {}
+        self.order: list[Key] = []
+        for i, key in enumerate(zip(r["step"], r["phase"], r["module"], r["call"], r["slot"])):
+            if key not in self.fp:
+                self.order.append(key)
+                self.row[key] = i
+            self.fp[key] = r["fp"][i]
+
+    def stats(self, key: Key) -> dict[str, Any]:
+        i = self.row.get(key)
+        if i is None:
+            return {}
+        r = self.trace.records
+        return {c: r[c][i] for c in ("shape", "dtype", "norm", "absmax", "nonfinite")}
+
+
+def compare(traces: Iterable[Trace]) -> Comparison:
+    """Align the traces of N repeats and analyse their differences."""
+    traces = list(traces)
+    if not traces:
+        raise ValueError("compare() needs at least one trace")
+    indexes = [_Index(t) for t in traces]
+    ref, others = indexes[0], indexes[1:]
+    n = len(traces)
+
+    keys = list(ref.order)
+    known = set(ref.fp)
+    for idx in others:
+        keys.extend(k for k in idx.order if k not in known and not known.add(k))  # type: ignore[func-returns-value]
+
+    diffs: dict[Key, RecordDiff] = {}
+    for key in keys:
+        ref_fp = ref.fp.get(key)
+        differing = missing = 0
+        first_other = None
+        for idx in others:
+            fp = idx.fp.get(key)
+            if fp is None:
+                missing += 1
+            if fp != ref_fp:
+                differing += 1
+                first_other = first_other or idx
+        if ref_fp is None:
+            missing += 1
+        if differing:
+            diffs[key] = RecordDiff(
+                *key, differing=differing, missing=missing, repeats=n,
+                ref=ref.stats(key), other=first_other.stats(key) if first_other else {},
+            )
+
+    by_step: dict[int, int] = defaultdict(int)
+    for key in diffs:
+        by_step[key[0]] += 1
+    first_step = min(by_step) if by_step else None
+    first_diffs = [diffs[k] for k in keys if k in diffs and k[0] == first_step]
+    first_by_phase: dict[str, RecordDiff] = {}
+    for d in first_diffs:
+        first_by_phase.setdefault(d.phase, d)
+
+    findings = _findings(traces[0], diffs, n)
+    steps = [(s.step, s.epoch, s.index) for s in traces[0].steps]
+    return Comparison(
+        repeats=n,
+        steps=steps,
+        total_records=len(keys),
+        differing_records=len(diffs),
+        missing_records=sum(1 for d in diffs.values() if d.missing),
+        first_step=first_step,
+        first_by_phase=first_by_phase,
+        findings=findings,
+        cause=_cause(first_diffs, findings, first_step),
+        loss=_loss_drift(traces),
+        param_drift_step=min(
+            (k[0] for k in diffs if k[1] in (GRAD, OPTIMIZER) or (k[1] == STATE and "param" in k[4])),
+            default=None,
+        ),
+        fork=next((diffs[k] for k in keys if k in diffs and diffs[k].missing), None),
+        differing_by_step=dict(sorted(by_step.items())),
+        failures={t.repeat: t.failure for t in traces if t.failure},
+        first_diffs=first_diffs,
+    )
+
+
+def _findings(ref: Trace, diffs: dict[Key, RecordDiff], n: int) -> list[CallFinding]:
+    """Classify every differing module call as origin, contains-origin or propagated."""
+    slots: dict[tuple[int, str, str, int], list[RecordDiff]] = defaultdict(list)
+    for d in diffs.values():
+        slots[(d.step, d.phase, d.module, d.call)].append(d)
+
+    def differs(step: int, phase: str, module: str, call: int, prefix: str) -> bool:
+        return any(d.slot.startswith(prefix) for d in slots.get((step, phase, module, call), ()))
+
+    def params_differ(step: int, module: str) -> bool:
+        """The module's own parameters entering `step` differ."""
+        if step == 0:
+            return differs(0, STATE, module, 0, "param.")
+        return differs(step - 1, OPTIMIZER, module, 0, "param.")
+
+    parents = _call_parents(ref)
+    findings: list[CallFinding] = []
+    for step in sorted({d.step for d in diffs.values()}):
+        calls = parents.get(step, {})
+        candidates: dict[str, list[tuple[str, int]]] = {FORWARD: [], BACKWARD: []}
+        pending: list[tuple[str, str, int, list[RecordDiff], bool]] = []
+        for (s, phase, module, call), ds in slots.items():
+            if s != step or phase not in (FORWARD, BACKWARD):
+                continue
+            forward_in = (
+                differs(step, FORWARD, module, call, "in") or differs(step, FORWARD, module, call, "rng.in")
+                or params_differ(step, module)
+            )
+            if phase == FORWARD:
+                propagated = forward_in
+            else:
+                forward_changed = bool(slots.get((step, FORWARD, module, call)))
+                propagated = differs(step, BACKWARD, module, call, "grad_out") or forward_changed
+            pending.append((phase, module, call, ds, propagated))
+            if not propagated:
+                candidates[phase].append((module, call))
+        # Backward: a module whose own parameter gradients differ, with nothing upstream.
+        for (s, phase, module, call), ds in slots.items():
+            if s != step or phase != GRAD:
+                continue
+            upstream = differs(step, BACKWARD, module, 0, "grad_out") or bool(
+                slots.get((step, FORWARD, module, 0))
+            ) or params_differ(step, module)
+            if not upstream and (module, 0) not in candidates[BACKWARD]:
+                candidates[BACKWARD].append((module, 0))
+                pending.append((BACKWARD, module, 0, ds, False))
+        for phase, module, call, ds, propagated in pending:
+            if propagated:
+                role = PROPAGATED
+            else:
+                inner = [
+                    c for c in candidates[phase]
+                    if c != (module, call) and _is_ancestor((module, call), c, calls)
+                ]
+                role = CONTAINS if inner else ORIGIN
+            findings.append(
+                CallFinding(
+                    step, phase, module, call, role, sorted(d.slot for d in ds),
+                    max(d.differing for d in ds), n,
+                    rng=any(d.slot == "rng.out" for d in ds),
+                )
+            )
+    order = {(FORWARD): 0, (BACKWARD): 1}
+    findings.sort(key=lambda f: (f.step, order[f.phase], f.role != ORIGIN))
+    return findings
+
+
+def _call_parents(trace: Trace) -> dict[int, dict[tuple[str, int], tuple[str, int] | None]]:
+    """Per step: (module, call) -> its enclosing (module, call)."""
+    c = trace.calls
+    out: dict[int, dict[tuple[str, int], tuple[str, int] | None]] = defaultdict(dict)
+    per_step: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for step, module, index, parent in zip(c["step"], c["module"], c["index"], c["parent"]):
+        calls = per_step[step]
+        calls.append((module, index))
+        out[step][(module, index)] = calls[parent] if parent >= 0 else None
+    return out
+
+
+def _is_ancestor(
+    ancestor: tuple[str, int], call: tuple[str, int], parents: dict[tuple[str, int], Any]
+) -> bool:
+    if not parents:  # no call tree recorded: fall back to module paths
+        return call[0].startswith(ancestor[0] + ".") or (ancestor[0] == "" and call[0] != "")
+    node = parents.get(call)
+    while node is not None:
+        if node == ancestor:
+            return True
+        node = parents.get(node)
+    return False
+
+
+def _cause(first: list[RecordDiff], findings: list[CallFinding], step: int | None) -> str:
+    """The class of cause, from the first records to differ in the first divergent step."""
+    if step is None:
+        return "none"
+    state = [d for d in first if d.phase == STATE]
+    if any(d.slot.startswith("batch") for d in state):
+        return "data"
+    if any(d.slot.startswith("rng.") for d in state):
+        return "rng"
+    if any(d.slot.startswith("param.") for d in state):
+        return "params"
+    origins = [f for f in findings if f.step == step and f.role == ORIGIN]
+    forward = [f for f in origins if f.phase == FORWARD]
+    if forward:
+        return "rng" if forward[0].rng else "forward"
+    if any(d.phase == FORWARD for d in first):
+        return "forward"
+    if any(f.phase == BACKWARD for f in origins) or any(d.phase in (BACKWARD, GRAD) for d in first):
+        return "backward"
+    if any(d.phase == OPTIMIZER for d in first):
+        return "optimizer"
+    if any(d.phase == OUTPUT for d in first):
+        return "forward"
+    return "none"
+
+
+def _loss_drift(traces: list[Trace]) -> LossDrift:
+    """First step where any loss term differs bitwise, and the relative difference per step."""
+    ref = traces[0]
+    first_step = first_epoch = None
+    per_step = []
+    for i, info in enumerate(ref.steps):
+        values = info.loss_values()
+        rel = 0.0
+        bitwise_differs = False
+        for other in traces[1:]:
+            if i >= len(other.steps):
+                continue
+            theirs = other.steps[i].loss_values()
+            for name in set(values) | set(theirs):
+                a, b = values.get(name), theirs.get(name)
+                if a is None or b is None or info.losses.get(name) != other.steps[i].losses.get(name):
+                    bitwise_differs = True
+                    if a is not None and b is not None and a == a and b == b:
+                        rel = max(rel, abs(a - b) / max(abs(a), abs(b), 1e-30))
+                    else:
+                        rel = float("inf") if (a is None or b is None) else rel
+        if bitwise_differs and first_step is None:
+            first_step, first_epoch = info.step, info.epoch
+        if values:
+            per_step.append((info.step, info.epoch, rel))
+    return LossDrift(first_step, first_epoch, per_step)

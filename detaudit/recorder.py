@@ -1,0 +1,348 @@
+"""Module-level recording: hooks that fingerprint every module call, forward and backward.
+
+Forward: pre/post hooks on every module record the tensors going in and out, the call's
+place in the call tree, and whether it advanced the torch RNG.
+
+Backward: the gradient w.r.t. each module output comes from a tensor hook registered in
+forward. The gradient a module sends to each of its inputs comes from hooks on the
+autograd nodes at the module's boundary, found by one walk of the graph before backward:
+a node created inside the call (by sequence number) whose edge leads to a node created
+before it. This gives each consumer's own contribution, even for inputs that several
+modules share (FPN features feed the RPN and both RoI poolers), and it adds nothing to the
+graph, so gradient accumulation order -- and so the numbers -- stay exactly as without us.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch._C._autograd import _get_sequence_nr
+
+from .fingerprint import Fingerprinter, TensorPrint
+from .structure import iter_tensors, next_ulp, replace_first_float
+
+FORWARD, BACKWARD, GRAD, STATE, OPTIMIZER, OUTPUT = (
+    "forward", "backward", "grad", "state", "optimizer", "output",
+)
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A planted 1-ULP change: at `module`'s output (forward) or input gradient (backward)."""
+
+    module: str
+    phase: str = FORWARD
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.phase not in (FORWARD, BACKWARD):
+            raise ValueError(f"fault phase must be forward or backward, not {self.phase!r}")
+
+
+@dataclass
+class Call:
+    """One call of one module within a step."""
+
+    module: str
+    index: int
+    parent: int  # position of the enclosing call in the step's call list, -1 at the top
+    seq_start: int = 0
+    seq_end: int = 0
+    inputs: dict[tuple[Any, int], str] = field(default_factory=dict)  # autograd edge -> path
+
+
+@dataclass
+class StepRecords:
+    """Everything recorded during one step, in execution order, prints resolved."""
+
+    keys: list[tuple[str, str, int, str]]  # (phase, module, call, slot)
+    prints: list[TensorPrint]
+    calls: list[Call]
+
+
+def rng_states() -> dict[str, bytes]:
+    """The state of every RNG a training step may draw from, as bytes."""
+    out = {"torch": torch.get_rng_state().numpy().tobytes()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"cuda:{i}"] = state.numpy().tobytes()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    out["numpy"] = keys.tobytes() + repr((kind, pos, has_gauss, gauss)).encode()
+    out["python"] = repr(random.getstate()).encode()
+    return out
+
+
+def _module_rng_state() -> bytes:
+    """The RNG state a module's own draws (dropout, randperm) change: torch CPU + current CUDA."""
+    state = torch.get_rng_state().numpy().tobytes()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state += torch.cuda.get_rng_state().numpy().tobytes()
+    return state
+
+
+class Recorder:
+    """Records fingerprints of a model's module calls; use as a context manager.
+
+    The runner drives it: ``begin_step`` → (forward runs) → ``before_backward(loss)`` →
+    (backward runs) → ``record_param_grads`` → ``record(...)`` for step state →
+    ``end_step``. ``fault`` plants a 1-ULP change (this recorder's run only).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        fingerprinter: Fingerprinter | None = None,
+        fault: Fault | None = None,
+        track_rng: bool = True,
+    ) -> None:
+        self.model = model
+        self.fp = fingerprinter or Fingerprinter()
+        self.fault = fault
+        self.track_rng = track_rng
+        self.fault_fired = False
+        self._names = {id(m): name for name, m in model.named_modules()}
+        self._handles: list[Any] = []
+        self._step_handles: list[Any] = []
+        self._step = -1
+        self._reset_step()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def __enter__(self) -> Recorder:
+        for module in self.model.modules():
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles + self._step_handles:
+            handle.remove()
+        self._handles, self._step_handles = [], []
+
+    def _reset_step(self) -> None:
+        self._keys: list[tuple[str, str, int, str]] = []
+        self._calls: list[Call] = []
+        self._stack: list[tuple[int, bytes | None]] = []
+        self._counts: dict[str, int] = {}
+        self._edge_counts: dict[tuple[int, str], int] = {}
+
+    def begin_step(self, step: int) -> None:
+        """Start recording global step `step`."""
+        self._step = step
+        self._reset_step()
+
+    def end_step(self) -> StepRecords:
+        """Finish the step: fetch device values once and hand over its records."""
+        for handle in self._step_handles:
+            handle.remove()
+        self._step_handles = []
+        prints = self.fp.collect()
+        out = StepRecords(self._keys, prints, self._calls)
+        self._reset_step()
+        return out
+
+    # -- generic records ---------------------------------------------------------------
+    def record(self, phase: str, module: str, call: int, slot: str, value: Any) -> None:
+        """Fingerprint every tensor in `value` under (phase, module, call, slot[.path])."""
+        for path, tensor in iter_tensors(value):
+            self._keys.append((phase, module, call, _slot(slot, path)))
+            self.fp.add(tensor)
+
+    def record_state(self, batch: Any) -> None:
+        """Step-boundary state: the batch and every RNG."""
+        self.record(STATE, "", 0, "batch", batch)
+        for name, state in rng_states().items():
+            self._keys.append((STATE, "", 0, f"rng.{name}"))
+            self.fp.add_bytes(state)
+
+    def record_parameters(self, phase: str) -> None:
+        """Every parameter, keyed by its owning module (before step 0, after each update)."""
+        for name, param in self.model.named_parameters():
+            owner, _, local = name.rpartition(".")
+            self.record(phase, owner, 0, f"param.{local}", param)
+
+    def record_param_grads(self) -> None:
+        """Every parameter's accumulated ``.grad`` after backward."""
+        for name, param in self.model.named_parameters():
+            if param.grad is not None:
+                owner, _, local = name.rpartition(".")
+                self.record(GRAD, owner, 0, f"param.{local}", param.grad)
+
+    def record_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Optimizer state (momentum buffers, steps) per parameter, and each group's lr."""
+        if optimizer is None:
+            return
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for gi, group in enumerate(optimizer.param_groups):
+            self.record(OPTIMIZER, "", 0, f"lr.{gi}", torch.tensor(float(group["lr"]), dtype=torch.float64))
+            for param in group["params"]:
+                state = optimizer.state.get(param)
+                if not state:
+                    continue
+                owner, _, local = names.get(id(param), f"?.{gi}").rpartition(".")
+                for key in sorted(state):
+                    value = state[key]
+                    if not isinstance(value, torch.Tensor):
+                        value = torch.tensor(float(value), dtype=torch.float64)
+                    self.record(OPTIMIZER, owner, 0, f"state.{local}.{key}", value)
+
+    # -- forward hooks -------------------------------------------------------------------
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        name = self._names.get(id(module), type(module).__name__)
+        index = self._counts.get(name, 0)
+        self._counts[name] = index + 1
+        parent = self._stack[-1][0] if self._stack else -1
+        call = Call(name, index, parent, seq_start=_get_sequence_nr())
+        for path, tensor in _iter_inputs(args, kwargs):
+            slot = _slot("in", path)
+            self._keys.append((FORWARD, name, index, slot))
+            self.fp.add(tensor)
+            if tensor.requires_grad:
+                edge = (tensor.grad_fn, tensor.output_nr) if tensor.grad_fn else (tensor, 0)
+                call.inputs.setdefault((id(edge[0]), edge[1]), path)
+        self._calls.append(call)
+        self._stack.append((len(self._calls) - 1, _module_rng_state() if self.track_rng else None))
+
+    def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not self._stack:
+            return None
+        position, rng_before = self._stack.pop()
+        call = self._calls[position]
+        call.seq_end = _get_sequence_nr()
+        replaced = None
+        fault = self.fault
+        if (
+            fault is not None and fault.phase == FORWARD and fault.step == self._step
+            and fault.module == call.module and call.index == 0
+        ):
+            replaced, found = replace_first_float(output, next_ulp)
+            if found:
+                output, self.fault_fired = replaced, True
+            else:
+                replaced = None
+        for path, tensor in iter_tensors(output):
+            slot = _slot("out", path)
+            self._keys.append((FORWARD, call.module, call.index, slot))
+            self.fp.add(tensor)
+            if tensor.requires_grad:
+                handle = tensor.register_hook(self._grad_out_hook(call, _slot("grad_out", path)))
+                self._step_handles.append(handle)
+        if rng_before is not None:
+            rng_after = _module_rng_state()
+            if rng_after != rng_before:
+                for slot, state in (("rng.in", rng_before), ("rng.out", rng_after)):
+                    self._keys.append((FORWARD, call.module, call.index, slot))
+                    self.fp.add_bytes(state)
+        return replaced
+
+    def _grad_out_hook(self, call: Call, slot: str):
+        def hook(grad: torch.Tensor) -> None:
+            self._keys.append((BACKWARD, call.module, call.index, slot))
+            self.fp.add(grad)
+
+        return hook
+
+    # -- backward ------------------------------------------------------------------------
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Walk the graph once and hook every autograd node on a module call's boundary."""
+        if loss.grad_fn is None or not self._calls:
+            return
+        calls = self._calls
+        order = sorted(range(len(calls)), key=lambda i: calls[i].seq_start)
+        starts = [calls[i].seq_start for i in order]
+        params = {id(p): name.rpartition(".")[0] for name, p in self.model.named_parameters()}
+        fault = self.fault
+        fault_here = fault is not None and fault.phase == BACKWARD and fault.step == self._step
+        boundaries: dict[Any, list[tuple[int, int, str | None]]] = {}
+        seen = {loss.grad_fn}
+        todo = [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            chain = self._enclosing_calls(node._sequence_nr(), order, starts)
+            for k, (nxt, nr) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                if nxt.name() == ACCUMULATE_GRAD:
+                    leaf = nxt.variable
+                    if id(leaf) in params:
+                        # Parameter gradients are recorded after backward; here only a fault
+                        # planted in a module whose inputs need no gradient can use this edge.
+                        if fault_here and chain and params[id(leaf)] == fault.module == calls[
+                            chain[0]
+                        ].module:
+                            boundaries.setdefault(node, []).append((k, chain[0], None))
+                        continue
+                    target, inside = (id(leaf), 0), lambda c: False
+                else:
+                    target, seq = (id(nxt), nr), nxt._sequence_nr()
+                    inside = (lambda c, seq=seq: calls[c].seq_start <= seq)
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
+                for c in chain:
+                    if inside(c):
+                        break
+                    path = calls[c].inputs.get(target, f"?{nxt.name()}")
+                    boundaries.setdefault(node, []).append((k, c, _slot("grad_in", path)))
+        for node, edges in boundaries.items():
+            self._step_handles.append(node.register_hook(self._boundary_hook(edges)))
+
+    def _enclosing_calls(self, seq: int, order: list[int], starts: list[int]) -> list[int]:
+        """The calls (innermost first) whose forward created the node with sequence nr `seq`."""
+        i = bisect.bisect_right(starts, seq) - 1
+        if i < 0:
+            return []
+        c = order[i]
+        chain = []
+        while c >= 0:
+            call = self._calls[c]
+            if call.seq_start <= seq < call.seq_end:
+                chain.append(c)
+            c = call.parent
+        return chain
+
+    def _boundary_hook(self, edges: list[tuple[int, int, str | None]]):
+        def hook(grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
+            grads = list(grad_inputs)
+            changed = False
+            fault = self.fault
+            for k, c, slot in edges:
+                call = self._calls[c]
+                grad = grads[k]
+                if grad is None:
+                    continue
+                if (
+                    fault is not None and fault.phase == BACKWARD and fault.step == self._step
+                    and fault.module == call.module and call.index == 0 and not self.fault_fired
+                    and grad.is_floating_point() and grad.numel()
+                ):
+                    grads[k], changed, self.fault_fired = next_ulp(grad), True, True
+                if slot is not None:
+                    # One call can send several gradients to the same input (x + f(x)).
+                    seen = self._edge_counts.get((c, slot), 0)
+                    self._edge_counts[(c, slot)] = seen + 1
+                    self._keys.append(
+                        (BACKWARD, call.module, call.index, f"{slot}#{seen}" if seen else slot)
+                    )
+                    self.fp.add(grads[k])
+            return tuple(grads) if changed else None
+
+        return hook
+
+
+def _iter_inputs(args: tuple, kwargs: dict):
+    """A call's input tensors: positional ones by index, keyword ones by name."""
+    yield from iter_tensors(list(args))
+    yield from iter_tensors(kwargs)
+
+
+def _slot(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if path else prefix

@@ -1,0 +1,257 @@
+"""Repeats a probe N times under the recorder, each time from identically seeded RNGs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .environment import capture_environment
+from .errors import DetauditError, ProbeError
+from .fingerprint import Fingerprinter
+from .probe import Probe
+from .recorder import OPTIMIZER, OUTPUT, STATE, Fault, Recorder
+from .seeding import seed_everything
+from .trace import StepInfo, Trace
+
+ProbeFactory = Callable[[torch.device], Probe]
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class AuditConfig:
+    """How to run an audit; stored in every trace so a run can be repeated exactly."""
+
+    repeats: int = 2
+    epochs: int = 1
+    steps: int | None = None  # per epoch; None runs each epoch's batches to the end
+    mode: str = "train"  # "train" or "infer"
+    device: str = "cpu"
+    seed: int = 0
+    deterministic: bool = False  # PyTorch's deterministic settings on for the run
+    fault: Fault | None = None  # planted in one repeat only (`fault_repeat`)
+    fault_repeat: int = -1  # -1: the last repeat
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise DetauditError("--repeats must be at least 1")
+        if self.epochs < 1 or (self.steps is not None and self.steps < 1):
+            raise DetauditError("--epochs and --steps must be at least 1")
+        if self.mode not in ("train", "infer"):
+            raise DetauditError(f"mode must be train or infer, not {self.mode!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the trace."""
+        data = asdict(self)
+        data["fault"] = asdict(self.fault) if self.fault else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AuditConfig:
+        """Inverse of :meth:`to_dict`."""
+        data = dict(data)
+        if data.get("fault"):
+            data["fault"] = Fault(**data["fault"])
+        return cls(**data)
+
+
+@dataclass
+class RepeatTiming:
+    """Wall time of one repeat, kept out of the trace (it would change its bytes)."""
+
+    repeat: int
+    seconds: float
+    steps: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when present; a CUDA request without CUDA is a clear error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DetauditError(f"unknown device {name!r} (use auto, cpu or cuda[:i])") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DetauditError("CUDA was requested but torch.cuda.is_available() is False")
+    return device
+
+
+@contextlib.contextmanager
+def deterministic_settings(enabled: bool) -> Iterator[None]:
+    """PyTorch's deterministic settings for the duration, restored afterwards."""
+    if not enabled:
+        yield
+        return
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+        if saved[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def run_repeat(
+    factory: ProbeFactory,
+    config: AuditConfig,
+    repeat: int,
+    probe_info: dict[str, Any] | None = None,
+    on_step: Callable[[int, int, int], None] | None = None,
+) -> tuple[Trace, RepeatTiming]:
+    """Run one repeat from freshly seeded RNGs and return its trace.
+
+    An exception while building the probe is raised as :class:`ProbeError`; one during the
+    steps ends the repeat early and is stored in ``trace.failure`` (records up to it kept).
+    """
+    import time
+
+    device = resolve_device(config.device)
+    fault_repeat = config.fault_repeat % config.repeats
+    fault = config.fault if repeat == fault_repeat else None
+    trace = Trace(
+        probe={"info": probe_info or {}, "config": config.to_dict()},
+        repeat=repeat,
+        env=capture_environment(device),
+    )
+    started = time.perf_counter()
+    steps_done = 0
+    with deterministic_settings(config.deterministic):
+        seed_everything(config.seed)
+        try:
+            probe = factory(device)
+        except DetauditError:
+            raise
+        except Exception as exc:  # the user's code: report it as theirs
+            raise ProbeError(describe_user_error(exc, "building the probe")) from exc
+        if not isinstance(probe, Probe):
+            raise ProbeError(f"the probe function returned {type(probe).__name__}, not detaudit.Probe")
+        train = config.mode == "train"
+        probe.model.train(train)
+        fingerprinter = Fingerprinter()
+        with Recorder(probe.model, fingerprinter, fault=fault) as recorder:
+            try:
+                steps_done = _run_steps(probe, config, recorder, trace, train, on_step)
+            except DetauditError:
+                raise
+            except Exception as exc:
+                trace.failure = describe_user_error(exc, f"step {len(trace.steps)}")
+        if fault is not None and not recorder.fault_fired and trace.failure is None:
+            raise DetauditError(
+                f"the planted fault never fired: module {fault.module!r} did not run "
+                f"{'forward' if fault.phase == 'forward' else 'backward'} at step {fault.step}"
+            )
+    timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done)
+    return trace, timing
+
+
+def _run_steps(
+    probe: Probe,
+    config: AuditConfig,
+    recorder: Recorder,
+    trace: Trace,
+    train: bool,
+    on_step: Callable[[int, int, int], None] | None,
+) -> int:
+    step = 0
+    for epoch in range(config.epochs):
+        for index, batch in enumerate(probe.epoch_batches(epoch)):
+            if config.steps is not None and index >= config.steps:
+                break
+            recorder.begin_step(step)
+            info = StepInfo(step=step, epoch=epoch, index=index)
+            recorder.record_state(batch)
+            if step == 0:
+                recorder.record_parameters(STATE)
+            if train:
+                _train_step(probe, batch, recorder, info, step)
+            else:
+                with torch.no_grad():
+                    outputs = probe.step(probe.model, batch)
+                recorder.record(OUTPUT, "", 0, "detections", outputs)
+            _store(trace, step, recorder.end_step())
+            trace.steps.append(info)
+            step += 1
+            if on_step:
+                on_step(epoch, index, step)
+    return step
+
+
+def _train_step(probe: Probe, batch: Any, recorder: Recorder, info: StepInfo, step: int) -> None:
+    losses = probe.step(probe.model, batch)
+    terms = losses if isinstance(losses, dict) else {"loss": losses}
+    if not terms or not all(isinstance(v, torch.Tensor) for v in terms.values()):
+        raise ProbeError("in train mode the step must return a loss tensor or a dict of loss tensors")
+    recorder.record(OUTPUT, "", 0, "loss", terms)
+    info.losses = {name: float(value.detach().float()).hex() for name, value in terms.items()}
+    total = sum(terms.values())
+    accumulate = max(1, probe.accumulate)
+    if accumulate > 1:
+        total = total / accumulate
+    recorder.before_backward(total)
+    scaler = probe.scaler
+    (scaler.scale(total) if scaler is not None else total).backward()
+    recorder.record_param_grads()
+    optimizer = probe.optimizer
+    if optimizer is None or (step + 1) % accumulate:
+        return
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if probe.clip_grad_norm:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, probe.clip_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+        info.scale = float(scaler.get_scale())
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if probe.scheduler is not None:
+        probe.scheduler.step()
+    info.optimizer_stepped = True
+    info.lr = [float(group["lr"]) for group in optimizer.param_groups]
+    recorder.record_parameters(OPTIMIZER)
+    recorder.record_optimizer(optimizer)
+
+
+def _store(trace: Trace, step: int, records: Any) -> None:
+    for key, print_ in zip(records.keys, records.prints):
+        trace.add_record(step, key, print_)
+    for call in records.calls:
+        trace.add_call(step, call.module, call.index, call.parent)
+
+
+def describe_user_error(exc: BaseException, when: str) -> str:
+    """One line naming the exception and the innermost frame outside detaudit and torch."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    library_dirs = (_PACKAGE_DIR, os.path.dirname(torch.__file__), sys.prefix, sys.base_prefix)
+    user = [f for f in frames if not os.path.abspath(f.filename).startswith(library_dirs)]
+    frame = (user or frames or [None])[-1]
+    where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__} while {when}{where}: {message}".rstrip(": ")
+
+
+def save_traces(traces: list[Trace], folder: str | Path) -> list[Path]:
+    """Write each trace as ``trace-<repeat>.json.gz`` in `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return [t.save(folder / f"trace-{t.repeat}.json.gz") for t in traces]

@@ -1,0 +1,39 @@
+"""Seeding every RNG the way a reproducible training script should."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python `random`, numpy's global RNG, torch CPU and every CUDA device."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: derive numpy and python seeds from the worker's torch seed.
+
+    PyTorch seeds each worker's torch RNG with base_seed + worker_id, but leaves numpy and
+    `random` as forked copies, so every worker would draw the same augmentations.
+    """
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def loader_generator(seed: int, rank: int = 0) -> torch.Generator:
+    """A generator for a DataLoader's shuffling and worker base seeds, distinct per rank."""
+    generator = torch.Generator()
+    generator.manual_seed(seed + 1_000_003 * rank)
+    return generator
+
+
+def seeded_loader_kwargs(seed: int, rank: int = 0) -> dict[str, Any]:
+    """The DataLoader arguments that make shuffling and workers reproducible."""
+    return {"generator": loader_generator(seed, rank), "worker_init_fn": seed_worker}
