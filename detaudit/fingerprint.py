@@ -15,6 +15,7 @@ Neither draws from an RNG or writes into the tensor.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,8 @@ _NUMPY_VIEWABLE = _NUMPY_FLOATS | {
 }
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (golden-ratio constant)
 _MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9, splitmix64's first multiplier
-_WSUM_CHUNK = 1 << 22  # elements per chunk, bounds the temporaries on the device
+_WSUM_CHUNK = 1 << 22
+_LARGE = 1 << 16  # elements from which torch's one-pass aminmax beats numpy's min + max  # elements per chunk, bounds the temporaries on the device
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,8 @@ class TensorPrint:
     fp: str
     shape: tuple[int, ...]
     dtype: str
-    norm: float
-    absmax: float
+    norm: float | None  # None where stats were not asked for (non-float, optimizer state)
+    absmax: float | None
     nonfinite: int
 
 
@@ -98,21 +100,17 @@ def _finish_wsum(header: bytes, value: int) -> int:
 
 
 def _float_stats(t: torch.Tensor) -> tuple[float, float, int]:
-    """(L2 norm, absmax, count of NaN/Inf) of a CPU floating tensor."""
+    """(L2 norm, absmax, count of NaN/Inf) of a CPU floating tensor, in one or two passes."""
     if t.numel() == 0:
         return 0.0, 0.0, 0
-    if t.dtype in _NUMPY_FLOATS:
-        a = t.detach().contiguous().reshape(-1).numpy()
+    if t.dtype in _NUMPY_FLOATS and t.is_contiguous():
+        a = t.detach().numpy().reshape(-1)
         sq = float(np.dot(a, a))
-        if math.isfinite(sq):
+        if math.isfinite(sq):  # no NaN/Inf anywhere: the common case, two fast passes
+            if a.size >= _LARGE:
+                lo, hi = torch.aminmax(t.detach())
+                return math.sqrt(sq), float(max(hi, -lo)), 0
             return math.sqrt(sq), float(max(a.max(), -a.min())), 0
-        a = a.astype(np.float64)
-        finite = np.isfinite(a)
-        nonfinite = int(a.size - finite.sum())
-        good = a[finite]
-        if good.size == 0:
-            return 0.0, 0.0, nonfinite
-        return float(np.linalg.norm(good)), float(np.abs(good).max()), nonfinite
     x = t.detach().double()
     finite = torch.isfinite(x)
     good = x[finite]
@@ -147,16 +145,26 @@ class Fingerprinter:
             raise ValueError(f"unknown fingerprint algorithm {algorithm!r}")
         self.stats = stats
         self.algorithm = algorithm
-        self._done: list[TensorPrint | None] = []
+        self._done: list[TensorPrint | int | None] = []  # an int points at an earlier slot
         self._pending: list[tuple[int, torch.Tensor, bytes, torch.Tensor | None, Any]] = []
+        # A module's input is usually the previous module's output: hash each tensor once
+        # per collect. Weak references, so grads freed by backward are not kept alive.
+        self._seen: dict[tuple[int, bool], tuple[weakref.ref, int, int]] = {}
 
-    def add(self, t: torch.Tensor) -> int:
-        """Queue a tensor; return its slot number."""
+    def add(self, t: torch.Tensor, stats: bool | None = None) -> int:
+        """Queue a tensor; return its slot number. `stats=False` skips norm/absmax."""
         slot = len(self._done)
+        want_stats = self.stats if stats is None else stats
+        key = (id(t), want_stats)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            self._done.append(seen[2])
+            return slot
+        self._seen[key] = (weakref.ref(t), t._version, slot)
         algorithm = self.algorithm or ("xxh3" if t.device.type == "cpu" else "wsum")
-        floating = t.is_floating_point()
+        want_stats = want_stats and t.is_floating_point()
         if algorithm == "xxh3" and t.device.type == "cpu":
-            norm, absmax, nonfinite = _float_stats(t) if (floating and self.stats) else (0.0, 0.0, 0)
+            norm, absmax, nonfinite = _float_stats(t) if want_stats else (None, None, 0)
             self._done.append(
                 TensorPrint(
                     f"{xxh3_fingerprint(t):016x}", tuple(t.shape), str(t.dtype).replace("torch.", ""),
@@ -165,14 +173,14 @@ class Fingerprinter:
             )
             return slot
         value = wsum_device_value(t)
-        stats = _device_float_stats(t) if (floating and self.stats) else None
+        device_stats = _device_float_stats(t) if want_stats else None
         self._done.append(None)
-        self._pending.append((slot, value, _header(t), stats, t.shape))
+        self._pending.append((slot, value, _header(t), device_stats, t.shape))
         return slot
 
     def add_bytes(self, data: bytes) -> int:
         """Queue the print of raw bytes (an RNG state); return its slot number."""
-        self._done.append(TensorPrint(fingerprint_bytes(data), (len(data),), "bytes", 0.0, 0.0, 0))
+        self._done.append(TensorPrint(fingerprint_bytes(data), (len(data),), "bytes", None, None, 0))
         return len(self._done) - 1
 
     def collect(self) -> list[TensorPrint]:
@@ -182,14 +190,16 @@ class Fingerprinter:
             stats = _fetch([p[3] for p in self._pending if p[3] is not None])
             stats_iter = iter(stats)
             for (slot, _, header, has_stats, shape), value in zip(self._pending, values):
-                norm, absmax, nonfinite = next(stats_iter) if has_stats is not None else (0.0, 0.0, 0)
+                norm, absmax, nonfinite = (
+                    next(stats_iter) if has_stats is not None else (None, None, 0)
+                )
                 dtype = header.decode().split("|")[0].replace("torch.", "")
                 self._done[slot] = TensorPrint(
                     f"{_finish_wsum(header, int(value)):016x}", tuple(shape), dtype,
-                    float(norm), float(absmax), int(nonfinite),
+                    norm, absmax, int(nonfinite),
                 )
-        done = self._done
-        self._done, self._pending = [], []
+        done = [p if not isinstance(p, int) else self._done[p] for p in self._done]
+        self._done, self._pending, self._seen = [], [], {}
         return done  # type: ignore[return-value]
 
 

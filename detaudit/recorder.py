@@ -150,11 +150,13 @@ class Recorder:
         return out
 
     # -- generic records ---------------------------------------------------------------
-    def record(self, phase: str, module: str, call: int, slot: str, value: Any) -> None:
+    def record(
+        self, phase: str, module: str, call: int, slot: str, value: Any, stats: bool = True
+    ) -> None:
         """Fingerprint every tensor in `value` under (phase, module, call, slot[.path])."""
         for path, tensor in iter_tensors(value):
             self._keys.append((phase, module, call, _slot(slot, path)))
-            self.fp.add(tensor)
+            self.fp.add(tensor, stats)
 
     def record_state(self, batch: Any) -> None:
         """Step-boundary state: the batch and every RNG."""
@@ -164,10 +166,12 @@ class Recorder:
             self.fp.add_bytes(state)
 
     def record_parameters(self, phase: str) -> None:
-        """Every parameter, keyed by its owning module (before step 0, after each update)."""
+        """Every parameter, keyed by its owning module (all before step 0, trainable ones after
+        each update). No stats: 3 passes over every weight per step would dominate the cost."""
         for name, param in self.model.named_parameters():
-            owner, _, local = name.rpartition(".")
-            self.record(phase, owner, 0, f"param.{local}", param)
+            if phase == STATE or param.requires_grad:
+                owner, _, local = name.rpartition(".")
+                self.record(phase, owner, 0, f"param.{local}", param, stats=False)
 
     def record_param_grads(self) -> None:
         """Every parameter's accumulated ``.grad`` after backward."""
@@ -192,7 +196,7 @@ class Recorder:
                     value = state[key]
                     if not isinstance(value, torch.Tensor):
                         value = torch.tensor(float(value), dtype=torch.float64)
-                    self.record(OPTIMIZER, owner, 0, f"state.{local}.{key}", value)
+                    self.record(OPTIMIZER, owner, 0, f"state.{local}.{key}", value, stats=False)
 
     # -- forward hooks -------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -157,5 +157,5 @@ class Trace:
         return cls.from_dict(data, source=f"trace {path}")
 
 
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

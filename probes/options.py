@@ -45,7 +45,9 @@ class RecipeOptions:
         if self.image_size < 32:
             raise ValueError(f"image_size must be at least 32, not {self.image_size}")
         if self.num_classes < 2:
-            raise ValueError(f"num_classes must be at least 2 (background + 1), not {self.num_classes}")
+            raise ValueError(
+                f"num_classes must be at least 2 (background + 1), not {self.num_classes}"
+            )
         for name in ("batch_size", "num_images", "instances", "accumulate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")

@@ -54,7 +54,9 @@ def load_weights(model: nn.Module, path: str) -> None:
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
     if not isinstance(state, dict):
-        raise ProbeInputError(f"weights file {path} holds a {type(state).__name__}, not a state dict.")
+        raise ProbeInputError(
+            f"weights file {path} holds a {type(state).__name__}, not a state dict."
+        )
     expected, found = set(model.state_dict()), {str(key) for key in state}
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if missing or unexpected:
@@ -98,9 +100,13 @@ def _make_step(
         images, targets = batch
         device = next(model.parameters()).device
         images = [image.to(device) for image in images]
-        prepared = [_prepare(t, keys, one_class, device) for t in targets] if model.training else None
-        with autocast() if autocast is not None else contextlib.nullcontext():
-            return model(images, prepared) if model.training else model(images)
+        context = autocast() if autocast is not None else contextlib.nullcontext()
+        if not model.training:
+            with context:
+                return model(images)
+        prepared = [_prepare(target, keys, one_class, device) for target in targets]
+        with context:
+            return model(images, prepared)
 
     return step
 

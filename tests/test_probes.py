@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,7 +139,7 @@ def test_flip_augmentation_draws_from_the_global_torch_rng() -> None:
     assert outcomes == {True, False}
 
 
-def _write_coco(root, annotations: object) -> tuple[str, str]:
+def _write_coco(root: Path, annotations: object) -> tuple[str, str]:
     images = root / "images"
     images.mkdir()
     Image.new("RGB", (200, 100), (255, 0, 0)).save(images / "a.png")
@@ -167,7 +168,7 @@ COCO = {
 }
 
 
-def test_coco_loader_resizes_boxes_and_masks(tmp_path) -> None:
+def test_coco_loader_resizes_boxes_and_masks(tmp_path: Path) -> None:
     images, annotations = _write_coco(tmp_path, COCO)
     dataset = CocoDetection(images, annotations, image_size=64)
     assert len(dataset) == 2 and dataset.num_categories == 2
@@ -187,14 +188,14 @@ def test_coco_loader_resizes_boxes_and_masks(tmp_path) -> None:
     ("annotations", "message"),
     [("{not json", "not valid JSON"), ({"images": []}, "'annotations'")],
 )
-def test_coco_loader_rejects_bad_json(tmp_path, annotations: object, message: str) -> None:
+def test_coco_loader_rejects_bad_json(tmp_path: Path, annotations: object, message: str) -> None:
     images, path = _write_coco(tmp_path, annotations)
     with pytest.raises(ProbeInputError, match=message) as caught:
         CocoDetection(images, path)
     assert path in str(caught.value)
 
 
-def test_coco_loader_rejects_missing_files(tmp_path) -> None:
+def test_coco_loader_rejects_missing_files(tmp_path: Path) -> None:
     images, _ = _write_coco(tmp_path, COCO)
     missing = str(tmp_path / "nope.json")
     with pytest.raises(ProbeInputError, match="does not exist") as caught:
@@ -224,7 +225,7 @@ def test_loader_batches_and_seeded_shuffle() -> None:
     assert order() == order() and sorted(order()) == list(range(6))
 
 
-def test_weights_load_and_refuse_mismatches(tmp_path) -> None:
+def test_weights_load_and_refuse_mismatches(tmp_path: Path) -> None:
     options = RecipeOptions(image_size=96)
     torch.manual_seed(1)
     state = fasterrcnn_mobilenet_v3_large_fpn(**model_kwargs(options)).state_dict()
