@@ -31,7 +31,6 @@ class Probe:
     scaler: Any = None
     accumulate: int = 1
     clip_grad_norm: float | None = None
-    autocast: Callable[[], Any] | None = None
 
     def epoch_batches(self, epoch: int) -> Iterable[Any]:
         """The batches of one epoch."""

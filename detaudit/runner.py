@@ -241,6 +241,8 @@ def _store(trace: Trace, step: int, records: Any) -> None:
 
 def describe_user_error(exc: BaseException, when: str) -> str:
     """One line naming the exception and the innermost frame outside detaudit and torch."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"SyntaxError while {when} at {exc.filename}:{exc.lineno}: {exc.msg}"
     frames = traceback.extract_tb(exc.__traceback__)
     library_dirs = (_PACKAGE_DIR, os.path.dirname(torch.__file__), sys.prefix, sys.base_prefix)
     user = [f for f in frames if not os.path.abspath(f.filename).startswith(library_dirs)]

@@ -153,5 +153,4 @@ def make_probe(
         scaler=scaler,
         accumulate=options.accumulate,
         clip_grad_norm=options.clip_grad_norm,
-        autocast=autocast,
     )

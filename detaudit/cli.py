@@ -1,0 +1,291 @@
+"""The `detaudit` command: a thin layer over the API; each subcommand calls one function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import EXIT_DIVERGED, EXIT_OK, EXIT_USAGE, DetauditError
+
+CPU_PRESET = {"image_size": 128, "epochs": 2, "steps": 2, "batch_size": 1, "num_images": 2,
+              "repeats": 2}
+CUDA_PRESET = {"image_size": 800, "epochs": 2, "steps": 5, "batch_size": 2, "num_images": 10,
+               "repeats": 3}
+_FAULT = re.compile(r"^(?P<module>[^@:]*)(@(?P<phase>forward|backward))?(:(?P<step>\d+))?$")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse, dispatch, map errors to one line and exit code 2."""
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except DetauditError as exc:
+        if args.debug:
+            raise
+        print(f"detaudit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("detaudit: interrupted (traces of finished repeats are kept)", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="detaudit",
+        description="Find where, when and why a PyTorch detection model stops training "
+        "(or inferring) the same way twice. Exit codes: 0 deterministic, 1 divergence found, "
+        "2 usage or input error.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run", help="audit a model: repeat it, record every module, compare",
+        description="Run a probe N times from the same seed under recording hooks and report "
+        "the first divergence: step, epoch, phase, module, origin or propagated, and cause.",
+    )
+    _add_run_arguments(run)
+    run.set_defaults(func=cmd_run)
+
+    models = sub.add_parser("models", help="list the built-in probes and what each audits")
+    models.set_defaults(func=cmd_models)
+
+    env = sub.add_parser("env", help="print the determinism-relevant environment")
+    env.add_argument("--json", action="store_true", help="machine-readable output")
+    env.set_defaults(func=cmd_env)
+
+    report = sub.add_parser(
+        "report", help="re-render the reports of a saved run folder (no model needed)"
+    )
+    report.add_argument("folder", help="a run folder written by `detaudit run`")
+    report.add_argument("--json", action="store_true", help="print summary.json to stdout")
+    report.set_defaults(func=cmd_report)
+    for p in (run, models, env, report):
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
+    return parser
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="a built-in probe (see `detaudit models`)")
+    what.add_argument("--probe", metavar="FILE.py[:FUNC]",
+                      help="your own probe file; FUNC(device) returns detaudit.Probe (default FUNC: probe)")
+    p.add_argument("--mode", choices=("train", "infer"), default="train",
+                   help="train: forward, backward, optimizer step; infer: forward only (default: train)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default: auto)")
+    p.add_argument("--repeats", type=int, help="runs to compare (CPU preset: 2, CUDA preset: 3)")
+    p.add_argument("--epochs", type=int, help="epochs per run (preset: 2)")
+    p.add_argument("--steps", type=int, help="steps per epoch (CPU preset: 2, CUDA preset: 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed for every RNG (default: 0)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="turn PyTorch's deterministic settings on for the run, to compare")
+    p.add_argument("--inject-fault", metavar="MODULE[@forward|@backward][:STEP]",
+                   help="plant a 1-ULP change at MODULE in the last repeat (default: forward, step 0)")
+    p.add_argument("--isolation", choices=("inprocess", "process"), default="inprocess",
+                   help="process: each repeat in a fresh interpreter (catches PYTHONHASHSEED and "
+                   "leftover global state); default: inprocess")
+    p.add_argument("--out", help="run folder (default: reports/<probe>-<timestamp>/)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, verdict line only")
+    recipe = p.add_argument_group("built-in probe recipe (with --model)")
+    recipe.add_argument("--image-size", type=int, help="square image size (CPU preset: 128, CUDA: 800)")
+    recipe.add_argument("--batch-size", type=int, help="images per step (CPU preset: 1, CUDA: 2)")
+    recipe.add_argument("--num-images", type=int, help="synthetic dataset size")
+    recipe.add_argument("--instances", type=int, help="objects per synthetic image (default 3)")
+    recipe.add_argument("--data", metavar="synthetic|coco:IMAGES_DIR:ANNOTATIONS.json",
+                        help="dataset (default: synthetic, generated from the seed)")
+    recipe.add_argument("--weights", metavar="PATH", help="local state dict to load (no downloads)")
+    recipe.add_argument("--workers", type=int, help="DataLoader workers (default 0)")
+    recipe.add_argument("--shuffle", action="store_true", help="shuffle the DataLoader")
+    recipe.add_argument("--augment", choices=("none", "flip"), help="augmentation (default none)")
+    recipe.add_argument("--amp", action="store_true",
+                        help="mixed precision: autocast + GradScaler on CUDA, bf16 autocast on CPU")
+    recipe.add_argument("--accumulate", type=int, help="gradient accumulation steps")
+    recipe.add_argument("--clip-grad-norm", type=float, help="clip gradients to this norm")
+    recipe.add_argument("--lr", type=float, help="SGD learning rate (default 0.005)")
+    recipe.add_argument("--scheduler", choices=("none", "cosine"),
+                        help="LR scheduler: cosine annealing with warm restarts")
+
+
+def parse_fault(text: str | None):
+    """`MODULE[@forward|@backward][:STEP]` -> Fault."""
+    from .recorder import Fault
+
+    if not text:
+        return None
+    m = _FAULT.match(text)
+    if not m or not m.group("module"):
+        raise DetauditError(f"--inject-fault {text!r} is not MODULE[@forward|@backward][:STEP]")
+    return Fault(m.group("module"), m.group("phase") or "forward", int(m.group("step") or 0))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """`detaudit run`."""
+    import torch
+
+    from .runner import AuditConfig, resolve_device
+
+    device = resolve_device(args.device)
+    preset_name = "cuda" if device.type == "cuda" else "cpu"
+    preset = CUDA_PRESET if preset_name == "cuda" else CPU_PRESET
+
+    def pick(name: str) -> Any:
+        value = getattr(args, name, None)
+        return preset[name] if value is None else value
+
+    config = AuditConfig(
+        repeats=pick("repeats"), epochs=pick("epochs"), steps=pick("steps"), mode=args.mode,
+        device=str(device), seed=args.seed, deterministic=args.deterministic,
+        fault=parse_fault(args.inject_fault),
+    )
+    spec = _probe_spec(args, preset)
+    out = Path(args.out) if args.out else Path("reports") / (
+        f"{spec['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    preset_text = _preset_text(preset_name, config, spec)
+    if not args.quiet and not args.json:
+        print(f"detaudit: {spec['name']} on {device} ({preset_text}), "
+              f"threads={torch.get_num_threads()}, writing {out}", file=sys.stderr)
+    result_traces, timings = _run(spec, config, out, args)
+    return _finish(args, spec, config, out, result_traces, timings, preset_text)
+
+
+def _probe_spec(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, Any]:
+    from .loading import builtin_spec, file_spec
+
+    if args.probe:
+        return file_spec(args.probe)
+    options: dict[str, Any] = {"seed": args.seed}
+    for name in ("image_size", "batch_size", "num_images"):
+        value = getattr(args, name)
+        options[name] = preset[name] if value is None else value
+    for name in ("instances", "data", "weights", "workers", "augment", "accumulate",
+                 "clip_grad_norm", "lr", "scheduler"):
+        value = getattr(args, name)
+        if value is not None:
+            options[name] = value
+    if args.shuffle:
+        options["shuffle"] = True
+    if args.amp:
+        options["amp"] = True
+    return builtin_spec(args.model, options)
+
+
+def _preset_text(preset: str, config: Any, spec: dict[str, Any]) -> str:
+    options = spec.get("options", {})
+    size = f", {options['image_size']} px, batch {options['batch_size']}" if options else ""
+    return (f"{preset} preset: {config.repeats} repeats x {config.epochs} epochs x "
+            f"{config.steps} steps{size}, {config.mode}")
+
+
+def _run(spec: dict[str, Any], config: Any, out: Path, args: argparse.Namespace):
+    from tqdm import tqdm
+
+    from .api import audit_config
+    from .isolation import run_isolated
+    from .loading import make_factory
+
+    total_steps = config.repeats * config.epochs * (config.steps or 0) or None
+    bar = tqdm(total=total_steps if args.isolation == "inprocess" else config.repeats,
+               disable=args.quiet or args.json, file=sys.stderr, unit="step"
+               if args.isolation == "inprocess" else "repeat", dynamic_ncols=True)
+    try:
+        if args.isolation == "process":
+            return run_isolated(spec, config, out, on_repeat=lambda r: bar.update(1))
+
+        def on_step(repeat: int, epoch: int, index: int, step: int) -> None:
+            bar.set_description(f"repeat {repeat + 1}/{config.repeats} epoch {epoch + 1}/{config.epochs}")
+            bar.update(1)
+
+        result = audit_config(make_factory(spec), config, out=out, probe_info=spec, on_step=on_step)
+        return result.traces, result.timings
+    finally:
+        bar.close()
+
+
+def _finish(args, spec, config, out: Path, traces, timings, preset_text: str) -> int:
+    from dataclasses import asdict
+
+    from .compare import compare
+    from .report import render_console, summarize, write_reports
+    from .runfolder import RunInfo, save_run
+
+    info = RunInfo(
+        probe={**spec, "preset": preset_text}, config=config.to_dict(),
+        command=_reproduce_command(args), traces=[f"trace-{t.repeat}.json.gz" for t in traces],
+        timings=[asdict(t) for t in timings],
+    )
+    save_run(out, info)
+    summary = summarize(info, compare(traces), traces)
+    write_reports(out, summary)
+    if args.json:
+        print(json.dumps(summary, indent=1, sort_keys=True, default=str))
+    elif args.quiet:
+        print(summary["headline"])
+    else:
+        print(render_console(summary))
+        print(f"\nreports: {out}")
+    return EXIT_OK if summary["verdict"] == "deterministic" else EXIT_DIVERGED
+
+
+def _reproduce_command(args: argparse.Namespace) -> str:
+    """The command line as given, minus --out (a rerun should write a new folder)."""
+    argv, skip = [], False
+    for arg in args.argv:
+        if skip or arg == "--out":
+            skip = not skip
+            continue
+        if not arg.startswith("--out="):
+            argv.append(arg)
+    return "detaudit " + shlex.join(argv)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """`detaudit models`."""
+    from tabulate import tabulate
+
+    import probes
+
+    print(tabulate(probes.available(), headers=["model", "what it audits"]))
+    return EXIT_OK
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    """`detaudit env`."""
+    from tabulate import tabulate
+
+    from .environment import capture_environment
+
+    env = capture_environment()
+    if args.json:
+        print(json.dumps(env, indent=1, sort_keys=True))
+    else:
+        print(tabulate(sorted(env.items()), headers=["setting", "value"]))
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """`detaudit report DIR`."""
+    from .report import render_console, render_folder
+
+    summary = render_folder(args.folder)
+    print(json.dumps(summary, indent=1, sort_keys=True, default=str) if args.json
+          else render_console(summary))
+    return EXIT_OK if summary["verdict"] == "deterministic" else EXIT_DIVERGED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Regression gate: a stored baseline trace, and bitwise (or tolerant) diffs of two runs.
+
+A baseline is one repeat's trace plus what reproduces it (probe spec, audit config) and
+the environment it ran in. ``check_baseline`` re-runs that configuration and compares the
+new trace with the stored one; ``diff_traces`` compares any two runs the same way.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from .api import AuditResult
+from .compare import Comparison, compare
+from .errors import EXIT_DIVERGED, EXIT_OK, TraceError
+from .junit import JUnitCase
+from .trace import Trace
+
+# History:
+#   1: first format: probe spec, audit config, environment, the trace of repeat 0.
+BASELINE_VERSION = 1
+BASELINE_FORMAT = "detaudit-baseline"
+
+# Environment keys that can change a run's numbers (PyTorch promises no bit-exactness
+# across versions, devices, thread counts or these flags).
+ENV_KEYS = (
+    "torch", "torchvision", "cuda", "cudnn", "device", "devices", "threads",
+    "deterministic_algorithms", "deterministic_warn_only", "cudnn_deterministic",
+    "cudnn_benchmark", "tf32_matmul", "tf32_cudnn",
+)
+_FLOAT_PREFIXES = ("float", "bfloat", "complex")
+
+RunFn = Callable[[dict[str, Any], dict[str, Any]], AuditResult]
+
+
+@dataclass
+class Baseline:
+    """A stored reference run: what to run again and the trace it must reproduce."""
+
+    probe: dict[str, Any]
+    config: dict[str, Any]
+    env: dict[str, Any]
+    trace: Trace
+
+
+@dataclass
+class FirstDifference:
+    """The first record (execution order) that differs beyond tolerance."""
+
+    step: int
+    phase: str
+    module: str
+    call: int
+    slot: str
+    norm: tuple[float | None, float | None]  # (a, b)
+    absmax: tuple[float | None, float | None]
+    missing: bool  # present in only one of the runs
+
+    @property
+    def where(self) -> str:
+        name = self.module or "(model)"
+        return f"{name}{f'[{self.call}]' if self.call else ''} {self.slot}"
+
+
+@dataclass
+class GateResult:
+    """The verdict of comparing run B against run A (a baseline or another run)."""
+
+    ok: bool
+    env_differences: dict[str, tuple[Any, Any]]
+    first: FirstDifference | None
+    origin_module: str | None
+    origin_phase: str | None
+    differing_records: int
+    total_records: int
+    tolerance: bool  # compared by stats within rtol/atol rather than bitwise
+    headline: str
+    message: str
+    labels: tuple[str, str] = ("A", "B")
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.ok else EXIT_DIVERGED
+
+    def junit_case(self, name: str, classname: str = "detaudit", time: float = 0.0) -> JUnitCase:
+        """This result as one JUnit test case."""
+        return JUnitCase(name, classname, time, None if self.ok else self.headline, self.message)
+
+
+# -- baseline files -----------------------------------------------------------------------
+def save_baseline(path: str | Path, probe_spec: dict[str, Any], result: AuditResult) -> Path:
+    """Store repeat 0 of `result` as a baseline (gzip when the name ends in .gz)."""
+    path = Path(path)
+    trace = result.traces[0]
+    data = {
+        "format": BASELINE_FORMAT,
+        "version": BASELINE_VERSION,
+        "probe": probe_spec,
+        "config": result.config.to_dict(),
+        "env": trace.env,
+        "trace": trace.to_dict(),
+    }
+    text = json.dumps(data, sort_keys=True, indent=None, separators=(",", ":"), allow_nan=False)
+    raw = gzip.compress(text.encode(), mtime=0) if path.suffix == ".gz" else text.encode()
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_bytes(raw)
+    tmp.replace(path)
+    return path
+
+
+def load_baseline(path: str | Path) -> Baseline:
+    """Read a baseline written by :func:`save_baseline`; one clear error for anything else."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise TraceError(f"cannot read baseline {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    except (OSError, EOFError, ValueError):
+        raise TraceError(f"baseline {path} is truncated or not valid JSON") from None
+    if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
+        raise TraceError(f"{path} is not a detaudit baseline")
+    if data.get("version") != BASELINE_VERSION:
+        raise TraceError(
+            f"baseline {path} has format version {data.get('version')!r}; this detaudit reads "
+            f"version {BASELINE_VERSION} (upgrade detaudit or record the baseline again)"
+        )
+    if not all(isinstance(data.get(k), dict) for k in ("probe", "config", "env")):
+        raise TraceError(f"baseline {path} is damaged: probe, config or env is missing")
+    trace = Trace.from_dict(data.get("trace"), source=f"the trace in baseline {path}")
+    return Baseline(data["probe"], data["config"], data["env"], trace)
+
+
+def check_baseline(
+    path: str | Path, run_fn: RunFn, rtol: float = 0.0, atol: float = 0.0
+) -> GateResult:
+    """Re-run the baseline's stored configuration and compare its repeat 0 with the baseline."""
+    baseline = load_baseline(path)
+    result = run_fn(baseline.probe, baseline.config)
+    gate = diff_traces(baseline.trace, result.traces, rtol, atol, labels=("baseline", "now"))
+    if len(result.traces) > 1 and not result.comparison.deterministic:
+        note = (
+            f"note: the new run is not deterministic by itself (its repeats differ from step "
+            f"{result.comparison.first_step}), so it cannot be expected to match any baseline"
+        )
+        gate.message += "\n" + note
+    return gate
+
+
+# -- diffs ----------------------------------------------------------------------------------
+def env_differences(a_env: dict[str, Any], b_env: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The numerics-relevant environment keys whose values differ: key -> (a, b)."""
+    return {k: (a_env.get(k), b_env.get(k)) for k in ENV_KEYS if a_env.get(k) != b_env.get(k)}
+
+
+def fingerprint_algorithm(env: dict[str, Any]) -> str | None:
+    """The fingerprint algorithm a trace's device tensors used (None when unknown)."""
+    device = env.get("device")
+    if not device:
+        return None
+    return "xxh3" if str(device).split(":")[0] == "cpu" else "wsum"
+
+
+def diff_traces(
+    a: list[Trace] | Trace,
+    b: list[Trace] | Trace,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    labels: tuple[str, str] = ("A", "B"),
+) -> GateResult:
+    """Compare run B against run A (repeat 0 of each), bitwise or within rtol/atol."""
+    ta, tb = (t[0] if isinstance(t, list) else t for t in (a, b))
+    algorithms = fingerprint_algorithm(ta.env), fingerprint_algorithm(tb.env)
+    mixed = None not in algorithms and algorithms[0] != algorithms[1]
+    tolerance = mixed or rtol > 0 or atol > 0
+    if tolerance:
+        tb = _accept_within(ta, tb, rtol, atol, mixed)
+    comparison = compare([ta, tb])
+    envs = env_differences(ta.env, tb.env)
+    failures = [f"{label} stopped early: {t.failure}" for label, t in zip(labels, (ta, tb)) if t.failure]
+    first = _first(comparison)
+    origin = comparison.origins[0] if comparison.origins else None
+    ok = first is None and ta.failure == tb.failure
+    result = GateResult(
+        ok=ok, env_differences=envs, first=first,
+        origin_module=origin.module if origin else None, origin_phase=origin.phase if origin else None,
+        differing_records=comparison.differing_records, total_records=comparison.total_records,
+        tolerance=tolerance, headline="", message="", labels=labels, failures=failures,
+    )
+    result.headline = _headline(result, len(comparison.steps), rtol, atol)
+    result.message = _message(result, algorithms if mixed else None)
+    return result
+
+
+def _accept_within(a: Trace, b: Trace, rtol: float, atol: float, mixed: bool) -> Trace:
+    """A copy of `b` whose records within tolerance of `a` carry `a`'s fingerprint."""
+    ra, rb = a.records, b.records
+    keys = ("step", "phase", "module", "call", "slot")
+    row_a = {k: i for i, k in enumerate(zip(*(ra[c] for c in keys)))}
+    fps = list(rb["fp"])
+    for j, key in enumerate(zip(*(rb[c] for c in keys))):
+        i = row_a.get(key)
+        if i is not None and fps[j] != ra["fp"][i] and _within(ra, i, rb, j, rtol, atol, mixed):
+            fps[j] = ra["fp"][i]
+    return replace(b, records={**rb, "fp": fps})
+
+
+def _within(
+    ra: dict[str, list[Any]], i: int, rb: dict[str, list[Any]], j: int,
+    rtol: float, atol: float, mixed: bool,
+) -> bool:
+    """Whether record i of A and record j of B agree within tolerance by their stored stats."""
+    if ra["shape"][i] != rb["shape"][j] or ra["dtype"][i] != rb["dtype"][j]:
+        return False
+    if ra["nonfinite"][i] != rb["nonfinite"][j]:
+        return False
+    stats = [(ra[c][i], rb[c][j]) for c in ("norm", "absmax")]
+    if all(x is not None and y is not None for x, y in stats):
+        return all(abs(x - y) <= atol + rtol * abs(y) for x, y in stats)
+    dtype = str(ra["dtype"][i])
+    if dtype.startswith(_FLOAT_PREFIXES):
+        return True  # floats recorded without stats (parameters): unmeasurable, judged downstream
+    return mixed and dtype != "bytes"  # integers are exact; only a changed algorithm excuses them
+
+
+def _first(comparison: Comparison) -> FirstDifference | None:
+    """The first differing record of the first divergent step."""
+    if not comparison.first_diffs:
+        return None
+    d = comparison.first_diffs[0]
+    return FirstDifference(
+        d.step, d.phase, d.module, d.call, d.slot,
+        norm=(d.ref.get("norm"), d.other.get("norm")),
+        absmax=(d.ref.get("absmax"), d.other.get("absmax")),
+        missing=bool(d.missing),
+    )
+
+
+def _message(result: GateResult, algorithms: tuple[str | None, str | None] | None) -> str:
+    """One screen: environment differences first, then the verdict and where it breaks."""
+    la, lb = result.labels
+    lines = []
+    if result.env_differences:
+        lines.append(
+            f"environment differs between {la} and {lb} (PyTorch does not promise bit-identical "
+            "results across versions, devices, thread counts or these flags):"
+        )
+        lines += [f"  {k}: {x!r} -> {y!r}" for k, (x, y) in result.env_differences.items()]
+    if algorithms:
+        lines.append(
+            f"fingerprints were made by different algorithms ({algorithms[0]} vs {algorithms[1]}), "
+            "so records are compared by shape, dtype and stats instead of bitwise"
+        )
+    lines += result.failures
+    lines.append(result.headline)
+    first = result.first
+    if first is None:
+        return "\n".join(lines)
+    missing = " (present in only one run)" if first.missing else ""
+    lines.append(f"first difference: step {first.step}, {first.phase}, {first.where}{missing}")
+    for name, (x, y) in (("norm", first.norm), ("absmax", first.absmax)):
+        if x is not None and y is not None:
+            lines.append(f"  {name}: {la} {x:.9g}  {lb} {y:.9g}  (abs. diff {abs(x - y):.3g})")
+    if result.origin_module is not None:
+        lines.append(f"origin: {result.origin_module or '(model)'} ({result.origin_phase})")
+    return "\n".join(lines)
+
+
+def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
+    """The one-line verdict."""
+    la, lb = result.labels
+    mode = f"within rtol={rtol:g}, atol={atol:g}" if result.tolerance else "bitwise"
+    if result.ok:
+        return f"MATCH: {lb} agrees with {la} {mode} on {result.total_records} records over {steps} steps"
+    if result.first is None:
+        return f"MISMATCH: {lb} and {la} did not run to the same end"
+    where = result.origin_module if result.origin_module is not None else result.first.module
+    return (
+        f"MISMATCH: {lb} differs from {la} {mode} at step {result.first.step} in "
+        f"{where or '(model)'}; {result.differing_records} of {result.total_records} records differ"
+    )

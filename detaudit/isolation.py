@@ -1,0 +1,79 @@
+"""Process isolation: each repeat in a fresh interpreter, traces handed back through files.
+
+This catches what one process hides: ordering that depends on ``PYTHONHASHSEED``, and state
+left in modules or globals by an earlier repeat. Run as ``python -m detaudit.isolation JOB``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from .runner import AuditConfig, RepeatTiming, run_repeat
+from .trace import Trace
+
+
+def run_isolated(
+    spec: dict[str, Any],
+    config: AuditConfig,
+    folder: str | Path,
+    on_repeat: Callable[[int], None] | None = None,
+) -> tuple[list[Trace], list[RepeatTiming]]:
+    """Run every repeat in its own interpreter; a crashed repeat becomes a failed trace."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    traces, timings = [], []
+    for repeat in range(config.repeats):
+        job = folder / f"job-{repeat}.json"
+        job.write_text(json.dumps({"spec": spec, "config": config.to_dict(), "repeat": repeat,
+                                   "folder": str(folder)}))
+        done = subprocess.run(
+            [sys.executable, "-m", "detaudit.isolation", str(job)],
+            capture_output=True, text=True,
+        )
+        job.unlink()
+        trace_path = folder / f"trace-{repeat}.json.gz"
+        timing_path = folder / f"timing-{repeat}.json"
+        if done.returncode == 0 and trace_path.exists():
+            traces.append(Trace.load(trace_path))
+            timings.append(RepeatTiming(**json.loads(timing_path.read_text())))
+            timing_path.unlink()
+        else:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            failed = Trace(probe={"info": spec, "config": config.to_dict()}, repeat=repeat, env={})
+            failed.failure = f"repeat {repeat} crashed (exit code {done.returncode}): {last}"
+            failed.save(trace_path)
+            traces.append(failed)
+            timings.append(RepeatTiming(repeat, 0.0, 0))
+        if on_repeat:
+            on_repeat(repeat)
+    return traces, timings
+
+
+def _child(job_path: str) -> int:
+    """Run one repeat described by a job file and write its trace and timing."""
+    from dataclasses import asdict
+
+    from .errors import DetauditError
+    from .loading import make_factory
+
+    job = json.loads(Path(job_path).read_text())
+    folder = Path(job["folder"])
+    try:
+        factory = make_factory(job["spec"])
+        trace, timing = run_repeat(
+            factory, AuditConfig.from_dict(job["config"]), job["repeat"], job["spec"]
+        )
+    except DetauditError as exc:
+        print(f"detaudit: {exc}", file=sys.stderr)
+        return 2
+    trace.save(folder / f"trace-{job['repeat']}.json.gz")
+    (folder / f"timing-{job['repeat']}.json").write_text(json.dumps(asdict(timing)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1]))

@@ -1,0 +1,57 @@
+"""JUnit XML for CI dashboards: one test case per audited probe."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+# Characters XML 1.0 cannot hold at all (escaping does not help): C0 controls but tab/LF/CR.
+_INVALID_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+@dataclass
+class JUnitCase:
+    """One test case: a probe's verdict, and the report text shown with it."""
+
+    name: str
+    classname: str
+    time: float  # seconds
+    failure_message: str | None = None  # None: the case passed
+    details: str = ""
+
+
+def junit_xml(cases: list[JUnitCase], suite: str = "detaudit") -> str:
+    """The cases as one JUnit XML document (testsuites > testsuite > testcase > failure)."""
+    failures = sum(1 for c in cases if c.failure_message is not None)
+    total = f"{sum(c.time for c in cases):.3f}"
+    counts = {"tests": str(len(cases)), "failures": str(failures), "errors": "0", "time": total}
+    root = ET.Element("testsuites", {"name": suite, **counts})
+    node = ET.SubElement(root, "testsuite", {"name": suite, "skipped": "0", **counts})
+    for case in cases:
+        element = ET.SubElement(
+            node, "testcase",
+            {"name": _clean(case.name), "classname": _clean(case.classname), "time": f"{case.time:.3f}"},
+        )
+        if case.failure_message is not None:
+            failure = ET.SubElement(
+                element, "failure", {"message": _clean(case.failure_message), "type": "divergence"}
+            )
+            failure.text = _clean(case.details)
+        elif case.details:
+            ET.SubElement(element, "system-out").text = _clean(case.details)
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def write_junit(path: str | Path, cases: list[JUnitCase], suite: str = "detaudit") -> Path:
+    """Write :func:`junit_xml` of the cases to `path`; return the path."""
+    path = Path(path)
+    path.write_text(junit_xml(cases, suite), encoding="utf-8")
+    return path
+
+
+def _clean(text: str) -> str:
+    """Text without characters XML 1.0 cannot represent (ANSI escapes, NULs)."""
+    return _INVALID_XML.sub("", text)

@@ -1,0 +1,84 @@
+"""Turning a probe description (built-in name + options, or a user file) into a factory.
+
+A probe description is plain data, so a repeat in another interpreter, or a baseline
+check next month, can rebuild exactly the same probe.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import DetauditError, ProbeError
+from .runner import ProbeFactory, describe_user_error
+
+
+def builtin_spec(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The description of a built-in probe."""
+    import probes
+
+    try:
+        probes.get(name)
+    except KeyError:
+        known = ", ".join(n for n, _ in probes.available())
+        raise DetauditError(f"unknown model {name!r}; known models: {known}") from None
+    return {"kind": "builtin", "name": name, "options": options}
+
+
+def file_spec(target: str) -> dict[str, Any]:
+    """The description of a user probe file given as ``FILE.py[:FUNC]``."""
+    path, _, func = target.partition(":") if not Path(target).exists() else (target, "", "")
+    path_obj = Path(path)
+    if not path_obj.is_file():
+        raise DetauditError(f"probe file {path} does not exist")
+    return {
+        "kind": "file", "name": path_obj.stem, "source": str(path_obj.resolve()),
+        "func": func or "probe",
+    }
+
+
+def make_factory(spec: dict[str, Any]) -> ProbeFactory:
+    """A function `device -> Probe` for a probe description."""
+    if spec["kind"] == "builtin":
+        import probes
+        from probes.data import ProbeInputError
+        from probes.options import RecipeOptions
+
+        builder = probes.get(spec["name"])
+        try:
+            options = RecipeOptions.from_dict(spec.get("options", {}))
+        except ValueError as exc:
+            raise DetauditError(str(exc)) from None
+
+        def factory(device: torch.device):
+            try:
+                return builder(device, options)
+            except ProbeInputError as exc:
+                raise DetauditError(str(exc)) from None
+
+        return factory
+    if spec["kind"] == "file":
+        return _load_file_function(spec["source"], spec.get("func", "probe"))
+    raise DetauditError(f"unknown probe kind {spec['kind']!r}")
+
+
+def _load_file_function(source: str, func: str) -> ProbeFactory:
+    path = Path(source)
+    module_name = f"detaudit_probe_{abs(hash(str(path.resolve())))}"
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise DetauditError(f"cannot load probe file {path} (is it a .py file?)")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ProbeError(describe_user_error(exc, f"importing {path}")) from exc
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise DetauditError(f"probe file {path} defines no function {func!r}")
+    return fn
