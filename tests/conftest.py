@@ -1,0 +1,112 @@
+"""Shared tiny models and probes: small enough for 2 CPU cores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from detaudit import Probe
+
+
+class Block(nn.Module):
+    """conv -> relu, with a residual connection."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.conv(x))
+
+
+class SmallCNN(nn.Module):
+    """stem -> two residual blocks -> pooled linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.block1 = Block()
+        self.block2 = Block()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block2(self.block1(self.stem(x))).mean((2, 3)))
+
+
+def small_cnn_probe(device: torch.device, steps: int = 4) -> Probe:
+    """A deterministic training set-up of SmallCNN."""
+    model = SmallCNN().to(device)
+    g = torch.Generator().manual_seed(123)
+    batches = [(torch.randn(2, 3, 16, 16, generator=g), torch.randn(2, 4, generator=g))
+               for _ in range(steps)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(m: nn.Module, batch):
+        x, y = batch
+        return {"mse": (m(x.to(device)) - y.to(device)).pow(2).mean()}
+
+    return Probe(model=model, batches=batches, step=step, optimizer=optimizer)
+
+
+class CentreGather(nn.Module):
+    """Gathers features at object centres: a 1-D gather with duplicate indices."""
+
+    def forward(self, features: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = features.shape
+        table = features.permute(0, 2, 3, 1).reshape(n * h * w, c)
+        return table[centres]
+
+
+class GatherNet(nn.Module):
+    """conv features -> gathered at centres -> linear; its backward is nondeterministic
+    on 2+ CPU threads (index_put_ with accumulate over duplicate indices)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Conv2d(3, 16, 3, padding=1)
+        self.gather = CentreGather()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gather(self.features(x), centres))
+
+
+def gather_probe(device: torch.device, steps: int = 3) -> Probe:
+    """A training set-up of GatherNet: 4000 centres drawn with duplicates from 64 cells."""
+    model = GatherNet().to(device)
+    g = torch.Generator().manual_seed(7)
+    batches = [
+        (torch.randn(1, 3, 32, 32, generator=g), torch.randint(0, 64, (4000,), generator=g),
+         torch.randn(4000, 4, generator=g))
+        for _ in range(steps)
+    ]
+
+    def step(m: nn.Module, batch):
+        x, centres, targets = (t.to(device) for t in batch)
+        return (m(x, centres) - targets).pow(2).mean()
+
+    return Probe(model=model, batches=batches, step=step,
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+@pytest.fixture
+def two_threads():
+    """Run the test on 2 CPU threads (where CPU accumulation order varies), then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def no_hooks_left_behind():
+    """Every test must leave no global module hook or dispatch mode installed."""
+    yield
+    from torch.nn.modules import module as module_mod
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert not module_mod._global_forward_hooks
+    assert not module_mod._global_forward_pre_hooks
+    assert _get_current_dispatch_mode() is None

@@ -1,0 +1,181 @@
+"""The engine finds real and planted divergences, names origin, step and cause, and stays
+quiet on deterministic runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from detaudit import Fault, Probe, audit
+from detaudit.compare import CONTAINS, ORIGIN, PROPAGATED
+from detaudit.report import render_console, summarize
+from detaudit.runfolder import RunInfo
+
+from conftest import gather_probe, small_cnn_probe
+from test_recorder import _maskrcnn_probe
+
+
+def _roles(comparison, step, phase):
+    return {f.module: f.role for f in comparison.findings if f.step == step and f.phase == phase}
+
+
+def _summary(result):
+    info = RunInfo(probe={"name": "t"}, config=result.config.to_dict(), command="t", traces=[])
+    return summarize(info, result.comparison, result.traces)
+
+
+def test_no_false_alarm_over_five_repeats():
+    result = audit(small_cnn_probe, repeats=5, epochs=2)
+    c = result.comparison
+    assert c.deterministic
+    assert c.differing_records == 0 and c.first_step is None and c.cause == "none"
+    assert c.total_records > 300
+    assert "DETERMINISTIC" in render_console(_summary(result))
+
+
+def test_planted_forward_fault_is_localised():
+    result = audit(small_cnn_probe, repeats=3, epochs=1, fault=Fault("block1.conv", "forward", 2))
+    c = result.comparison
+    assert c.first_step == 2 and c.cause == "forward"
+    assert c.first_by_phase["forward"].module == "block1.conv"
+    assert [(o.module, o.phase) for o in c.origins] == [("block1.conv", "forward")]
+    roles = _roles(c, 2, "forward")
+    assert roles["block1"] == CONTAINS  # the parent is not the origin
+    assert roles["block1.act"] == PROPAGATED  # nor is the child after it
+    assert roles["block2"] == PROPAGATED
+    assert roles.get("") in (None, CONTAINS)  # the model itself, if its output changed
+    assert {m for m, r in roles.items() if r != PROPAGATED} <= {"block1.conv", "block1", ""}
+    assert "stem" not in roles  # upstream stays equal
+    first = next(f for f in c.origins)
+    assert first.differing == 1  # only the faulty repeat of 3 differs
+
+
+def test_planted_backward_fault_is_localised():
+    result = audit(small_cnn_probe, repeats=2, epochs=1, fault=Fault("block2.conv", "backward", 1))
+    c = result.comparison
+    assert c.first_step == 1 and c.cause == "backward"
+    assert "forward" not in c.first_by_phase
+    assert [(o.module, o.phase) for o in c.origins] == [("block2.conv", "backward")]
+    roles = _roles(c, 1, "backward")
+    assert roles["block2"] == CONTAINS
+    assert roles["block1"] == PROPAGATED and roles["stem"] == PROPAGATED
+    assert "head" not in roles  # downstream in forward = upstream in backward: unchanged
+    assert c.param_drift_step == 1
+
+
+def test_fault_in_module_without_input_gradient_uses_its_parameter_gradient():
+    result = audit(small_cnn_probe, repeats=2, epochs=1, fault=Fault("stem", "backward", 0))
+    c = result.comparison
+    assert c.first_step == 0 and c.cause == "backward"
+    assert [(o.module, o.phase) for o in c.origins] == [("stem", "backward")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,phase", [
+    ("rpn.head", "backward"),
+    ("roi_heads.box_roi_pool", "backward"),
+    ("roi_heads.box_roi_pool", "forward"),
+])
+def test_planted_fault_in_maskrcnn(module, phase):
+    result = audit(_maskrcnn_probe, repeats=2, epochs=1, steps=2, fault=Fault(module, phase, 1))
+    c = result.comparison
+    assert c.first_step == 1 and c.cause == phase
+    origin = c.origins[0]
+    assert (origin.module, origin.phase) == (module, phase)
+    parent = module.rpartition(".")[0]
+    assert _roles(c, 1, phase).get(parent) in (None, CONTAINS)
+    assert not any(f.role == ORIGIN and f.module != module for f in c.findings if f.step == 1)
+
+
+def test_real_cpu_nondeterminism_in_duplicate_index_gather(two_threads):
+    result = audit(gather_probe, repeats=3, epochs=1)
+    c = result.comparison
+    assert c.first_step == 0 and c.cause == "backward"
+    assert [(o.module, o.phase) for o in c.origins] == [("gather", "backward")]
+    assert c.first_by_phase["backward"].module == "gather"
+    assert c.param_drift_step == 0
+    text = render_console(_summary(result))
+    if c.loss.first_step is None:
+        assert "loss stayed bit-identical while parameters diverged" in text
+    else:
+        assert f"loss first differs at step {c.loss.first_step}" in text
+
+
+def test_same_gather_on_one_thread_is_deterministic():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert audit(gather_probe, repeats=2).comparison.deterministic
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_unseeded_augmentation_is_a_data_cause():
+    def probe(device):
+        model = nn.Linear(8, 2)
+        rng = np.random.default_rng()  # unseeded: a different stream every repeat
+
+        def batches():
+            for _ in range(2):
+                yield torch.from_numpy(rng.normal(size=(4, 8)).astype("float32"))
+
+        return Probe(model=model, batches=lambda epoch: batches(),
+                     step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    c = audit(probe, repeats=2).comparison
+    assert c.first_step == 0 and c.cause == "data"
+    assert c.first_by_phase["state"].slot.startswith("batch")
+
+
+_DRAWS = {"calls": 0}
+
+
+class LeakySampler(nn.Module):
+    """Draws a data-dependent number of random values; how many also depends on state
+    left over from earlier repeats, as samplers with caches do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _DRAWS["calls"] += 1
+        count = int((x > 0).sum()) + _DRAWS["calls"] % 2
+        torch.rand(count)  # the draw is used for nothing the output depends on
+        return x
+
+
+def test_module_drawing_a_varying_amount_of_randomness_is_an_rng_cause():
+    def probe(device):
+        model = nn.Sequential(nn.Linear(8, 8), LeakySampler(), nn.Dropout(0.5), nn.Linear(8, 2))
+        g = torch.Generator().manual_seed(0)
+        data = [torch.randn(4, 8, generator=g) for _ in range(3)]
+        return Probe(model=model, batches=data, step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    _DRAWS["calls"] = 0
+    c = audit(probe, repeats=2).comparison
+    assert c.first_step == 0 and c.cause == "rng"
+    origin = c.origins[0]
+    assert origin.module == "1" and origin.rng and origin.phase == "forward"
+    assert _roles(c, 0, "forward").get("2") == PROPAGATED  # dropout then draws other values
+
+
+class Keep(nn.Module):
+    """Returns one tensor, or two on some repeats: control flow that forks."""
+
+    def forward(self, x):
+        _DRAWS["calls"] += 1
+        return (x, x * 2) if _DRAWS["calls"] % 2 == 0 else (x,)
+
+
+def test_forked_control_flow_is_aligned_by_key():
+    def probe(device):
+        model = nn.Sequential(nn.Linear(4, 4), Keep())
+        return Probe(model=model, batches=[torch.randn(2, 4)],
+                     step=lambda m, b: sum(t.sum() for t in m(b)), optimizer=None)
+
+    _DRAWS["calls"] = 0
+    c = audit(probe, repeats=2).comparison
+    assert c.fork is not None and c.fork.module == "1" and c.fork.missing == 1
+    # what can be paired still is: the Linear before the fork agrees
+    assert ("0", "forward") not in {(f.module, f.phase) for f in c.findings}

@@ -1,0 +1,223 @@
+"""Tests of the regression gate, JUnit output and the pytest helpers (CPU, tiny models)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+from detaudit import Probe, audit
+from detaudit.api import AuditResult, audit_config
+from detaudit.errors import TraceError
+from detaudit.gate import check_baseline, diff_traces, env_differences, load_baseline, save_baseline
+from detaudit.junit import JUnitCase, junit_xml, write_junit
+from detaudit.runner import AuditConfig
+
+pytest_plugins = ["detaudit.testing"]  # the detaudit_check fixture, as users get it
+
+
+class Act(nn.Module):
+    """A ReLU the tests can patch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+
+class ConvNet(nn.Module):
+    """Conv -> act -> conv: its weight gradient changes with the CPU thread count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 32, 3)
+        self.act = Act()
+        self.head = nn.Conv2d(32, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.conv(x)))
+
+
+def mse_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return ((model(batch[0]) - batch[1]) ** 2).mean()
+
+
+def conv_probe(device: torch.device) -> Probe:
+    model = ConvNet().to(device)
+    batches = [(torch.randn(1, 16, 32, 32), torch.randn(1, 4, 28, 28)) for _ in range(2)]
+    return Probe(
+        model=model,
+        batches=batches,
+        step=mse_step,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+
+
+class Gather(nn.Module):
+    """Rows of a [H*W, C] feature table picked by index (index_put accumulate in backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(32 * 32, 16))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table[idx]
+
+
+class GatherNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gather = Gather()
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gather(idx))
+
+
+def gather_probe(device: torch.device) -> Probe:
+    model = GatherNet().to(device)
+    # 4000 indices into 64 rows: many duplicates, so the accumulation order matters; the
+    # per-index targets give each duplicate its own gradient. The threads race only when both
+    # get a core at once, so four steps give it several chances.
+    batches = [(torch.randint(0, 64, (4000,)), torch.randn(4000, 16)) for _ in range(4)]
+    return Probe(model=model, batches=batches, step=mse_step)
+
+
+PROBES: dict[str, Callable[[torch.device], Probe]] = {"conv": conv_probe, "gather": gather_probe}
+
+
+def run_fn(probe_spec: dict[str, Any], config: dict[str, Any]) -> AuditResult:
+    return audit_config(PROBES[probe_spec["name"]], AuditConfig.from_dict(config))
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], None]]:
+    saved = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def conv_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gate") / "conv.baseline.json"
+    save_baseline(path, {"name": "conv"}, audit(conv_probe, repeats=1, steps=2))
+    return path
+
+
+def test_baseline_round_trip_and_unchanged_code_passes(conv_baseline: Path) -> None:
+    baseline = load_baseline(conv_baseline)
+    assert baseline.probe == {"name": "conv"} and baseline.config["steps"] == 2
+    assert len(baseline.trace) > 0 and baseline.env["device"] == "cpu"
+    result = check_baseline(conv_baseline, run_fn)
+    assert result.ok and result.exit_code == 0
+    assert result.message.startswith("MATCH")
+
+
+def test_patched_numerics_fail_the_check_naming_the_module(
+    conv_baseline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Act, "forward", lambda self, x: torch.relu(x) * (1 + 2**-20))
+    result = check_baseline(conv_baseline, run_fn)
+    assert not result.ok and result.exit_code == 1
+    assert (result.origin_module, result.origin_phase) == ("act", "forward")
+    assert result.first is not None and result.first.module == "act" and result.first.step == 0
+    assert "MISMATCH" in result.headline and "act" in result.headline
+    assert "origin: act (forward)" in result.message
+
+
+def test_thread_count_diff_names_the_module_and_tolerance_passes(
+    threads: Callable[[int], None],
+) -> None:
+    threads(1)
+    one = audit(conv_probe, repeats=1, steps=2).traces
+    threads(2)
+    two = audit(conv_probe, repeats=1, steps=2).traces
+    result = diff_traces(one, two)
+    assert result.exit_code == 1
+    assert result.env_differences == {"threads": (1, 2)}
+    assert result.message.splitlines()[1] == "  threads: 1 -> 2"  # the environment comes first
+    assert (result.origin_module, result.origin_phase) == ("conv", "backward")
+    assert result.first is not None and result.first.module == "conv"
+    loose = diff_traces(one, two, rtol=1e-3)
+    assert loose.ok and loose.tolerance and "within rtol=0.001" in loose.headline
+    tight = diff_traces(one, two, rtol=1e-12)
+    assert not tight.ok and tight.origin_module == "conv"
+
+
+def test_mixed_fingerprint_algorithms_force_tolerance_mode(conv_baseline: Path) -> None:
+    a = load_baseline(conv_baseline).trace
+    b = load_baseline(conv_baseline).trace
+    b.env["device"] = "cuda:0"
+    # Another algorithm for every tensor; RNG states (bytes) are hashed the same way everywhere.
+    prints = zip(b.records["fp"], b.records["dtype"])
+    b.records["fp"] = [fp if dtype == "bytes" else "0" * 16 for fp, dtype in prints]
+    result = diff_traces(a, b)
+    assert result.ok and result.tolerance
+    assert "different algorithms (xxh3 vs wsum)" in result.message
+    assert result.message.index("device") < result.message.index("MATCH")
+    assert env_differences(a.env, b.env) == {"device": ("cpu", "cuda:0")}
+
+
+def test_junit_xml_parses_and_holds_the_failure(
+    conv_baseline: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(Act, "forward", lambda self, x: torch.relu(x) * (1 + 2**-20))
+    failed = check_baseline(conv_baseline, run_fn).junit_case("conv", time=1.5)
+    cases = [failed, JUnitCase("ok <&>", "detaudit", 0.25, None, "\x1b[1mfine\x1b[0m")]
+    root = ET.parse(write_junit(tmp_path / "junit.xml", cases)).getroot()
+    suite = root.find("testsuite")
+    assert root.tag == "testsuites" and suite is not None
+    assert (suite.get("tests"), suite.get("failures")) == ("2", "1")
+    first, second = suite.findall("testcase")
+    failure = first.find("failure")
+    assert failure is not None and "MISMATCH" in failure.get("message", "")
+    assert "origin: act (forward)" in (failure.text or "")
+    assert second.get("name") == "ok <&>" and second.find("failure") is None
+    assert ET.fromstring(junit_xml([]).encode()).get("tests") == "0"
+
+
+def test_bad_baselines_are_one_clear_error(conv_baseline: Path, tmp_path: Path) -> None:
+    data = json.loads(conv_baseline.read_text())
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({**data, "version": 99}))
+    with pytest.raises(TraceError, match=r"wrong\.json.*version 99"):
+        load_baseline(wrong)
+    bad = tmp_path / "bad.json"
+    bad.write_text(conv_baseline.read_text()[:100])
+    with pytest.raises(TraceError, match=r"bad\.json is truncated or not valid JSON"):
+        load_baseline(bad)
+    with pytest.raises(TraceError, match=r"missing\.json"):
+        load_baseline(tmp_path / "missing.json")
+    other = tmp_path / "trace.json"
+    other.write_text(json.dumps(data["trace"]))
+    with pytest.raises(TraceError, match=r"trace\.json is not a detaudit baseline"):
+        load_baseline(other)
+
+
+def test_gzip_baseline(tmp_path: Path) -> None:
+    result = audit(conv_probe, repeats=1, steps=1)
+    path = save_baseline(tmp_path / "b.json.gz", {"name": "conv"}, result)
+    assert gzip.decompress(path.read_bytes()).startswith(b"{")
+    assert check_baseline(path, run_fn).ok
+
+
+def test_assert_deterministic_passes_on_a_deterministic_probe(
+    detaudit_check: Callable[..., Any],
+) -> None:
+    result = detaudit_check(conv_probe, steps=1)
+    assert result.deterministic
+
+
+def test_assert_deterministic_fails_on_duplicate_index_gather(
+    detaudit_check: Callable[..., Any], threads: Callable[[int], None]
+) -> None:
+    threads(2)
+    with pytest.raises(AssertionError) as info:
+        detaudit_check(gather_probe, repeats=3)
+    message = str(info.value)
+    assert "DIVERGENT" in message and "gather" in message and "backward" in message

@@ -1,0 +1,264 @@
+"""Tests of the reports: Markdown, standalone HTML, GitHub comment, re-rendering a run folder."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from detaudit import Fault, Probe, audit
+from detaudit.errors import TraceError
+from detaudit.report import (
+    render_folder,
+    render_github,
+    render_html,
+    render_markdown,
+    summarize,
+    write_reports,
+)
+from detaudit.report.github import LIMIT
+from detaudit.report.markdown import fence
+from detaudit.runfolder import RunInfo, save_run
+
+CHROMIUM = Path("/usr/bin/chromium")
+EVIL = "<script>alert(1)</script>"
+GITHUB_TAGS = {
+    "details", "summary", "table", "thead", "tbody", "tr", "th", "td", "code", "pre", "b", "i",
+    "sub", "sup", "br", "p", "ul", "ol", "li", "h3", "h4", "a",
+}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).mean((2, 3))).pow(2).mean()
+
+
+def probe(device: str) -> Probe:
+    model = Net()
+    batches = [torch.randn(2, 3, 16, 16) for _ in range(4)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return Probe(model=model, batches=batches, step=lambda m, b: m(b), optimizer=optimizer)
+
+
+def _run(folder: Path, fault: Fault | None) -> dict[str, Any]:
+    result = audit(probe, repeats=2, epochs=2, fault=fault, out=folder)
+    info = RunInfo(
+        probe={"name": "demo", "kind": "file"}, config=result.config.to_dict(),
+        command="detaudit run --probe demo.py",
+        traces=[f"trace-{t.repeat}.json.gz" for t in result.traces],
+    )
+    save_run(folder, info)
+    return summarize(info, result.comparison, result.traces)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("planted")
+    return folder, _run(folder, Fault("conv", "backward", 1))
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run(tmp_path_factory.mktemp("clean"), None)
+
+
+class Tags(HTMLParser):
+    """Every start tag with its attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, list[tuple[str, str | None]]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, attrs))
+
+
+def _tags(text: str) -> list[tuple[str, list[tuple[str, str | None]]]]:
+    parser = Tags()
+    parser.feed(text)
+    parser.close()
+    return parser.tags
+
+
+def _renders(summary: dict[str, Any]) -> dict[str, str]:
+    return {
+        "md": render_markdown(summary),
+        "html": render_html(summary),
+        "github": render_github(summary),
+    }
+
+
+def _plain(json_text: str) -> Any:
+    return json.loads(json_text)
+
+
+def test_planted_fault_named_everywhere(planted: tuple[Path, dict[str, Any]]) -> None:
+    _, summary = planted
+    assert summary["first_divergence"]["module"] == "conv"
+    for name, text in _renders(summary).items():
+        assert "first at step 1 (epoch 1)" in text, name
+        assert "conv" in text and "backward" in text, name
+        assert "detaudit run --probe demo.py" in text, name
+
+
+def test_deterministic_run_says_so(clean: dict[str, Any]) -> None:
+    assert clean["verdict"] == "deterministic"
+    for name, text in _renders(clean).items():
+        assert "DETERMINISTIC" in text, name
+        assert "First divergence" not in text, name
+
+
+def test_github_uses_only_kept_tags(planted: tuple[Path, dict[str, Any]]) -> None:
+    text = render_github(planted[1])
+    for tag, attrs in _tags(text):
+        assert tag in GITHUB_TAGS, tag
+        for name, value in attrs:
+            assert (tag, name) == ("a", "href") and (value or "").startswith("https://")
+    assert "▁" in text  # the sparkline stands in for the drift plot
+
+
+def test_github_huge_summary_is_shortened(planted: tuple[Path, dict[str, Any]]) -> None:
+    summary = copy.deepcopy(planted[1])
+    cell, origin = summary["map"][0], summary["origins"][0]
+    summary["map"] = [dict(cell, module=f"backbone.m{i}.conv", step=i % 50) for i in range(5000)]
+    summary["origins"] = [dict(origin, module=f"roi_heads.box{i}") for i in range(3000)]
+    summary["loss"]["per_step"] = [
+        {"step": i, "epoch": 1 + i // 1000, "rel_diff": 1e-7 * (i + 1)} for i in range(4000)
+    ]
+    text = render_github(summary)
+    assert len(text) <= LIMIT
+    assert "Shortened to fit a GitHub comment" in text
+    assert "divergence map" in text
+    assert all(tag in GITHUB_TAGS for tag, _ in _tags(text))
+
+
+def test_html_is_standalone(planted: tuple[Path, dict[str, Any]]) -> None:
+    text = render_html(planted[1])
+    tags = _tags(text)
+    assert sum(tag == "svg" for tag, _ in tags) == 3  # loss curves, drift, divergence map
+    for tag, attrs in tags:
+        assert tag != "script"
+        for name, value in attrs:
+            if name in ("src", "href", "xlink:href"):
+                assert not re.match(r"\s*(https?:)?//", value or ""), (tag, name, value)
+    assert "@import" not in text and "url(" not in text
+    assert "@media print" in text
+
+
+def test_xss_is_inert(planted: tuple[Path, dict[str, Any]]) -> None:
+    evil = _plain(json.dumps(planted[1]).replace("conv", json.dumps(EVIL)[1:-1]))
+    evil["probe"]["name"] = EVIL
+    evil["command"] = f"detaudit run --inject-fault '{EVIL}@backward:1' ```"
+    evil["knowledge"] = [{"op": EVIL, "what": EVIL, "why": "|x|", "remedy": "[a](javascript:1)"}]
+    out = _renders(evil)
+    assert "<script" not in out["html"].lower() and "<script" not in out["github"].lower()
+    assert "&lt;script&gt;" in out["html"] and "&lt;script&gt;" in out["github"]
+    fences = re.findall(r"^(`{3,})text\n(.*?)\n\1$", out["md"], flags=re.DOTALL | re.MULTILINE)
+    assert fences and fences[0][1] == evil["command"]  # verbatim inside a fence it cannot close
+    outside = re.sub(r"^(`{3,})text\n.*?\n\1$", "", out["md"], flags=re.DOTALL | re.MULTILINE)
+    assert "<script" not in outside and "&lt;script&gt;" in outside
+    assert "\\[a\\](javascript:1)" in outside and "\\|x\\|" in outside
+
+
+def test_fence_outlasts_backticks() -> None:
+    assert fence("a ```` b").startswith("`````text\n")
+
+
+def test_render_folder_reproduces_summary(
+    planted: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    folder = tmp_path / "run"
+    shutil.copytree(planted[0], folder)
+    again = render_folder(folder)
+    assert _plain(json.dumps(again, default=str)) == _plain(json.dumps(planted[1], default=str))
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("trace-"))
+    assert names == ["report.github.html", "report.html", "report.md", "run.json", "summary.json"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_render_folder_names_bad_trace(
+    planted: tuple[Path, dict[str, Any]], tmp_path: Path, damage: str
+) -> None:
+    folder = tmp_path / "run"
+    shutil.copytree(planted[0], folder)
+    trace = folder / "trace-1.json.gz"
+    if damage == "missing":
+        trace.unlink()
+    else:
+        trace.write_bytes(trace.read_bytes()[:40])
+    with pytest.raises(TraceError, match="trace-1.json.gz"):
+        render_folder(folder)
+
+
+def test_write_reports_leaves_nothing_half_written(
+    planted: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from detaudit import report
+
+    def broken(summary: dict[str, Any]) -> str:
+        raise RuntimeError("renderer failed")
+
+    monkeypatch.setattr(report, "render_github", broken)
+    with pytest.raises(RuntimeError):
+        write_reports(tmp_path, planted[1])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium")
+def test_html_renders_in_chromium(planted: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    from PIL import Image
+
+    page, png = tmp_path / "report.html", tmp_path / "shot.png"
+    page.write_text(render_html(planted[1]), encoding="utf-8")
+    done = subprocess.run(
+        [
+            str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            "--no-first-run", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr",
+            "--v=0", f"--screenshot={png}", "--window-size=1280,2000", page.as_uri(),
+        ],
+        check=False, capture_output=True, text=True, timeout=120,
+    )
+    assert png.exists(), done.stderr[-2000:]
+    colours = Image.open(png).convert("RGB").getcolors(maxcolors=1 << 16)
+    assert colours is None or len(colours) > 20
+    errors = [
+        line for line in done.stderr.splitlines()
+        if ("Uncaught" in line or "ERROR:CONSOLE" in line) and "report.html" in line
+    ]
+    assert not errors
+
+
+def test_optional_sections_render_when_present(planted: tuple[Path, dict[str, Any]]) -> None:
+    summary = copy.deepcopy(planted[1])
+    summary["ops"] = [{
+        "op": "aten::index_add_", "module": "conv", "phase": "backward", "role": "origin",
+        "elements": 216, "max_abs_diff": 1.2e-9, "max_ulp": 1,
+    }]
+    summary["knowledge"] = [{
+        "op": "aten::index_add_", "what": "atomic adds", "why": "order varies",
+        "remedy": "torch.use_deterministic_algorithms(True)",
+    }]
+    summary["census"] = [{"module": "conv", "op": "aten::index_add_", "count": 3}]
+    summary["extra"] = {"verify": {"deterministic": True, "step_time_ratio": 1.25,
+                                   "peak_memory_ratio": 1.0}}
+    summary["env_differences"] = {"threads": [2, 4]}
+    for name, text in _renders(summary).items():
+        for expected in (
+            "index", "order varies", "Census", "Fix verification", "1.25", "environment differences",
+        ):
+            assert expected in text, (name, expected)
