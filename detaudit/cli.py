@@ -156,9 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{spec['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     preset_text = _preset_text(preset_name, config, spec)
-    if not args.quiet and not args.json:
-        print(f"detaudit: {spec['name']} on {device} ({preset_text}), "
-              f"threads={torch.get_num_threads()}, writing {out}", file=sys.stderr)
+    args.banner = f"{spec['name']} on {device}, threads={torch.get_num_threads()}"
     result_traces, timings = _run(spec, config, out, args)
     return _finish(args, spec, config, out, result_traces, timings, preset_text)
 
@@ -200,8 +198,9 @@ def _run(spec: dict[str, Any], config: Any, out: Path, args: argparse.Namespace)
 
     total_steps = config.repeats * config.epochs * (config.steps or 0) or None
     bar = tqdm(total=total_steps if args.isolation == "inprocess" else config.repeats,
-               disable=args.quiet or args.json, file=sys.stderr, unit="step"
-               if args.isolation == "inprocess" else "repeat", dynamic_ncols=True)
+               disable=True if (args.quiet or args.json) else None, leave=False, file=sys.stderr, unit="step"
+               if args.isolation == "inprocess" else "repeat", dynamic_ncols=True,
+               desc=args.banner)
     try:
         if args.isolation == "process":
             return run_isolated(spec, config, out, on_repeat=lambda r: bar.update(1))

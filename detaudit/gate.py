@@ -77,6 +77,7 @@ class GateResult:
     differing_records: int
     total_records: int
     tolerance: bool  # compared by stats within rtol/atol rather than bitwise
+    within_tolerance: int  # records that differ bitwise but were accepted by tolerance
     headline: str
     message: str
     labels: tuple[str, str] = ("A", "B")
@@ -104,7 +105,7 @@ def save_baseline(path: str | Path, probe_spec: dict[str, Any], result: AuditRes
         "env": trace.env,
         "trace": trace.to_dict(),
     }
-    text = json.dumps(data, sort_keys=True, indent=None, separators=(",", ":"), allow_nan=False)
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
     raw = gzip.compress(text.encode(), mtime=0) if path.suffix == ".gz" else text.encode()
     tmp = path.with_name(path.name + ".part")
     tmp.write_bytes(raw)
@@ -178,36 +179,42 @@ def diff_traces(
     algorithms = fingerprint_algorithm(ta.env), fingerprint_algorithm(tb.env)
     mixed = None not in algorithms and algorithms[0] != algorithms[1]
     tolerance = mixed or rtol > 0 or atol > 0
+    accepted = 0
     if tolerance:
-        tb = _accept_within(ta, tb, rtol, atol, mixed)
+        tb, accepted = _accept_within(ta, tb, rtol, atol, mixed)
     comparison = compare([ta, tb])
     envs = env_differences(ta.env, tb.env)
-    failures = [f"{label} stopped early: {t.failure}" for label, t in zip(labels, (ta, tb)) if t.failure]
+    failures = [f"{name} stopped early: {t.failure}" for name, t in zip(labels, (ta, tb)) if t.failure]
     first = _first(comparison)
     origin = comparison.origins[0] if comparison.origins else None
-    ok = first is None and ta.failure == tb.failure
     result = GateResult(
-        ok=ok, env_differences=envs, first=first,
-        origin_module=origin.module if origin else None, origin_phase=origin.phase if origin else None,
+        ok=first is None and ta.failure == tb.failure, env_differences=envs, first=first,
+        origin_module=origin.module if origin else None,
+        origin_phase=origin.phase if origin else None,
         differing_records=comparison.differing_records, total_records=comparison.total_records,
-        tolerance=tolerance, headline="", message="", labels=labels, failures=failures,
+        tolerance=tolerance, within_tolerance=accepted, headline="", message="", labels=labels,
+        failures=failures,
     )
     result.headline = _headline(result, len(comparison.steps), rtol, atol)
     result.message = _message(result, algorithms if mixed else None)
     return result
 
 
-def _accept_within(a: Trace, b: Trace, rtol: float, atol: float, mixed: bool) -> Trace:
-    """A copy of `b` whose records within tolerance of `a` carry `a`'s fingerprint."""
+def _accept_within(
+    a: Trace, b: Trace, rtol: float, atol: float, mixed: bool
+) -> tuple[Trace, int]:
+    """A copy of `b` whose records within tolerance of `a` carry `a`'s fingerprint; how many."""
     ra, rb = a.records, b.records
     keys = ("step", "phase", "module", "call", "slot")
     row_a = {k: i for i, k in enumerate(zip(*(ra[c] for c in keys)))}
     fps = list(rb["fp"])
+    accepted = 0
     for j, key in enumerate(zip(*(rb[c] for c in keys))):
         i = row_a.get(key)
         if i is not None and fps[j] != ra["fp"][i] and _within(ra, i, rb, j, rtol, atol, mixed):
             fps[j] = ra["fp"][i]
-    return replace(b, records={**rb, "fp": fps})
+            accepted += 1
+    return replace(b, records={**rb, "fp": fps}), accepted
 
 
 def _within(
@@ -276,7 +283,11 @@ def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
     la, lb = result.labels
     mode = f"within rtol={rtol:g}, atol={atol:g}" if result.tolerance else "bitwise"
     if result.ok:
-        return f"MATCH: {lb} agrees with {la} {mode} on {result.total_records} records over {steps} steps"
+        inexact = f" ({result.within_tolerance} not bitwise)" if result.within_tolerance else ""
+        return (
+            f"MATCH: {lb} agrees with {la} {mode} on {result.total_records} records{inexact} "
+            f"over {steps} steps"
+        )
     if result.first is None:
         return f"MISMATCH: {lb} and {la} did not run to the same end"
     where = result.origin_module if result.origin_module is not None else result.first.module

@@ -30,10 +30,8 @@ def junit_xml(cases: list[JUnitCase], suite: str = "detaudit") -> str:
     root = ET.Element("testsuites", {"name": suite, **counts})
     node = ET.SubElement(root, "testsuite", {"name": suite, "skipped": "0", **counts})
     for case in cases:
-        element = ET.SubElement(
-            node, "testcase",
-            {"name": _clean(case.name), "classname": _clean(case.classname), "time": f"{case.time:.3f}"},
-        )
+        attributes = {"name": case.name, "classname": case.classname, "time": f"{case.time:.3f}"}
+        element = ET.SubElement(node, "testcase", {k: _clean(v) for k, v in attributes.items()})
         if case.failure_message is not None:
             failure = ET.SubElement(
                 element, "failure", {"message": _clean(case.failure_message), "type": "divergence"}

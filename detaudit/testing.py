@@ -20,7 +20,7 @@ def assert_deterministic(
     probe: ProbeFactory, repeats: int = 2, epochs: int = 1, steps: int | None = None,
     **audit_kwargs: Any,
 ) -> AuditResult:
-    """Audit `probe`; raise AssertionError carrying the console summary unless it is deterministic."""
+    """Audit `probe`; unless it is deterministic, raise AssertionError with the console summary."""
     result = audit(probe, repeats=repeats, epochs=epochs, steps=steps, **audit_kwargs)
     if not result.deterministic:
         summary = summarize(_run_info(probe, result), result.comparison, result.traces)

@@ -259,6 +259,7 @@ def test_optional_sections_render_when_present(planted: tuple[Path, dict[str, An
     summary["env_differences"] = {"threads": [2, 4]}
     for name, text in _renders(summary).items():
         for expected in (
-            "index", "order varies", "Census", "Fix verification", "1.25", "environment differences",
+            "index", "order varies", "Census", "Fix verification", "1.25",
+            "environment differences",
         ):
             assert expected in text, (name, expected)

@@ -1,0 +1,421 @@
+"""The content every report shows, in reading order, as plain text blocks (renderers escape)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+SPARKS = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 120
+CLIP = 2000  # characters kept of one free-text value (failure messages, env values)
+ROLE_TEXT = {
+    "origin": "origin: the difference starts in this call (its inputs agree)",
+    "contains-origin": "contains an origin further down its calls",
+    "propagated": "propagated: it only passes on a difference that started earlier",
+    "first record": "first differing record (no single origin call was found)",
+}
+
+
+@dataclass
+class Text:
+    """A paragraph; `strong` for the verdict line."""
+
+    text: str
+    strong: bool = False
+
+
+@dataclass
+class Code:
+    """Preformatted text: a command line or a sparkline."""
+
+    text: str
+
+
+@dataclass
+class Table:
+    """A table of plain strings; `key` names it for truncation, `omitted` counts rows cut."""
+
+    caption: str
+    headers: list[str]
+    rows: list[list[str]]
+    key: str = ""
+    fold: bool = False  # long: folded (or scrolled) where the format can
+    omitted: int = 0
+
+
+@dataclass
+class Figure:
+    """A plot drawn by formats that can draw; the others show `fallback`."""
+
+    kind: str  # loss, drift or map
+    fallback: list[Block] = field(default_factory=list)
+
+
+Block = Union[Text, Code, Table, Figure]
+
+
+@dataclass
+class Section:
+    """One titled part of a report."""
+
+    key: str
+    title: str
+    blocks: list[Block]
+
+
+def sections(summary: dict[str, Any], limits: dict[str, int] | None = None) -> list[Section]:
+    """The report's sections in the order a reader needs them; `limits` caps tables by key."""
+    limits = limits or {}
+    builders = (
+        _verdict, _reproduce, _failures, _first, _cause, _loss, _size, _census, _verify, _map, _env,
+    )
+    found = [build(summary) for build in builders]
+    out = [s for s in found if s is not None and s.blocks]
+    for section in out:
+        for block in _tables(section.blocks):
+            if block.key in limits:
+                _cap(block, limits[block.key])
+    return out
+
+
+def title(summary: dict[str, Any]) -> str:
+    """The report's title: the probe's name."""
+    return f"detaudit report: {summary.get('probe', {}).get('name') or 'run'}"
+
+
+def omitted(parts: list[Section]) -> list[str]:
+    """Captions of the tables that lost rows to a limit, with how many."""
+    tables = [t for s in parts for t in _tables(s.blocks)]
+    return [f"{t.caption} ({t.omitted} rows)" for t in tables if t.omitted]
+
+
+def num(value: Any, digits: int = 4) -> str:
+    """A number for people: `digits` significant digits, '–' for none."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return "missing" if math.isinf(value) else f"{value:.{digits}g}"
+    return str(value)
+
+
+def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
+    """One block character per value (per bucket past `width`), log-scaled; ▁ is exactly 0."""
+    if len(values) > width:
+        size = math.ceil(len(values) / width)
+        values = [max(values[i:i + size]) for i in range(0, len(values), size)]
+    logs = [math.log10(v) for v in values if 0 < v < math.inf]
+    low, high = (min(logs), max(logs)) if logs else (0.0, 0.0)
+    span = high - low or 1.0
+
+    def spark(v: float) -> str:
+        if v <= 0:
+            return SPARKS[0]
+        if math.isinf(v):
+            return SPARKS[-1]
+        return SPARKS[1 + round((math.log10(v) - low) / span * (len(SPARKS) - 2))]
+
+    return "".join(spark(v) for v in values)
+
+
+def epoch_starts(summary: dict[str, Any]) -> list[tuple[int, int]]:
+    """(epoch, first global step) of every epoch."""
+    seen: dict[int, int] = {}
+    for s in summary.get("steps", []):
+        seen.setdefault(s["epoch"], s["step"])
+    return sorted(seen.items())
+
+
+def map_rows(summary: dict[str, Any]) -> dict[str, dict[int, dict[str, str]]]:
+    """module -> step -> phase -> role, modules in order of first appearance."""
+    grid: dict[str, dict[int, dict[str, str]]] = {}
+    for cell in summary.get("map", []):
+        steps = grid.setdefault(cell["module"], {})
+        steps.setdefault(cell["step"], {})[cell["phase"]] = cell["role"]
+    return grid
+
+
+def clip(text: str, size: int = CLIP) -> str:
+    """`text`, cut to `size` characters with a marker."""
+    return text if len(text) <= size else text[:size] + f" … ({len(text) - size} more characters)"
+
+
+# -- sections ------------------------------------------------------------------------------
+
+
+def _verdict(s: dict[str, Any]) -> Section:
+    return Section("verdict", "Verdict", [Text(s["headline"], strong=True), Text(_run_line(s))])
+
+
+def _run_line(s: dict[str, Any]) -> str:
+    probe = s.get("probe", {})
+    config = s.get("config", {})
+    parts = [f"probe {probe.get('name', '?')} ({probe.get('kind', '?')})"]
+    if probe.get("preset"):
+        parts.append(f"preset {probe['preset']}")
+    steps = s.get("steps", [])
+    epochs = len({x["epoch"] for x in steps})
+    parts.append(f"{s.get('repeats', '?')} repeats, {epochs} epochs, {len(steps)} steps each")
+    for key in ("mode", "device", "seed"):
+        if key in config:
+            parts.append(f"{key} {config[key]}")
+    if "deterministic" in config:
+        parts.append(f"deterministic algorithms {'on' if config['deterministic'] else 'off'}")
+    fault = config.get("fault")
+    if fault:
+        where = f"{fault.get('module')}@{fault.get('phase')}:{fault.get('step')}"
+        parts.append(f"planted fault {where}")
+    return "; ".join(parts)
+
+
+def _reproduce(s: dict[str, Any]) -> Section | None:
+    if not s.get("command"):
+        return None
+    return Section("reproduce", "Reproduce", [Code(s["command"])])
+
+
+def _failures(s: dict[str, Any]) -> Section | None:
+    rows = [[r, clip(str(m))] for r, m in s.get("failures", {}).items()]
+    if not rows:
+        return None
+    table = Table("failed repeats", ["repeat", "error"], rows)
+    return Section("failures", "Failed repeats", [table])
+
+
+def _first(s: dict[str, Any]) -> Section | None:
+    first = s.get("first_divergence")
+    if not first:
+        return None
+    records = s.get("records", {})
+    rows = [
+        ["epoch", f"{first['epoch']} (step {num(first.get('index'))} of the epoch, 0-based)"],
+        ["step", f"{first['step']} (global, 0-based)"],
+        ["phase", first["phase"]],
+        ["module", first["module"] or "(model)"],
+        ["role", ROLE_TEXT.get(first["role"], first["role"])],
+        ["records", ", ".join(first["slots"])],
+        ["repeats differing", f"{first['differing']} of {first['repeats'] - 1} (against repeat 0)"],
+        ["records differing in the run",
+         f"{records.get('differing', '?')} of {records.get('total', '?')}"],
+    ]
+    blocks: list[Block] = [Table("", ["", ""], rows)]
+    fork = s.get("fork")
+    if fork:
+        blocks.append(Text(
+            f"Control flow forked at step {fork['step']}: {fork['module'] or '(model)'} "
+            f"{fork['slot']} is missing in {fork['missing']} repeat(s)."
+        ))
+    origins = _origins(s)
+    if origins.rows:
+        blocks.append(origins)
+    ops = s.get("ops")
+    if ops:
+        headers = ["op", "module", "phase", "role", "elements", "max |Δ|", "max ULP"]
+        keys = ("op", "module", "phase", "role", "elements", "max_abs_diff", "max_ulp")
+        blocks.append(Table(
+            "ops of the first divergent step", headers,
+            [[num(o.get(k)) for k in keys] for o in ops], key="ops", fold=True,
+        ))
+    return Section("first", "First divergence", blocks)
+
+
+def _origins(s: dict[str, Any]) -> Table:
+    rows = [
+        [o["phase"], o["module"] or "(model)", str(o["call"]), ", ".join(o["slots"]),
+         f"{o['differing']} of {o['repeats'] - 1}", "yes" if o.get("rng") else "no"]
+        for o in s.get("origins", [])
+    ]
+    step = s["first_divergence"]["step"]
+    headers = ["phase", "module", "call", "records", "repeats differing", "RNG draw differs"]
+    return Table(f"origins in step {step}", headers, rows, key="origins", fold=len(rows) > 10)
+
+
+def _cause(s: dict[str, Any]) -> Section | None:
+    cause = s.get("cause", {})
+    if cause.get("kind", "none") == "none":
+        return None
+    blocks: list[Block] = [Text(f"{cause['kind']}: {cause['text']}.")]
+    knowledge = s.get("knowledge") or []
+    if knowledge:
+        keys = ("op", "what", "why", "remedy")
+        blocks.append(Table(
+            "known causes and remedies", list(keys),
+            [[num(k.get(x)) for x in keys] for k in knowledge],
+        ))
+    return Section("cause", "Cause", blocks)
+
+
+def _loss(s: dict[str, Any]) -> Section | None:
+    loss = s.get("loss", {})
+    if not loss.get("per_epoch"):
+        return None
+    if loss.get("first_step") is None:
+        lead = "The loss was bit-identical in every step."
+    else:
+        lead = f"The loss first differs at step {loss['first_step']} (epoch {loss['first_epoch']})."
+    blocks: list[Block] = [Text(lead)]
+    if s.get("loss_hidden"):
+        blocks.append(Text(
+            f"Parameters diverged from step {s['param_drift_step']} while the loss stayed "
+            "bit-identical: the loss alone hides this."
+        ))
+    values = [p["rel_diff"] for p in loss["per_step"]]
+    blocks.append(Figure("loss"))
+    blocks.append(Figure("drift", [
+        Text(f"Relative |Δloss| per step, steps {loss['per_step'][0]['step']}–"
+             f"{loss['per_step'][-1]['step']} (log scale; ▁ = identical):"),
+        Code(sparkline(values)),
+    ]))
+    blocks.append(Table(
+        "loss drift per epoch", ["epoch", "max relative |Δloss|"],
+        [[str(e["epoch"]), _loss_diff(e["max_rel_diff"])]
+         for e in loss["per_epoch"]],
+    ))
+    blocks.append(_per_step(s))
+    return Section("loss", "Loss drift", blocks)
+
+
+def _per_step(s: dict[str, Any]) -> Table:
+    by_step = s.get("records", {}).get("by_step", {})
+    rows = [
+        [str(p["step"]), str(p["epoch"]), _loss_diff(p["rel_diff"]),
+         str(by_step.get(str(p["step"]), 0))]
+        for p in s["loss"]["per_step"]
+        if p["rel_diff"] or by_step.get(str(p["step"]))
+    ]
+    headers = ["step", "epoch", "relative |Δloss|", "records differing"]
+    return Table("steps that differ", headers, rows, key="per_step", fold=True)
+
+
+def _loss_diff(value: float) -> str:
+    return "identical" if value == 0 else num(value, 3)
+
+
+def _size(s: dict[str, Any]) -> Section | None:
+    rows = []
+    for phase, d in s.get("first_by_phase", {}).items():
+        ref, other = d.get("ref", {}), d.get("other", {})
+        call = f"[{d['call']}]" if d["call"] else ""
+        where = f"{d['module'] or '(model)'}{call} {d['slot']}"
+        rows.append([
+            phase, where, str(d["step"]), "×".join(map(str, ref.get("shape", []))) or "–",
+            num(ref.get("dtype")), num(ref.get("norm"), 9), num(other.get("norm"), 9),
+            num(_rel(ref.get("norm"), other.get("norm")), 3),
+            num(ref.get("absmax"), 9), num(other.get("absmax"), 9),
+        ])
+    if not rows:
+        return None
+    headers = [
+        "phase", "record", "step", "shape", "dtype", "norm (repeat 0)", "norm (other)",
+        "relative Δnorm", "absmax (repeat 0)", "absmax (other)",
+    ]
+    return Section("size", "Size of the difference", [
+        Text("The first differing record of each phase: repeat 0 against the first repeat that "
+             "differs. A relative Δnorm of 0 means the values differ below what the norm shows."),
+        Table("first differing record per phase", headers, rows),
+    ])
+
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def _census(s: dict[str, Any]) -> Section | None:
+    census = s.get("census") or []
+    if not census:
+        return None
+    rows = [[num(c.get("module")), num(c.get("op")), num(c.get("count"))] for c in census]
+    return Section("census", "Census", [
+        Table("ops per module", ["module", "op", "count"], rows, key="census", fold=len(rows) > 10),
+    ])
+
+
+def _verify(s: dict[str, Any]) -> Section | None:
+    verify = (s.get("extra") or {}).get("verify")
+    if not verify:
+        return None
+    rows = [
+        ["deterministic with the fix", num(verify.get("deterministic"))],
+        ["step time", f"{num(verify.get('step_time_ratio'), 3)}× the original"],
+        ["peak memory", f"{num(verify.get('peak_memory_ratio'), 3)}× the original"],
+    ]
+    return Section("verify", "Fix verification", [Table("", ["", ""], rows)])
+
+
+def _map(s: dict[str, Any]) -> Section | None:
+    grid = map_rows(s)
+    if not grid:
+        return None
+    rows = []
+    for module, steps in grid.items():
+        by_role: dict[str, list[int]] = {"origin": [], "contains-origin": [], "propagated": []}
+        for step, phases in steps.items():
+            for role in set(phases.values()):
+                by_role.setdefault(role, []).append(step)
+        roles = ("origin", "contains-origin", "propagated")
+        rows.append([module, *(_ranges(by_role[r]) for r in roles)])
+    headers = ["module", "origin at steps", "contains an origin at steps", "propagated at steps"]
+    table = Table("divergence map", headers, rows, key="map", fold=True)
+    blocks: list[Block] = [Figure("map", [table])]
+    if s.get("map_truncated"):
+        blocks.append(Text(f"{s['map_truncated']} more differing calls are not in the summary."))
+    return Section("map", "Where records diverge", blocks)
+
+
+def _ranges(steps: list[int]) -> str:
+    """Sorted steps as compact ranges: 1, 3–7, 9."""
+    out: list[str] = []
+    for step in sorted(set(steps)):
+        if out and out[-1].split("–")[-1] == str(step - 1):
+            out[-1] = f"{out[-1].split('–')[0]}–{step}"
+        else:
+            out.append(str(step))
+    return ", ".join(out) or "–"
+
+
+def _env(s: dict[str, Any]) -> Section | None:
+    env, diffs = s.get("env", {}), s.get("env_differences", {})
+    blocks: list[Block] = []
+    if diffs:
+        repeats = max(len(v) for v in diffs.values())
+        blocks.append(Table(
+            "environment differences between repeats",
+            ["setting", *(f"repeat {i}" for i in range(repeats))],
+            [[k, *(_value(v) for v in values)] for k, values in diffs.items()],
+        ))
+    if env:
+        blocks.append(Table(
+            "environment", ["setting", "value"], [[k, _value(v)] for k, v in env.items()],
+            fold=True,
+        ))
+    return Section("env", "Environment", blocks) if blocks else None
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "(unset)"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "(none)"
+    return clip(num(value, 6))
+
+
+def _tables(blocks: list[Block]) -> list[Table]:
+    out: list[Table] = []
+    for block in blocks:
+        if isinstance(block, Table):
+            out.append(block)
+        elif isinstance(block, Figure):
+            out.extend(_tables(block.fallback))
+    return out
+
+
+def _cap(table: Table, limit: int) -> None:
+    if len(table.rows) > limit:
+        table.omitted += len(table.rows) - limit
+        del table.rows[limit:]

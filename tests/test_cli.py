@@ -1,0 +1,110 @@
+"""`detaudit run` as a user runs it: built-in models, probe files, faults, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from detaudit.cli import main
+
+PROBES = Path(__file__).parent / "probe_files"
+
+
+def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    return subprocess.run([sys.executable, "-m", "detaudit", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["backward", "forward"])
+def test_maskrcnn_planted_fault_is_named(phase, tmp_path):
+    done = run_cli("run", "--model", "maskrcnn", "--image-size", "96", "--inject-fault",
+                   f"roi_heads.box_roi_pool@{phase}:2", "--out", str(tmp_path), "--json")
+    assert done.returncode == 1, done.stderr
+    summary = json.loads(done.stdout)
+    first = summary["first_divergence"]
+    assert (first["module"], first["phase"], first["step"], first["epoch"]) == (
+        "roi_heads.box_roi_pool", phase, 2, 2)
+    assert first["role"] == "origin"
+    assert (tmp_path / "run.json").exists() and (tmp_path / "trace-1.json.gz").exists()
+
+
+@pytest.mark.slow
+def test_maskrcnn_without_fault_is_deterministic(tmp_path):
+    done = run_cli("run", "--model", "maskrcnn", "--image-size", "96", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "DETERMINISTIC" in done.stdout
+    assert "cpu preset" in done.stdout + done.stderr
+
+
+def test_user_probe_file_with_real_nondeterminism(tmp_path, capsys):
+    code = main(["run", "--probe", str(PROBES / "centre_gather.py"), "--out", str(tmp_path),
+                 "--json", "--epochs", "1", "--steps", "2", "--repeats", "4"])
+    assert code == 1
+    summary = json.loads(capsys.readouterr().out)
+    first = summary["first_divergence"]
+    assert (first["module"], first["phase"], first["step"], first["role"]) == (
+        "centre_head", "backward", 0, "origin")
+    assert summary["cause"]["kind"] == "backward"
+
+
+def test_epoch_two_drift_is_reported_at_its_first_step(tmp_path, capsys):
+    code = main(["run", "--probe", str(PROBES / "unfreeze_at_epoch_2.py"), "--out", str(tmp_path),
+                 "--json", "--epochs", "3", "--steps", "2", "--repeats", "3"])
+    assert code == 1
+    summary = json.loads(capsys.readouterr().out)
+    first = summary["first_divergence"]
+    assert (first["epoch"], first["index"], first["step"]) == (2, 0, 2)
+    assert first["module"] == "centre_head" and first["phase"] == "backward"
+    assert summary["loss"]["per_epoch"][0]["max_rel_diff"] == 0.0  # epoch 1 identical
+
+
+def test_process_isolation_finds_hash_seed_dependence(tmp_path):
+    probe = str(PROBES / "hash_order_labels.py")
+    inproc = run_cli("run", "--probe", probe, "--out", str(tmp_path / "a"), "--repeats", "2",
+                     "--quiet")
+    assert inproc.returncode == 0, inproc.stdout + inproc.stderr
+    isolated = run_cli("run", "--probe", probe, "--out", str(tmp_path / "b"), "--repeats", "4",
+                       "--isolation", "process", "--json")
+    assert isolated.returncode == 1, isolated.stdout + isolated.stderr
+    summary = json.loads(isolated.stdout)
+    assert summary["cause"]["kind"] == "data"  # the labels in the batch differ
+    assert summary["first_divergence"]["step"] == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--model", "nosuchnet"], "unknown model 'nosuchnet'; known models: fasterrcnn"),
+    (["run", "--model", "fasterrcnn_mobilenet", "--weights", "/nonexistent/w.pth"], "/nonexistent/w.pth"),
+    (["run", "--probe", str(PROBES / "broken.py")], "broken.py:8"),
+    (["run", "--probe", "/nonexistent/probe.py"], "does not exist"),
+    (["run", "--model", "maskrcnn", "--inject-fault", "a@sideways:1"], "--inject-fault"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_malformed_coco_json_is_one_line(tmp_path, capsys):
+    images = tmp_path / "images"
+    images.mkdir()
+    ann = tmp_path / "ann.json"
+    ann.write_text("{ this is not json")
+    code = main(["run", "--model", "fasterrcnn_mobilenet", "--data", f"coco:{images}:{ann}",
+                 "--out", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ann.json" in err
+
+
+def test_models_lists_every_probe(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("maskrcnn", "maskrcnn_v1", "fasterrcnn_mobilenet", "retinanet_v2", "ssdlite"):
+        assert name in out
