@@ -59,6 +59,37 @@ def _parser() -> argparse.ArgumentParser:
     _add_run_arguments(run)
     run.set_defaults(func=cmd_run)
 
+    baseline = sub.add_parser(
+        "baseline", help="run a probe and store its fingerprints as a CI baseline",
+        description="Run the probe (default 1 repeat) and store repeat 0's fingerprints, stats, "
+        "configuration and environment in a baseline file for `detaudit check`.",
+    )
+    _add_run_arguments(baseline, out_help="baseline file to write, e.g. reports/baselines/NAME.json")
+    baseline.set_defaults(func=cmd_baseline)
+
+    check = sub.add_parser(
+        "check", help="re-run a baseline's configuration and compare (exit 1 on change)",
+        description="Re-run exactly the configuration stored in BASELINE and compare with it. "
+        "Exit 0: matches; 1: changed (first changed record, report folder); 2: unreadable baseline.",
+    )
+    check.add_argument("baseline", help="a file written by `detaudit baseline`")
+    check.add_argument("--out", help="folder for the new run (default: reports/check-<timestamp>/)")
+    check.add_argument("--quiet", action="store_true", help="no progress bar")
+    check.add_argument("--isolation", choices=("inprocess", "process"), default="inprocess",
+                       help="how to run the repeats (default inprocess)")
+    _add_gate_arguments(check)
+    check.set_defaults(func=cmd_check, json=False)
+
+    diff = sub.add_parser(
+        "diff", help="compare two saved runs (CPU vs CUDA, 1 vs 2 threads, before vs after)",
+        description="Compare repeat 0 of two run folders bitwise (or within --rtol/--atol on the "
+        "stored stats) and name the first module that differs, with the origin analysis.",
+    )
+    diff.add_argument("run_a", help="run folder A")
+    diff.add_argument("run_b", help="run folder B")
+    _add_gate_arguments(diff)
+    diff.set_defaults(func=cmd_diff)
+
     models = sub.add_parser("models", help="list the built-in probes and what each audits")
     models.set_defaults(func=cmd_models)
 
@@ -72,13 +103,20 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("folder", help="a run folder written by `detaudit run`")
     report.add_argument("--json", action="store_true", help="print summary.json to stdout")
     report.set_defaults(func=cmd_report)
-    for p in (run, models, env, report):
+    for p in (run, baseline, check, diff, models, env, report):
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)
     return parser
 
 
-def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+def _add_gate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rtol", type=float, default=0.0,
+                   help="compare the stored stats within this relative tolerance instead of bitwise")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance for the stats")
+    p.add_argument("--junit", metavar="FILE", help="also write the result as JUnit XML")
+
+
+def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="a built-in probe (see `detaudit models`)")
     what.add_argument("--probe", metavar="FILE.py[:FUNC]",
@@ -97,8 +135,11 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolation", choices=("inprocess", "process"), default="inprocess",
                    help="process: each repeat in a fresh interpreter (catches PYTHONHASHSEED and "
                    "leftover global state); default: inprocess")
-    p.add_argument("--out", help="run folder (default: reports/<probe>-<timestamp>/)")
+    p.add_argument("--out", required=out_help is not None,
+                   help=out_help or "run folder (default: reports/<probe>-<timestamp>/)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    if out_help is None:
+        p.add_argument("--junit", metavar="FILE", help="also write the verdict as JUnit XML")
     p.add_argument("--quiet", action="store_true", help="no progress bar, verdict line only")
     recipe = p.add_argument_group("built-in probe recipe (with --model)")
     recipe.add_argument("--image-size", type=int, help="square image size (CPU preset: 128, CUDA: 800)")
@@ -134,6 +175,83 @@ def parse_fault(text: str | None):
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`detaudit run`."""
+    spec, config, preset_text = _run_setup(args)
+    out = Path(args.out) if args.out else _default_folder(spec["name"])
+    traces, timings = _run(spec, config, out, args)
+    summary = _finish(args, spec, config, out, traces, timings, preset_text)
+    if args.junit:
+        from .junit import JUnitCase, write_junit
+        from .report import render_console
+
+        failure = None if summary["verdict"] == "deterministic" else summary["headline"]
+        write_junit(args.junit, [JUnitCase(spec["name"], "detaudit.run",
+                                           sum(t.seconds for t in timings), failure,
+                                           render_console(summary))])
+    return EXIT_OK if summary["verdict"] == "deterministic" else EXIT_DIVERGED
+
+
+def cmd_baseline(args: argparse.Namespace) -> int:
+    """`detaudit baseline`: run, then store repeat 0 as the baseline."""
+    from .api import AuditResult
+    from .compare import compare
+    from .gate import save_baseline
+
+    if args.repeats is None:
+        args.repeats = 1
+    spec, config, _ = _run_setup(args)
+    folder = _default_folder(f"{spec['name']}-baseline")
+    traces, timings = _run(spec, config, folder, args)
+    if traces[0].failure:
+        raise DetauditError(f"the baseline run failed: {traces[0].failure}")
+    path = save_baseline(args.out, spec, AuditResult(config, traces, compare(traces), timings))
+    print(f"baseline written: {path} ({len(traces[0])} records, {len(traces[0].steps)} steps)")
+    return EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """`detaudit check BASELINE`."""
+    from .api import AuditResult
+    from .compare import compare
+    from .gate import check_baseline
+    from .runner import AuditConfig
+
+    out = Path(args.out) if args.out else _default_folder("check")
+    args.banner = "check"
+
+    def run_fn(spec: dict[str, Any], config: dict[str, Any]) -> AuditResult:
+        cfg = AuditConfig.from_dict(config)
+        traces, timings = _run(spec, cfg, out, args)
+        args.quiet = True  # the gate prints its own message
+        _finish(args, spec, cfg, out, traces, timings, "as stored in the baseline")
+        return AuditResult(cfg, traces, compare(traces), timings)
+
+    return _gate_output(args, check_baseline(args.baseline, run_fn, args.rtol, args.atol),
+                        Path(args.baseline).stem, "detaudit.check", f"\nreport folder: {out}")
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """`detaudit diff RUN_A RUN_B`."""
+    from .gate import diff_traces
+    from .runfolder import load_run
+
+    _, traces_a = load_run(args.run_a)
+    _, traces_b = load_run(args.run_b)
+    gate = diff_traces(traces_a, traces_b, args.rtol, args.atol, labels=(args.run_a, args.run_b))
+    return _gate_output(args, gate, f"{Path(args.run_a).name}-vs-{Path(args.run_b).name}",
+                        "detaudit.diff", "")
+
+
+def _gate_output(args: argparse.Namespace, gate: Any, name: str, classname: str, tail: str) -> int:
+    print(gate.message + (tail if not gate.ok else ""))
+    if args.junit:
+        from .junit import write_junit
+
+        write_junit(args.junit, [gate.junit_case(name, classname)])
+    return gate.exit_code
+
+
+def _run_setup(args: argparse.Namespace):
+    """(probe description, AuditConfig, preset text) from `run`-style arguments."""
     import torch
 
     from .runner import AuditConfig, resolve_device
@@ -152,13 +270,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         fault=parse_fault(args.inject_fault),
     )
     spec = _probe_spec(args, preset)
-    out = Path(args.out) if args.out else Path("reports") / (
-        f"{spec['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
-    preset_text = _preset_text(preset_name, config, spec)
     args.banner = f"{spec['name']} on {device}, threads={torch.get_num_threads()}"
-    result_traces, timings = _run(spec, config, out, args)
-    return _finish(args, spec, config, out, result_traces, timings, preset_text)
+    return spec, config, _preset_text(preset_name, config, spec)
+
+
+def _default_folder(name: str) -> Path:
+    return Path("reports") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _probe_spec(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, Any]:
@@ -215,7 +332,8 @@ def _run(spec: dict[str, Any], config: Any, out: Path, args: argparse.Namespace)
         bar.close()
 
 
-def _finish(args, spec, config, out: Path, traces, timings, preset_text: str) -> int:
+def _finish(args, spec, config, out: Path, traces, timings, preset_text: str) -> dict[str, Any]:
+    """Save run.json and the reports, print the summary; return the summary."""
     from dataclasses import asdict
 
     from .compare import compare
@@ -237,7 +355,7 @@ def _finish(args, spec, config, out: Path, traces, timings, preset_text: str) ->
     else:
         print(render_console(summary))
         print(f"\nreports: {out}")
-    return EXIT_OK if summary["verdict"] == "deterministic" else EXIT_DIVERGED
+    return summary
 
 
 def _reproduce_command(args: argparse.Namespace) -> str:

@@ -108,3 +108,35 @@ def test_models_lists_every_probe(capsys):
     out = capsys.readouterr().out
     for name in ("maskrcnn", "maskrcnn_v1", "fasterrcnn_mobilenet", "retinanet_v2", "ssdlite"):
         assert name in out
+
+
+def test_baseline_check_round_trip_through_the_cli(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    probe = str(PROBES / "tiny_cnn.py")
+    base = tmp_path / "base.json"
+    made = run_cli("baseline", "--probe", probe, "--out", str(base), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    checked = run_cli("check", str(base), "--junit", str(tmp_path / "j.xml"), cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    case = ET.parse(tmp_path / "j.xml").getroot().find(".//testcase")
+    assert case is not None and case.find("failure") is None
+    base.write_text("{broken")
+    broken = run_cli("check", str(base), cwd=tmp_path)
+    assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
+
+
+def test_report_command_rerenders_a_saved_run(tmp_path, capsys):
+    folder = tmp_path / "run"
+    assert main(["run", "--probe", str(PROBES / "tiny_cnn.py"), "--out", str(folder),
+                 "--quiet"]) == 0
+    first = json.loads((folder / "summary.json").read_text())
+    (folder / "summary.json").unlink()
+    capsys.readouterr()
+    assert main(["report", str(folder), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["headline"] == first["headline"]
+    for name in ("report.html", "report.md", "report.github.html", "summary.json"):
+        assert (folder / name).exists()
+    (folder / "trace-1.json.gz").write_bytes(b"\x1f\x8b garbage")
+    assert main(["report", str(folder)]) == 2
+    assert "trace-1.json.gz" in capsys.readouterr().err
