@@ -174,11 +174,12 @@ class Recorder:
                 self.record(phase, owner, 0, f"param.{local}", param, stats=False)
 
     def record_param_grads(self) -> None:
-        """Every parameter's accumulated ``.grad`` after backward."""
+        """Every parameter's accumulated ``.grad`` after backward (prints only: weight-sized
+        stats every step would cost more than the rest of the recording)."""
         for name, param in self.model.named_parameters():
             if param.grad is not None:
                 owner, _, local = name.rpartition(".")
-                self.record(GRAD, owner, 0, f"param.{local}", param.grad)
+                self.record(GRAD, owner, 0, f"param.{local}", param.grad, stats=False)
 
     def record_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Optimizer state (momentum buffers, steps) per parameter, and each group's lr."""

@@ -1,0 +1,146 @@
+"""Speed and memory benchmarks; prints tables. Run: python tests/benchmark.py [--pairs N]
+
+1. Recording overhead on a Mask R-CNN (v1) train step at 128 px: plain and recorded steps
+   alternate on the same model and batch (lr=0, so every step does the same work), and the
+   median of the paired ratios is reported (robust on a shared, noisy machine).
+2. Fingerprint throughput on a 256 MB tensor against `x.sum()` and hashlib.sha256, and the
+   per-call cost on small tensors.
+3. Trace size against image size: records, not tensor bytes, set what a trace holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from detaudit import audit  # noqa: E402
+from detaudit.fingerprint import Fingerprinter, fingerprint  # noqa: E402
+from detaudit.loading import builtin_spec, make_factory  # noqa: E402
+from detaudit.recorder import OPTIMIZER, Recorder  # noqa: E402
+from detaudit.seeding import seed_everything  # noqa: E402
+
+
+def _step(probe, batch, recorder=None, step=0):
+    if recorder:
+        recorder.begin_step(step)
+        recorder.record_state(batch)
+    losses = probe.step(probe.model, batch)
+    total = sum(losses.values())
+    if recorder:
+        recorder.before_backward(total)
+    total.backward()
+    if recorder:
+        recorder.record_param_grads()
+    probe.optimizer.step()
+    probe.optimizer.zero_grad(set_to_none=True)
+    if recorder:
+        recorder.record_parameters(OPTIMIZER)
+        recorder.record_optimizer(probe.optimizer)
+        recorder.end_step()
+
+
+def recording_overhead(pairs: int) -> list[tuple]:
+    seed_everything(0)
+    factory = make_factory(builtin_spec("maskrcnn_v1", {"image_size": 128, "num_images": 1,
+                                                         "lr": 0.0}))
+    probe = factory(torch.device("cpu"))
+    probe.model.train()
+    batch = next(iter(probe.batches))
+    _step(probe, batch)  # warm-up
+    ratios, plain_times, rec_times = [], [], []
+    recorder = Recorder(probe.model)
+    for i in range(pairs):
+        t0 = time.perf_counter()
+        _step(probe, batch)
+        t1 = time.perf_counter()
+        with recorder:
+            _step(probe, batch, recorder, i)
+        t2 = time.perf_counter()
+        plain_times.append(t1 - t0)
+        rec_times.append(t2 - t1)
+        ratios.append((t2 - t1) / (t1 - t0))
+    return [("Mask R-CNN v1 train step, 128 px", f"{statistics.median(plain_times):.3f}",
+             f"{statistics.median(rec_times):.3f}",
+             f"{(statistics.median(ratios) - 1) * 100:+.1f}%", pairs)]
+
+
+def _best(fn, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def fingerprint_speed() -> tuple[list[tuple], list[tuple]]:
+    x = torch.randn(64 * 1024 * 1024)  # 256 MB
+    gb = x.numel() * 4 / 1e9
+    raw = x.numpy().tobytes()
+    t_sum = _best(lambda: x.sum())
+    t_xxh = _best(lambda: fingerprint(x, "xxh3", stats=False))
+    t_xxh_stats = _best(lambda: fingerprint(x, "xxh3"))
+    t_wsum = _best(lambda: fingerprint(x, "wsum", stats=False), 2)
+    t_sha = _best(lambda: hashlib.sha256(raw).digest(), 2)
+    big = [
+        ("x.sum() (read bandwidth)", f"{gb / t_sum:.1f}", "1.00"),
+        ("xxh3 fingerprint", f"{gb / t_xxh:.1f}", f"{t_sum / t_xxh:.2f}"),
+        ("xxh3 fingerprint + stats", f"{gb / t_xxh_stats:.1f}", f"{t_sum / t_xxh_stats:.2f}"),
+        ("wsum (device algorithm, on CPU)", f"{gb / t_wsum:.1f}", f"{t_sum / t_wsum:.2f}"),
+        ("hashlib.sha256", f"{gb / t_sha:.2f}", f"{t_sum / t_sha:.2f}"),
+    ]
+    small = []
+    tensors = [torch.randn(64) for _ in range(20000)]
+    for stats in (False, True):
+        f = Fingerprinter(stats=stats)
+        t = time.perf_counter()
+        for s in tensors:
+            f.add(s)
+        f.collect()
+        small.append((f"64-element tensor, stats={stats}",
+                      f"{(time.perf_counter() - t) / len(tensors) * 1e6:.1f}"))
+    return big, small
+
+
+def trace_size() -> list[tuple]:
+    rows = []
+    for size in (64, 128):
+        factory = make_factory(builtin_spec("fasterrcnn_mobilenet", {"image_size": size,
+                                                                      "num_images": 1}))
+        trace = audit(factory, repeats=1, steps=1).traces[0]
+        data = json.dumps(trace.to_dict()).encode()
+        rows.append((f"{size} px", len(trace), f"{len(data) / 1e6:.2f}",
+                     f"{len(gzip.compress(data)) / 1e6:.2f}"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=6, help="paired steps for the overhead")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print(tabulate(recording_overhead(args.pairs),
+                   headers=["workload", "plain s", "recorded s", "overhead (median ratio)",
+                            "pairs"]))
+    big, small = fingerprint_speed()
+    print()
+    print(tabulate(big, headers=["256 MB float32", "GB/s", "speed vs x.sum()"]))
+    print()
+    print(tabulate(small, headers=["per call", "µs"]))
+    print()
+    print(tabulate(trace_size(), headers=["trace of 1 step", "records", "JSON MB", "gzip MB"]))
+
+
+if __name__ == "__main__":
+    main()
