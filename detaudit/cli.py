@@ -8,8 +8,9 @@ import re
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .errors import EXIT_DIVERGED, EXIT_OK, EXIT_USAGE, DetauditError
 

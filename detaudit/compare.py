@@ -6,9 +6,11 @@ repeat keeps more boxes after NMS the rest still pairs up and the fork is report
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from .recorder import BACKWARD, FORWARD, GRAD, OPTIMIZER, OUTPUT, STATE
 from .trace import Trace
@@ -360,7 +362,7 @@ def _loss_drift(traces: list[Trace]) -> LossDrift:
                 a, b = values.get(name), theirs.get(name)
                 if a is None or b is None or info.losses.get(name) != other.steps[i].losses.get(name):
                     bitwise_differs = True
-                    if a is not None and b is not None and a == a and b == b:
+                    if a is not None and b is not None and not (math.isnan(a) or math.isnan(b)):
                         rel = max(rel, abs(a - b) / max(abs(a), abs(b), 1e-30))
                     else:
                         rel = float("inf") if (a is None or b is None) else rel

@@ -32,7 +32,7 @@ def run_isolated(
                                    "folder": str(folder)}))
         done = subprocess.run(
             [sys.executable, "-m", "detaudit.isolation", str(job)],
-            capture_output=True, text=True,
+            capture_output=True, text=True, check=False,
         )
         job.unlink()
         trace_path = folder / f"trace-{repeat}.json.gz"

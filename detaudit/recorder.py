@@ -114,7 +114,7 @@ class Recorder:
         self._reset_step()
 
     # -- lifecycle -----------------------------------------------------------------------
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> Recorder:  # noqa: PYI034
         for module in self.model.modules():
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
@@ -174,12 +174,12 @@ class Recorder:
                 self.record(phase, owner, 0, f"param.{local}", param, stats=False)
 
     def record_param_grads(self) -> None:
-        """Every parameter's accumulated ``.grad`` after backward (prints only: weight-sized
-        stats every step would cost more than the rest of the recording)."""
+        """Every parameter's accumulated ``.grad`` after backward, with stats: across machines
+        (`diff --rtol`) they are what a gradient difference is measured by."""
         for name, param in self.model.named_parameters():
             if param.grad is not None:
                 owner, _, local = name.rpartition(".")
-                self.record(GRAD, owner, 0, f"param.{local}", param.grad, stats=False)
+                self.record(GRAD, owner, 0, f"param.{local}", param.grad)
 
     def record_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Optimizer state (momentum buffers, steps) per parameter, and each group's lr."""

@@ -6,9 +6,10 @@ import contextlib
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -151,7 +152,7 @@ def run_repeat(
                 steps_done = _run_steps(probe, config, recorder, trace, train, on_step)
             except DetauditError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- the user's step: keep what was recorded
                 trace.failure = describe_user_error(exc, f"step {len(trace.steps)}")
         if fault is not None and not recorder.fault_fired and trace.failure is None:
             raise DetauditError(
@@ -221,6 +222,7 @@ def _train_step(probe: Probe, batch: Any, recorder: Recorder, info: StepInfo, st
         scaler.step(optimizer)
         scaler.update()
         info.scale = float(scaler.get_scale())
+        recorder.record(OPTIMIZER, "", 0, "scale", torch.tensor(info.scale, dtype=torch.float64))
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -17,7 +18,7 @@ def iter_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
             yield from iter_tensors(value, _join(path, str(i)))
-    elif hasattr(obj, "tensors") and isinstance(getattr(obj, "tensors"), torch.Tensor):
+    elif hasattr(obj, "tensors") and isinstance(obj.tensors, torch.Tensor):
         # torchvision's ImageList: the padded batch plus the original sizes.
         yield from iter_tensors(obj.tensors, _join(path, "tensors"))
 
@@ -45,7 +46,7 @@ def replace_first_float(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) ->
         if isinstance(obj, list):
             return items, found
         return (type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)), found
-    if hasattr(obj, "tensors") and isinstance(getattr(obj, "tensors"), torch.Tensor):
+    if hasattr(obj, "tensors") and isinstance(obj.tensors, torch.Tensor):
         new_tensors, found = replace_first_float(obj.tensors, fn)
         if found:
             return type(obj)(new_tensors, obj.image_sizes), True

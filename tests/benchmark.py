@@ -24,11 +24,11 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from detaudit import audit  # noqa: E402
-from detaudit.fingerprint import Fingerprinter, fingerprint  # noqa: E402
-from detaudit.loading import builtin_spec, make_factory  # noqa: E402
-from detaudit.recorder import OPTIMIZER, Recorder  # noqa: E402
-from detaudit.seeding import seed_everything  # noqa: E402
+from detaudit import audit
+from detaudit.fingerprint import Fingerprinter, fingerprint
+from detaudit.loading import builtin_spec, make_factory
+from detaudit.recorder import OPTIMIZER, Recorder
+from detaudit.seeding import seed_everything
 
 
 def _step(probe, batch, recorder=None, step=0):

@@ -6,15 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import gather_probe, small_cnn_probe
+from test_recorder import _maskrcnn_probe
 from torch import nn
 
 from detaudit import Fault, Probe, audit
 from detaudit.compare import CONTAINS, ORIGIN, PROPAGATED
 from detaudit.report import render_console, summarize
 from detaudit.runfolder import RunInfo
-
-from conftest import gather_probe, small_cnn_probe
-from test_recorder import _maskrcnn_probe
 
 
 def _roles(comparison, step, phase):

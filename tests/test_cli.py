@@ -18,7 +18,7 @@ PROBES = Path(__file__).parent / "probe_files"
 def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     return subprocess.run([sys.executable, "-m", "detaudit", *args], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=600)
+                          text=True, cwd=cwd, env=env, timeout=600, check=False)
 
 
 @pytest.mark.slow
@@ -33,6 +33,12 @@ def test_maskrcnn_planted_fault_is_named(phase, tmp_path):
         "roi_heads.box_roi_pool", phase, 2, 2)
     assert first["role"] == "origin"
     assert (tmp_path / "run.json").exists() and (tmp_path / "trace-1.json.gz").exists()
+    headline = f"first at step 2 (epoch 2), {phase}"
+    for name, module in (("report.html", "roi_heads.box_roi_pool"),
+                         ("report.github.html", "roi_heads.box_roi_pool"),
+                         ("report.md", r"roi\_heads.box\_roi\_pool")):
+        text = (tmp_path / name).read_text()
+        assert headline in text and module in text, name
 
 
 @pytest.mark.slow
@@ -41,6 +47,8 @@ def test_maskrcnn_without_fault_is_deterministic(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DETERMINISTIC" in done.stdout
     assert "cpu preset" in done.stdout + done.stderr
+    for name in ("report.html", "report.github.html", "report.md"):
+        assert "DETERMINISTIC" in (tmp_path / name).read_text(), name
 
 
 def test_user_probe_file_with_real_nondeterminism(tmp_path, capsys):

@@ -3,12 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torchvision
+from conftest import SmallCNN, small_cnn_probe
 
 from detaudit import Probe, audit
 from detaudit.recorder import Recorder
 from detaudit.seeding import seed_everything
-
-from conftest import SmallCNN, small_cnn_probe
 
 
 def _maskrcnn_probe(device):

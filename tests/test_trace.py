@@ -4,12 +4,11 @@ import gzip
 import json
 
 import pytest
+from conftest import small_cnn_probe
 
 from detaudit import audit
 from detaudit.errors import TraceError
 from detaudit.trace import Trace
-
-from conftest import small_cnn_probe
 
 
 @pytest.fixture(scope="module")
