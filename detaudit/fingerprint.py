@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,8 +34,7 @@ _WSUM_CHUNK = 1 << 22
 _LARGE = 1 << 16  # elements from which torch's one-pass aminmax beats numpy's min + max  # elements per chunk, bounds the temporaries on the device
 
 
-@dataclass(frozen=True)
-class TensorPrint:
+class TensorPrint(NamedTuple):
     """A tensor's fingerprint and the stats that say how large a difference is."""
 
     fp: str
@@ -45,6 +43,16 @@ class TensorPrint:
     norm: float | None  # None where stats were not asked for (non-float, optimizer state)
     absmax: float | None
     nonfinite: int
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def _header(t: torch.Tensor) -> bytes:
@@ -167,7 +175,7 @@ class Fingerprinter:
             norm, absmax, nonfinite = _float_stats(t) if want_stats else (None, None, 0)
             self._done.append(
                 TensorPrint(
-                    f"{xxh3_fingerprint(t):016x}", tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                    f"{xxh3_fingerprint(t):016x}", tuple(t.shape), _dtype_name(t.dtype),
                     norm, absmax, nonfinite,
                 )
             )
