@@ -148,3 +148,12 @@ def test_report_command_rerenders_a_saved_run(tmp_path, capsys):
     (folder / "trace-1.json.gz").write_bytes(b"\x1f\x8b garbage")
     assert main(["report", str(folder)]) == 2
     assert "trace-1.json.gz" in capsys.readouterr().err
+
+
+def test_a_crashed_repeat_is_reported_and_the_others_kept(tmp_path, capsys):
+    code = main(["run", "--probe", str(PROBES / "crash_second_repeat.py"), "--out", str(tmp_path),
+                 "--epochs", "1", "--steps", "3"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "repeat 1 failed: RuntimeError while step 1 at" in out and "crash_second_repeat.py" in out
+    assert (tmp_path / "trace-0.json.gz").exists() and (tmp_path / "trace-1.json.gz").exists()
