@@ -17,7 +17,7 @@ from .api import AuditResult
 from .compare import Comparison, compare
 from .errors import EXIT_DIVERGED, EXIT_OK, TraceError
 from .junit import JUnitCase
-from .trace import Trace
+from .trace import Trace, read_json
 
 # History:
 #   1: first format: probe spec, audit config, environment, the trace of repeat 0.
@@ -116,14 +116,7 @@ def save_baseline(path: str | Path, probe_spec: dict[str, Any], result: AuditRes
 def load_baseline(path: str | Path) -> Baseline:
     """Read a baseline written by :func:`save_baseline`; one clear error for anything else."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise TraceError(f"cannot read baseline {path}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    except (OSError, EOFError, ValueError):
-        raise TraceError(f"baseline {path} is truncated or not valid JSON") from None
+    data = read_json(path, "baseline")
     if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
         raise TraceError(f"{path} is not a detaudit baseline")
     if data.get("version") != BASELINE_VERSION:

@@ -145,16 +145,20 @@ class Trace:
     def load(cls, path: str | Path) -> Trace:
         """Read a trace written by :meth:`save`."""
         path = Path(path)
-        try:
-            raw = path.read_bytes()
-        except OSError as exc:
-            raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
-        try:
-            text = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
-            data = json.loads(text)
-        except (OSError, EOFError, ValueError, gzip.BadGzipFile):
-            raise TraceError(f"trace {path} is truncated or corrupt") from None
+        data = read_json(path, "trace")
         return cls.from_dict(data, source=f"trace {path}")
+
+
+def read_json(path: Path, what: str) -> Any:
+    """Parse a JSON file, gzip-compressed or not; one clear error naming it otherwise."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise TraceError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    except (OSError, EOFError, ValueError):
+        raise TraceError(f"{what} {path} is truncated or corrupt") from None
 
 
 def _finite(value: float | None) -> float | None:

@@ -189,7 +189,7 @@ def test_bad_baselines_are_one_clear_error(conv_baseline: Path, tmp_path: Path) 
         load_baseline(wrong)
     bad = tmp_path / "bad.json"
     bad.write_text(conv_baseline.read_text()[:100])
-    with pytest.raises(TraceError, match=r"bad\.json is truncated or not valid JSON"):
+    with pytest.raises(TraceError, match=r"bad\.json is truncated or corrupt"):
         load_baseline(bad)
     with pytest.raises(TraceError, match=r"missing\.json"):
         load_baseline(tmp_path / "missing.json")
