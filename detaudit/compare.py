@@ -131,11 +131,6 @@ class Comparison:
     def cause_text(self) -> str:
         return _CAUSE_TEXT[self.cause]
 
-    @property
-    def flaky_records(self) -> int:
-        """Differing records that agree in some repeats and not in others."""
-        return sum(1 for d in self.first_diffs if 0 < d.differing < d.repeats - 1)
-
 
 class _Index:
     """One trace's records: key -> (fp, row) and the execution order within each step."""

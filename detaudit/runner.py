@@ -7,7 +7,7 @@ import os
 import sys
 import traceback
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -69,7 +69,6 @@ class RepeatTiming:
     repeat: int
     seconds: float
     steps: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:

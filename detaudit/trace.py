@@ -78,11 +78,6 @@ class Trace:
     def __len__(self) -> int:
         return len(self.records["fp"])
 
-    def rows(self) -> list[dict[str, Any]]:
-        """The records as dicts, in execution order."""
-        cols = [self.records[c] for c in RECORD_COLUMNS]
-        return [dict(zip(RECORD_COLUMNS, values)) for values in zip(*cols)]
-
     def frame(self):
         """The records as a pandas DataFrame (one row per record, in execution order)."""
         import pandas as pd
