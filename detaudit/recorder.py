@@ -149,6 +149,21 @@ class Recorder:
         self._reset_step()
         return out
 
+    # -- where execution is now (for the op-level recorder) ------------------------------
+    def current_call(self) -> Call | None:
+        """The innermost module call running forward right now, if any."""
+        return self._calls[self._stack[-1][0]] if self._stack else None
+
+    def call_for_node(self, node: Any) -> Call | None:
+        """The innermost module call whose forward created autograd `node`."""
+        if node is None or not self._calls:
+            return None
+        order = sorted(range(len(self._calls)), key=lambda i: self._calls[i].seq_start)
+        chain = self._enclosing_calls(
+            node._sequence_nr(), order, [self._calls[i].seq_start for i in order]
+        )
+        return self._calls[chain[0]] if chain else None
+
     # -- generic records ---------------------------------------------------------------
     def record(
         self, phase: str, module: str, call: int, slot: str, value: Any, stats: bool = True
