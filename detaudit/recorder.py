@@ -133,6 +133,7 @@ class Recorder:
         self._stack: list[tuple[int, bytes | None]] = []
         self._counts: dict[str, int] = {}
         self._edge_counts: dict[tuple[int, str], int] = {}
+        self._seq_index: tuple[int, list[int], list[int]] | None = None
 
     def begin_step(self, step: int) -> None:
         """Start recording global step `step`."""
@@ -158,10 +159,11 @@ class Recorder:
         """The innermost module call whose forward created autograd `node`."""
         if node is None or not self._calls:
             return None
-        order = sorted(range(len(self._calls)), key=lambda i: self._calls[i].seq_start)
-        chain = self._enclosing_calls(
-            node._sequence_nr(), order, [self._calls[i].seq_start for i in order]
-        )
+        if self._seq_index is None or self._seq_index[0] != len(self._calls):
+            order = sorted(range(len(self._calls)), key=lambda i: self._calls[i].seq_start)
+            self._seq_index = (len(self._calls), order, [self._calls[i].seq_start for i in order])
+        _, order, starts = self._seq_index
+        chain = self._enclosing_calls(node._sequence_nr(), order, starts)
         return self._calls[chain[0]] if chain else None
 
     # -- generic records ---------------------------------------------------------------
