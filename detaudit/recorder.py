@@ -35,11 +35,15 @@ ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
 @dataclass(frozen=True)
 class Fault:
-    """A planted 1-ULP change: at `module`'s output (forward) or input gradient (backward)."""
+    """A planted change in one run: 1 ULP at `module`'s output (forward) or input gradient
+    (backward); with `op`, in the first output of the first such op run inside `module`
+    (any module when `module` is empty) -- 1 ULP for floats, two elements swapped for
+    integers (e.g. nms's kept indices)."""
 
     module: str
     phase: str = FORWARD
     step: int = 0
+    op: str | None = None
 
     def __post_init__(self) -> None:
         if self.phase not in (FORWARD, BACKWARD):
@@ -104,7 +108,7 @@ class Recorder:
     ) -> None:
         self.model = model
         self.fp = fingerprinter or Fingerprinter()
-        self.fault = fault
+        self.fault = fault if fault is not None and not fault.op else None  # op faults: OpRecorder
         self.track_rng = track_rng
         self.fault_fired = False
         self._names = {id(m): name for name, m in model.named_modules()}
