@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .oprecorder import OP_PHASES
 from .recorder import BACKWARD, FORWARD, GRAD, OPTIMIZER, OUTPUT, STATE
 from .trace import Trace
 
@@ -133,15 +134,17 @@ class Comparison:
 
 
 class _Index:
-    """One trace's records: key -> (fp, row) and the execution order within each step."""
+    """One trace's records of one granularity: key -> (fp, row) and the execution order."""
 
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, ops: bool = False) -> None:
         r = trace.records
         self.trace = trace
         self.fp: dict[Key, str] = {}
         self.row: dict[Key, int] = {}
         self.order: list[Key] = []
         for i, key in enumerate(zip(r["step"], r["phase"], r["module"], r["call"], r["slot"])):
+            if (key[1] in OP_PHASES) != ops:
+                continue
             if key not in self.fp:
                 self.order.append(key)
                 self.row[key] = i
@@ -366,3 +369,57 @@ def _loss_drift(traces: list[Trace]) -> LossDrift:
         if values:
             per_step.append((info.step, info.epoch, rel))
     return LossDrift(first_step, first_epoch, per_step)
+
+
+@dataclass
+class OpFinding:
+    """One op call of one step whose outputs differ across repeats."""
+
+    step: int
+    phase: str  # forward or backward
+    module: str  # the module call it ran in (backward ops: whose forward created the node)
+    call: int
+    index: int  # its position among that module call's ops
+    op: str
+    role: str  # origin (inputs equal, outputs differ) or propagated
+    differing: int
+    repeats: int
+    slots: list[str]  # the output slots that differ
+    other_repeat: int  # the first repeat whose outputs differ from repeat 0's
+    ref: dict[str, Any] = field(default_factory=dict)  # stats of the first differing output
+
+    @property
+    def key(self) -> tuple[int, str, str, int, str]:
+        """(step, op phase, module, call, slot prefix) -- what a capture replay looks for."""
+        phase = OP_PHASES[0] if self.phase == FORWARD else OP_PHASES[1]
+        return (self.step, phase, self.module, self.call, f"op{self.index}/{self.op}")
+
+
+def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
+    """Every op whose outputs differ across the traces' op-level records, in execution
+    order of repeat 0: `origin` when all its inputs agree, else `propagated`."""
+    traces = list(traces)
+    indexes = [_Index(t, ops=True) for t in traces]
+    ref, others = indexes[0], indexes[1:]
+    groups: dict[tuple[int, str, str, int, str], list[Key]] = {}
+    for key in ref.order:
+        step, phase, module, call, slot = key
+        op_id, _, rest = slot.partition("/")
+        name, _, _ = rest.partition("/")
+        groups.setdefault((step, phase, module, call, f"{op_id}/{name}"), []).append(key)
+    findings = []
+    for (step, phase, module, call, prefix), keys in groups.items():
+        differing_keys = [k for k in keys if any(idx.fp.get(k) != ref.fp[k] for idx in others)]
+        outputs = [k for k in differing_keys if k[4].startswith(f"{prefix}/out")]
+        if not outputs:
+            continue
+        inputs_differ = any(k[4].startswith(f"{prefix}/in") for k in differing_keys)
+        differ = [idx for idx in others if any(idx.fp.get(k) != ref.fp[k] for k in outputs)]
+        op_index, _, op = prefix.partition("/")
+        findings.append(OpFinding(
+            step, FORWARD if phase == OP_PHASES[0] else BACKWARD, module, call,
+            int(op_index[2:]), op, PROPAGATED if inputs_differ else ORIGIN, len(differ),
+            len(traces), [k[4][len(prefix) + 1:] for k in outputs], differ[0].trace.repeat,
+            ref.stats(outputs[0]),
+        ))
+    return findings

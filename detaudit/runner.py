@@ -7,7 +7,7 @@ import os
 import sys
 import traceback
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,6 +16,8 @@ import torch
 from .environment import capture_environment
 from .errors import DetauditError, ProbeError
 from .fingerprint import Fingerprinter
+from .memory import PeakMemory
+from .oprecorder import OpRecorder
 from .probe import Probe
 from .recorder import OPTIMIZER, OUTPUT, STATE, Fault, Recorder
 from .seeding import seed_everything
@@ -38,6 +40,7 @@ class AuditConfig:
     deterministic: bool = False  # PyTorch's deterministic settings on for the run
     fault: Fault | None = None  # planted in one repeat only (`fault_repeat`)
     fault_repeat: int = -1  # -1: the last repeat
+    granularity: str = "module"  # "op": every step also recorded op by op (slower)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -46,6 +49,8 @@ class AuditConfig:
             raise DetauditError("--epochs and --steps must be at least 1")
         if self.mode not in ("train", "infer"):
             raise DetauditError(f"mode must be train or infer, not {self.mode!r}")
+        if self.granularity not in ("module", "op"):
+            raise DetauditError(f"granularity must be module or op, not {self.granularity!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the trace."""
@@ -63,12 +68,29 @@ class AuditConfig:
 
 
 @dataclass
+class OpPlan:
+    """Op-level work for one repeat: which steps to record op by op, where to stop, and
+    whether to take the census (op counts and deterministic-algorithms alerts)."""
+
+    steps: frozenset[int] | None = None  # None: every step
+    last_step: int | None = None  # stop after this global step
+    census: bool = False
+    capture: tuple[str, str, int, str] | None = None  # (op phase, module, call, op prefix)
+    modes: list[OpRecorder] = field(default_factory=list)  # the census modes, once run
+
+    def records(self, step: int) -> bool:
+        return not self.census and (self.steps is None or step in self.steps)
+
+
+@dataclass
 class RepeatTiming:
-    """Wall time of one repeat, kept out of the trace (it would change its bytes)."""
+    """Wall time and peak memory of one repeat, kept out of the trace (they would change
+    its bytes). Peak memory: CUDA max_memory_allocated, else the process's peak RSS."""
 
     repeat: int
     seconds: float
     steps: int
+    peak_bytes: int | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -115,8 +137,12 @@ def run_repeat(
     repeat: int,
     probe_info: dict[str, Any] | None = None,
     on_step: Callable[[int, int, int], None] | None = None,
+    ops: OpPlan | None = None,
 ) -> tuple[Trace, RepeatTiming]:
     """Run one repeat from freshly seeded RNGs and return its trace.
+
+    `ops` adds op-level work (see :class:`OpPlan`); without it, ``config.granularity``
+    decides whether every step is recorded op by op.
 
     An exception while building the probe is raised as :class:`ProbeError`; one during the
     steps ends the repeat early and is stored in ``trace.failure`` (records up to it kept).
@@ -131,9 +157,12 @@ def run_repeat(
         repeat=repeat,
         env=capture_environment(device),
     )
+    if ops is None and config.granularity == "op":
+        ops = OpPlan()
     started = time.perf_counter()
     steps_done = 0
-    with deterministic_settings(config.deterministic):
+    peak = PeakMemory(device)
+    with peak, deterministic_settings(config.deterministic):
         seed_everything(config.seed)
         try:
             probe = factory(device)
@@ -148,17 +177,21 @@ def run_repeat(
         fingerprinter = Fingerprinter()
         with Recorder(probe.model, fingerprinter, fault=fault) as recorder:
             try:
-                steps_done = _run_steps(probe, config, recorder, trace, train, on_step)
+                steps_done = _run_steps(probe, config, recorder, trace, train, on_step, fault, ops)
             except DetauditError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- the user's step: keep what was recorded
                 trace.failure = describe_user_error(exc, f"step {len(trace.steps)}")
-        if fault is not None and not recorder.fault_fired and trace.failure is None:
+        if (
+            fault is not None and not recorder.fault_fired and trace.failure is None
+            and steps_done > fault.step
+        ):
+            where = f"op {fault.op!r} in " if fault.op else ""
             raise DetauditError(
-                f"the planted fault never fired: module {fault.module!r} did not run "
+                f"the planted fault never fired: {where}module {fault.module!r} did not run "
                 f"{'forward' if fault.phase == 'forward' else 'backward'} at step {fault.step}"
             )
-    timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done)
+    timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes)
     return trace, timing
 
 
@@ -169,21 +202,26 @@ def _run_steps(
     trace: Trace,
     train: bool,
     on_step: Callable[[int, int, int], None] | None,
+    fault: Fault | None,
+    ops: OpPlan | None,
 ) -> int:
     step = 0
     for epoch in range(config.epochs):
         for index, batch in enumerate(probe.epoch_batches(epoch)):
             if config.steps is not None and index >= config.steps:
                 break
+            if ops is not None and ops.last_step is not None and step > ops.last_step:
+                return step
+            scope = _op_scope(recorder, step, fault, ops)
             recorder.begin_step(step)
             info = StepInfo(step=step, epoch=epoch, index=index)
             recorder.record_state(batch)
             if step == 0:
                 recorder.record_parameters(STATE)
             if train:
-                _train_step(probe, batch, recorder, info, step)
+                _train_step(probe, batch, recorder, info, step, scope)
             else:
-                with torch.no_grad():
+                with torch.no_grad(), scope:
                     outputs = probe.step(probe.model, batch)
                 recorder.record(OUTPUT, "", 0, "detections", outputs)
             _store(trace, step, recorder.end_step())
@@ -194,8 +232,27 @@ def _run_steps(
     return step
 
 
-def _train_step(probe: Probe, batch: Any, recorder: Recorder, info: StepInfo, step: int) -> None:
-    losses = probe.step(probe.model, batch)
+def _op_scope(
+    recorder: Recorder, step: int, fault: Fault | None, ops: OpPlan | None
+) -> contextlib.AbstractContextManager:
+    """The op-level mode for this step, or nothing when no op-level work is due."""
+    record = ops is not None and ops.records(step)
+    census = ops is not None and ops.census
+    capture = ops.capture if ops is not None and ops.last_step == step else None
+    if not (record or census or capture or (fault is not None and fault.op and fault.step == step)):
+        return contextlib.nullcontext()
+    mode = OpRecorder(recorder, step, record=record, fault=fault, census=census, capture=capture)
+    if ops is not None:
+        ops.modes.append(mode)
+    return mode
+
+
+def _train_step(
+    probe: Probe, batch: Any, recorder: Recorder, info: StepInfo, step: int,
+    scope: contextlib.AbstractContextManager,
+) -> None:
+    with scope:
+        losses = probe.step(probe.model, batch)
     terms = losses if isinstance(losses, dict) else {"loss": losses}
     if not terms or not all(isinstance(v, torch.Tensor) for v in terms.values()):
         raise ProbeError("in train mode the step must return a loss tensor or a dict of loss tensors")
@@ -207,7 +264,8 @@ def _train_step(probe: Probe, batch: Any, recorder: Recorder, info: StepInfo, st
         total = total / accumulate
     recorder.before_backward(total)
     scaler = probe.scaler
-    (scaler.scale(total) if scaler is not None else total).backward()
+    with scope:
+        (scaler.scale(total) if scaler is not None else total).backward()
     recorder.record_param_grads()
     optimizer = probe.optimizer
     if optimizer is None or (step + 1) % accumulate:

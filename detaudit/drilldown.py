@@ -1,0 +1,117 @@
+"""Op-level drill-down: replay the first divergent step op by op and name the op.
+
+The module-level pass says which module call diverged first. The drill-down replays every
+repeat up to that step (same seeds, same planted fault) with the op-level recorder on at
+that step only, finds the first op whose inputs agree and whose outputs do not, and then
+replays two repeats once more to capture just that op's outputs and measure the
+difference: elements differing, max |a - b|, max ULP distance, relative error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .compare import ORIGIN, Comparison, OpFinding, compare_ops
+from .knowledge import lookup
+from .runner import AuditConfig, OpPlan, ProbeFactory, run_repeat
+
+MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
+_INT_OF_FLOAT = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
+                 torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def drill_down(
+    factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
+    probe_info: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Plain data for the report: the differing ops of the first divergent step, the
+    measured difference of the first origin op, and what is known about it."""
+    step = comparison.first_step
+    if step is None:
+        return None
+    config = replace(config, granularity="module")
+    plan = OpPlan(steps=frozenset({step}), last_step=step)
+    traces = [run_repeat(factory, config, r, probe_info, ops=plan)[0]
+              for r in range(config.repeats)]
+    findings = [f for f in compare_ops(traces) if f.step == step]
+    origins = [f for f in findings if f.role == ORIGIN]
+    out: dict[str, Any] = {
+        "step": step,
+        "reproduced": bool(findings),
+        "ops": [_op_row(f) for f in (origins + [f for f in findings if f.role != ORIGIN])
+                [:MAX_OPS_REPORTED]],
+        "origin_ops": len(origins),
+        "differing_ops": len(findings),
+        "difference": None,
+        "knowledge": [],
+    }
+    if origins:
+        first = origins[0]
+        out["difference"] = _capture_difference(factory, config, first, probe_info)
+        device = str(torch.device(config.device))
+        out["knowledge"] = [
+            {"op": first.op, **k.to_dict()} for k in lookup(first.op, first.phase, device)
+        ]
+        out["ops"][0].update(out["difference"] or {})
+    return out
+
+
+def _op_row(f: OpFinding) -> dict[str, Any]:
+    return {
+        "op": f.op, "module": f.module or "(model)", "call": f.call, "phase": f.phase,
+        "index": f.index, "role": f.role, "outputs": f.slots, "differing": f.differing,
+        "repeats": f.repeats,
+    }
+
+
+def _capture_difference(
+    factory: ProbeFactory, config: AuditConfig, origin: OpFinding,
+    probe_info: dict[str, Any] | None,
+) -> dict[str, Any] | None:
+    """Replay repeat 0 and the first differing repeat, keep the origin op's outputs, and
+    measure how far apart they are (None when this replay happened to agree)."""
+    key = origin.key
+    captured = []
+    for repeat in (0, origin.other_repeat):
+        plan = OpPlan(steps=frozenset(), last_step=origin.step, capture=key[1:])
+        run_repeat(factory, config, repeat, probe_info, ops=plan)
+        outputs = next((m.captured for m in plan.modes if m.captured is not None), None)
+        if outputs is None:
+            return None
+        captured.append(outputs)
+    for a, b in zip(*captured):
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            return tensor_difference(a, b)
+    return None
+
+
+def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """How two versions of one tensor differ: elements, max |a-b|, max ULP, relative error."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {"elements": None, "of": a.numel(),
+                "note": f"{tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"}
+    differ = a != b
+    if a.is_floating_point():
+        differ = differ & ~(a.isnan() & b.isnan())
+    out: dict[str, Any] = {"elements": int(differ.sum()), "of": a.numel(),
+                           "max_abs_diff": None, "max_ulp": None, "rel_error": None}
+    if not out["elements"]:
+        return out
+    wide = torch.float64 if a.is_floating_point() or a.is_complex() else torch.int64
+    diff = (a.to(wide) - b.to(wide)).abs()
+    out["max_abs_diff"] = float(diff.max())
+    if a.dtype in _INT_OF_FLOAT:
+        out["max_ulp"] = int((_ordered_bits(a) - _ordered_bits(b)).abs().max())
+        norm = float(a.to(torch.float64).norm())
+        out["rel_error"] = float(diff.norm()) / norm if norm else None
+    return out
+
+
+def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    """Float bit patterns mapped to integers that count ULPs (-0.0 and +0.0 both at 0)."""
+    bits = t.contiguous().view(_INT_OF_FLOAT[t.dtype]).to(torch.int64)
+    magnitude = bits & ((1 << (t.element_size() * 8 - 1)) - 1)
+    return torch.where(bits < 0, -magnitude, magnitude)

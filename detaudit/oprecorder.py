@@ -1,0 +1,195 @@
+"""Op-level recording: a dispatch mode that fingerprints every aten/torchvision op.
+
+Runs on top of the module-level :class:`~detaudit.recorder.Recorder`, which says where each
+op runs: in forward, the innermost module call on the hook stack; in backward, the module
+call whose forward created the autograd node now executing
+(``torch._C._current_autograd_node()``, matched by sequence number). Records go into the
+same step records as the module level, under the phases ``op.forward`` / ``op.backward``
+and slots ``op<k>/<namespace.op>/in.<i>`` or ``.../out.<i>``, where k counts the ops of
+that module call in execution order.
+
+The same mode, with recording off, plants op-level faults and runs the census
+(op counts per module, and the deterministic-algorithms alerts each op raised).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from .recorder import BACKWARD, FORWARD, Fault, Recorder
+from .structure import iter_tensors, next_ulp
+
+OP_FORWARD, OP_BACKWARD = "op.forward", "op.backward"
+OP_PHASES = (OP_FORWARD, OP_BACKWARD)
+# Ops that only re-label memory or metadata: their outputs are their inputs.
+_PASSTHROUGH = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}
+ALERT_MARK = "does not have a deterministic implementation"
+
+
+def op_name(func: Any) -> str:
+    """``namespace.op`` without the overload: ``aten.index_put``, ``torchvision.nms``."""
+    return f"{func.namespace}.{func.overloadpacket.__name__}"
+
+
+def backward_name(op: str) -> str:
+    """The name of the backward op of a custom forward op: torchvision.roi_align ->
+    torchvision._roi_align_backward."""
+    namespace, _, base = op.rpartition(".")
+    return f"{namespace}._{base}_backward"
+
+
+def op_matches(pattern: str, op: str, phase: str) -> bool:
+    """`op` is `pattern`, or (in backward) `pattern`'s own backward op."""
+    return op == pattern or (phase == BACKWARD and op == backward_name(pattern))
+
+
+@dataclass
+class Alert:
+    """One deterministic-algorithms alert, and the op and module that raised it."""
+
+    module: str
+    phase: str
+    op: str
+    message: str
+
+
+class _Unintercepted:
+    """The recorder's fingerprinter, run with this mode switched off (so the auditor's
+    own tensor ops are never recorded as the model's)."""
+
+    def __init__(self, fp: Any) -> None:
+        self._fp = fp
+
+    def add(self, *args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return self._fp.add(*args, **kwargs)
+
+    def add_bytes(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fp.add_bytes(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fp, name)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records (or only counts, or only perturbs) every op; enter it around forward and
+    backward of one step. Use one instance per step."""
+
+    def __init__(
+        self, recorder: Recorder, step: int, *, record: bool = True, fault: Fault | None = None,
+        census: bool = False, capture: tuple[str, str, int, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.step = step
+        self.record = record
+        self.fault = fault if fault is not None and fault.op and fault.step == step else None
+        self.census = census
+        self.capture = capture  # (op phase, module, call, "op<k>/<name>"): keep its outputs
+        self.captured: list[torch.Tensor] | None = None
+        self.counts: Counter[tuple[str, str, str]] = Counter()  # (module, phase, op)
+        self.alerts: list[Alert] = []
+        self._ops: Counter[tuple[str, str, int]] = Counter()
+        self._caught: list[warnings.WarningMessage] | None = None
+
+    def __enter__(self) -> OpRecorder:  # noqa: PYI034
+        self._saved_fp = self.recorder.fp
+        self.recorder.fp = _Unintercepted(self._saved_fp)
+        if self.census:
+            self._warnings = warnings.catch_warnings(record=True)
+            self._caught = self._warnings.__enter__()
+            warnings.simplefilter("always")
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.recorder.fp = self._saved_fp
+        if self.census:
+            self._warnings.__exit__(*exc)
+            self._caught = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = op_name(func)
+        node = torch._C._current_autograd_node()
+        if node is None:
+            phase, op_phase, call = FORWARD, OP_FORWARD, self.recorder.current_call()
+        else:
+            phase, op_phase, call = BACKWARD, OP_BACKWARD, self.recorder.call_for_node(node)
+        module, index = (call.module, call.index) if call is not None else ("", 0)
+        if self.census:
+            self.counts[(module, phase, name)] += 1
+        skip = func.is_view or name in _PASSTHROUGH
+        prefix = ""
+        if (self.record or self.capture) and not skip:
+            k = self._ops[(op_phase, module, index)]
+            self._ops[(op_phase, module, index)] = k + 1
+            prefix = f"op{k}/{name}"
+            if self.record:
+                self.recorder.record(op_phase, module, index, f"{prefix}/in", [list(args), kwargs])
+        seen = len(self._caught) if self._caught is not None else 0
+        out = func(*args, **kwargs)
+        if self._caught is not None and len(self._caught) > seen:
+            for w in self._caught[seen:]:
+                if ALERT_MARK in str(w.message):
+                    self.alerts.append(Alert(module, phase, name, str(w.message).split("\n")[0]))
+        fault = self.fault
+        if (
+            fault is not None and fault.phase == phase and not self.recorder.fault_fired
+            and fault.module in ("", module) and op_matches(fault.op, name, phase)
+        ):
+            out = self._perturb(func, args, out)
+        if prefix and self.record:
+            self.recorder.record(op_phase, module, index, f"{prefix}/out", out)
+        if prefix and self.capture == (op_phase, module, index, prefix):
+            self.captured = [t.detach().to("cpu", copy=True) for _, t in iter_tensors(out)]
+        return out
+
+    def _perturb(self, func: Any, args: tuple, out: Any) -> Any:
+        """Plant the fault in the op's first output: 1 ULP for floats, a swap of two
+        different elements for integers (a reordering, as a nondeterministic sort makes)."""
+        for path, tensor in iter_tensors(out):
+            changed = _perturbed(tensor)
+            if changed is None:
+                continue
+            self.recorder.fault_fired = True
+            if func._schema.is_mutable:
+                tensor.copy_(changed)
+                return out
+            return _replace(out, path, changed)
+        return out
+
+
+def _perturbed(t: torch.Tensor) -> torch.Tensor | None:
+    if not t.numel():
+        return None
+    if t.is_floating_point():
+        return next_ulp(t)
+    flat = t.reshape(-1)
+    different = (flat != flat[0]).nonzero()
+    if not len(different):
+        return None
+    j = int(different[0])
+    swapped = flat.clone()
+    swapped[0], swapped[j] = flat[j], flat[0]
+    return swapped.reshape(t.shape)
+
+
+def _replace(out: Any, path: str, value: torch.Tensor) -> Any:
+    """`out` with the tensor at `path` (as iter_tensors names it) replaced."""
+    if not path:
+        return value
+    head, _, rest = path.partition(".")
+    if isinstance(out, (list, tuple)):
+        items = list(out)
+        items[int(head)] = _replace(items[int(head)], rest, value)
+        return type(out)(items) if isinstance(out, list) else tuple(items)
+    if isinstance(out, dict):
+        return {**out, head: _replace(out[head], rest, value)}
+    return out
