@@ -15,6 +15,7 @@ The same mode, with recording off, plants op-level faults and runs the census
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,9 @@ OP_FORWARD, OP_BACKWARD = "op.forward", "op.backward"
 OP_PHASES = (OP_FORWARD, OP_BACKWARD)
 # Ops that only re-label memory or metadata: their outputs are their inputs.
 _PASSTHROUGH = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}
+# Ops whose outputs are uninitialized memory: their bytes are noise until written.
+_UNINITIALIZED = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
+                  "aten.new_empty_strided", "aten.empty_permuted"}
 ALERT_MARK = "does not have a deterministic implementation"
 
 
@@ -97,6 +101,8 @@ class OpRecorder(TorchDispatchMode):
         self.alerts: list[Alert] = []
         self._ops: Counter[tuple[str, str, int]] = Counter()
         self._caught: list[warnings.WarningMessage] | None = None
+        # storage address -> (tensor, version) of outputs of empty(): skipped until written
+        self._fresh: dict[int, tuple[weakref.ref, int]] = {}
 
     def __enter__(self) -> OpRecorder:  # noqa: PYI034
         self._saved_fp = self.recorder.fp
@@ -132,7 +138,10 @@ class OpRecorder(TorchDispatchMode):
             self._ops[(op_phase, module, index)] = k + 1
             prefix = f"op{k}/{name}"
             if self.record:
-                self.recorder.record(op_phase, module, index, f"{prefix}/in", [list(args), kwargs])
+                inputs = [list(args), kwargs]
+                if self._fresh:
+                    inputs = [t for _, t in iter_tensors(inputs) if not self._uninitialized(t)]
+                self.recorder.record(op_phase, module, index, f"{prefix}/in", inputs)
         seen = len(self._caught) if self._caught is not None else 0
         out = func(*args, **kwargs)
         if self._caught is not None and len(self._caught) > seen:
@@ -146,10 +155,25 @@ class OpRecorder(TorchDispatchMode):
         ):
             out = self._perturb(func, args, out)
         if prefix and self.record:
-            self.recorder.record(op_phase, module, index, f"{prefix}/out", out)
+            if name in _UNINITIALIZED:
+                self._remember_uninitialized(out)
+            else:
+                self.recorder.record(op_phase, module, index, f"{prefix}/out", out)
         if prefix and self.capture == (op_phase, module, index, prefix):
             self.captured = [t.detach().to("cpu", copy=True) for _, t in iter_tensors(out)]
         return out
+
+    def _remember_uninitialized(self, out: Any) -> None:
+        for _, t in iter_tensors(out):
+            self._fresh[t.untyped_storage().data_ptr()] = (weakref.ref(t), t._version)
+
+    def _uninitialized(self, t: torch.Tensor) -> bool:
+        """Whether `t` is (a view of) an empty() output not written since."""
+        entry = self._fresh.get(t.untyped_storage().data_ptr())
+        if entry is None:
+            return False
+        tensor = entry[0]()
+        return tensor is not None and tensor._version == entry[1]
 
     def _perturb(self, func: Any, args: tuple, out: Any) -> Any:
         """Plant the fault in the op's first output: 1 ULP for floats, a swap of two
