@@ -18,7 +18,9 @@ CPU_PRESET = {"image_size": 128, "epochs": 2, "steps": 2, "batch_size": 1, "num_
               "repeats": 2}
 CUDA_PRESET = {"image_size": 800, "epochs": 2, "steps": 5, "batch_size": 2, "num_images": 10,
                "repeats": 3}
-_FAULT = re.compile(r"^(?P<module>[^@:]*)(@(?P<phase>forward|backward))?(:(?P<step>\d+))?$")
+_FAULT = re.compile(
+    r"^(?P<module>[^@:/]*)(/(?P<op>[\w.]+))?(@(?P<phase>forward|backward))?(:(?P<step>\d+))?$"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
         "the first divergence: step, epoch, phase, module, origin or propagated, and cause.",
     )
     _add_run_arguments(run)
+    run.add_argument("--nproc", type=int, metavar="N",
+                     help="audit a DDP set-up on N ranks (torch.distributed.run; gloo on CPU, "
+                     "NCCL on CUDA): per-rank traces, cross-rank desync, sampler and seeding checks")
     run.set_defaults(func=cmd_run)
 
     baseline = sub.add_parser(
@@ -131,8 +136,22 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
     p.add_argument("--seed", type=int, default=0, help="seed for every RNG (default: 0)")
     p.add_argument("--deterministic", action="store_true",
                    help="turn PyTorch's deterministic settings on for the run, to compare")
-    p.add_argument("--inject-fault", metavar="MODULE[@forward|@backward][:STEP]",
-                   help="plant a 1-ULP change at MODULE in the last repeat (default: forward, step 0)")
+    p.add_argument("--inject-fault", metavar="MODULE[/OP][@forward|@backward][:STEP]",
+                   help="plant a 1-ULP change at MODULE in the last repeat (default: forward, "
+                   "step 0); with /OP (e.g. roi_heads.box_roi_pool/torchvision.roi_align@backward:1, "
+                   "or op:torchvision.nms for any module) inside that op: 1 ULP in its first float "
+                   "output (its backward op in backward), a swap of two elements in an integer one")
+    p.add_argument("--granularity", choices=("module", "op"), default="module",
+                   help="module: hooks per module call (default); op: every aten/torchvision op of "
+                   "every step too (much slower, for short runs)")
+    p.add_argument("--no-drill-down", dest="drill_down", action="store_false",
+                   help="after a divergence, do not replay the first divergent step op by op")
+    p.add_argument("--census", action="store_true",
+                   help="also list the known-nondeterministic ops the model runs (one step) and "
+                   "the alerts raised under use_deterministic_algorithms(True, warn_only=True)")
+    p.add_argument("--verify-fix", action="store_true",
+                   help="re-run with PyTorch's deterministic settings: deterministic now? at what "
+                   "step-time and peak-memory cost?")
     p.add_argument("--isolation", choices=("inprocess", "process"), default="inprocess",
                    help="process: each repeat in a fresh interpreter (catches PYTHONHASHSEED and "
                    "leftover global state); default: inprocess")
@@ -168,18 +187,28 @@ def parse_fault(text: str | None):
 
     if not text:
         return None
+    if text.startswith("op:"):
+        text = "/" + text[3:]
     m = _FAULT.match(text)
-    if not m or not m.group("module"):
-        raise DetauditError(f"--inject-fault {text!r} is not MODULE[@forward|@backward][:STEP]")
-    return Fault(m.group("module"), m.group("phase") or "forward", int(m.group("step") or 0))
+    if not m or not (m.group("module") or m.group("op")):
+        raise DetauditError(
+            f"--inject-fault {text!r} is not MODULE[/OP][@forward|@backward][:STEP] or op:OP[...]"
+        )
+    return Fault(m.group("module"), m.group("phase") or "forward", int(m.group("step") or 0),
+                 m.group("op"))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`detaudit run`."""
     spec, config, preset_text = _run_setup(args)
     out = Path(args.out) if args.out else _default_folder(spec["name"])
+    if args.nproc is not None:
+        from .cli_distributed import run_command
+
+        return run_command(args, spec, config, out, preset_text, _reproduce_command(args))
     traces, timings = _run(spec, config, out, args)
-    summary = _finish(args, spec, config, out, traces, timings, preset_text)
+    extra = _investigate(args, spec, config, traces, timings)
+    summary = _finish(args, spec, config, out, traces, timings, preset_text, extra)
     if args.junit:
         from .junit import JUnitCase, write_junit
         from .report import render_console
@@ -268,7 +297,7 @@ def _run_setup(args: argparse.Namespace):
     config = AuditConfig(
         repeats=pick("repeats"), epochs=pick("epochs"), steps=pick("steps"), mode=args.mode,
         device=str(device), seed=args.seed, deterministic=args.deterministic,
-        fault=parse_fault(args.inject_fault),
+        fault=parse_fault(args.inject_fault), granularity=getattr(args, "granularity", "module"),
     )
     spec = _probe_spec(args, preset)
     args.banner = f"{spec['name']} on {device}, threads={torch.get_num_threads()}"
@@ -333,7 +362,34 @@ def _run(spec: dict[str, Any], config: Any, out: Path, args: argparse.Namespace)
         bar.close()
 
 
-def _finish(args, spec, config, out: Path, traces, timings, preset_text: str) -> dict[str, Any]:
+def _investigate(args, spec, config, traces, timings) -> dict[str, Any]:
+    """The op drill-down, census and fix verification asked for (all in this process)."""
+    from .compare import compare
+    from .investigate import investigate
+    from .loading import make_factory
+
+    comparison = compare(traces)
+    wanted = {"ops": args.drill_down and comparison.first_step is not None,
+              "census": args.census, "verify": args.verify_fix}
+    if not any(wanted.values()):
+        return {}
+    names = {"ops": "op-level replay of the first divergent step", "census": "census",
+             "verify": "fix verification"}
+    quiet = args.quiet or args.json
+
+    def on_stage(name: str) -> None:
+        if not quiet:
+            print(f"detaudit: {names[name]} ...", file=sys.stderr)
+
+    return investigate(
+        make_factory(spec), config, comparison, timings, ops=wanted["ops"],
+        census=wanted["census"], verify=wanted["verify"], probe_info=spec,
+        traces=traces, on_stage=on_stage,
+    )
+
+
+def _finish(args, spec, config, out: Path, traces, timings, preset_text: str,
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Save run.json and the reports, print the summary; return the summary."""
     from dataclasses import asdict
 
@@ -344,7 +400,7 @@ def _finish(args, spec, config, out: Path, traces, timings, preset_text: str) ->
     info = RunInfo(
         probe={**spec, "preset": preset_text}, config=config.to_dict(),
         command=_reproduce_command(args), traces=[f"trace-{t.repeat}.json.gz" for t in traces],
-        timings=[asdict(t) for t in timings],
+        timings=[asdict(t) for t in timings], extra=extra or {},
     )
     save_run(out, info)
     summary = summarize(info, compare(traces), traces)

@@ -17,6 +17,7 @@ import torch
 from .compare import ORIGIN, Comparison, OpFinding, compare_ops
 from .knowledge import lookup
 from .runner import AuditConfig, OpPlan, ProbeFactory, run_repeat
+from .trace import Trace
 
 MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
 _INT_OF_FLOAT = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
@@ -25,17 +26,19 @@ _INT_OF_FLOAT = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
 
 def drill_down(
     factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
-    probe_info: dict[str, Any] | None = None,
+    probe_info: dict[str, Any] | None = None, traces: list[Trace] | None = None,
 ) -> dict[str, Any] | None:
     """Plain data for the report: the differing ops of the first divergent step, the
-    measured difference of the first origin op, and what is known about it."""
+    measured difference of the first origin op, and what is known about it. `traces`
+    that already hold op-level records (``granularity="op"``) spare the replay."""
     step = comparison.first_step
     if step is None:
         return None
     config = replace(config, granularity="module")
-    plan = OpPlan(steps=frozenset({step}), last_step=step)
-    traces = [run_repeat(factory, config, r, probe_info, ops=plan)[0]
-              for r in range(config.repeats)]
+    if traces is None:
+        plan = OpPlan(steps=frozenset({step}), last_step=step)
+        traces = [run_repeat(factory, config, r, probe_info, ops=plan)[0]
+                  for r in range(config.repeats)]
     findings = [f for f in compare_ops(traces) if f.step == step]
     origins = [f for f in findings if f.role == ORIGIN]
     out: dict[str, Any] = {

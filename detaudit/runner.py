@@ -118,8 +118,10 @@ def deterministic_settings(enabled: bool) -> Iterator[None]:
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
         os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        torch.utils.deterministic.fill_uninitialized_memory,
     )
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
@@ -127,6 +129,7 @@ def deterministic_settings(enabled: bool) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+        torch.utils.deterministic.fill_uninitialized_memory = saved[5]
         if saved[4] is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 

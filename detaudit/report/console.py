@@ -42,6 +42,7 @@ def render_console(summary: dict[str, Any]) -> str:
                 f"control flow forked at step {f['step']}: {f['module'] or '(model)'} {f['slot']} "
                 f"is missing in {f['missing']} repeat(s)"
             )
+    lines.extend(_op_lines(summary))
     loss = summary["loss"]
     if loss["per_epoch"]:
         lines.append("")
@@ -61,8 +62,61 @@ def render_console(summary: dict[str, Any]) -> str:
             f"parameters diverged from step {summary['param_drift_step']} while the loss stayed "
             "bit-identical: the loss alone hides this"
         )
+    lines.extend(_census_lines(summary))
+    lines.extend(_verify_lines(summary.get("extra", {}).get("verify")))
     for repeat, message in summary.get("failures", {}).items():
         lines.append(f"repeat {repeat} failed: {message}")
     if summary.get("env_differences"):
         lines.append("environment differs between traces: " + ", ".join(summary["env_differences"]))
     return "\n".join(lines)
+
+
+def _op_lines(summary: dict[str, Any]) -> list[str]:
+    """The op the drill-down named, how much it differs, and what is known about it."""
+    ops = summary.get("ops") or []
+    drill = summary.get("op_drill_down") or {}
+    if drill.get("error"):
+        return ["", f"op-level replay failed: {drill['error']}"]
+    if drill and not drill.get("reproduced"):
+        return ["", "op-level replay did not reproduce the divergence (intermittent)"]
+    if not ops or ops[0].get("role") != "origin":
+        return []
+    o = ops[0]
+    lines = ["", f"op: {o['op']} in {o['module']} ({o['phase']}), inputs equal, outputs differ"]
+    if o.get("elements") is not None:
+        lines.append(
+            f"    {o['elements']} of {o['of']} elements differ; max |Δ| {_g(o.get('max_abs_diff'))}, "
+            f"max ULP {_g(o.get('max_ulp'))}, relative error {_g(o.get('rel_error'))}"
+        )
+    for k in summary.get("knowledge") or []:
+        lines.append(f"    known: {k['what']} -- {k['why']}")
+        lines.append(f"    fix: {k['remedy']}")
+    return lines
+
+
+def _census_lines(summary: dict[str, Any]) -> list[str]:
+    census, alerts = summary.get("census") or [], summary.get("census_alerts") or []
+    if not census and not alerts:
+        return []
+    lines = ["", "census: known-nondeterministic ops this model runs on this device (one step)"]
+    if census:
+        lines.append(tabulate([(c["module"], c["phase"], c["op"], c["count"]) for c in census[:12]],
+                              headers=["module", "phase", "op", "count"]))
+        if len(census) > 12:
+            lines.append(f"... {len(census) - 12} more in the report")
+    for a in alerts[:8]:
+        lines.append(f"alert in {a['module']} ({a['op']}): {a['message']}")
+    return lines
+
+
+def _verify_lines(verify: dict[str, Any] | None) -> list[str]:
+    if not verify:
+        return []
+    if verify.get("error"):
+        return ["", f"fix verification failed: {verify['error']}"]
+    return ["", f"fix: {verify['headline']}; step time {_g(verify.get('step_time_ratio'))}x, "
+            f"peak memory {_g(verify.get('peak_memory_ratio'))}x the original"]
+
+
+def _g(value: Any) -> str:
+    return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -68,7 +68,8 @@ def sections(summary: dict[str, Any], limits: dict[str, int] | None = None) -> l
     """The report's sections in the order a reader needs them; `limits` caps tables by key."""
     limits = limits or {}
     builders = (
-        _verdict, _reproduce, _failures, _first, _cause, _loss, _size, _census, _verify, _map, _env,
+        _verdict, _reproduce, _failures, _ranks, _first, _cause, _loss, _size, _census, _verify,
+        _map, _env,
     )
     found = [build(summary) for build in builders]
     out = [s for s in found if s is not None and s.blocks]
@@ -186,6 +187,14 @@ def _failures(s: dict[str, Any]) -> Section | None:
     return Section("failures", "Failed repeats", [table])
 
 
+def _ranks(s: dict[str, Any]) -> Section | None:
+    if not s.get("ranks"):
+        return None
+    from .ranks import ranks_section  # it builds on this module's blocks
+
+    return ranks_section(s)
+
+
 def _first(s: dict[str, Any]) -> Section | None:
     first = s.get("first_divergence")
     if not first:
@@ -214,11 +223,21 @@ def _first(s: dict[str, Any]) -> Section | None:
         blocks.append(origins)
     ops = s.get("ops")
     if ops:
-        headers = ["op", "module", "phase", "role", "elements", "max |Δ|", "max ULP"]
-        keys = ("op", "module", "phase", "role", "elements", "max_abs_diff", "max_ulp")
+        headers = ["op", "module", "phase", "role", "elements differing", "max |Δ|", "max ULP",
+                   "relative error"]
+        keys = ("op", "module", "phase", "role", "elements", "max_abs_diff", "max_ulp",
+                "rel_error")
         blocks.append(Table(
-            "ops of the first divergent step", headers,
-            [[num(o.get(k)) for k in keys] for o in ops], key="ops", fold=True,
+            "ops of the first divergent step (op-level replay)", headers,
+            [[num(o.get(k)) for k in keys] for o in ops], key="ops", fold=len(ops) > 10,
+        ))
+    drill = s.get("op_drill_down") or {}
+    if drill.get("error"):
+        blocks.append(Text(f"The op-level replay failed: {drill['error']}"))
+    elif drill and not drill.get("reproduced"):
+        blocks.append(Text(
+            f"The op-level replay of step {drill.get('step')} did not reproduce the divergence: "
+            "it is intermittent; run again, or with more --repeats."
         ))
     return Section("first", "First divergence", blocks)
 
@@ -328,24 +347,56 @@ def _rel(a: float | None, b: float | None) -> float | None:
 
 def _census(s: dict[str, Any]) -> Section | None:
     census = s.get("census") or []
-    if not census:
+    alerts = s.get("census_alerts") or []
+    if not census and not alerts:
         return None
-    rows = [[num(c.get("module")), num(c.get("op")), num(c.get("count"))] for c in census]
-    return Section("census", "Census", [
-        Table("ops per module", ["module", "op", "count"], rows, key="census", fold=len(rows) > 10),
-    ])
+    blocks: list[Block] = [Text(
+        "Known-nondeterministic ops your model ran on this device in one step (whether or not "
+        "the repeats happened to agree), and the alerts raised under "
+        "torch.use_deterministic_algorithms(True, warn_only=True)."
+    )]
+    if census:
+        rows = [[num(c.get("module")), num(c.get("phase")), num(c.get("op")), num(c.get("count")),
+                 num(c.get("what"))] for c in census]
+        blocks.append(Table("known-nondeterministic ops per module",
+                            ["module", "phase", "op", "count", "what"], rows, key="census",
+                            fold=len(rows) > 10))
+    if alerts:
+        rows = [[num(a.get("module")), num(a.get("phase")), num(a.get("op")),
+                 num(a.get("message"))] for a in alerts]
+        blocks.append(Table("deterministic-algorithms alerts", ["module", "phase", "op", "message"],
+                            rows, key="alerts", fold=len(rows) > 10))
+    return Section("census", "Census", blocks)
 
 
 def _verify(s: dict[str, Any]) -> Section | None:
     verify = (s.get("extra") or {}).get("verify")
     if not verify:
         return None
+    if verify.get("error"):
+        return Section("verify", "Fix verification", [Text(f"failed: {verify['error']}")])
+    seconds = verify.get("step_seconds") or {}
+    peaks = verify.get("peak_bytes") or {}
     rows = [
         ["deterministic with the fix", num(verify.get("deterministic"))],
-        ["step time", f"{num(verify.get('step_time_ratio'), 3)}× the original"],
-        ["peak memory", f"{num(verify.get('peak_memory_ratio'), 3)}× the original"],
+        ["step time", f"{num(verify.get('step_time_ratio'), 3)}× the original "
+         f"({num(seconds.get('fixed'), 3)} s vs {num(seconds.get('original'), 3)} s per step)"],
+        ["peak memory", f"{num(verify.get('peak_memory_ratio'), 3)}× the original "
+         f"({_mib(peaks.get('fixed'))} vs {_mib(peaks.get('original'))} MiB, "
+         f"{verify.get('peak_memory_kind', '')})"],
     ]
-    return Section("verify", "Fix verification", [Table("", ["", ""], rows)])
+    blocks: list[Block] = [Text(str(verify.get("headline", ""))), Table("", ["", ""], rows)]
+    if verify.get("remedies"):
+        blocks.append(Code("\n".join(verify["remedies"])))
+    if verify.get("code"):
+        blocks.append(Code(verify["code"]))
+    if verify.get("planted_fault_dropped"):
+        blocks.append(Text("The planted fault was left out of the fixed run (it is not a bug to fix)."))
+    return Section("verify", "Fix verification", blocks)
+
+
+def _mib(value: Any) -> str:
+    return "?" if value is None else f"{value / 2**20:.0f}"
 
 
 def _map(s: dict[str, Any]) -> Section | None:

@@ -11,6 +11,7 @@ from typing import Any
 from ..compare import ORIGIN, Comparison, RecordDiff
 from ..runfolder import RunInfo
 from ..trace import Trace
+from .ranks import with_ranks
 
 SUMMARY_SCHEMA = 1
 MAP_LIMIT = 4000  # module x step cells kept for the divergence map
@@ -26,10 +27,13 @@ def summarize(info: RunInfo, comparison: Comparison, traces: list[Trace]) -> dic
     loss_hidden = (
         c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
     )
-    return {
+    extra = info.extra or {}
+    ops = extra.get("ops") or {}
+    census = extra.get("census") or {}
+    summary = {
         "schema": SUMMARY_SCHEMA,
         "verdict": verdict,
-        "headline": _headline(verdict, c, first, loss_hidden),
+        "headline": _headline(verdict, c, first, loss_hidden, ops),
         "probe": info.probe,
         "command": info.command,
         "config": info.config,
@@ -78,8 +82,16 @@ def summarize(info: RunInfo, comparison: Comparison, traces: list[Trace]) -> dic
         "failures": {str(k): v for k, v in c.failures.items()},
         "env": traces[0].env if traces else {},
         "env_differences": _env_differences(traces),
-        "extra": info.extra,
+        "extra": extra,
+        "ops": ops.get("ops") or [],
+        "op_drill_down": {k: v for k, v in ops.items() if k not in ("ops", "knowledge")},
+        "knowledge": ops.get("knowledge") or [],
+        "census": census.get("ops") or [],
+        "census_alerts": census.get("alerts") or [],
     }
+    if info.extra.get("ranks"):  # a distributed audit: its ranks side by side
+        summary = with_ranks(summary, info.extra["ranks"])
+    return summary
 
 
 def _epoch(c: Comparison, step: int | None) -> int | None:
@@ -116,7 +128,10 @@ def _first_divergence(c: Comparison) -> dict[str, Any] | None:
     }
 
 
-def _headline(verdict: str, c: Comparison, first: dict[str, Any] | None, hidden: bool) -> str:
+def _headline(
+    verdict: str, c: Comparison, first: dict[str, Any] | None, hidden: bool,
+    ops: dict[str, Any],
+) -> str:
     if verdict == "failed":
         return f"FAILED: {len(c.failures)} of {c.repeats} repeats did not finish"
     if first is None:
@@ -126,6 +141,9 @@ def _headline(verdict: str, c: Comparison, first: dict[str, Any] | None, hidden:
         f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "
         f"{where} ({first['role']}); cause: {c.cause}"
     )
+    origin_op = (ops.get("ops") or [{}])[0]
+    if origin_op.get("role") == ORIGIN:
+        text += f"; op: {origin_op['op']} in {origin_op['module']}"
     if hidden:
         text += "; the loss stayed bit-identical while parameters diverged"
     return text

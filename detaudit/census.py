@@ -1,0 +1,51 @@
+"""The census: which known-nondeterministic ops the model runs, where, and how often.
+
+Two one-step runs of the probe (same seed, no planted fault), op by op:
+
+1. as configured: every op counted per module and phase; those the knowledge table lists
+   as nondeterministic on this device are reported, even when the repeats agreed;
+2. under ``torch.use_deterministic_algorithms(True, warn_only=True)``: every alert PyTorch
+   raises (``<op> does not have a deterministic implementation ...``) is captured, not
+   deduplicated, with the op and module that raised it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .knowledge import is_known, lookup
+from .runner import AuditConfig, OpPlan, ProbeFactory, run_repeat
+
+
+def take_census(
+    factory: ProbeFactory, config: AuditConfig, probe_info: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Plain data for the report: known-nondeterministic ops per module, and the alerts."""
+    config = replace(config, fault=None, granularity="module", repeats=1)
+    device = str(torch.device(config.device))
+    counts: Counter[tuple[str, str, str]] = Counter()
+    for mode in _one_step(factory, config, probe_info):
+        counts.update(mode.counts)
+    ops = [
+        {"module": module or "(model)", "phase": phase, "op": op, "count": n,
+         "what": lookup(op, phase, device)[0].what}
+        for (module, phase, op), n in sorted(counts.items())
+        if is_known(op, phase, device)
+    ]
+    alerts = [
+        {"module": a.module or "(model)", "phase": a.phase, "op": a.op, "message": a.message}
+        for mode in _one_step(factory, replace(config, deterministic=True), probe_info)
+        for a in mode.alerts
+    ]
+    return {"device": device, "ops": ops, "alerts": alerts,
+            "ops_seen": sum(counts.values())}
+
+
+def _one_step(factory: ProbeFactory, config: AuditConfig, probe_info: dict[str, Any] | None):
+    plan = OpPlan(last_step=0, census=True)
+    run_repeat(factory, config, 0, probe_info, ops=plan)
+    return plan.modes

@@ -1,0 +1,89 @@
+"""Fix verification: re-run the audit with the remedies applied and measure their cost.
+
+The remedies are PyTorch's deterministic settings (see
+:func:`detaudit.runner.deterministic_settings`): deterministic algorithms,
+``cudnn.benchmark=False`` / ``cudnn.deterministic=True``, ``CUBLAS_WORKSPACE_CONFIG``
+on CUDA, and filling uninitialized memory. Data-loader seeding cannot be applied to a
+user's loader from outside; when the cause is data it is offered as code instead.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+
+from .compare import compare
+from .runner import AuditConfig, ProbeFactory, RepeatTiming, run_repeat
+
+SEEDING_CODE = (
+    "detaudit.seed_everything(seed, workers=True)\n"
+    "loader = DataLoader(dataset, ..., **detaudit.seeded_loader_kwargs(seed, rank))"
+)
+
+
+def applied_remedies(device: str) -> list[str]:
+    """What the fixed run changes, in words."""
+    remedies = [
+        "torch.use_deterministic_algorithms(True, warn_only=True)",
+        "torch.utils.deterministic.fill_uninitialized_memory = True",
+    ]
+    if torch.device(device).type == "cuda":
+        remedies += [
+            "torch.backends.cudnn.benchmark = False",
+            "torch.backends.cudnn.deterministic = True",
+            "CUBLAS_WORKSPACE_CONFIG=:4096:8",
+        ]
+    return remedies
+
+
+def verify_fix(
+    factory: ProbeFactory, config: AuditConfig, original: list[RepeatTiming], cause: str,
+    probe_info: dict[str, Any] | None = None,
+    on_step: Callable[[int, int, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the same audit with the remedies; say whether it is deterministic now and what
+    it cost: step time and peak memory as ratios of the original run's."""
+    fixed_config = replace(config, deterministic=True, fault=None, granularity="module")
+    runs = [
+        run_repeat(factory, fixed_config, r, probe_info,
+                   (lambda e, i, s, r=r: on_step(r, e, i, s)) if on_step else None)
+        for r in range(config.repeats)
+    ]
+    comparison = compare([trace for trace, _ in runs])
+    timings = [timing for _, timing in runs]
+    time_ratio = _ratio(_step_seconds(timings), _step_seconds(original))
+    memory_ratio = _ratio(_peak(timings), _peak(original))
+    return {
+        "deterministic": comparison.deterministic,
+        "headline": "deterministic with the fix" if comparison.deterministic else
+        f"still divergent with the fix: first at step {comparison.first_step}, "
+        f"cause {comparison.cause}",
+        "remedies": applied_remedies(config.device),
+        "code": SEEDING_CODE if cause == "data" else None,
+        "planted_fault_dropped": config.fault is not None,
+        "step_time_ratio": time_ratio,
+        "peak_memory_ratio": memory_ratio,
+        "step_seconds": {"original": _step_seconds(original),
+                         "fixed": _step_seconds(timings)},
+        "peak_bytes": {"original": _peak(original), "fixed": _peak(timings)},
+        "peak_memory_kind": "cuda max_memory_allocated" if torch.device(config.device).type
+        == "cuda" else "process peak RSS",
+    }
+
+
+def _step_seconds(timings: list[RepeatTiming]) -> float | None:
+    """Median seconds per step over the repeats."""
+    per_step = [t.seconds / t.steps for t in timings if t.steps]
+    return statistics.median(per_step) if per_step else None
+
+
+def _peak(timings: list[RepeatTiming]) -> int | None:
+    peaks = [t.peak_bytes for t in timings if t.peak_bytes is not None]
+    return max(peaks) if peaks else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None

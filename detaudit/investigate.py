@@ -1,0 +1,49 @@
+"""After the module-level audit: the op drill-down, the census and the fix verification.
+
+Each step is optional and self-contained; a failure in one is reported in its place and
+never loses the audit that came before it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .census import take_census
+from .compare import Comparison
+from .drilldown import drill_down
+from .errors import DetauditError
+from .fixes import verify_fix
+from .runner import AuditConfig, ProbeFactory, RepeatTiming, describe_user_error
+from .trace import Trace
+
+
+def investigate(
+    factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
+    timings: list[RepeatTiming], *, ops: bool = True, census: bool = False,
+    verify: bool = False, probe_info: dict[str, Any] | None = None,
+    traces: list[Trace] | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Plain data under the keys ``ops``, ``census`` and ``verify`` (those asked for).
+    `traces` recorded at op granularity are used for the drill-down without a replay."""
+    stages: list[tuple[str, Callable[[], Any]]] = []
+    if ops and comparison.first_step is not None and not comparison.failures:
+        stages.append(("ops", lambda: drill_down(
+            factory, config, comparison, probe_info,
+            traces if config.granularity == "op" else None)))
+    if census:
+        stages.append(("census", lambda: take_census(factory, config, probe_info)))
+    if verify:
+        stages.append(("verify", lambda: verify_fix(
+            factory, config, timings, comparison.cause, probe_info)))
+    out: dict[str, Any] = {}
+    for name, run in stages:
+        if on_stage:
+            on_stage(name)
+        try:
+            out[name] = run()
+        except DetauditError as exc:
+            out[name] = {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 -- the user's code failed in a replay
+            out[name] = {"error": describe_user_error(exc, f"the {name} run")}
+    return out
