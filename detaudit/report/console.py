@@ -114,8 +114,8 @@ def _verify_lines(verify: dict[str, Any] | None) -> list[str]:
         return []
     if verify.get("error"):
         return ["", f"fix verification failed: {verify['error']}"]
-    return ["", f"fix: {verify['headline']}; step time {_g(verify.get('step_time_ratio'))}x, "
-            f"peak memory {_g(verify.get('peak_memory_ratio'))}x the original"]
+    return ["", (f"fix: {verify['headline']}; step time {_g(verify.get('step_time_ratio'))}x, "
+            f"peak memory {_g(verify.get('peak_memory_ratio'))}x the original")]
 
 
 def _g(value: Any) -> str:

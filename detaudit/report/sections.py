@@ -379,11 +379,11 @@ def _verify(s: dict[str, Any]) -> Section | None:
     peaks = verify.get("peak_bytes") or {}
     rows = [
         ["deterministic with the fix", num(verify.get("deterministic"))],
-        ["step time", f"{num(verify.get('step_time_ratio'), 3)}× the original "
-         f"({num(seconds.get('fixed'), 3)} s vs {num(seconds.get('original'), 3)} s per step)"],
-        ["peak memory", f"{num(verify.get('peak_memory_ratio'), 3)}× the original "
+        ["step time", (f"{num(verify.get('step_time_ratio'), 3)}× the original "
+         f"({num(seconds.get('fixed'), 3)} s vs {num(seconds.get('original'), 3)} s per step)")],
+        ["peak memory", (f"{num(verify.get('peak_memory_ratio'), 3)}× the original "
          f"({_mib(peaks.get('fixed'))} vs {_mib(peaks.get('original'))} MiB, "
-         f"{verify.get('peak_memory_kind', '')})"],
+         f"{verify.get('peak_memory_kind', '')})")],
     ]
     blocks: list[Block] = [Text(str(verify.get("headline", ""))), Table("", ["", ""], rows)]
     if verify.get("remedies"):
