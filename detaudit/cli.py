@@ -99,7 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the built-in probes and what each audits")
     models.set_defaults(func=cmd_models)
 
-    env = sub.add_parser("env", help="print the determinism-relevant environment")
+    env = sub.add_parser(
+        "env", help="print the determinism-relevant environment and flag risky settings",
+        description="Versions, devices, threads, cuDNN flags, deterministic-algorithms mode, "
+        "CUBLAS_WORKSPACE_CONFIG and PYTHONHASHSEED, each risky one flagged with the reason.",
+    )
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(func=cmd_env)
 
@@ -441,13 +445,16 @@ def cmd_env(args: argparse.Namespace) -> int:
     """`detaudit env`."""
     from tabulate import tabulate
 
-    from .environment import capture_environment
+    from .environment import capture_environment, risks
 
     env = capture_environment()
+    flagged = risks(env)
     if args.json:
-        print(json.dumps(env, indent=1, sort_keys=True))
+        print(json.dumps({"env": env, "risks": flagged}, indent=1, sort_keys=True))
     else:
-        print(tabulate(sorted(env.items()), headers=["setting", "value"]))
+        rows = [(k, v, "RISK: " + flagged[k] if k in flagged else "") for k, v in sorted(env.items())]
+        print(tabulate(rows, headers=["setting", "value", "risk"], maxcolwidths=[None, 40, 70]))
+        print(f"\n{len(flagged)} risky setting(s)" if flagged else "\nno risky settings")
     return EXIT_OK
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -9,11 +10,20 @@ import numpy as np
 import torch
 
 
-def seed_everything(seed: int) -> None:
-    """Seed python `random`, numpy's global RNG, torch CPU and every CUDA device."""
+def seed_everything(seed: int, workers: bool = False) -> None:
+    """Seed python `random`, numpy's global RNG, torch CPU and every CUDA device.
+
+    With `workers`, also export ``PYTHONHASHSEED`` (unless already set) so that processes
+    started from here -- spawned DataLoader workers, subprocesses -- hash strings the same
+    way every run; the current process's hash seed is fixed at its start and cannot be
+    changed. Pass :func:`seeded_loader_kwargs` to each DataLoader so that its shuffling and
+    each worker's numpy / ``random`` streams are seeded too (distinct per rank).
+    """
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
+    if workers:
+        os.environ.setdefault("PYTHONHASHSEED", str(seed))
 
 
 def seed_worker(worker_id: int) -> None:
