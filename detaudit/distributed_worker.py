@@ -1,0 +1,112 @@
+"""One rank of a distributed audit, started by ``torch.distributed.run``.
+
+Run as ``python -m torch.distributed.run ... -m detaudit.distributed_worker JOB``. Each rank
+runs the job's repeats with the usual runner and writes ``trace-r<rank>-<repeat>.json.gz``
+as each repeat ends, then a status file ``rank-<rank>.json``: done, failed (a step raised;
+the rank stops so that no other rank waits on it) or error (bad input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import DetauditError
+from .loading import make_factory
+from .rankprobe import RankWatch, is_rank_aware, prepare_rank_probe
+from .runner import AuditConfig, run_repeat
+
+PROGRESS = "detaudit-progress"
+
+
+def trace_name(rank: int, repeat: int) -> str:
+    """The file name of one rank's trace of one repeat."""
+    return f"trace-r{rank}-{repeat}.json.gz"
+
+
+def status_path(folder: Path, rank: int) -> Path:
+    """Where a rank writes how it ended."""
+    return folder / f"rank-{rank}.json"
+
+
+def write_status(folder: Path, rank: int, state: str, repeat: int | None, message: str) -> None:
+    """Write the rank's status once: the first way a rank ends is the one that counts."""
+    try:
+        with open(status_path(folder, rank), "x") as file:
+            json.dump({"state": state, "repeat": repeat, "message": message,
+                       "time": time.time()}, file)
+    except FileExistsError:
+        pass
+
+
+def main(job_path: str) -> int:
+    """Run this rank's repeats of the job."""
+    job = json.loads(Path(job_path).read_text())
+    folder = Path(job["folder"])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    config = AuditConfig.from_dict(job["config"])
+    if config.device.startswith("cuda"):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    config = dataclasses.replace(config, device=str(device))
+    current: dict[str, Any] = {"repeat": None}
+
+    def terminated(signum: int, frame: Any) -> None:
+        write_status(folder, rank, "terminated", current["repeat"], "stopped by the launcher")
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+    dist.init_process_group(backend)
+    try:
+        fn = make_factory(job["spec"])
+        rank_aware = is_rank_aware(fn)
+    except DetauditError as exc:
+        write_status(folder, rank, "error", None, str(exc))
+        return 2
+    for repeat in job["repeats"]:
+        current["repeat"] = repeat
+        watch = RankWatch(rank, world_size, backend)
+
+        def factory(dev: torch.device, watch: RankWatch = watch) -> Any:
+            probe = fn(dev, rank, world_size) if rank_aware else fn(dev)
+            return prepare_rank_probe(probe, dev, watch, config.seed, rank_aware)
+
+        def on_step(epoch: int, index: int, step: int, repeat: int = repeat) -> None:
+            if rank == 0:
+                print(f"{PROGRESS} {repeat} {epoch} {step}", flush=True)
+
+        try:
+            trace, timing = run_repeat(factory, config, repeat, job["spec"], on_step)
+        except DetauditError as exc:
+            write_status(folder, rank, "error", repeat, str(exc))
+            return 2
+        if trace.failure:
+            write_status(folder, rank, "failed", repeat, trace.failure)
+        trace.probe["distributed"] = watch.to_dict()
+        trace.save(folder / trace_name(rank, repeat))
+        timing_file = folder / f"timing-r{rank}-{repeat}.json"
+        timing_file.write_text(json.dumps({**dataclasses.asdict(timing), "rank": rank}))
+        if trace.failure:
+            return 1
+    write_status(folder, rank, "done", None, "")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # everything is written: skip the seconds of tearing torch down per rank

@@ -1,0 +1,455 @@
+"""Cross-rank checks of a distributed audit, from saved traces only (no model needed).
+
+Every rank's traces are compared run to run as usual (:func:`compare_ranks`); then the
+traces of one repeat are compared across ranks (:func:`analyse`): parameters and
+all-reduced gradients must be identical on every rank, data shards disjoint within an
+epoch and reordered between epochs, randomness distinct per rank where it feeds
+augmentation or module draws, and equal where it builds the model. The result is plain
+data; epochs in it are 1-based and steps 0-based global step numbers, as in the summary.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any, Callable
+
+from .compare import ORIGIN, Comparison, compare
+from .recorder import BACKWARD, FORWARD, GRAD, OPTIMIZER, STATE
+from .trace import Trace
+
+OK, FLAGGED, NOT_CHECKED = "ok", "flagged", "not checked"
+EXAMPLES = 5  # shared sample indices listed in a finding
+RankTraces = list[tuple[int, Trace]]  # (rank, trace) of one repeat, by rank
+CheckResult = tuple[str, str, list[dict[str, Any]]]  # status, detail, findings
+
+
+def compare_ranks(traces_by_rank: dict[int, list[Trace]]) -> dict[int, Comparison]:
+    """The run-to-run comparison of each rank's finished repeats; failed ones are listed."""
+    out = {}
+    for rank, traces in sorted(traces_by_rank.items()):
+        comparison = compare(finished(traces))
+        comparison.failures.update({t.repeat: t.failure for t in traces if t.failure})
+        out[rank] = comparison
+    return out
+
+
+def finished(traces: list[Trace]) -> list[Trace]:
+    """The repeats that ran to the end (all of them when none did)."""
+    return [t for t in traces if not t.failure] or traces
+
+
+def analyse(
+    traces_by_rank: dict[int, list[Trace]],
+    comparisons: dict[int, Comparison],
+    crash: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Per-rank verdicts side by side and every cross-rank check, as plain data."""
+    ranks = sorted(traces_by_rank)
+    rows = [_rank_row(rank, comparisons[rank]) for rank in ranks]
+    _mark_all_reduce(rows, comparisons)
+    repeats = min(len(traces) for traces in traces_by_rank.values())
+    checks = []
+    for key, title, check in CHECKS:
+        results = [check([(r, traces_by_rank[r][k]) for r in ranks]) for k in range(repeats)]
+        checks.append(_merge(key, title, results))
+    first_trace = traces_by_rank[ranks[0]][0]
+    return {
+        "world_size": len(ranks),
+        "backend": first_trace.probe.get("distributed", {}).get("backend"),
+        "primary_rank": _primary(rows),
+        "per_rank": rows,
+        "checks": checks,
+        "flagged": [c["key"] for c in checks if c["status"] == FLAGGED],
+        "crash": crash,
+    }
+
+
+# -- per-rank comparisons ------------------------------------------------------------------
+
+
+def _rank_row(rank: int, c: Comparison) -> dict[str, Any]:
+    verdict = "failed" if c.failures and c.first_step is None else (
+        "deterministic" if c.deterministic else "divergent"
+    )
+    row: dict[str, Any] = {
+        "rank": rank, "verdict": verdict, "repeats": c.repeats, "first_step": c.first_step,
+        "first_epoch": _one_based(c.first_epoch), "phase": None, "module": None, "role": None,
+        "cause": c.cause, "source": None,
+        "failures": {str(k): v for k, v in c.failures.items()},
+    }
+    if c.first_step is not None:
+        origin = c.origins[0] if c.origins else None
+        first = c.first_diffs[0]
+        row.update(
+            phase=origin.phase if origin else first.phase,
+            module=origin.module if origin else first.module,
+            role=ORIGIN if origin else "first record", source="local",
+        )
+    return row
+
+
+def _mark_all_reduce(rows: list[dict[str, Any]], comparisons: dict[int, Comparison]) -> None:
+    """A rank whose first difference is in its all-reduced gradients, while its own forward
+    and backward agree run to run, got the difference from a rank where it started."""
+    for row in rows:
+        step = row["first_step"]
+        if step is None:
+            continue
+        local = {d.phase for d in comparisons[row["rank"]].first_diffs}
+        if local & {FORWARD, BACKWARD} or GRAD not in local:
+            continue
+        senders = [
+            other["rank"] for other in rows if other is not row and any(
+                f.step == step and f.role == ORIGIN and f.phase in (FORWARD, BACKWARD)
+                for f in comparisons[other["rank"]].findings
+            )
+        ]
+        if senders:
+            row["source"] = f"all-reduce (from rank {_join(senders)})"
+
+
+def _primary(rows: list[dict[str, Any]]) -> int:
+    """The rank whose run-to-run analysis the report details: the first to diverge locally."""
+    divergent = [r for r in rows if r["first_step"] is not None]
+    if divergent:
+        best = min(divergent, key=lambda r: (r["first_step"], r["source"] != "local", r["rank"]))
+        return best["rank"]
+    failed = [r for r in rows if r["failures"]]
+    return (failed or rows)[0]["rank"]
+
+
+# -- cross-rank checks (one repeat: every rank's trace) -----------------------------------
+
+
+def _check_params(items: RankTraces) -> CheckResult:
+    def select(step: int, phase: str, slot: str) -> bool:
+        return slot.startswith("param.") and (phase == OPTIMIZER or (phase == STATE and step == 0))
+
+    findings, compared = _disagreements(items, select)
+    if not compared:
+        return NOT_CHECKED, "no parameter records common to every rank", []
+    if not findings:
+        return OK, f"{compared} parameter records identical on every rank", []
+    first = findings[0]
+    when = "before the first step" if first["phase"] == STATE else "after the optimizer step"
+    return FLAGGED, (
+        f"desync at step {first['step']} (epoch {first['epoch']}): parameter "
+        f"{first['parameter']} differs between ranks {_groups(first['groups'])} {when}; "
+        f"{len(findings)} parameter(s) out of sync"
+    ), findings
+
+
+def _check_grads(items: RankTraces) -> CheckResult:
+    def select(step: int, phase: str, slot: str) -> bool:
+        return phase == GRAD and slot.startswith("param.")
+
+    findings, compared = _disagreements(items, select)
+    if not compared:
+        return NOT_CHECKED, "no gradient records common to every rank", []
+    if not findings:
+        return OK, f"{compared} all-reduced gradient records identical on every rank", []
+    first = findings[0]
+    return FLAGGED, (
+        f"the gradient of {first['parameter']} differs between ranks "
+        f"{_groups(first['groups'])} after all-reduce at step {first['step']} (epoch "
+        f"{first['epoch']}): it is not averaged by DDP, or the step bypasses the DDP wrapper; "
+        f"{len(findings)} gradient(s) differ"
+    ), findings
+
+
+def _disagreements(
+    items: RankTraces, select: Callable[[int, str, str], bool]
+) -> tuple[list[dict[str, Any]], int]:
+    """The first record per parameter whose print is not the same on every rank."""
+    prints = []
+    order: dict[tuple[int, str, str, str], int] = {}
+    for _, trace in items:
+        r = trace.records
+        mine = {}
+        for i, (step, phase, module, slot, fp) in enumerate(
+            zip(r["step"], r["phase"], r["module"], r["slot"], r["fp"])
+        ):
+            if select(step, phase, slot):
+                mine[(step, phase, module, slot)] = fp
+                order.setdefault((step, phase, module, slot), i)
+        prints.append(mine)
+    common = set.intersection(*(set(p) for p in prints)) if prints else set()
+    first: dict[str, dict[str, Any]] = {}
+    for key in sorted(common, key=lambda k: (k[0], order[k])):
+        fps = [p[key] for p in prints]
+        if len(set(fps)) == 1:
+            continue
+        step, phase, module, slot = key
+        name = f"{module}.{slot[len('param.'):]}" if module else slot[len("param."):]
+        first.setdefault(name, {
+            "step": step, "epoch": _epoch_of(items[0][1], step), "phase": phase,
+            "parameter": name, "groups": _rank_groups([r for r, _ in items], fps),
+        })
+    return list(first.values()), len(common)
+
+
+def _check_shards(items: RankTraces) -> CheckResult:
+    samplers = _samplers(items)
+    if samplers is None:
+        return _check_shards_by_batch(items)
+    findings = []
+    for epoch in sorted(set.intersection(*(set(s) for s in samplers.values()))):
+        counts: Counter[int] = Counter()
+        holders: dict[int, set[int]] = defaultdict(set)
+        for rank, by_epoch in samplers.items():
+            for index in by_epoch[epoch]["indices"]:
+                counts[index] += 1
+                holders[index].add(rank)
+        repeated = sum(c - 1 for c in counts.values())
+        padding = max(by_epoch[epoch].get("padding", 0) for by_epoch in samplers.values())
+        if repeated > padding:
+            shared = sorted(i for i, c in counts.items() if c > 1)
+            findings.append({
+                "epoch": epoch + 1, "shared": repeated, "padding": padding,
+                "examples": shared[:EXAMPLES],
+                "ranks": sorted(set().union(*(holders[i] for i in shared))),
+            })
+    if not findings:
+        return OK, "every rank's sampler indices are disjoint in every epoch (beyond padding)", []
+    first = findings[0]
+    return FLAGGED, (
+        f"ranks {_join(first['ranks'])} share {first['shared']} samples in epoch "
+        f"{first['epoch']} (indices {_join(first['examples'])}, ...): each rank needs its own "
+        "shard, e.g. DistributedSampler(dataset, num_replicas=world_size, rank=rank)"
+    ), findings
+
+
+def _check_shards_by_batch(items: RankTraces) -> CheckResult:
+    """Without sampler indices: identical batches on two ranks in one epoch mean shared data
+    (up to world size - 1 of them, which a padding sampler can repeat)."""
+    batches: dict[int, dict[tuple[str, ...], set[int]]] = defaultdict(lambda: defaultdict(set))
+    for rank, trace in items:
+        for step, prints in _batch_prints(trace).items():
+            batches[_epoch_of(trace, step)][prints].add(rank)
+    if not batches:
+        return NOT_CHECKED, "no batch records and no sampler indices", []
+    allowed = len(items) - 1
+    findings = []
+    for epoch, seen in sorted(batches.items()):
+        shared = [ranks for ranks in seen.values() if len(ranks) > 1]
+        if len(shared) > allowed:
+            findings.append({"epoch": epoch, "shared": len(shared), "padding": allowed,
+                             "examples": [], "ranks": sorted(set().union(*shared))})
+    if not findings:
+        return OK, "no batch is loaded by two ranks in one epoch (by batch fingerprints)", []
+    first = findings[0]
+    return FLAGGED, (
+        f"ranks {_join(first['ranks'])} load {first['shared']} identical batches in epoch "
+        f"{first['epoch']}: the data is not sharded per rank"
+    ), findings
+
+
+def _check_epochs(items: RankTraces) -> CheckResult:
+    samplers = _samplers(items)
+    if samplers is None:
+        return NOT_CHECKED, "no DistributedSampler or SequentialSampler seen in a DataLoader", []
+    epochs = sorted(set.intersection(*(set(s) for s in samplers.values())))
+    if len(epochs) < 2:
+        return NOT_CHECKED, "one epoch only", []
+    if not any(s[e]["shuffle"] for s in samplers.values() for e in epochs):
+        return NOT_CHECKED, "the sampler does not shuffle: the same order every epoch by design", []
+    findings = []
+    for previous, epoch in zip(epochs, epochs[1:]):
+        repeating = [
+            rank for rank, s in samplers.items() if s[epoch]["indices"] == s[previous]["indices"]
+        ]
+        if repeating:
+            stuck = all(
+                samplers[r][epoch].get("epoch") == samplers[r][previous].get("epoch")
+                for r in repeating
+            )
+            findings.append({
+                "epoch": epoch + 1, "previous_epoch": previous + 1, "ranks": repeating,
+                "sampler_epoch": samplers[repeating[0]][epoch].get("epoch") if stuck else None,
+            })
+    if not findings:
+        return OK, "every rank's sample order changes from epoch to epoch", []
+    first = findings[0]
+    why = (
+        f": the sampler's epoch stayed {first['sampler_epoch']} (set_epoch(epoch) was not called)"
+        if first["sampler_epoch"] is not None else ""
+    )
+    return FLAGGED, (
+        f"epoch {first['epoch']} repeats the sample order of epoch {first['previous_epoch']} "
+        f"on ranks {_join(first['ranks'])}{why}"
+    ), findings
+
+
+def _check_rng(items: RankTraces) -> CheckResult:
+    findings = _shared_loading_draws(items) + _shared_module_draws(items)
+    drew = any(f["drew"] for _, t in items for f in _distributed(t).get("fetches", [])) or any(
+        slot == "rng.in" for _, t in items for slot in t.records["slot"]
+    )
+    if not findings:
+        if not drew:
+            return OK, "no rank drew randomness while loading data or in a module", []
+        return OK, "every rank draws its own randomness (data loading and module draws)", []
+    findings.sort(key=lambda f: f["step"])
+    first = findings[0]
+    where = "while loading its batch" if first["where"] == "data loading" else (
+        f"in {first['where']}"
+    )
+    return FLAGGED, (
+        f"ranks {_groups(first['groups'], shared_only=True)} draw identical {first['stream']} "
+        f"randomness {where} at step {first['step']} (epoch {first['epoch']}): augmentations "
+        "repeat across ranks; seed each rank differently after building the model"
+    ), findings
+
+
+def _shared_loading_draws(items: RankTraces) -> list[dict[str, Any]]:
+    fetches = [
+        {(f["epoch"], f["index"]): f for f in _distributed(trace).get("fetches", [])}
+        for _, trace in items
+    ]
+    ranks = [rank for rank, _ in items]
+    found: dict[str, dict[str, Any]] = {}
+    for key in sorted(set.intersection(*(set(f) for f in fetches)) if fetches else ()):
+        streams = {s for f in fetches for s in f[key]["drew"]}
+        for stream in sorted(streams - set(found)):
+            drawing = [(r, f[key]["before"].get(stream)) for r, f in zip(ranks, fetches)
+                       if stream in f[key]["drew"]]
+            groups = _rank_groups([r for r, _ in drawing], [p for _, p in drawing])
+            if any(len(g) > 1 for g in groups):
+                step = _step_of(items[0][1], key[0], key[1])
+                found[stream] = {
+                    "step": step, "epoch": key[0] + 1, "index": key[1], "where": "data loading",
+                    "stream": stream, "groups": groups,
+                }
+    return list(found.values())
+
+
+def _shared_module_draws(items: RankTraces) -> list[dict[str, Any]]:
+    def select(step: int, phase: str, slot: str) -> bool:
+        return phase == FORWARD and slot == "rng.in"
+
+    prints = []
+    for _, trace in items:
+        r = trace.records
+        prints.append({
+            (step, module, call): fp
+            for step, phase, module, call, slot, fp in zip(
+                r["step"], r["phase"], r["module"], r["call"], r["slot"], r["fp"]
+            ) if select(step, phase, slot)
+        })
+    found: dict[str, dict[str, Any]] = {}
+    ranks = [rank for rank, _ in items]
+    for key in sorted(set.intersection(*(set(p) for p in prints)) if prints else ()):
+        step, module, _ = key
+        groups = _rank_groups(ranks, [p[key] for p in prints])
+        if module not in found and any(len(g) > 1 for g in groups):
+            found[module] = {
+                "step": step, "epoch": _epoch_of(items[0][1], step), "index": None,
+                "where": module or "(model)", "stream": "torch", "groups": groups,
+            }
+    return list(found.values())
+
+
+def _check_init(items: RankTraces) -> CheckResult:
+    inits = [_distributed(trace).get("init") for _, trace in items]
+    if any(init is None for init in inits):
+        return NOT_CHECKED, (
+            "the probe wrapped its model in DDP itself, which had already broadcast rank 0's "
+            "weights"
+        ), []
+    names = [n for n in inits[0] if all(n in init for init in inits)]
+    ranks = [rank for rank, _ in items]
+    findings = []
+    for name in names:
+        groups = _rank_groups(ranks, [init[name] for init in inits])
+        if len(groups) > 1:
+            findings.append({"parameter": name, "groups": groups})
+    if not findings:
+        return OK, f"{len(names)} parameters identical on every rank as built", []
+    first = findings[0]
+    return FLAGGED, (
+        f"{len(findings)} of {len(names)} parameters differ between ranks as built (first: "
+        f"{first['parameter']}, ranks {_groups(first['groups'])}): the ranks seed differently "
+        "before building the model; DDP's broadcast from rank 0 only hides it"
+    ), findings
+
+
+CHECKS: tuple[tuple[str, str, Callable[[RankTraces], CheckResult]], ...] = (
+    ("params", "parameters identical across ranks after every optimizer step", _check_params),
+    ("grads", "gradients identical across ranks after all-reduce", _check_grads),
+    ("shards", "data shards disjoint within each epoch", _check_shards),
+    ("epochs", "sample order different in every epoch", _check_epochs),
+    ("rng", "randomness distinct per rank (augmentation, module draws)", _check_rng),
+    ("init", "initialisation identical across ranks", _check_init),
+)
+
+
+def _merge(key: str, title: str, results: list[CheckResult]) -> dict[str, Any]:
+    """One check over every repeat: flagged if any repeat is, with the first one's findings."""
+    flagged = [k for k, (status, _, _) in enumerate(results) if status == FLAGGED]
+    checked = [k for k, (status, _, _) in enumerate(results) if status == OK]
+    pick = (flagged or checked or list(range(len(results))) or [None])[0]
+    status, detail, findings = results[pick] if pick is not None else (NOT_CHECKED, "no traces", [])
+    return {"key": key, "title": title, "status": status, "detail": detail,
+            "findings": findings, "repeats": flagged}
+
+
+# -- small helpers -------------------------------------------------------------------------
+
+
+def _distributed(trace: Trace) -> dict[str, Any]:
+    return trace.probe.get("distributed") or {}
+
+
+def _samplers(items: RankTraces) -> dict[int, dict[int, dict[str, Any]]] | None:
+    """rank -> epoch -> sampler snapshot, or None unless every rank has one for every epoch."""
+    out = {}
+    for rank, trace in items:
+        epochs = _distributed(trace).get("epochs") or []
+        if not epochs or any(e.get("sampler") is None for e in epochs):
+            return None
+        out[rank] = {e["epoch"]: e["sampler"] for e in epochs}
+    return out or None
+
+
+def _batch_prints(trace: Trace) -> dict[int, tuple[str, ...]]:
+    r = trace.records
+    out: dict[int, list[str]] = defaultdict(list)
+    for step, phase, slot, fp in zip(r["step"], r["phase"], r["slot"], r["fp"]):
+        if phase == STATE and slot.startswith("batch"):
+            out[step].append(fp)
+    return {step: tuple(fps) for step, fps in out.items()}
+
+
+def _epoch_of(trace: Trace, step: int) -> int | None:
+    """The 1-based epoch of a global step."""
+    return next((s.epoch + 1 for s in trace.steps if s.step == step), None)
+
+
+def _step_of(trace: Trace, epoch: int, index: int) -> int | None:
+    return next((s.step for s in trace.steps if s.epoch == epoch and s.index == index), None)
+
+
+def _one_based(epoch: int | None) -> int | None:
+    return None if epoch is None else epoch + 1
+
+
+def _rank_groups(ranks: list[int], prints: list[Any]) -> list[list[int]]:
+    """Ranks grouped by equal print, groups in order of their lowest rank."""
+    groups: dict[Any, list[int]] = {}
+    for rank, print_ in zip(ranks, prints):
+        groups.setdefault(print_, []).append(rank)
+    return list(groups.values())
+
+
+def _groups(groups: list[list[int]], shared_only: bool = False) -> str:
+    """`0 and 1` for two single ranks; `0, 2 | 1` for groups of equal values."""
+    if shared_only:
+        return " | ".join(_join(g) for g in groups if len(g) > 1)
+    if all(len(g) == 1 for g in groups):
+        return _join([g[0] for g in groups])
+    return " | ".join(", ".join(map(str, g)) for g in groups)
+
+
+def _join(items: list[Any]) -> str:
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
