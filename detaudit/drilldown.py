@@ -74,21 +74,29 @@ def _capture_difference(
     factory: ProbeFactory, config: AuditConfig, origin: OpFinding,
     probe_info: dict[str, Any] | None,
 ) -> dict[str, Any] | None:
-    """Replay repeat 0 and the first differing repeat, keep the origin op's outputs, and
-    measure how far apart they are (None when this replay happened to agree)."""
-    key = origin.key
-    captured = []
-    for repeat in (0, origin.other_repeat):
-        plan = OpPlan(steps=frozenset(), last_step=origin.step, capture=key[1:])
-        run_repeat(factory, config, repeat, probe_info, ops=plan)
-        outputs = next((m.captured for m in plan.modes if m.captured is not None), None)
-        if outputs is None:
-            return None
-        captured.append(outputs)
-    for a, b in zip(*captured):
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
-            return tensor_difference(a, b)
+    """Replay repeat 0 and then the differing repeats, keeping only the origin op's outputs,
+    and measure how far apart they are. An intermittent difference may not show again: the
+    other repeats are tried in turn, and None means none of them differed this time."""
+    reference = _capture(factory, config, origin, 0, probe_info)
+    if reference is None:
+        return None
+    others = [origin.other_repeat] + [r for r in range(1, config.repeats)
+                                      if r != origin.other_repeat]
+    for repeat in others:
+        outputs = _capture(factory, config, origin, repeat, probe_info) or []
+        for a, b in zip(reference, outputs):
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+                return tensor_difference(a, b)
     return None
+
+
+def _capture(
+    factory: ProbeFactory, config: AuditConfig, origin: OpFinding, repeat: int,
+    probe_info: dict[str, Any] | None,
+) -> list[torch.Tensor] | None:
+    plan = OpPlan(steps=frozenset(), last_step=origin.step, capture=origin.key[1:])
+    run_repeat(factory, config, repeat, probe_info, ops=plan)
+    return next((m.captured for m in plan.modes if m.captured is not None), None)
 
 
 def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:

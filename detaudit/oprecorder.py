@@ -100,17 +100,16 @@ class OpRecorder(TorchDispatchMode):
         self.counts: Counter[tuple[str, str, str]] = Counter()  # (module, phase, op)
         self.alerts: list[Alert] = []
         self._ops: Counter[tuple[str, str, int]] = Counter()
-        self._caught: list[warnings.WarningMessage] | None = None
         # storage address -> (tensor, version) of outputs of empty(): skipped until written
         self._fresh: dict[int, tuple[weakref.ref, int]] = {}
 
     def __enter__(self) -> OpRecorder:  # noqa: PYI034
         self._saved_fp = self.recorder.fp
         self.recorder.fp = _Unintercepted(self._saved_fp)
-        if self.census:
-            self._warnings = warnings.catch_warnings(record=True)
-            self._caught = self._warnings.__enter__()
-            warnings.simplefilter("always")
+        if self.census:  # the alerts are collected per op; keep their warnings quiet
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            warnings.simplefilter("ignore", UserWarning)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -118,7 +117,6 @@ class OpRecorder(TorchDispatchMode):
         self.recorder.fp = self._saved_fp
         if self.census:
             self._warnings.__exit__(*exc)
-            self._caught = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -142,12 +140,10 @@ class OpRecorder(TorchDispatchMode):
                 if self._fresh:
                     inputs = [t for _, t in iter_tensors(inputs) if not self._uninitialized(t)]
                 self.recorder.record(op_phase, module, index, f"{prefix}/in", inputs)
-        seen = len(self._caught) if self._caught is not None else 0
-        out = func(*args, **kwargs)
-        if self._caught is not None and len(self._caught) > seen:
-            for w in self._caught[seen:]:
-                if ALERT_MARK in str(w.message):
-                    self.alerts.append(Alert(module, phase, name, str(w.message).split("\n")[0]))
+        if self.census and torch.is_deterministic_algorithms_warn_only_enabled():
+            out = self._run_catching_alert(func, args, kwargs, Alert(module, phase, name, ""))
+        else:
+            out = func(*args, **kwargs)
         fault = self.fault
         if (
             fault is not None and fault.phase == phase and not self.recorder.fault_fired
@@ -162,6 +158,22 @@ class OpRecorder(TorchDispatchMode):
         if prefix and self.capture == (op_phase, module, index, prefix):
             self.captured = [t.detach().to("cpu", copy=True) for _, t in iter_tensors(out)]
         return out
+
+    def _run_catching_alert(self, func: Any, args: tuple, kwargs: dict, alert: Alert) -> Any:
+        """Run the op with alerts as errors, so that each one is seen at the op that raised
+        it (a warning would only surface when the whole Python-level call returns); then
+        run it as warn-only mode would. Alerts are raised before a kernel does any work."""
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as exc:
+            if ALERT_MARK not in str(exc):
+                raise
+            alert.message = str(exc).split("\n")[0]
+            self.alerts.append(alert)
+        finally:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        return func(*args, **kwargs)
 
     def _remember_uninitialized(self, out: Any) -> None:
         for _, t in iter_tensors(out):

@@ -1,0 +1,220 @@
+"""Op level: the drill-down names the op, the census lists what the model runs and what
+alerts, the fix is verified with its cost, `detaudit env` flags risky settings."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import gather_probe, small_cnn_probe
+from test_cli import PROBES, run_cli
+from test_recorder import _maskrcnn_probe
+from torch import nn
+
+from detaudit import Fault, Probe, audit, seed_everything
+from detaudit.cli import parse_fault
+from detaudit.compare import ORIGIN
+from detaudit.drilldown import tensor_difference
+from detaudit.environment import capture_environment, risks
+from detaudit.knowledge import KNOWN, lookup
+from detaudit.oprecorder import OP_PHASES
+
+
+def _until_divergent(run, attempts: int = 5):
+    """Real thread races do not fire every time: retry until one run shows it."""
+    for _ in range(attempts):
+        result = run()
+        ops = result.extra.get("ops") or {}
+        if ops.get("reproduced") and ops.get("difference"):
+            return result
+    pytest.fail(f"no divergence reproduced in {attempts} attempts")
+
+
+def test_real_gather_backward_is_named_as_index_put_of_that_module(two_threads):
+    result = _until_divergent(lambda: audit(gather_probe, repeats=3, drill_down=True))
+    drill = result.extra["ops"]
+    origin = drill["ops"][0]
+    assert (origin["op"], origin["module"], origin["phase"], origin["role"]) == (
+        "aten.index_put", "gather", "backward", ORIGIN)
+    assert drill["origin_ops"] == 1
+    diff = drill["difference"]
+    assert diff["elements"] > 0 and diff["max_ulp"] >= 1 and 0 < diff["rel_error"] < 1e-3
+    assert any("duplicate indices" in k["why"] for k in drill["knowledge"])
+    # everything downstream of it is propagated, never a second origin
+    assert all(o["role"] != ORIGIN for o in drill["ops"][1:])
+
+
+def test_gather_on_cli_with_census_and_verified_fix(tmp_path):
+    for _ in range(4):
+        done = run_cli("run", "--probe", str(PROBES / "centre_gather.py"), "--repeats", "4",
+                       "--epochs", "1", "--steps", "2", "--census", "--verify-fix",
+                       "--out", str(tmp_path), "--json")
+        summary = json.loads(done.stdout)
+        if summary["verdict"] == "divergent" and summary["ops"]:
+            break
+    else:
+        pytest.fail("the duplicate-index gather never diverged on 2 threads")
+    assert done.returncode == 1, done.stderr
+    assert "op: aten.index_put in centre_head" in summary["headline"]
+    assert summary["knowledge"] and summary["knowledge"][0]["op"] == "aten.index_put"
+    assert {"module": "centre_head", "phase": "backward", "op": "aten.index_put"}.items() <= (
+        summary["census"][0].items())
+    verify = summary["extra"]["verify"]
+    assert verify["deterministic"] is True
+    assert verify["step_time_ratio"] > 0 and verify["peak_memory_ratio"] > 0
+    text = run_cli("report", str(tmp_path)).stdout
+    assert "fix: deterministic with the fix; step time" in text and "peak memory" in text
+    html = (tmp_path / "report.html").read_text()
+    assert "Fix verification" in html and "aten.index_put" in html
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["roi_heads.box_roi_pool", "roi_heads.mask_roi_pool"])
+def test_planted_roi_align_backward_fault_is_named_inside_its_module(module):
+    fault = Fault(module, "backward", 0, op="torchvision.roi_align")
+    result = audit(_maskrcnn_probe, repeats=2, steps=1, fault=fault, drill_down=True)
+    c = result.comparison
+    assert (c.first_step, c.cause, c.origins[0].module) == (0, "backward", module)
+    origin = result.extra["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["role"]) == (
+        "torchvision._roi_align_backward", module, ORIGIN)
+    assert result.extra["ops"]["origin_ops"] == 1
+    assert origin["elements"] == 1 and origin["max_ulp"] == 1
+
+
+@pytest.mark.slow
+def test_planted_roi_align_fault_on_the_cli(tmp_path):
+    done = run_cli("run", "--model", "maskrcnn", "--image-size", "96", "--epochs", "1",
+                   "--steps", "2", "--inject-fault", "roi_heads.box_roi_pool/torchvision.roi_align"
+                   "@backward:1", "--out", str(tmp_path))
+    assert done.returncode == 1, done.stderr
+    assert ("op: torchvision._roi_align_backward in roi_heads.box_roi_pool (backward)"
+            in done.stdout)
+    assert "first at step 1 (epoch 1), backward, roi_heads.box_roi_pool" in done.stdout
+
+
+@pytest.mark.slow
+def test_planted_nms_permutation_is_caught_and_named():
+    fault = Fault("roi_heads", "forward", 0, op="torchvision.nms")
+    result = audit(_maskrcnn_probe, repeats=2, steps=1, mode="infer", fault=fault,
+                   drill_down=True)
+    assert result.comparison.first_step == 0
+    origin = result.extra["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["role"]) == ("torchvision.nms", "roi_heads",
+                                                                ORIGIN)
+    # the same kept indices in another order: two elements differ, the sum does not
+    assert origin["elements"] == 2 and origin["max_ulp"] is None
+
+
+class _PutScatter(nn.Module):
+    """Writes with put_ (accumulate=False, duplicate indices): alerts on CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(8)
+        out.put_(torch.tensor([1, 1, 3]), torch.tensor([1.0, 2.0, 3.0]))
+        return x + out.sum()
+
+
+class _AlertingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.scatter = _PutScatter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scatter(self.body(x))
+
+
+def _alerting_probe(device):
+    model = _AlertingNet()
+    batches = [torch.randn(4, 8) for _ in range(2)]
+    return Probe(model=model, batches=batches, step=lambda m, b: m(b).pow(2).mean(),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_census_maps_each_alert_to_its_module_and_op():
+    result = audit(_alerting_probe, repeats=2, census=True)
+    census = result.extra["census"]
+    assert census["alerts"], census
+    alert = census["alerts"][0]
+    assert (alert["module"], alert["op"], alert["phase"]) == ("scatter", "aten.put_", "forward")
+    assert "does not have a deterministic implementation" in alert["message"]
+    # the ops run as configured: put_ is known on CPU, Linear's are not run-to-run risks
+    assert [(o["module"], o["op"]) for o in census["ops"]] == [("scatter", "aten.put_")]
+    assert not torch.are_deterministic_algorithms_enabled()  # restored afterwards
+
+
+def test_census_lists_known_ops_even_when_repeats_agree():
+    result = audit(gather_probe, repeats=1, census=True)
+    assert result.deterministic
+    ops = result.extra["census"]["ops"]
+    assert {"module": "gather", "phase": "backward", "op": "aten.index_put", "count": 1}.items() <= (
+        ops[0].items())
+
+
+def test_op_granularity_stays_quiet_on_a_deterministic_model():
+    result = audit(small_cnn_probe, repeats=3, epochs=1, granularity="op", drill_down=True)
+    assert result.deterministic and "ops" not in result.extra
+    phases = set(result.traces[0].records["phase"])
+    assert set(OP_PHASES) <= phases
+    assert result.comparison.total_records > 0
+
+
+def test_op_granularity_drill_down_uses_the_recorded_ops():
+    fault = Fault("block1.conv", "forward", 1, op="aten.convolution")
+    result = audit(small_cnn_probe, repeats=2, epochs=1, granularity="op", fault=fault,
+                   drill_down=True)
+    origin = result.extra["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["phase"]) == ("aten.convolution", "block1.conv",
+                                                                 "forward")
+    assert result.extra["ops"]["step"] == 1 and origin["max_ulp"] == 1
+
+
+def test_tensor_difference_counts_elements_ulps_and_relative_error():
+    a = torch.tensor([1.0, -2.0, 0.0, 4.0])
+    b = a.clone()
+    b[1] = torch.nextafter(b[1], torch.tensor(-math.inf))
+    b[3] = torch.nextafter(torch.nextafter(b[3], torch.tensor(0.0)), torch.tensor(0.0))
+    diff = tensor_difference(a, b)
+    assert (diff["elements"], diff["of"], diff["max_ulp"]) == (2, 4, 2)
+    assert diff["max_abs_diff"] == pytest.approx(2**-21)  # 2 ULPs just below 4.0
+    assert tensor_difference(torch.tensor([0.0]), torch.tensor([-0.0]))["elements"] == 0
+    ints = tensor_difference(torch.tensor([3, 1, 2]), torch.tensor([1, 3, 2]))
+    assert (ints["elements"], ints["max_abs_diff"], ints["max_ulp"]) == (2, 2, None)
+
+
+def test_knowledge_entries_are_complete_and_found_by_op():
+    for known in KNOWN:
+        assert known.ops and known.what and known.why and known.remedy
+        assert known.device in ("cpu", "cuda", "any")
+        assert known.deterministic_mode in ("raises", "switches", "no effect")
+    assert lookup("torchvision._roi_align_backward", "backward", "cuda:0")
+    assert not lookup("torchvision._roi_align_backward", "backward", "cpu")
+
+
+def test_op_fault_syntax():
+    assert parse_fault("op:torchvision.nms@forward:2") == Fault("", "forward", 2, "torchvision.nms")
+    assert parse_fault("roi_heads.box_roi_pool/torchvision.roi_align@backward:1") == Fault(
+        "roi_heads.box_roi_pool", "backward", 1, "torchvision.roi_align")
+    assert parse_fault("rpn.head@backward") == Fault("rpn.head", "backward", 0)
+
+
+def test_env_flags_risky_settings(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    flagged = risks(capture_environment())
+    assert "deterministic_algorithms" in flagged and "PYTHONHASHSEED" in flagged
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert "PYTHONHASHSEED" not in risks(capture_environment())
+    done = run_cli("env", "--json")
+    data = json.loads(done.stdout)
+    assert done.returncode == 0 and "deterministic_algorithms" in data["risks"]
+
+
+def test_seed_everything_with_workers_fixes_the_hash_seed_of_child_processes(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    seed_everything(5, workers=True)
+    import os
+
+    assert os.environ["PYTHONHASHSEED"] == "5"
