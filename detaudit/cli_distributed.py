@@ -27,6 +27,8 @@ def run_command(
     preset_text: str, command: str,
 ) -> int:
     """Launch the ranks, analyse their traces, write the run folder and reports, print."""
+    if spec["kind"] == "builtin" and args.num_images is None:
+        spec["options"]["num_images"] *= args.nproc  # the preset's steps on every rank
     total = config.repeats * config.epochs * (config.steps or 0) or None
     bar = tqdm(total=total, disable=True if (args.quiet or args.json) else None, leave=False,
                file=sys.stderr, unit="step", dynamic_ncols=True,

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .errors import DetauditError
 from .loading import make_factory
 from .rankprobe import RankWatch, is_rank_aware, prepare_rank_probe
+from .recorder import Fault
 from .runner import AuditConfig, run_repeat
 
 PROGRESS = "detaudit-progress"
@@ -48,6 +49,13 @@ def write_status(folder: Path, rank: int, state: str, repeat: int | None, messag
         pass
 
 
+def ddp_fault(fault: Fault | None) -> Fault | None:
+    """A planted fault's module as named inside the DDP wrapper (under ``module.``)."""
+    if fault is None or not fault.module or fault.module.split(".")[0] == "module":
+        return fault
+    return dataclasses.replace(fault, module=f"module.{fault.module}")
+
+
 def main(job_path: str) -> int:
     """Run this rank's repeats of the job."""
     job = json.loads(Path(job_path).read_text())
@@ -60,7 +68,7 @@ def main(job_path: str) -> int:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    config = dataclasses.replace(config, device=str(device))
+    config = dataclasses.replace(config, device=str(device), fault=ddp_fault(config.fault))
     current: dict[str, Any] = {"repeat": None}
 
     def terminated(signum: int, frame: Any) -> None:

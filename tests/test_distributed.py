@@ -1,0 +1,177 @@
+"""`detaudit run --nproc 2`: DDP on gloo, 2 ranks on this machine, and the cross-rank checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from detaudit.cli import main
+from detaudit.distributed_worker import ddp_fault
+from detaudit.errors import DetauditError
+from detaudit.fingerprint import TensorPrint
+from detaudit.rankprobe import is_rank_aware, shard_loader
+from detaudit.ranks import analyse, compare_ranks
+from detaudit.recorder import Fault
+from detaudit.trace import StepInfo, Trace
+
+PROBE = Path(__file__).parent / "probe_files" / "ddp_tiny.py"
+CHECKS = ("params", "grads", "shards", "epochs", "rng", "init")
+
+
+def audit(variant: str, out: Path, capsys, monkeypatch) -> tuple[int, dict, str]:
+    """Run the 2-rank audit of one variant of ddp_tiny.py; (exit code, summary, stderr)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    target = f"{PROBE}:{variant}" if variant else str(PROBE)
+    code = main(["run", "--probe", target, "--nproc", "2", "--epochs", "2", "--steps", "2",
+                 "--repeats", "2", "--out", str(out), "--json"])
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out), captured.err
+
+
+def checks(summary: dict) -> dict[str, dict]:
+    return {c["key"]: c for c in summary["ranks"]["checks"]}
+
+
+def test_correct_ddp_probe_is_deterministic_in_sync_and_disjoint(tmp_path, capsys, monkeypatch):
+    code, summary, _ = audit("", tmp_path, capsys, monkeypatch)
+    assert code == 0, summary["headline"]
+    assert summary["verdict"] == "deterministic"
+    assert {k: c["status"] for k, c in checks(summary).items()} == dict.fromkeys(CHECKS, "ok")
+    assert [r["verdict"] for r in summary["ranks"]["per_rank"]] == ["deterministic"] * 2
+    traces = {(r, k): Trace.load(tmp_path / f"trace-r{r}-{k}.json.gz") for r in (0, 1) for k in (0, 1)}
+    assert all(t.failure is None and len(t.steps) == 4 for t in traces.values())
+    shards = [
+        [e["sampler"]["indices"] for e in traces[(r, 0)].probe["distributed"]["epochs"]] for r in (0, 1)
+    ]
+    for epoch in (0, 1):
+        assert not set(shards[0][epoch]) & set(shards[1][epoch])
+        assert sorted(shards[0][epoch] + shards[1][epoch]) == list(range(8))
+    assert shards[0][0] != shards[0][1]  # set_epoch reshuffles
+    losses = [[s.losses for s in traces[(r, 0)].steps] for r in (0, 1)]
+    assert losses[0] != losses[1]  # each rank trained on its own shard
+    assert "Ranks" in (tmp_path / "report.md").read_text()
+
+
+def test_missing_set_epoch_is_flagged_with_the_epoch(tmp_path, capsys, monkeypatch):
+    code, summary, _ = audit("no_set_epoch", tmp_path, capsys, monkeypatch)
+    assert code == 1
+    found = checks(summary)
+    assert found["epochs"]["status"] == "flagged"
+    first = found["epochs"]["findings"][0]
+    assert (first["epoch"], first["previous_epoch"], first["ranks"], first["sampler_epoch"]) == (
+        2, 1, [0, 1], 0)
+    assert "set_epoch" in summary["headline"] and "epoch 2" in summary["headline"]
+    assert all(found[k]["status"] == "ok" for k in CHECKS if k != "epochs")
+    capsys.readouterr()
+    assert main(["report", str(tmp_path), "--json"]) == 1  # re-rendered from the run folder alone
+    assert json.loads(capsys.readouterr().out)["headline"] == summary["headline"]
+
+
+def test_augmentation_seeded_alike_on_every_rank_is_flagged(tmp_path, capsys, monkeypatch):
+    code, summary, _ = audit("same_augment_seed", tmp_path, capsys, monkeypatch)
+    assert code == 1
+    found = checks(summary)
+    assert found["rng"]["status"] == "flagged"
+    first = found["rng"]["findings"][0]
+    assert (first["where"], first["stream"], first["step"], first["epoch"]) == (
+        "data loading", "torch", 0, 1)
+    assert first["groups"] == [[0, 1]]
+    assert found["init"]["status"] == "ok"  # the model itself is built alike, as it must be
+    assert found["shards"]["status"] == "ok"
+
+
+def test_planted_desync_is_named_by_parameter_and_step(tmp_path, capsys, monkeypatch):
+    code, summary, _ = audit("desync", tmp_path, capsys, monkeypatch)
+    assert code == 1
+    found = checks(summary)
+    params = found["params"]
+    assert params["status"] == "flagged" and params["repeats"] == [0, 1]
+    assert [(f["parameter"], f["step"], f["epoch"], f["phase"]) for f in params["findings"]] == [
+        ("module.head.weight", 2, 2, "optimizer")]
+    assert "module.head.weight" in summary["headline"] and "step 2" in summary["headline"]
+    assert found["grads"]["status"] == "ok"  # all-reduce still averages the gradients
+    assert [r["verdict"] for r in summary["ranks"]["per_rank"]] == ["deterministic"] * 2
+
+
+def test_a_crashed_rank_is_named_and_the_other_traces_kept(tmp_path, capsys, monkeypatch):
+    code, summary, err = audit("crash", tmp_path, capsys, monkeypatch)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("detaudit: rank 1 crashed in repeat 1: RuntimeError while step 1")
+    assert "ddp_tiny.py" in lines[0] and "rank 1 lost its device" in lines[0]
+    assert summary["verdict"] == "failed" and summary["ranks"]["crash"]["rank"] == 1
+    for rank in (0, 1):
+        kept = Trace.load(tmp_path / f"trace-r{rank}-0.json.gz")
+        assert kept.failure is None and len(kept.steps) == 4
+    crashed = Trace.load(tmp_path / "trace-r1-1.json.gz")
+    assert "rank 1 lost its device" in crashed.failure and len(crashed.steps) == 1
+    assert "trace-r0-0.json.gz" in summary["ranks"]["crash"]["kept"]
+
+
+def test_nproc_below_one_is_a_usage_error(tmp_path, capsys):
+    assert main(["run", "--probe", str(PROBE), "--nproc", "0", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--nproc must be at least 1" in err
+
+
+def test_rank_aware_form_is_told_by_its_signature():
+    assert is_rank_aware(lambda device, rank, world_size: None)
+    assert not is_rank_aware(lambda device: None)
+    assert not is_rank_aware(lambda device, steps=4: None)
+
+
+def test_a_planted_fault_names_its_module_inside_the_ddp_wrapper():
+    assert ddp_fault(Fault("roi_heads.box_roi_pool", "backward", 2)) == Fault(
+        "module.roi_heads.box_roi_pool", "backward", 2)
+    assert ddp_fault(Fault("module.head")).module == "module.head"
+    assert ddp_fault(Fault("", op="nms")).module == ""
+
+
+def test_shard_loader_splits_a_single_process_loader_per_rank():
+    loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=2, shuffle=True)
+    shards = {}
+    for rank in (0, 1):
+        epochs = shard_loader(loader, rank, 2, seed=0)
+        shards[rank] = [[int(i) for (b,) in epochs(e) for i in b] for e in (0, 1)]
+    for epoch in (0, 1):
+        assert sorted(shards[0][epoch] + shards[1][epoch]) == list(range(10))
+    assert shards[0][0] != shards[0][1]
+    with pytest.raises(DetauditError, match="probe\\(device, rank, world_size\\)"):
+        shard_loader([torch.zeros(2)], 0, 2, seed=0)
+
+
+# -- the analysis alone, on hand-made traces ----------------------------------------------
+
+
+def _trace(rank: int, grad_fp: str, indices: list[int], fetch_state: str) -> Trace:
+    trace = Trace(probe={"distributed": {
+        "rank": rank, "world_size": 2, "backend": "gloo", "init": {"module.fc.weight": "aa"},
+        "epochs": [{"epoch": 0, "sampler": {"kind": "SequentialSampler", "shuffle": False,
+                                             "padding": 0, "indices": indices}}],
+        "fetches": [{"epoch": 0, "index": 0, "before": {"numpy": fetch_state}, "drew": ["numpy"]}],
+    }}, repeat=0, env={})
+    trace.steps.append(StepInfo(step=0, epoch=0, index=0, losses={"loss": (1.0).hex()}))
+    for phase, slot, fp in (("state", "batch.0", f"b{rank}"), ("grad", "param.weight", grad_fp),
+                            ("optimizer", "param.weight", "pp")):
+        trace.add_record(0, (phase, "module.fc", 0, slot), TensorPrint(fp, (2,), "float32",
+                                                                        1.0, 1.0, 0))
+    return trace
+
+
+def test_analysis_names_gradient_desync_shared_shards_and_shared_numpy_draws():
+    by_rank = {0: [_trace(0, "g0", [0, 1, 2, 3], "s")], 1: [_trace(1, "g1", [0, 1, 2, 3], "s")]}
+    found = {c["key"]: c for c in analyse(by_rank, compare_ranks(by_rank))["checks"]}
+    assert found["params"]["status"] == "ok"
+    grads = found["grads"]["findings"]
+    assert [(f["parameter"], f["step"], f["groups"]) for f in grads] == [
+        ("module.fc.weight", 0, [[0], [1]])]
+    shards = found["shards"]["findings"][0]
+    assert (shards["epoch"], shards["shared"], shards["examples"]) == (1, 4, [0, 1, 2, 3])
+    assert found["rng"]["findings"][0]["stream"] == "numpy"
+    assert found["epochs"]["status"] == "not checked"
+    assert found["init"]["status"] == "ok"
