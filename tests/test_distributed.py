@@ -175,3 +175,27 @@ def test_analysis_names_gradient_desync_shared_shards_and_shared_numpy_draws():
     assert found["rng"]["findings"][0]["stream"] == "numpy"
     assert found["epochs"]["status"] == "not checked"
     assert found["init"]["status"] == "ok"
+
+
+def _records_trace(repeat: int, records: list[tuple[str, str, str]]) -> Trace:
+    trace = Trace(probe={}, repeat=repeat, env={})
+    trace.steps.append(StepInfo(step=0, epoch=0, index=0))
+    for phase, slot, fp in records:
+        trace.add_record(0, (phase, "module.fc", 0, slot), TensorPrint(fp, (2,), "float32",
+                                                                        1.0, 1.0, 0))
+    return trace
+
+
+def test_a_difference_received_through_all_reduce_points_at_the_rank_it_came_from():
+    by_rank = {
+        0: [_records_trace(k, [("backward", "grad_in.0", "same"), ("grad", "param.weight", f"g{k}")])
+            for k in (0, 1)],
+        1: [_records_trace(k, [("backward", "grad_in.0", f"b{k}"), ("grad", "param.weight", f"g{k}")])
+            for k in (0, 1)],
+    }
+    ranks = analyse(by_rank, compare_ranks(by_rank))
+    rows = {r["rank"]: r for r in ranks["per_rank"]}
+    assert (rows[1]["phase"], rows[1]["module"], rows[1]["role"], rows[1]["source"]) == (
+        "backward", "module.fc", "origin", "local")
+    assert rows[0]["source"] == "all-reduce (from rank 1)"
+    assert ranks["primary_rank"] == 1
