@@ -52,10 +52,10 @@ def analyse(
     for key, title, check in CHECKS:
         results = [check([(r, traces_by_rank[r][k]) for r in ranks]) for k in range(repeats)]
         checks.append(_merge(key, title, results))
-    first_trace = traces_by_rank[ranks[0]][0]
+    backends = [_distributed(t).get("backend") for ts in traces_by_rank.values() for t in ts]
     return {
         "world_size": len(ranks),
-        "backend": first_trace.probe.get("distributed", {}).get("backend"),
+        "backend": next((b for b in backends if b), None),
         "primary_rank": _primary(rows),
         "per_rank": rows,
         "checks": checks,
