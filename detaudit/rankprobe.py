@@ -57,10 +57,11 @@ class RankWatch:
     def record_init(self, model: torch.nn.Module) -> None:
         """Fingerprints of the parameters as built, named as inside the DDP wrapper."""
         fingerprinter = Fingerprinter(stats=False)
-        names = [f"module.{name}" for name, _ in model.named_parameters()]
-        for _, param in model.named_parameters():
+        params = list(model.named_parameters())
+        for _, param in params:
             fingerprinter.add(param)
-        self.init = {name: p.fp for name, p in zip(names, fingerprinter.collect())}
+        prints = fingerprinter.collect()
+        self.init = {f"module.{name}": p.fp for (name, _), p in zip(params, prints)}
 
     def watch(self, probe: Probe) -> Callable[[int], Iterable[Any]]:
         """`probe`'s batches as a callable `epoch -> iterable` that records what it loads."""

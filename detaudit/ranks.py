@@ -324,9 +324,6 @@ def _shared_loading_draws(items: RankTraces) -> list[dict[str, Any]]:
 
 
 def _shared_module_draws(items: RankTraces) -> list[dict[str, Any]]:
-    def select(step: int, phase: str, slot: str) -> bool:
-        return phase == FORWARD and slot == "rng.in"
-
     prints = []
     for _, trace in items:
         r = trace.records
@@ -334,7 +331,7 @@ def _shared_module_draws(items: RankTraces) -> list[dict[str, Any]]:
             (step, module, call): fp
             for step, phase, module, call, slot, fp in zip(
                 r["step"], r["phase"], r["module"], r["call"], r["slot"], r["fp"]
-            ) if select(step, phase, slot)
+            ) if phase == FORWARD and slot == "rng.in"
         })
     found: dict[str, dict[str, Any]] = {}
     ranks = [rank for rank, _ in items]

@@ -156,14 +156,14 @@ def _trace(rank: int, grad_fp: str, indices: list[int], fetch_state: str) -> Tra
         "fetches": [{"epoch": 0, "index": 0, "before": {"numpy": fetch_state}, "drew": ["numpy"]}],
     }}, repeat=0, env={})
     trace.steps.append(StepInfo(step=0, epoch=0, index=0, losses={"loss": (1.0).hex()}))
-    for phase, slot, fp in (("state", "batch.0", f"b{rank}"), ("grad", "param.weight", grad_fp),
-                            ("optimizer", "param.weight", "pp")):
+    for phase, slot, fp in (("state", "batch.0", f"b{rank}"), ("forward", "rng.in", "r"),
+                            ("grad", "param.weight", grad_fp), ("optimizer", "param.weight", "pp")):
         trace.add_record(0, (phase, "module.fc", 0, slot), TensorPrint(fp, (2,), "float32",
                                                                         1.0, 1.0, 0))
     return trace
 
 
-def test_analysis_names_gradient_desync_shared_shards_and_shared_numpy_draws():
+def test_analysis_names_gradient_desync_shared_shards_and_shared_draws():
     by_rank = {0: [_trace(0, "g0", [0, 1, 2, 3], "s")], 1: [_trace(1, "g1", [0, 1, 2, 3], "s")]}
     found = {c["key"]: c for c in analyse(by_rank, compare_ranks(by_rank))["checks"]}
     assert found["params"]["status"] == "ok"
@@ -172,7 +172,8 @@ def test_analysis_names_gradient_desync_shared_shards_and_shared_numpy_draws():
         ("module.fc.weight", 0, [[0], [1]])]
     shards = found["shards"]["findings"][0]
     assert (shards["epoch"], shards["shared"], shards["examples"]) == (1, 4, [0, 1, 2, 3])
-    assert found["rng"]["findings"][0]["stream"] == "numpy"
+    assert [(f["where"], f["stream"], f["groups"]) for f in found["rng"]["findings"]] == [
+        ("data loading", "numpy", [[0, 1]]), ("module.fc", "torch", [[0, 1]])]
     assert found["epochs"]["status"] == "not checked"
     assert found["init"]["status"] == "ok"
 
