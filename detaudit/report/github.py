@@ -9,7 +9,7 @@ from .html import omitted_note, table_html
 from .sections import Block, Code, Figure, Section, Table, Text, clip, omitted, sections, title
 
 LIMIT = 65536  # characters GitHub accepts in one comment
-TRUNCATE = ("map", "per_step", "origins", "census", "ops")  # least important first
+TRUNCATE = ("map", "per_step", "origins", "census", "alerts", "ops")  # least important first
 CAPS = (500, 100, 20, 0)
 
 
