@@ -150,9 +150,10 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
                    "every step too (much slower, for short runs)")
     p.add_argument("--no-drill-down", dest="drill_down", action="store_false",
                    help="after a divergence, do not replay the first divergent step op by op")
-    p.add_argument("--census", action="store_true",
-                   help="also list the known-nondeterministic ops the model runs (one step) and "
-                   "the alerts raised under use_deterministic_algorithms(True, warn_only=True)")
+    p.add_argument("--census", action=argparse.BooleanOptionalAction, default=True,
+                   help="list the known-nondeterministic ops the model runs (one step, even when "
+                   "the repeats agree) and the alerts raised under "
+                   "use_deterministic_algorithms(True, warn_only=True) (default: on)")
     p.add_argument("--verify-fix", action="store_true",
                    help="re-run with PyTorch's deterministic settings: deterministic now? at what "
                    "step-time and peak-memory cost?")
