@@ -218,3 +218,17 @@ def test_seed_everything_with_workers_fixes_the_hash_seed_of_child_processes(mon
     import os
 
     assert os.environ["PYTHONHASHSEED"] == "5"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_op_drill_down_on_cuda_names_the_planted_op_and_backward_module():
+    fault = Fault("block2.conv", "backward", 1, op="aten.convolution")
+    result = audit(small_cnn_probe, repeats=2, epochs=1, device="cuda", fault=fault,
+                   drill_down=True, census=True)
+    assert result.comparison.first_step == 1
+    origin = result.extra["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["phase"]) == (
+        "aten.convolution_backward", "block2.conv", "backward")
+    assert origin["max_ulp"] == 1
+    assert result.extra["census"]["device"].startswith("cuda")
