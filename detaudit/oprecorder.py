@@ -49,8 +49,11 @@ def backward_name(op: str) -> str:
 
 
 def op_matches(pattern: str, op: str, phase: str) -> bool:
-    """`op` is `pattern`, or (in backward) `pattern`'s own backward op."""
-    return op == pattern or (phase == BACKWARD and op == backward_name(pattern))
+    """`op` is `pattern`, or (in backward) `pattern`'s own backward op, named the
+    torchvision way (``_roi_align_backward``) or the aten way (``convolution_backward``)."""
+    return op == pattern or (
+        phase == BACKWARD and op in (backward_name(pattern), f"{pattern}_backward")
+    )
 
 
 @dataclass

@@ -162,13 +162,15 @@ def test_op_granularity_stays_quiet_on_a_deterministic_model():
     assert result.comparison.total_records > 0
 
 
-def test_op_granularity_drill_down_uses_the_recorded_ops():
-    fault = Fault("block1.conv", "forward", 1, op="aten.convolution")
+@pytest.mark.parametrize("phase,op", [("forward", "aten.convolution"),
+                                      ("backward", "aten.convolution_backward")])
+def test_op_granularity_drill_down_uses_the_recorded_ops(phase, op):
+    fault = Fault("block1.conv", phase, 1, op="aten.convolution")
     result = audit(small_cnn_probe, repeats=2, epochs=1, granularity="op", fault=fault,
                    drill_down=True)
+    assert result.comparison.origins[0].module == "block1.conv"
     origin = result.extra["ops"]["ops"][0]
-    assert (origin["op"], origin["module"], origin["phase"]) == ("aten.convolution", "block1.conv",
-                                                                 "forward")
+    assert (origin["op"], origin["module"], origin["phase"]) == (op, "block1.conv", phase)
     assert result.extra["ops"]["step"] == 1 and origin["max_ulp"] == 1
 
 
