@@ -2,8 +2,11 @@
 
 Two algorithms, chosen per tensor by where it lives:
 
-* ``xxh3`` (CPU): xxh3-64 over a zero-copy byte view of the contiguous tensor, seeded
-  with its dtype and shape.
+* ``xxh3`` (CPU): xxh3-64 of the dtype and shape followed by the raw bytes, read through a
+  zero-copy view of the contiguous tensor. Above 1 MiB the bytes are hashed as a tree:
+  each 1 MiB chunk on its own (by as many threads as torch uses), then the chunk digests in
+  order. The chunking is fixed, so the print does not depend on the thread count; the stats
+  are taken chunk by chunk while the chunk is in cache, so memory is read once.
 * ``wsum`` (accelerators): a position-weighted sum of the mixed bit patterns, computed on
   the device in int64. Integer addition is associative, so the fingerprint is itself
   deterministic on a GPU, where a float reduction would not be; the result stays on the
@@ -15,7 +18,9 @@ Neither draws from an RNG or writes into the tensor.
 from __future__ import annotations
 
 import math
+import os
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,8 +35,8 @@ _NUMPY_VIEWABLE = _NUMPY_FLOATS | {
 }
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (golden-ratio constant)
 _MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9, splitmix64's first multiplier
-_WSUM_CHUNK = 1 << 22
-_LARGE = 1 << 16  # elements from which torch's one-pass aminmax beats numpy's min + max  # elements per chunk, bounds the temporaries on the device
+_WSUM_CHUNK = 1 << 22  # elements per chunk, bounds the temporaries on the device
+_CHUNK = 1 << 20  # bytes per leaf of the xxh3 tree, and per stats block (stays in L2)
 
 
 class TensorPrint(NamedTuple):
@@ -45,37 +50,165 @@ class TensorPrint(NamedTuple):
     nonfinite: int
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_print = TensorPrint._make  # a third of the cost of TensorPrint(...), which parses keywords
+
+_DESCRIPTIONS: dict[tuple[torch.dtype, torch.Size], tuple[bytes, tuple[int, ...], str]] = {}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
+def _describe(t: torch.Tensor) -> tuple[bytes, tuple[int, ...], str]:
+    """(hash header, shape, dtype name) of a tensor, cached per dtype and shape."""
+    key = (t.dtype, t.shape)
+    described = _DESCRIPTIONS.get(key)
+    if described is None:
+        if len(_DESCRIPTIONS) >= 1 << 14:  # detection shapes vary with box counts: stay bounded
+            _DESCRIPTIONS.clear()
+        shape = tuple(t.shape)
+        described = _DESCRIPTIONS[key] = (
+            f"{t.dtype}|{shape}".encode(), shape, str(t.dtype).replace("torch.", "")
+        )
+    return described
 
 
-def _header(t: torch.Tensor) -> bytes:
-    return f"{t.dtype}|{tuple(t.shape)}".encode()
+def _flat_view(t: torch.Tensor) -> np.ndarray:
+    """A flat, zero-copy numpy view of a CPU tensor's logical content (copies only if strided).
 
-
-def _byte_view(t: torch.Tensor) -> np.ndarray:
-    """A zero-copy byte view of a CPU tensor's logical content (copies only if strided)."""
-    t = t.detach()
-    if t.dtype in _NUMPY_VIEWABLE and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-        return t.numpy()
+    Dtypes numpy lacks (bfloat16, complex, ...) come as bytes."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype in _NUMPY_VIEWABLE and t.is_contiguous():
+        try:
+            return t.numpy() if t.dim() == 1 else t.numpy().reshape(-1)
+        except RuntimeError:  # a lazily negated view: resolved below
+            pass
     flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if flat.dtype in _NUMPY_VIEWABLE:
+        return flat.numpy()
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
     return flat.view(torch.uint8).numpy()
 
 
-def xxh3_fingerprint(t: torch.Tensor) -> int:
-    """xxh3-64 of dtype, shape and the raw bytes of a CPU tensor."""
-    h = xxhash.xxh3_64(_header(t))
-    if t.numel():
-        h.update(_byte_view(t))
-    return h.intdigest()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="detaudit-hash")
+    return _pool
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _hash_piece(
+    a: np.ndarray, start: int, stop: int, header: bytes | None, stats: bool
+) -> tuple[int, tuple[float, Any, Any] | None]:
+    """xxh3 of elements [start, stop) of a flat array (after `header`, if given) and, with
+    stats, their (sum of squares, max, min); the sum is inf or NaN if any element is."""
+    part = a[start:stop]
+    if header is None:
+        digest = xxhash.xxh3_64_intdigest(part)
+    else:
+        h = xxhash.xxh3_64(header)
+        h.update(part)
+        digest = h.intdigest()
+    if not stats:
+        return digest, None
+    wide = part.astype(np.float32) if part.dtype == np.float16 else part
+    return digest, (float(wide.dot(wide)), part.max(), part.min())
+
+
+def _hash_pieces(pieces: list[tuple]) -> list[tuple[int, tuple[float, Any, Any] | None]]:
+    return [_hash_piece(*piece) for piece in pieces]
+
+
+def _cpu_prints(tensors: list[torch.Tensor], stats: bool) -> list[TensorPrint]:
+    """The xxh3 prints of CPU tensors, with (L2 norm, absmax, non-finite count) if `stats`.
+
+    A tensor of up to 1 MiB is one piece; a larger one is cut into 1 MiB chunks hashed on
+    their own, and its print hashes the chunk digests. The pieces of all tensors are shared
+    among torch's thread count, in contiguous runs of about equal size."""
+    views, pieces, piece_ranges = [], [], []
+    for t in tensors:
+        header, _, _ = described = _describe(t)
+        a = _flat_view(t)
+        numpy_stats = stats and a.size > 0 and t.dtype in _NUMPY_FLOATS
+        first = len(pieces)
+        if a.nbytes <= _CHUNK:
+            pieces.append((a, 0, a.size, header, numpy_stats))
+        else:
+            step = _CHUNK // a.itemsize
+            pieces += [(a, i, i + step, None, numpy_stats) for i in range(0, a.size, step)]
+        views.append((t, a, described, numpy_stats))
+        piece_ranges.append((first, len(pieces)))
+    sizes = np.cumsum([(piece[2] - piece[1]) * piece[0].itemsize for piece in pieces])
+    parts = max(1, min(torch.get_num_threads(), int(sizes[-1]) // _CHUNK if len(sizes) else 1))
+    bounds = [0, *np.searchsorted(sizes, sizes[-1] * np.arange(1, parts) / parts).tolist(),
+              len(pieces)] if parts > 1 else [0, len(pieces)]
+    futures = [
+        _thread_pool().submit(_hash_pieces, pieces[bounds[i] : bounds[i + 1]])
+        for i in range(1, len(bounds) - 1)
+    ]
+    results = _hash_pieces(pieces[bounds[0] : bounds[1]])
+    for future in futures:
+        results += future.result()
+    out = []
+    for (t, a, (header, shape, dtype), numpy_stats), (first, stop) in zip(views, piece_ranges):
+        done = results[first:stop]
+        if stop - first == 1 and pieces[first][3] is not None:
+            fp = done[0][0]
+        else:
+            fp = xxhash.xxh3_64_intdigest(
+                header + b"".join(digest.to_bytes(8, "little") for digest, _ in done)
+            )
+        out.append(_finish(t, a, f"{fp:016x}", shape, dtype, stats,
+                           [s for _, s in done] if numpy_stats else None))
+    return out
+
+
+def _finish(
+    t: torch.Tensor, a: np.ndarray, fp: str, shape: tuple[int, ...], dtype: str, stats: bool,
+    sums: list[tuple[float, Any, Any]] | None,
+) -> TensorPrint:
+    """A print from its hash and, if `stats`, the per-piece sums (None: stats in float64)."""
+    if not stats or not t.is_floating_point():
+        return _print((fp, shape, dtype, None, None, 0))
+    if a.size == 0:
+        return _print((fp, shape, dtype, 0.0, 0.0, 0))
+    if sums is not None:
+        norm = math.sqrt(sums[0][0] if len(sums) == 1 else math.fsum(s[0] for s in sums))
+        if math.isfinite(norm):  # then no element is NaN or Inf
+            absmax = max(max(s[1] for s in sums), -min(s[2] for s in sums))
+            return _print((fp, shape, dtype, norm, float(absmax), 0))
+    return _print((fp, shape, dtype, *_exact_stats(t)))
+
+
+def _exact_stats(t: torch.Tensor) -> tuple[float, float, int]:
+    """(L2 norm, absmax, count of NaN/Inf) in float64, skipping the non-finite elements."""
+    x = t.detach().double()
+    finite = torch.isfinite(x)
+    good = x[finite]
+    nonfinite = int(x.numel() - good.numel())
+    if good.numel() == 0:
+        return 0.0, 0.0, nonfinite
+    return float(good.norm()), float(good.abs().max()), nonfinite
+
+
+def _cpu_print(t: torch.Tensor, stats: bool) -> TensorPrint:
+    """The print of one CPU tensor: a small one at once, in this thread."""
+    a = _flat_view(t)
+    if a.nbytes > _CHUNK:
+        return _cpu_prints([t], stats)[0]
+    header, shape, dtype = _describe(t)
+    numpy_stats = stats and a.size > 0 and t.dtype in _NUMPY_FLOATS
+    fp, sums = _hash_piece(a, 0, a.size, header, numpy_stats)
+    return _finish(t, a, f"{fp:016x}", shape, dtype, stats, [sums] if sums else None)
 
 
 def _splitmix(x: torch.Tensor) -> torch.Tensor:
@@ -107,27 +240,6 @@ def _finish_wsum(header: bytes, value: int) -> int:
     )
 
 
-def _float_stats(t: torch.Tensor) -> tuple[float, float, int]:
-    """(L2 norm, absmax, count of NaN/Inf) of a CPU floating tensor, in one or two passes."""
-    if t.numel() == 0:
-        return 0.0, 0.0, 0
-    if t.dtype in _NUMPY_FLOATS and t.is_contiguous():
-        a = t.detach().numpy().reshape(-1)
-        sq = float(np.dot(a, a))
-        if math.isfinite(sq):  # no NaN/Inf anywhere: the common case, two fast passes
-            if a.size >= _LARGE:
-                lo, hi = torch.aminmax(t.detach())
-                return math.sqrt(sq), float(max(hi, -lo)), 0
-            return math.sqrt(sq), float(max(a.max(), -a.min())), 0
-    x = t.detach().double()
-    finite = torch.isfinite(x)
-    good = x[finite]
-    nonfinite = int(x.numel() - good.numel())
-    if good.numel() == 0:
-        return 0.0, 0.0, nonfinite
-    return float(good.norm()), float(good.abs().max()), nonfinite
-
-
 def _device_float_stats(t: torch.Tensor) -> torch.Tensor:
     """[norm, absmax, nonfinite] of a device floating tensor, as one device vector (no sync)."""
     x = t.detach().float()
@@ -154,7 +266,7 @@ class Fingerprinter:
         self.stats = stats
         self.algorithm = algorithm
         self._done: list[TensorPrint | int | None] = []  # an int points at an earlier slot
-        self._pending: list[tuple[int, torch.Tensor, bytes, torch.Tensor | None, Any]] = []
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor | None, tuple]] = []
         # A module's input is usually the previous module's output: hash each tensor once
         # per collect. Weak references, so grads freed by backward are not kept alive.
         self._seen: dict[tuple[int, bool], tuple[weakref.ref, int, int]] = {}
@@ -163,28 +275,39 @@ class Fingerprinter:
         """Queue a tensor; return its slot number. `stats=False` skips norm/absmax."""
         slot = len(self._done)
         want_stats = self.stats if stats is None else stats
-        key = (id(t), want_stats)
-        seen = self._seen.get(key)
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            self._done.append(seen[2])
+        if self._reuse(t, want_stats, slot):
             return slot
-        self._seen[key] = (weakref.ref(t), t._version, slot)
-        algorithm = self.algorithm or ("xxh3" if t.device.type == "cpu" else "wsum")
-        want_stats = want_stats and t.is_floating_point()
-        if algorithm == "xxh3" and t.device.type == "cpu":
-            norm, absmax, nonfinite = _float_stats(t) if want_stats else (None, None, 0)
-            self._done.append(
-                TensorPrint(
-                    f"{xxh3_fingerprint(t):016x}", tuple(t.shape), _dtype_name(t.dtype),
-                    norm, absmax, nonfinite,
-                )
-            )
+        if t.is_cpu and self.algorithm != "wsum":
+            self._done.append(_cpu_print(t, want_stats))
             return slot
-        value = wsum_device_value(t)
-        device_stats = _device_float_stats(t) if want_stats else None
+        device_stats = _device_float_stats(t) if want_stats and t.is_floating_point() else None
         self._done.append(None)
-        self._pending.append((slot, value, _header(t), device_stats, t.shape))
+        self._pending.append((slot, wsum_device_value(t), device_stats, _describe(t)))
         return slot
+
+    def add_many(self, tensors: list[torch.Tensor], stats: bool | None = None) -> None:
+        """Queue tensors in order, the CPU ones hashed together on torch's thread count."""
+        want_stats = self.stats if stats is None else stats
+        batch: list[tuple[int, torch.Tensor]] = []
+        for t in tensors:
+            if not t.is_cpu or self.algorithm == "wsum":
+                self.add(t, stats)
+            elif not self._reuse(t, want_stats, len(self._done)):
+                batch.append((len(self._done), t))
+                self._done.append(None)
+        for (slot, _), print_ in zip(batch, _cpu_prints([t for _, t in batch], want_stats)):
+            self._done[slot] = print_
+
+    def _reuse(self, t: torch.Tensor, stats: bool, slot: int) -> bool:
+        """Point at the earlier slot of this very tensor, unchanged since; else remember it."""
+        key = (id(t), stats)
+        version = t._version
+        seen = self._seen.get(key)
+        if seen is not None and seen[1] == version and seen[0]() is t:
+            self._done.append(seen[2])
+            return True
+        self._seen[key] = (weakref.ref(t), version, slot)
+        return False
 
     def add_bytes(self, data: bytes) -> int:
         """Queue the print of raw bytes (an RNG state); return its slot number."""
@@ -195,15 +318,14 @@ class Fingerprinter:
         """All prints added since the last call, fetching device values in one transfer."""
         if self._pending:
             values = _fetch([p[1] for p in self._pending])
-            stats = _fetch([p[3] for p in self._pending if p[3] is not None])
+            stats = _fetch([p[2] for p in self._pending if p[2] is not None])
             stats_iter = iter(stats)
-            for (slot, _, header, has_stats, shape), value in zip(self._pending, values):
+            for (slot, _, has_stats, (header, shape, dtype)), value in zip(self._pending, values):
                 norm, absmax, nonfinite = (
                     next(stats_iter) if has_stats is not None else (None, None, 0)
                 )
-                dtype = header.decode().split("|")[0].replace("torch.", "")
                 self._done[slot] = TensorPrint(
-                    f"{_finish_wsum(header, int(value)):016x}", tuple(shape), dtype,
+                    f"{_finish_wsum(header, int(value)):016x}", shape, dtype,
                     norm, absmax, int(nonfinite),
                 )
         done = [p if not isinstance(p, int) else self._done[p] for p in self._done]

@@ -112,6 +112,7 @@ class Recorder:
         self.track_rng = track_rng
         self.fault_fired = False
         self._names = {id(m): name for name, m in model.named_modules()}
+        self._params = dict(model.named_parameters())
         self._handles: list[Any] = []
         self._step_handles: list[Any] = []
         self._step = -1
@@ -175,9 +176,11 @@ class Recorder:
         self, phase: str, module: str, call: int, slot: str, value: Any, stats: bool = True
     ) -> None:
         """Fingerprint every tensor in `value` under (phase, module, call, slot[.path])."""
+        tensors = []
         for path, tensor in iter_tensors(value):
             self._keys.append((phase, module, call, _slot(slot, path)))
-            self.fp.add(tensor, stats)
+            tensors.append(tensor)
+        self.fp.add_many(tensors, stats)
 
     def record_state(self, batch: Any) -> None:
         """Step-boundary state: the batch and every RNG."""
@@ -189,26 +192,26 @@ class Recorder:
     def record_parameters(self, phase: str) -> None:
         """Every parameter, keyed by its owning module (all before step 0, trainable ones after
         each update). No stats: 3 passes over every weight per step would dominate the cost."""
-        for name, param in self.model.named_parameters():
-            if phase == STATE or param.requires_grad:
-                owner, _, local = name.rpartition(".")
-                self.record(phase, owner, 0, f"param.{local}", param, stats=False)
+        self._record_per_parameter(phase, False, [
+            (name, p) for name, p in self._params.items() if phase == STATE or p.requires_grad
+        ])
 
     def record_param_grads(self) -> None:
         """Every parameter's accumulated ``.grad`` after backward, with stats: across machines
         (`diff --rtol`) they are what a gradient difference is measured by."""
-        for name, param in self.model.named_parameters():
-            if param.grad is not None:
-                owner, _, local = name.rpartition(".")
-                self.record(GRAD, owner, 0, f"param.{local}", param.grad)
+        self._record_per_parameter(GRAD, True, [
+            (name, p.grad) for name, p in self._params.items() if p.grad is not None
+        ])
 
     def record_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Optimizer state (momentum buffers, steps) per parameter, and each group's lr."""
         if optimizer is None:
             return
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = {id(p): name for name, p in self._params.items()}
+        keys, tensors = [], []
         for gi, group in enumerate(optimizer.param_groups):
-            self.record(OPTIMIZER, "", 0, f"lr.{gi}", torch.tensor(float(group["lr"]), dtype=torch.float64))
+            keys.append((OPTIMIZER, "", 0, f"lr.{gi}"))
+            tensors.append(torch.tensor(float(group["lr"]), dtype=torch.float64))
             for param in group["params"]:
                 state = optimizer.state.get(param)
                 if not state:
@@ -218,7 +221,20 @@ class Recorder:
                     value = state[key]
                     if not isinstance(value, torch.Tensor):
                         value = torch.tensor(float(value), dtype=torch.float64)
-                    self.record(OPTIMIZER, owner, 0, f"state.{local}.{key}", value, stats=False)
+                    for path, tensor in iter_tensors(value):
+                        keys.append((OPTIMIZER, owner, 0, _slot(f"state.{local}.{key}", path)))
+                        tensors.append(tensor)
+        self._keys += keys
+        self.fp.add_many(tensors, stats=False)
+
+    def _record_per_parameter(
+        self, phase: str, stats: bool, items: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        """One tensor per named parameter, keyed (phase, owning module, 0, param.<name>)."""
+        for name, _ in items:
+            owner, _, local = name.rpartition(".")
+            self._keys.append((phase, owner, 0, f"param.{local}"))
+        self.fp.add_many([t for _, t in items], stats)
 
     # -- forward hooks -------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -284,7 +300,7 @@ class Recorder:
         calls = self._calls
         order = sorted(range(len(calls)), key=lambda i: calls[i].seq_start)
         starts = [calls[i].seq_start for i in order]
-        params = {id(p): name.rpartition(".")[0] for name, p in self.model.named_parameters()}
+        params = {id(p): name.rpartition(".")[0] for name, p in self._params.items()}
         fault = self.fault
         fault_here = fault is not None and fault.phase == BACKWARD and fault.step == self._step
         boundaries: dict[Any, list[tuple[int, int, str | None]]] = {}

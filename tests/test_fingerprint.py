@@ -5,6 +5,7 @@ import random
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from detaudit.fingerprint import Fingerprinter, fingerprint
 
@@ -114,3 +115,38 @@ def test_device_prints_are_deterministic_and_match_cpu_wsum():
     gpu = [fingerprint(x.cuda()).fp for _ in range(3)]
     assert len(set(gpu)) == 1
     assert gpu[0] == fingerprint(x, "wsum").fp
+
+
+def test_large_tensors_hash_as_a_tree_and_keep_exact_stats():
+    x = torch.randn(3 * (1 << 18) + 5, generator=torch.Generator().manual_seed(4))  # 3+ chunks
+    p = fingerprint(x)
+    exact = x.double()
+    assert p.norm == pytest.approx(float(exact.norm()), rel=1e-6)
+    assert p.absmax == float(exact.abs().max()) and p.nonfinite == 0
+    for i in (0, 1 << 18, x.numel() - 1):  # a 1-ULP change in the first, a middle, the last chunk
+        y = x.clone()
+        y[i] = torch.nextafter(y[i], torch.tensor(float("inf")))
+        assert fingerprint(y).fp != p.fp
+    swapped = torch.cat([x[1 << 18 : 2 << 18], x[: 1 << 18], x[2 << 18 :]])  # two whole chunks
+    assert fingerprint(swapped).fp != p.fp
+    x[7], x[1 << 19] = float("nan"), float("-inf")
+    q = fingerprint(x)
+    assert q.nonfinite == 2 and q.absmax == float(x[torch.isfinite(x)].abs().max())
+
+
+def test_small_prints_are_xxh3_of_header_and_bytes():
+    x = torch.arange(6.0).reshape(2, 3)
+    expected = xxhash.xxh3_64_intdigest(b"torch.float32|(2, 3)" + x.numpy().tobytes())
+    assert fingerprint(x).fp == f"{expected:016x}"
+
+
+def test_add_many_gives_the_prints_of_add():
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(700_000, generator=g)
+    tensors = [big, torch.randn(3, 4, generator=g), big, torch.arange(10),
+               torch.randn(600_000, generator=g).to(torch.bfloat16), torch.zeros(0)]
+    one, many = Fingerprinter(), Fingerprinter()
+    for t in tensors:
+        one.add(t)
+    many.add_many(tensors)
+    assert many.collect() == one.collect()
