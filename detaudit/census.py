@@ -27,14 +27,15 @@ def take_census(
     """Plain data for the report: known-nondeterministic ops per module, and the alerts."""
     config = replace(config, fault=None, granularity="module", repeats=1)
     device = str(torch.device(config.device))
-    counts: Counter[tuple[str, str, str]] = Counter()
+    counts: Counter[tuple[str, str, str, bool | None]] = Counter()
     for mode in _one_step(factory, config, probe_info):
         counts.update(mode.counts)
     ops = [
-        {"module": module or "(model)", "phase": phase, "op": op, "count": n,
-         "what": lookup(op, phase, device)[0].what}
-        for (module, phase, op), n in sorted(counts.items())
-        if is_known(op, phase, device)
+        {"module": module or "(model)", "phase": phase,
+         "op": op if accumulate is None else f"{op}(accumulate={accumulate})", "count": n,
+         "what": lookup(op, phase, device, accumulate)[0].what}
+        for (module, phase, op, accumulate), n in sorted(counts.items(), key=str)
+        if is_known(op, phase, device, accumulate)
     ]
     alerts = [
         {"module": a.module or "(model)", "phase": a.phase, "op": a.op, "message": a.message}

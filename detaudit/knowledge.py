@@ -27,6 +27,7 @@ class Known:
     remedy: str
     deterministic_mode: str
     torch: str = "all versions"
+    accumulate: bool | None = None  # only when the op's `accumulate` argument is this
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,7 +82,7 @@ KNOWN: tuple[Known, ...] = (
         "threads, so the order of the additions varies run to run",
         remedy="torch.use_deterministic_algorithms(True) (sort-based / serial accumulation), "
         "or run on 1 CPU thread",
-        deterministic_mode="switches",
+        deterministic_mode="switches", accumulate=True,
     ),
     Known(
         ops=("aten.index_add", "aten.index_add_", "aten.scatter_add", "aten.scatter_add_",
@@ -138,7 +139,7 @@ KNOWN: tuple[Known, ...] = (
         what="put_ with accumulate=False and duplicate indices",
         why="which duplicate write wins is unspecified",
         remedy="deduplicate the indices, or use accumulate=True",
-        deterministic_mode="raises",
+        deterministic_mode="raises", accumulate=False,
     ),
     Known(
         ops=("aten.convolution", "aten.convolution_backward", "aten.sum", "aten.mean",
@@ -155,18 +156,22 @@ KNOWN: tuple[Known, ...] = (
 )
 
 
-def lookup(op: str, phase: str = "any", device: str = "any") -> list[Known]:
-    """Entries that cover `op` in `phase` on `device` (device "cuda:1" matches "cuda")."""
+def lookup(
+    op: str, phase: str = "any", device: str = "any", accumulate: bool | None = None
+) -> list[Known]:
+    """Entries that cover `op` in `phase` on `device` (device "cuda:1" matches "cuda");
+    `accumulate`, when known, is the op's own `accumulate` argument."""
     kind = device.split(":")[0]
     return [
         k for k in KNOWN
         if op in k.ops
         and (k.phase == "any" or phase == "any" or k.phase == phase)
         and (k.device == "any" or kind == "any" or k.device == kind)
+        and (k.accumulate is None or accumulate is None or k.accumulate == accumulate)
     ]
 
 
-def is_known(op: str, phase: str, device: str) -> bool:
+def is_known(op: str, phase: str, device: str, accumulate: bool | None = None) -> bool:
     """Whether `op` is a known source of run-to-run nondeterminism there (thread-count
     dependence alone does not make runs at one thread count differ, so it is left out)."""
-    return any("thread-count" not in k.what for k in lookup(op, phase, device))
+    return any("thread-count" not in k.what for k in lookup(op, phase, device, accumulate))

@@ -100,7 +100,8 @@ class OpRecorder(TorchDispatchMode):
         self.census = census
         self.capture = capture  # (op phase, module, call, "op<k>/<name>"): keep its outputs
         self.captured: list[torch.Tensor] | None = None
-        self.counts: Counter[tuple[str, str, str]] = Counter()  # (module, phase, op)
+        # (module, phase, op, its `accumulate` argument or None) -> calls
+        self.counts: Counter[tuple[str, str, str, bool | None]] = Counter()
         self.alerts: list[Alert] = []
         self._ops: Counter[tuple[str, str, int]] = Counter()
         # storage address -> (tensor, version) of outputs of empty(): skipped until written
@@ -131,7 +132,7 @@ class OpRecorder(TorchDispatchMode):
             phase, op_phase, call = BACKWARD, OP_BACKWARD, self.recorder.call_for_node(node)
         module, index = (call.module, call.index) if call is not None else ("", 0)
         if self.census:
-            self.counts[(module, phase, name)] += 1
+            self.counts[(module, phase, name, _accumulate(func, args, kwargs))] += 1
         skip = func.is_view or name in _PASSTHROUGH
         prefix = ""
         if (self.record or self.capture) and not skip:
@@ -203,6 +204,15 @@ class OpRecorder(TorchDispatchMode):
                 return out
             return _replace(out, path, changed)
         return out
+
+
+def _accumulate(func: Any, args: tuple, kwargs: dict) -> bool | None:
+    """The op's `accumulate` argument (index_put_, put_), None for ops without one."""
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == "accumulate":
+            value = args[i] if i < len(args) else kwargs.get("accumulate", False)
+            return bool(value)
+    return None
 
 
 def _perturbed(t: torch.Tensor) -> torch.Tensor | None:
