@@ -36,7 +36,7 @@ _NUMPY_VIEWABLE = _NUMPY_FLOATS | {
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (golden-ratio constant)
 _MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9, splitmix64's first multiplier
 _WSUM_CHUNK = 1 << 22  # elements per chunk, bounds the temporaries on the device
-_CHUNK = 1 << 20  # bytes per leaf of the xxh3 tree, and per stats block (stays in L2)
+CHUNK_BYTES = 1 << 20  # bytes per leaf of the xxh3 tree, and per stats block (stays in L2)
 
 
 class TensorPrint(NamedTuple):
@@ -125,43 +125,56 @@ def _hash_piece(
 
 
 def _hash_pieces(pieces: list[tuple]) -> list[tuple[int, tuple[float, Any, Any] | None]]:
+    """`_hash_piece` of every piece, in order. Over 1 MiB in all, the pieces are shared among
+    torch's thread count in contiguous runs of about equal bytes; xxhash and numpy release
+    the GIL, so the runs proceed in parallel (this thread takes the first)."""
+    sizes = [(stop - start) * a.itemsize for a, start, stop, _, _ in pieces]
+    total = sum(sizes)
+    parts = min(torch.get_num_threads(), total // CHUNK_BYTES)
+    if parts < 2:
+        return _hash_run(pieces)
+    runs: list[list[tuple]] = [[]]
+    done = 0
+    for piece, size in zip(pieces, sizes):
+        runs[-1].append(piece)
+        done += size
+        if done * parts >= total * len(runs) and len(runs) < parts:
+            runs.append([])
+    futures = [_thread_pool().submit(_hash_run, run) for run in runs[1:]]
+    results = _hash_run(runs[0])
+    for future in futures:
+        results += future.result()
+    return results
+
+
+def _hash_run(pieces: list[tuple]) -> list[tuple[int, tuple[float, Any, Any] | None]]:
     return [_hash_piece(*piece) for piece in pieces]
 
 
 def _cpu_prints(tensors: list[torch.Tensor], stats: bool) -> list[TensorPrint]:
     """The xxh3 prints of CPU tensors, with (L2 norm, absmax, non-finite count) if `stats`.
 
-    A tensor of up to 1 MiB is one piece; a larger one is cut into 1 MiB chunks hashed on
-    their own, and its print hashes the chunk digests. The pieces of all tensors are shared
-    among torch's thread count, in contiguous runs of about equal size."""
+    A tensor of up to 1 MiB is one piece, hashed after its header; a larger one is cut into
+    1 MiB chunks hashed on their own, and its print is the hash of the header and the chunk
+    digests. The pieces of all the tensors are hashed together."""
     views, pieces, piece_ranges = [], [], []
     for t in tensors:
         header, _, _ = described = _describe(t)
         a = _flat_view(t)
         numpy_stats = stats and a.size > 0 and t.dtype in _NUMPY_FLOATS
         first = len(pieces)
-        if a.nbytes <= _CHUNK:
+        if a.nbytes <= CHUNK_BYTES:
             pieces.append((a, 0, a.size, header, numpy_stats))
         else:
-            step = _CHUNK // a.itemsize
+            step = CHUNK_BYTES // a.itemsize
             pieces += [(a, i, i + step, None, numpy_stats) for i in range(0, a.size, step)]
         views.append((t, a, described, numpy_stats))
         piece_ranges.append((first, len(pieces)))
-    sizes = np.cumsum([(piece[2] - piece[1]) * piece[0].itemsize for piece in pieces])
-    parts = max(1, min(torch.get_num_threads(), int(sizes[-1]) // _CHUNK if len(sizes) else 1))
-    bounds = [0, *np.searchsorted(sizes, sizes[-1] * np.arange(1, parts) / parts).tolist(),
-              len(pieces)] if parts > 1 else [0, len(pieces)]
-    futures = [
-        _thread_pool().submit(_hash_pieces, pieces[bounds[i] : bounds[i + 1]])
-        for i in range(1, len(bounds) - 1)
-    ]
-    results = _hash_pieces(pieces[bounds[0] : bounds[1]])
-    for future in futures:
-        results += future.result()
+    results = _hash_pieces(pieces)
     out = []
     for (t, a, (header, shape, dtype), numpy_stats), (first, stop) in zip(views, piece_ranges):
         done = results[first:stop]
-        if stop - first == 1 and pieces[first][3] is not None:
+        if a.nbytes <= CHUNK_BYTES:
             fp = done[0][0]
         else:
             fp = xxhash.xxh3_64_intdigest(
@@ -203,7 +216,7 @@ def _exact_stats(t: torch.Tensor) -> tuple[float, float, int]:
 def _cpu_print(t: torch.Tensor, stats: bool) -> TensorPrint:
     """The print of one CPU tensor: a small one at once, in this thread."""
     a = _flat_view(t)
-    if a.nbytes > _CHUNK:
+    if a.nbytes > CHUNK_BYTES:
         return _cpu_prints([t], stats)[0]
     header, shape, dtype = _describe(t)
     numpy_stats = stats and a.size > 0 and t.dtype in _NUMPY_FLOATS

@@ -30,7 +30,7 @@ from .structure import iter_tensors, next_ulp, replace_first_float
 FORWARD, BACKWARD, GRAD, STATE, OPTIMIZER, OUTPUT = (
     "forward", "backward", "grad", "state", "optimizer", "output",
 )
-ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+_AccumulateGrad = torch._C._functions.AccumulateGrad  # the node that fills a leaf's .grad
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def rng_states() -> dict[str, bytes]:
 def _module_rng_state() -> bytes:
     """The RNG state a module's own draws (dropout, randperm) change: torch CPU + current CUDA."""
     state = torch.get_rng_state().numpy().tobytes()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # 20x cheaper than is_available(), and implies it
         state += torch.cuda.get_rng_state().numpy().tobytes()
     return state
 
@@ -138,7 +138,7 @@ class Recorder:
         self._stack: list[tuple[int, bytes | None]] = []
         self._counts: dict[str, int] = {}
         self._edge_counts: dict[tuple[int, str], int] = {}
-        self._seq_index: tuple[int, list[int], list[int]] | None = None
+        self._seq_index: tuple[int, list[int], list[list[int]]] | None = None
 
     def begin_step(self, step: int) -> None:
         """Start recording global step `step`."""
@@ -164,11 +164,7 @@ class Recorder:
         """The innermost module call whose forward created autograd `node`."""
         if node is None or not self._calls:
             return None
-        if self._seq_index is None or self._seq_index[0] != len(self._calls):
-            order = sorted(range(len(self._calls)), key=lambda i: self._calls[i].seq_start)
-            self._seq_index = (len(self._calls), order, [self._calls[i].seq_start for i in order])
-        _, order, starts = self._seq_index
-        chain = self._enclosing_calls(node._sequence_nr(), order, starts)
+        chain = self._enclosing_calls(node._sequence_nr())
         return self._calls[chain[0]] if chain else None
 
     # -- generic records ---------------------------------------------------------------
@@ -243,9 +239,12 @@ class Recorder:
         self._counts[name] = index + 1
         parent = self._stack[-1][0] if self._stack else -1
         call = Call(name, index, parent, seq_start=_get_sequence_nr())
-        for path, tensor in _iter_inputs(args, kwargs):
-            slot = _slot("in", path)
-            self._keys.append((FORWARD, name, index, slot))
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            inputs: Any = (("0", args[0]),)  # the common case, without walking the structure
+        else:
+            inputs = _iter_inputs(args, kwargs)
+        for path, tensor in inputs:
+            self._keys.append((FORWARD, name, index, f"in.{path}"))
             self.fp.add(tensor)
             if tensor.requires_grad:
                 edge = (tensor.grad_fn, tensor.output_nr) if tensor.grad_fn else (tensor, 0)
@@ -259,6 +258,7 @@ class Recorder:
         position, rng_before = self._stack.pop()
         call = self._calls[position]
         call.seq_end = _get_sequence_nr()
+        self._seq_index = None
         replaced = None
         fault = self.fault
         if (
@@ -270,7 +270,8 @@ class Recorder:
                 output, self.fault_fired = replaced, True
             else:
                 replaced = None
-        for path, tensor in iter_tensors(output):
+        outputs = (("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)
+        for path, tensor in outputs:
             slot = _slot("out", path)
             self._keys.append((FORWARD, call.module, call.index, slot))
             self.fp.add(tensor)
@@ -298,8 +299,6 @@ class Recorder:
         if loss.grad_fn is None or not self._calls:
             return
         calls = self._calls
-        order = sorted(range(len(calls)), key=lambda i: calls[i].seq_start)
-        starts = [calls[i].seq_start for i in order]
         params = {id(p): name.rpartition(".")[0] for name, p in self._params.items()}
         fault = self.fault
         fault_here = fault is not None and fault.phase == BACKWARD and fault.step == self._step
@@ -308,11 +307,11 @@ class Recorder:
         todo = [loss.grad_fn]
         while todo:
             node = todo.pop()
-            chain = self._enclosing_calls(node._sequence_nr(), order, starts)
+            chain = self._enclosing_calls(node._sequence_nr())
             for k, (nxt, nr) in enumerate(node.next_functions):
                 if nxt is None:
                     continue
-                if nxt.name() == ACCUMULATE_GRAD:
+                if type(nxt) is _AccumulateGrad:
                     leaf = nxt.variable
                     if id(leaf) in params:
                         # Parameter gradients are recorded after backward; here only a fault
@@ -322,23 +321,37 @@ class Recorder:
                         ].module:
                             boundaries.setdefault(node, []).append((k, chain[0], None))
                         continue
-                    target, inside = (id(leaf), 0), lambda c: False
+                    target, created = (id(leaf), 0), -1  # a leaf: outside every call
                 else:
-                    target, seq = (id(nxt), nr), nxt._sequence_nr()
-                    inside = (lambda c, seq=seq: calls[c].seq_start <= seq)
+                    target, created = (id(nxt), nr), nxt._sequence_nr()
                     if nxt not in seen:
                         seen.add(nxt)
                         todo.append(nxt)
-                for c in chain:
-                    if inside(c):
+                for c in chain:  # innermost first: stop at the first call that made `nxt`
+                    if calls[c].seq_start <= created:
                         break
                     path = calls[c].inputs.get(target, f"?{nxt.name()}")
                     boundaries.setdefault(node, []).append((k, c, _slot("grad_in", path)))
         for node, edges in boundaries.items():
             self._step_handles.append(node.register_hook(self._boundary_hook(edges)))
 
-    def _enclosing_calls(self, seq: int, order: list[int], starts: list[int]) -> list[int]:
-        """The calls (innermost first) whose forward created the node with sequence nr `seq`."""
+    def _enclosing_calls(self, seq: int) -> list[int]:
+        """The calls (innermost first) whose forward created the node with sequence nr `seq`.
+
+        Which calls enclose `seq` changes only where a call starts or ends, so the answer is
+        kept per interval between those points, rebuilt when calls were added."""
+        index = self._seq_index
+        if index is None or index[0] != len(self._calls):
+            points = sorted({p for c in self._calls for p in (c.seq_start, c.seq_end)})
+            order = sorted(range(len(self._calls)), key=lambda i: self._calls[i].seq_start)
+            starts = [self._calls[i].seq_start for i in order]
+            chains = [self._enclosing_at(p, order, starts) for p in points]
+            index = self._seq_index = (len(self._calls), points, chains)
+        i = bisect.bisect_right(index[1], seq) - 1
+        return index[2][i] if i >= 0 else []
+
+    def _enclosing_at(self, seq: int, order: list[int], starts: list[int]) -> list[int]:
+        """`_enclosing_calls(seq)` the slow way: the last call started, then its ancestors."""
         i = bisect.bisect_right(starts, seq) - 1
         if i < 0:
             return []
