@@ -25,7 +25,8 @@ def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("phase", ["backward", "forward"])
 def test_maskrcnn_planted_fault_is_named(phase, tmp_path):
     done = run_cli("run", "--model", "maskrcnn", "--image-size", "96", "--inject-fault",
-                   f"roi_heads.box_roi_pool@{phase}:2", "--out", str(tmp_path), "--json")
+                   f"roi_heads.box_roi_pool@{phase}:2", "--out", str(tmp_path), "--json",
+                   "--no-census", "--no-drill-down")  # both: tested in test_ops.py
     assert done.returncode == 1, done.stderr
     summary = json.loads(done.stdout)
     first = summary["first_divergence"]
@@ -46,6 +47,9 @@ def test_maskrcnn_without_fault_is_deterministic(tmp_path):
     done = run_cli("run", "--model", "maskrcnn", "--image-size", "96", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DETERMINISTIC" in done.stdout
+    census = json.loads((tmp_path / "summary.json").read_text())["census"]
+    ran = {(c["module"], c["op"]) for c in census}
+    assert {("rpn", "torchvision.nms"), ("roi_heads", "aten.randperm")} <= ran
     assert "cpu preset" in done.stdout + done.stderr
     for name in ("report.html", "report.github.html", "report.md"):
         assert "DETERMINISTIC" in (tmp_path / name).read_text(), name
