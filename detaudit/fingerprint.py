@@ -37,6 +37,7 @@ _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (golden-rati
 _MIX2 = -4658895280553007687  # 0xBF58476D1CE4E5B9, splitmix64's first multiplier
 _WSUM_CHUNK = 1 << 22  # elements per chunk, bounds the temporaries on the device
 CHUNK_BYTES = 1 << 20  # bytes per leaf of the xxh3 tree, and per stats block (stays in L2)
+_TORCH_MINMAX = 1 << 14  # elements from which torch's threaded aminmax beats numpy's max, min
 
 
 class TensorPrint(NamedTuple):
@@ -107,10 +108,11 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _hash_piece(
-    a: np.ndarray, start: int, stop: int, header: bytes | None, stats: bool
+    a: np.ndarray, start: int, stop: int, header: bytes | None, stats: bool, alone: bool = True
 ) -> tuple[int, tuple[float, Any, Any] | None]:
     """xxh3 of elements [start, stop) of a flat array (after `header`, if given) and, with
-    stats, their (sum of squares, max, min); the sum is inf or NaN if any element is."""
+    stats, their (sum of squares, max, min); the sum is inf or NaN if any element is.
+    `alone`: no other hashing runs meanwhile, so torch's threads may take the max and min."""
     part = a[start:stop]
     if header is None:
         digest = xxhash.xxh3_64_intdigest(part)
@@ -121,7 +123,11 @@ def _hash_piece(
     if not stats:
         return digest, None
     wide = part.astype(np.float32) if part.dtype == np.float16 else part
-    return digest, (float(wide.dot(wide)), part.max(), part.min())
+    sq = float(wide.dot(wide))
+    if alone and part.size >= _TORCH_MINMAX:
+        lo, hi = torch.aminmax(torch.from_numpy(part))
+        return digest, (sq, float(hi), float(lo))
+    return digest, (sq, part.max(), part.min())
 
 
 def _hash_pieces(pieces: list[tuple]) -> list[tuple[int, tuple[float, Any, Any] | None]]:
@@ -132,7 +138,7 @@ def _hash_pieces(pieces: list[tuple]) -> list[tuple[int, tuple[float, Any, Any] 
     total = sum(sizes)
     parts = min(torch.get_num_threads(), total // CHUNK_BYTES)
     if parts < 2:
-        return _hash_run(pieces)
+        return _hash_run(pieces, alone=True)
     runs: list[list[tuple]] = [[]]
     done = 0
     for piece, size in zip(pieces, sizes):
@@ -140,15 +146,15 @@ def _hash_pieces(pieces: list[tuple]) -> list[tuple[int, tuple[float, Any, Any] 
         done += size
         if done * parts >= total * len(runs) and len(runs) < parts:
             runs.append([])
-    futures = [_thread_pool().submit(_hash_run, run) for run in runs[1:]]
-    results = _hash_run(runs[0])
+    futures = [_thread_pool().submit(_hash_run, run, False) for run in runs[1:]]
+    results = _hash_run(runs[0], alone=False)
     for future in futures:
         results += future.result()
     return results
 
 
-def _hash_run(pieces: list[tuple]) -> list[tuple[int, tuple[float, Any, Any] | None]]:
-    return [_hash_piece(*piece) for piece in pieces]
+def _hash_run(pieces: list[tuple], alone: bool) -> list[tuple[int, tuple[float, Any, Any] | None]]:
+    return [_hash_piece(*piece, alone) for piece in pieces]
 
 
 def _cpu_prints(tensors: list[torch.Tensor], stats: bool) -> list[TensorPrint]:
