@@ -77,6 +77,10 @@ class _Unintercepted:
         with _disable_current_modes():
             return self._fp.add(*args, **kwargs)
 
+    def add_many(self, *args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return self._fp.add_many(*args, **kwargs)
+
     def add_bytes(self, *args: Any, **kwargs: Any) -> Any:
         return self._fp.add_bytes(*args, **kwargs)
 
