@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import json
@@ -31,15 +32,18 @@ from detaudit.recorder import OPTIMIZER, Recorder
 from detaudit.seeding import seed_everything
 
 
-def _step(probe, batch, recorder=None, step=0):
+def train_step(probe, batch, recorder=None, step=0, scope=None):
+    """One train step, recorded when `recorder` is given; `scope()` (a dispatch mode) wraps
+    its forward and backward."""
     if recorder:
         recorder.begin_step(step)
         recorder.record_state(batch)
-    losses = probe.step(probe.model, batch)
-    total = sum(losses.values())
-    if recorder:
-        recorder.before_backward(total)
-    total.backward()
+    with scope() if scope else contextlib.nullcontext():
+        losses = probe.step(probe.model, batch)
+        total = sum(losses.values())
+        if recorder:
+            recorder.before_backward(total)
+        total.backward()
     if recorder:
         recorder.record_param_grads()
     probe.optimizer.step()
@@ -57,15 +61,15 @@ def recording_overhead(pairs: int) -> list[tuple]:
     probe = factory(torch.device("cpu"))
     probe.model.train()
     batch = next(iter(probe.batches))
-    _step(probe, batch)  # warm-up
+    train_step(probe, batch)  # warm-up
     ratios, plain_times, rec_times = [], [], []
     recorder = Recorder(probe.model)
     for i in range(pairs):
         t0 = time.perf_counter()
-        _step(probe, batch)
+        train_step(probe, batch)
         t1 = time.perf_counter()
         with recorder:
-            _step(probe, batch, recorder, i)
+            train_step(probe, batch, recorder, i)
         t2 = time.perf_counter()
         plain_times.append(t1 - t0)
         rec_times.append(t2 - t1)

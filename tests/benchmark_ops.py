@@ -34,11 +34,13 @@ from torch.utils._debug_mode import DebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmark import train_step as _step  # the same instrumented step as the module benchmark
+
 from detaudit import Fault
 from detaudit.compare import ORIGIN, compare_ops
 from detaudit.loading import builtin_spec, make_factory
 from detaudit.oprecorder import OpRecorder, op_name
-from detaudit.recorder import OPTIMIZER, Recorder
+from detaudit.recorder import Recorder
 from detaudit.runner import AuditConfig, run_repeat
 from detaudit.seeding import seed_everything
 
@@ -53,28 +55,6 @@ FAULTS = {
 
 def _factory() -> Callable[[torch.device], Any]:
     return make_factory(builtin_spec(*PROBE))
-
-
-def _step(probe: Any, batch: Any, recorder: Recorder | None = None, step: int = 0,
-          scope: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
-    """One train step; `scope()` (a dispatch mode) wraps its forward and backward."""
-    if recorder:
-        recorder.begin_step(step)
-        recorder.record_state(batch)
-    with scope() if scope else contextlib.nullcontext():
-        losses = probe.step(probe.model, batch)
-        total = sum(losses.values())
-        if recorder:
-            recorder.before_backward(total)
-        total.backward()
-    if recorder:
-        recorder.record_param_grads()
-    probe.optimizer.step()
-    probe.optimizer.zero_grad(set_to_none=True)
-    if recorder:
-        recorder.record_parameters(OPTIMIZER)
-        recorder.record_optimizer(probe.optimizer)
-        recorder.end_step()
 
 
 def _debug_variant(hash_fn: str) -> str:
