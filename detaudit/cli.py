@@ -399,7 +399,7 @@ def _finish(args, spec, config, out: Path, traces, timings, preset_text: str,
     from dataclasses import asdict
 
     from .compare import compare
-    from .report import render_console, summarize, write_reports
+    from .report import summarize, write_reports
     from .runfolder import RunInfo, save_run
 
     info = RunInfo(
@@ -410,14 +410,24 @@ def _finish(args, spec, config, out: Path, traces, timings, preset_text: str,
     save_run(out, info)
     summary = summarize(info, compare(traces), traces)
     write_reports(out, summary)
+    print_summary(args, summary, out)
+    return summary
+
+
+def print_summary(args: argparse.Namespace, summary: dict[str, Any], out: Path,
+                  more: str = "") -> None:
+    """The summary as --json, --quiet or the console text (plus `more`), then the folder."""
+    from .report import render_console
+
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True, default=str))
     elif args.quiet:
         print(summary["headline"])
     else:
         print(render_console(summary))
+        if more:
+            print("\n" + more)
         print(f"\nreports: {out}")
-    return summary
 
 
 def _reproduce_command(args: argparse.Namespace) -> str:

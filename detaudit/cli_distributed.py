@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .cli import print_summary
 from .distributed import run_distributed
 from .distributed_worker import trace_name
 from .errors import EXIT_DIVERGED, EXIT_OK
@@ -56,14 +56,7 @@ def run_command(
     save_run(out, info)
     summary = summarize(info, comparisons[primary], compared)
     write_reports(out, summary)
-    if args.json:
-        print(json.dumps(summary, indent=1, sort_keys=True, default=str))
-    elif args.quiet:
-        print(summary["headline"])
-    else:
-        print(render_console(summary))
-        print("\n" + render_ranks_console(summary))
-        print(f"\nreports: {out}")
+    print_summary(args, summary, out, render_ranks_console(summary))
     if run.crash:
         print(f"detaudit: {crash_line(run.crash)}; traces kept in {out}: "
               f"{', '.join(run.crash['kept']) or 'none'}", file=sys.stderr)
