@@ -1,8 +1,11 @@
 """Speed and memory benchmarks; prints tables. Run: python tests/benchmark.py [--pairs N]
 
 1. Recording overhead on a Mask R-CNN (v1) train step at 128 px: plain and recorded steps
-   alternate on the same model and batch (lr=0, so every step does the same work), and the
-   median of the paired ratios is reported (robust on a shared, noisy machine).
+   alternate on the same model and batch (lr=0 and the RNG reset before each step, so every
+   step does the same work), and the median of the paired ratios is reported (robust on a
+   shared, noisy machine). Two floors run the same way with the xxh3 kernel swapped out: the
+   same bytes read once and not hashed, and no byte read at all (the hooks' bookkeeping); and
+   the recorder without freezing Python's cyclic collector, to show what that saves.
 2. Fingerprint throughput on a 256 MB tensor against `x.sum()` and hashlib.sha256, and the
    per-call cost on small tensors.
 3. Trace size against image size: records, not tensor bytes, set what a trace holds.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import gzip
 import hashlib
 import json
@@ -19,13 +23,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
+import numpy as np
 import torch
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from detaudit import audit
+from detaudit import fingerprint as fingerprint_module
+from detaudit import recorder as recorder_module
 from detaudit.fingerprint import CHUNK_BYTES, Fingerprinter, fingerprint
 from detaudit.loading import builtin_spec, make_factory
 from detaudit.recorder import OPTIMIZER, Recorder
@@ -54,7 +62,30 @@ def train_step(probe, batch, recorder=None, step=0, scope=None):
         recorder.end_step()
 
 
+def _read_once(a, start, stop, header, stats, alone=True):
+    """Stands in for the xxh3 kernel: one read of the same bytes, nothing computed."""
+    return int(a[start:stop].view(np.uint8).max()), (0.0, 0.0, 0.0) if stats else None
+
+
+def _read_nothing(a, start, stop, header, stats, alone=True):
+    """Stands in for the xxh3 kernel: no byte read at all (the hooks' bookkeeping only)."""
+    return 0, (0.0, 0.0, 0.0) if stats else None
+
+
+# Each recorded variant and what it swaps out: the real recorder; the same with Python's cyclic
+# collector left walking every object; then two floors, with the xxh3 kernel replaced.
+VARIANTS = {
+    "recorded (xxh3 + stats)": {},
+    "recorded, collector not frozen": {(recorder_module, "_freeze_gc"): lambda: False},
+    "floor: same bytes read once, no hash": {(fingerprint_module, "_hash_piece"): _read_once},
+    "floor: bookkeeping only, no byte read": {(fingerprint_module, "_hash_piece"): _read_nothing},
+}
+
+
 def recording_overhead(pairs: int) -> list[tuple]:
+    """Per round: a plain step, then one recorded step per variant, each on the same model and
+    batch with the RNG reset, so every step samples the same proposals and does the same work.
+    Only the step is timed: entering the recorder (hooks, one GC pass) is once per repeat."""
     seed_everything(0)
     factory = make_factory(builtin_spec("maskrcnn_v1", {"image_size": 128, "num_images": 1,
                                                          "lr": 0.0}))
@@ -62,21 +93,30 @@ def recording_overhead(pairs: int) -> list[tuple]:
     probe.model.train()
     batch = next(iter(probe.batches))
     train_step(probe, batch)  # warm-up
-    ratios, plain_times, rec_times = [], [], []
-    recorder = Recorder(probe.model)
+    times: dict[str | None, list[float]] = {None: [], **{name: [] for name in VARIANTS}}
     for i in range(pairs):
-        t0 = time.perf_counter()
-        train_step(probe, batch)
-        t1 = time.perf_counter()
-        with recorder:
-            train_step(probe, batch, recorder, i)
-        t2 = time.perf_counter()
-        plain_times.append(t1 - t0)
-        rec_times.append(t2 - t1)
-        ratios.append((t2 - t1) / (t1 - t0))
-    return [("Mask R-CNN v1 train step, 128 px", f"{statistics.median(plain_times):.3f}",
-             f"{statistics.median(rec_times):.3f}",
-             f"{(statistics.median(ratios) - 1) * 100:+.1f}%", pairs)]
+        for name, samples in times.items():
+            gc.collect()
+            torch.manual_seed(i)
+            with contextlib.ExitStack() as patches:
+                for (module, attr), replacement in VARIANTS.get(name, {}).items():
+                    patches.enter_context(mock.patch.object(module, attr, replacement))
+                if name is None:
+                    t0 = time.perf_counter()
+                    train_step(probe, batch)
+                    samples.append(time.perf_counter() - t0)
+                    continue
+                with Recorder(probe.model) as recorder:
+                    t0 = time.perf_counter()
+                    train_step(probe, batch, recorder, i)
+                    samples.append(time.perf_counter() - t0)
+    plain = times.pop(None)
+    rows = [("plain step", f"{statistics.median(plain):.3f}", "", pairs)]
+    for name, recorded in times.items():
+        ratios = [r / p for r, p in zip(recorded, plain)]
+        rows.append((name, f"{statistics.median(recorded):.3f}",
+                     f"{(statistics.median(ratios) - 1) * 100:+.1f}%", pairs))
+    return rows
 
 
 def _best(fn, repeats: int = 5) -> float:
@@ -160,8 +200,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print(tabulate(recording_overhead(args.pairs),
-                   headers=["workload", "plain s", "recorded s", "overhead (median ratio)",
-                            "pairs"]))
+                   headers=["Mask R-CNN v1 train step, 128 px", "s (median)",
+                            "overhead (median ratio)", "pairs"]))
     big, small = fingerprint_speed()
     print()
     print(tabulate(big, headers=["256 MB float32", "GB/s", "speed vs x.sum()",
