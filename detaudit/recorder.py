@@ -15,7 +15,6 @@ graph, so gradient accumulation order -- and so the numbers -- stay exactly as w
 from __future__ import annotations
 
 import bisect
-import gc
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,7 +120,6 @@ class Recorder:
 
     # -- lifecycle -----------------------------------------------------------------------
     def __enter__(self) -> Recorder:  # noqa: PYI034
-        self._froze_gc = _freeze_gc()
         for module in self.model.modules():
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
@@ -133,8 +131,6 @@ class Recorder:
         for handle in self._handles + self._step_handles:
             handle.remove()
         self._handles, self._step_handles = [], []
-        if self._froze_gc:
-            gc.unfreeze()
 
     def _reset_step(self) -> None:
         self._keys: list[tuple[str, str, int, str]] = []
@@ -395,20 +391,6 @@ class Recorder:
             return tuple(grads) if changed else None
 
         return hook
-
-
-def _freeze_gc() -> bool:
-    """Move every object alive now out of reach of Python's cyclic collector; True if done.
-
-    The records are many small objects, so the collector runs more often while recording, and
-    each full pass walked the whole model (about 70 ms a pass on Mask R-CNN). Frozen, those
-    passes see only what the steps allocate. Garbage is collected first, so nothing dead (an
-    earlier repeat's model) is kept; a process that froze objects itself is left as it is."""
-    if not gc.isenabled() or gc.get_freeze_count():
-        return False
-    gc.collect()
-    gc.freeze()
-    return True
 
 
 def _iter_inputs(args: tuple, kwargs: dict):

@@ -4,8 +4,8 @@
    alternate on the same model and batch (lr=0 and the RNG reset before each step, so every
    step does the same work), and the median of the paired ratios is reported (robust on a
    shared, noisy machine). Two floors run the same way with the xxh3 kernel swapped out: the
-   same bytes read once and not hashed, and no byte read at all (the hooks' bookkeeping); and
-   the recorder without freezing Python's cyclic collector, to show what that saves.
+   same bytes read once and not hashed, and no byte read at all (the hooks' bookkeeping).
+   Then the time spent inside the recorder per step, by entry point, for the same variants.
 2. Fingerprint throughput on a 256 MB tensor against `x.sum()` and hashlib.sha256, and the
    per-call cost on small tensors.
 3. Trace size against image size: records, not tensor bytes, set what a trace holds.
@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from detaudit import audit
 from detaudit import fingerprint as fingerprint_module
-from detaudit import recorder as recorder_module
 from detaudit.fingerprint import CHUNK_BYTES, Fingerprinter, fingerprint
 from detaudit.loading import builtin_spec, make_factory
 from detaudit.recorder import OPTIMIZER, Recorder
@@ -72,11 +71,10 @@ def _read_nothing(a, start, stop, header, stats, alone=True):
     return 0, (0.0, 0.0, 0.0) if stats else None
 
 
-# Each recorded variant and what it swaps out: the real recorder; the same with Python's cyclic
-# collector left walking every object; then two floors, with the xxh3 kernel replaced.
+# Each recorded variant and what it swaps out: the real recorder, then two floors under it,
+# with the xxh3 kernel replaced.
 VARIANTS = {
     "recorded (xxh3 + stats)": {},
-    "recorded, collector not frozen": {(recorder_module, "_freeze_gc"): lambda: False},
     "floor: same bytes read once, no hash": {(fingerprint_module, "_hash_piece"): _read_once},
     "floor: bookkeeping only, no byte read": {(fingerprint_module, "_hash_piece"): _read_nothing},
 }
@@ -85,7 +83,7 @@ VARIANTS = {
 def recording_overhead(pairs: int) -> list[tuple]:
     """Per round: a plain step, then one recorded step per variant, each on the same model and
     batch with the RNG reset, so every step samples the same proposals and does the same work.
-    Only the step is timed: entering the recorder (hooks, one GC pass) is once per repeat."""
+    Only the step is timed: entering the recorder (registering hooks) is once per repeat."""
     seed_everything(0)
     factory = make_factory(builtin_spec("maskrcnn_v1", {"image_size": 128, "num_images": 1,
                                                          "lr": 0.0}))
@@ -117,6 +115,60 @@ def recording_overhead(pairs: int) -> list[tuple]:
         rows.append((name, f"{statistics.median(recorded):.3f}",
                      f"{(statistics.median(ratios) - 1) * 100:+.1f}%", pairs))
     return rows
+
+
+def _timed(fn, totals: dict[str, list[float]], label: str):
+    """`fn`, adding its wall time and call count to `totals[label]`."""
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            entry = totals.setdefault(label, [0.0, 0])
+            entry[0] += time.perf_counter() - t0
+            entry[1] += 1
+    return timed
+
+
+def time_inside_recorder(steps: int) -> tuple[list[str], list[tuple]]:
+    """Wall time spent inside the recorder's hooks and calls per recorded step, by entry point,
+    for each variant of `recording_overhead`: a low-noise view of detaudit's own cost, which
+    leaves out what it costs the model around it (caches, slower module calls)."""
+    seed_everything(0)
+    factory = make_factory(builtin_spec("maskrcnn_v1", {"image_size": 128, "num_images": 1,
+                                                         "lr": 0.0}))
+    probe = factory(torch.device("cpu"))
+    probe.model.train()
+    batch = next(iter(probe.batches))
+    train_step(probe, batch)  # warm-up
+    columns: list[dict[str, list[float]]] = []
+    for patches in VARIANTS.values():
+        totals: dict[str, list[float]] = {}
+        recorder = Recorder(probe.model)
+        for name in ("_pre_hook", "_post_hook", "before_backward", "record_state",
+                     "record_param_grads", "record_parameters", "record_optimizer", "end_step"):
+            setattr(recorder, name, _timed(getattr(recorder, name), totals, name.strip("_")))
+        for factory_name, label in (("_grad_out_hook", "gradient hooks (outputs)"),
+                                    ("_boundary_hook", "gradient hooks (inputs)")):
+            make = getattr(recorder, factory_name)
+            setattr(recorder, factory_name,
+                    lambda *a, _make=make, _totals=totals, _label=label: _timed(
+                        _make(*a), _totals, _label))
+        gc.collect()
+        with contextlib.ExitStack() as stack:
+            for (module, attr), replacement in patches.items():
+                stack.enter_context(mock.patch.object(module, attr, replacement))
+            with recorder:
+                for i in range(steps):
+                    torch.manual_seed(i)
+                    train_step(probe, batch, recorder, i)
+        columns.append(totals)
+    order = sorted(columns[0], key=lambda name: -columns[0][name][0])
+    rows = [(name, *(f"{c.get(name, [0.0])[0] / steps * 1e3:.1f}" for c in columns),
+             columns[0][name][1] // steps) for name in order]
+    rows.append(("total", *(f"{sum(v[0] for v in c.values()) / steps * 1e3:.1f}"
+                            for c in columns), ""))
+    return ["inside the recorder, ms per step", *VARIANTS, "calls"], rows
 
 
 def _best(fn, repeats: int = 5) -> float:
@@ -202,6 +254,9 @@ def main() -> None:
     print(tabulate(recording_overhead(args.pairs),
                    headers=["Mask R-CNN v1 train step, 128 px", "s (median)",
                             "overhead (median ratio)", "pairs"]))
+    print()
+    headers, rows = time_inside_recorder(args.pairs)
+    print(tabulate(rows, headers=headers))
     big, small = fingerprint_speed()
     print()
     print(tabulate(big, headers=["256 MB float32", "GB/s", "speed vs x.sum()",
