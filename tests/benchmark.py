@@ -71,6 +71,19 @@ def _read_nothing(a, start, stop, header, stats, alone=True):
     return 0, (0.0, 0.0, 0.0) if stats else None
 
 
+def _maskrcnn_warmed_up():
+    """A Mask R-CNN v1 probe at 128 px (lr=0: every step does the same work), its one batch,
+    and one step already taken."""
+    seed_everything(0)
+    factory = make_factory(builtin_spec("maskrcnn_v1", {"image_size": 128, "num_images": 1,
+                                                         "lr": 0.0}))
+    probe = factory(torch.device("cpu"))
+    probe.model.train()
+    batch = next(iter(probe.batches))
+    train_step(probe, batch)
+    return probe, batch
+
+
 # Each recorded variant and what it swaps out: the real recorder, then two floors under it,
 # with the xxh3 kernel replaced.
 VARIANTS = {
@@ -84,13 +97,7 @@ def recording_overhead(pairs: int) -> list[tuple]:
     """Per round: a plain step, then one recorded step per variant, each on the same model and
     batch with the RNG reset, so every step samples the same proposals and does the same work.
     Only the step is timed: entering the recorder (registering hooks) is once per repeat."""
-    seed_everything(0)
-    factory = make_factory(builtin_spec("maskrcnn_v1", {"image_size": 128, "num_images": 1,
-                                                         "lr": 0.0}))
-    probe = factory(torch.device("cpu"))
-    probe.model.train()
-    batch = next(iter(probe.batches))
-    train_step(probe, batch)  # warm-up
+    probe, batch = _maskrcnn_warmed_up()
     times: dict[str | None, list[float]] = {None: [], **{name: [] for name in VARIANTS}}
     for i in range(pairs):
         for name, samples in times.items():
@@ -134,13 +141,7 @@ def time_inside_recorder(steps: int) -> tuple[list[str], list[tuple]]:
     """Wall time spent inside the recorder's hooks and calls per recorded step, by entry point,
     for each variant of `recording_overhead`: a low-noise view of detaudit's own cost, which
     leaves out what it costs the model around it (caches, slower module calls)."""
-    seed_everything(0)
-    factory = make_factory(builtin_spec("maskrcnn_v1", {"image_size": 128, "num_images": 1,
-                                                         "lr": 0.0}))
-    probe = factory(torch.device("cpu"))
-    probe.model.train()
-    batch = next(iter(probe.batches))
-    train_step(probe, batch)  # warm-up
+    probe, batch = _maskrcnn_warmed_up()
     columns: list[dict[str, list[float]]] = []
     for patches in VARIANTS.values():
         totals: dict[str, list[float]] = {}
