@@ -93,6 +93,15 @@ VARIANTS = {
 }
 
 
+@contextlib.contextmanager
+def _swapped(patches: dict):
+    """Each (module, attribute) replaced as a variant asks, for the duration of the block."""
+    with contextlib.ExitStack() as stack:
+        for (module, attr), replacement in patches.items():
+            stack.enter_context(mock.patch.object(module, attr, replacement))
+        yield
+
+
 def recording_overhead(pairs: int) -> list[tuple]:
     """Per round: a plain step, then one recorded step per variant, each on the same model and
     batch with the RNG reset, so every step samples the same proposals and does the same work.
@@ -103,18 +112,11 @@ def recording_overhead(pairs: int) -> list[tuple]:
         for name, samples in times.items():
             gc.collect()
             torch.manual_seed(i)
-            with contextlib.ExitStack() as patches:
-                for (module, attr), replacement in VARIANTS.get(name, {}).items():
-                    patches.enter_context(mock.patch.object(module, attr, replacement))
-                if name is None:
-                    t0 = time.perf_counter()
-                    train_step(probe, batch)
-                    samples.append(time.perf_counter() - t0)
-                    continue
-                with Recorder(probe.model) as recorder:
-                    t0 = time.perf_counter()
-                    train_step(probe, batch, recorder, i)
-                    samples.append(time.perf_counter() - t0)
+            recording = Recorder(probe.model) if name else contextlib.nullcontext()
+            with _swapped(VARIANTS.get(name, {})), recording as recorder:
+                t0 = time.perf_counter()
+                train_step(probe, batch, recorder, i)  # recorder None: the plain step
+                samples.append(time.perf_counter() - t0)
     plain = times.pop(None)
     rows = [("plain step", f"{statistics.median(plain):.3f}", "", pairs)]
     for name, recorded in times.items():
@@ -156,13 +158,10 @@ def time_inside_recorder(steps: int) -> tuple[list[str], list[tuple]]:
                     lambda *a, _make=make, _totals=totals, _label=label: _timed(
                         _make(*a), _totals, _label))
         gc.collect()
-        with contextlib.ExitStack() as stack:
-            for (module, attr), replacement in patches.items():
-                stack.enter_context(mock.patch.object(module, attr, replacement))
-            with recorder:
-                for i in range(steps):
-                    torch.manual_seed(i)
-                    train_step(probe, batch, recorder, i)
+        with _swapped(patches), recorder:
+            for i in range(steps):
+                torch.manual_seed(i)
+                train_step(probe, batch, recorder, i)
         columns.append(totals)
     order = sorted(columns[0], key=lambda name: -columns[0][name][0])
     rows = [(name, *(f"{c.get(name, [0.0])[0] / steps * 1e3:.1f}" for c in columns),
