@@ -1,10 +1,10 @@
-"""The `detaudit` command: a thin layer over the API; each subcommand calls one function."""
+"""The `detaudit` command: parses, turns the options into typed configuration once, calls
+one API function per subcommand, and prints. Nothing below this module sees argparse."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import sys
 import time
@@ -12,15 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import EXIT_DIVERGED, EXIT_OK, EXIT_USAGE, DetauditError
+from .api import STAGE_NAMES, Progress
+from .config import AuditConfig, Fault, Investigations, Launch, Preset, ProbeSpec, preset_for
+from .errors import EXIT_OK, EXIT_USAGE, DetauditError
 
-CPU_PRESET = {"image_size": 128, "epochs": 2, "steps": 2, "batch_size": 1, "num_images": 2,
-              "repeats": 2}
-CUDA_PRESET = {"image_size": 800, "epochs": 2, "steps": 5, "batch_size": 2, "num_images": 10,
-               "repeats": 3}
-_FAULT = re.compile(
-    r"^(?P<module>[^@:/]*)(/(?P<op>[\w.]+))?(@(?P<phase>forward|backward))?(:(?P<step>\d+))?$"
-)
+RECIPE_OPTIONS = ("instances", "data", "weights", "workers", "augment", "accumulate",
+                  "clip_grad_norm", "lr", "scheduler")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,12 +25,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    args.argv = argv
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_USAGE
     try:
-        return args.func(args)
+        return args.func(args, argv)
     except DetauditError as exc:
         if args.debug:
             raise
@@ -186,144 +182,156 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
                         help="LR scheduler: cosine annealing with warm restarts")
 
 
-def parse_fault(text: str | None):
-    """`MODULE[@forward|@backward][:STEP]` -> Fault."""
-    from .recorder import Fault
-
-    if not text:
-        return None
-    if text.startswith("op:"):
-        text = "/" + text[3:]
-    m = _FAULT.match(text)
-    if not m or not (m.group("module") or m.group("op")):
-        raise DetauditError(
-            f"--inject-fault {text!r} is not MODULE[/OP][@forward|@backward][:STEP] or op:OP[...]"
-        )
-    return Fault(m.group("module"), m.group("phase") or "forward", int(m.group("step") or 0),
-                 m.group("op"))
-
-
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit run`."""
-    spec, config, preset_text = _run_setup(args)
-    out = Path(args.out) if args.out else _default_folder(spec["name"])
-    if args.nproc is not None:
-        from .cli_distributed import run_command
+    from . import api
 
-        return run_command(args, spec, config, out, preset_text, _reproduce_command(args))
-    traces, timings = _run(spec, config, out, args)
-    extra = _investigate(args, spec, config, traces, timings)
-    summary = _finish(args, spec, config, out, traces, timings, preset_text, extra)
+    launch = Launch(args.isolation, args.nproc)
+    spec, config, preset = _audit_setup(args, launch)
+    out = Path(args.out) if args.out else _default_folder(spec.name)
+    investigations = Investigations(drill_down=args.drill_down, census=args.census,
+                                    verify_fix=args.verify_fix)
+    quiet = args.quiet or args.json
+    result = api.run(
+        spec, config, out=out, investigations=investigations, launch=launch,
+        command=_reproduce_command(argv), preset=preset.describe(config, spec, launch.nproc),
+        progress=_Bar(quiet),
+    )
+    _print_summary(args, result.summary, out)
+    if result.ranks is not None and result.ranks.crash:
+        crash = result.ranks.crash
+        from .analysis.verdict import crash_line
+
+        print(f"detaudit: {crash_line(crash)}; traces kept in {out}: "
+              f"{', '.join(crash.get('kept', [])) or 'none'}", file=sys.stderr)
     if args.junit:
-        from .junit import JUnitCase, write_junit
-        from .report import render_console
-
-        failure = None if summary["verdict"] == "deterministic" else summary["headline"]
-        write_junit(args.junit, [JUnitCase(spec["name"], "detaudit.run",
-                                           sum(t.seconds for t in timings), failure,
-                                           render_console(summary))])
-    return EXIT_OK if summary["verdict"] == "deterministic" else EXIT_DIVERGED
+        _write_junit(args.junit, result.junit_case())
+    return result.verdict.exit_code
 
 
-def cmd_baseline(args: argparse.Namespace) -> int:
+def cmd_baseline(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit baseline`: run, then store repeat 0 as the baseline."""
-    from .api import AuditResult
-    from .compare import compare
-    from .gate import save_baseline
+    from . import api
 
-    if args.repeats is None:
-        args.repeats = 1
-    spec, config, _ = _run_setup(args)
-    folder = _default_folder(f"{spec['name']}-baseline")
-    traces, timings = _run(spec, config, folder, args)
-    if traces[0].failure:
-        raise DetauditError(f"the baseline run failed: {traces[0].failure}")
-    path = save_baseline(args.out, spec, AuditResult(config, traces, compare(traces), timings))
-    print(f"baseline written: {path} ({len(traces[0])} records, {len(traces[0].steps)} steps)")
+    launch = Launch(args.isolation)
+    spec, config, _ = _audit_setup(args, launch, repeats=1)
+    path, trace = api.baseline(
+        spec, config, args.out, out=_default_folder(f"{spec.name}-baseline"), launch=launch,
+        command=_reproduce_command(argv), progress=_Bar(args.quiet or args.json),
+    )
+    print(f"baseline written: {path} ({len(trace)} records, {len(trace.steps)} steps)")
     return EXIT_OK
 
 
-def cmd_check(args: argparse.Namespace) -> int:
+def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit check BASELINE`."""
-    from .api import AuditResult
-    from .compare import compare
-    from .gate import check_baseline
-    from .runner import AuditConfig
+    from . import api
 
     out = Path(args.out) if args.out else _default_folder("check")
-    args.banner = "check"
-
-    def run_fn(spec: dict[str, Any], config: dict[str, Any]) -> AuditResult:
-        cfg = AuditConfig.from_dict(config)
-        traces, timings = _run(spec, cfg, out, args)
-        args.quiet = True  # the gate prints its own message
-        _finish(args, spec, cfg, out, traces, timings, "as stored in the baseline")
-        return AuditResult(cfg, traces, compare(traces), timings)
-
-    return _gate_output(args, check_baseline(args.baseline, run_fn, args.rtol, args.atol),
-                        Path(args.baseline).stem, "detaudit.check", f"\nreport folder: {out}")
-
-
-def cmd_diff(args: argparse.Namespace) -> int:
-    """`detaudit diff RUN_A RUN_B`."""
-    from .gate import diff_traces
-    from .runfolder import load_run
-
-    _, traces_a = load_run(args.run_a)
-    _, traces_b = load_run(args.run_b)
-    gate = diff_traces(traces_a, traces_b, args.rtol, args.atol, labels=(args.run_a, args.run_b))
-    return _gate_output(args, gate, f"{Path(args.run_a).name}-vs-{Path(args.run_b).name}",
-                        "detaudit.diff", "")
-
-
-def _gate_output(args: argparse.Namespace, gate: Any, name: str, classname: str, tail: str) -> int:
-    print(gate.message + (tail if not gate.ok else ""))
+    result = api.check(args.baseline, out=out, launch=Launch(args.isolation), rtol=args.rtol,
+                       atol=args.atol, command=_reproduce_command(argv),
+                       progress=_Bar(args.quiet))
+    gate = result.gate
+    print(gate.message + ("" if gate.ok else f"\nreport folder: {out}"))
     if args.junit:
-        from .junit import write_junit
-
-        write_junit(args.junit, [gate.junit_case(name, classname)])
+        _write_junit(args.junit, _gate_case(gate, Path(args.baseline).stem, "detaudit.check"))
     return gate.exit_code
 
 
-def _run_setup(args: argparse.Namespace):
-    """(probe description, AuditConfig, preset text) from `run`-style arguments."""
-    import torch
+def cmd_diff(args: argparse.Namespace, argv: list[str]) -> int:
+    """`detaudit diff RUN_A RUN_B`."""
+    from . import api
 
-    from .runner import AuditConfig, resolve_device
+    gate = api.diff(args.run_a, args.run_b, args.rtol, args.atol)
+    print(gate.message)
+    if args.junit:
+        name = f"{Path(args.run_a).name}-vs-{Path(args.run_b).name}"
+        _write_junit(args.junit, _gate_case(gate, name, "detaudit.diff"))
+    return gate.exit_code
 
-    device = resolve_device(args.device)
-    preset_name = "cuda" if device.type == "cuda" else "cpu"
-    preset = CUDA_PRESET if preset_name == "cuda" else CPU_PRESET
 
-    def pick(name: str) -> Any:
+def cmd_models(args: argparse.Namespace, argv: list[str]) -> int:
+    """`detaudit models`."""
+    from tabulate import tabulate
+
+    from . import probes
+
+    print(tabulate(probes.available(), headers=["model", "what it audits"]))
+    return EXIT_OK
+
+
+def cmd_env(args: argparse.Namespace, argv: list[str]) -> int:
+    """`detaudit env`."""
+    from tabulate import tabulate
+
+    from . import api
+
+    env, flagged = api.environment()
+    if args.json:
+        print(json.dumps({"env": env, "risks": flagged}, indent=1, sort_keys=True))
+    else:
+        rows = [(k, v, "RISK: " + flagged[k] if k in flagged else "") for k, v in sorted(env.items())]
+        print(tabulate(rows, headers=["setting", "value", "risk"], maxcolwidths=[None, 40, 70]))
+        print(f"\n{len(flagged)} risky setting(s)" if flagged else "\nno risky settings")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
+    """`detaudit report DIR`."""
+    from . import api
+    from .analysis.verdict import exit_code
+    from .report import render_console, summary_json
+
+    summary = api.render_folder(args.folder)
+    print(summary_json(summary) if args.json else render_console(summary))
+    return exit_code(summary["verdict"])
+
+
+# -- from options to typed configuration ---------------------------------------------------
+def _audit_setup(
+    args: argparse.Namespace, launch: Launch, repeats: int | None = None
+) -> tuple[ProbeSpec, AuditConfig, Preset]:
+    """The probe description, the audit configuration and the preset they were filled from."""
+    from . import api
+
+    device = api.resolve_device(args.device)
+    preset = preset_for(device.split(":")[0])
+
+    def pick(name: str, default: Any = None) -> Any:
         value = getattr(args, name, None)
-        return preset[name] if value is None else value
+        if value is not None:
+            return value
+        return default if default is not None else getattr(preset, name)
 
     config = AuditConfig(
-        repeats=pick("repeats"), epochs=pick("epochs"), steps=pick("steps"), mode=args.mode,
-        device=str(device), seed=args.seed, deterministic=args.deterministic,
-        fault=parse_fault(args.inject_fault), granularity=getattr(args, "granularity", "module"),
+        repeats=pick("repeats", repeats), epochs=pick("epochs"), steps=pick("steps"),
+        mode=args.mode, device=device, seed=args.seed, deterministic=args.deterministic,
+        fault=_fault(args.inject_fault), granularity=args.granularity,
     )
-    spec = _probe_spec(args, preset)
-    args.banner = f"{spec['name']} on {device}, threads={torch.get_num_threads()}"
-    return spec, config, _preset_text(preset_name, config, spec)
+    return _probe_spec(args, preset, launch.nproc), config, preset
 
 
-def _default_folder(name: str) -> Path:
-    return Path("reports") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+def _fault(text: str | None) -> Fault | None:
+    try:
+        return Fault.parse(text) if text else None
+    except DetauditError as exc:
+        raise DetauditError(f"--inject-fault: {exc}") from None
 
 
-def _probe_spec(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, Any]:
-    from .loading import builtin_spec, file_spec
+def _probe_spec(args: argparse.Namespace, preset: Preset, nproc: int | None) -> ProbeSpec:
+    """A probe file's description, or a built-in probe's with its recipe options; on N ranks
+    a built-in probe gets N times the images, so that every rank runs the preset's steps."""
+    from .drivers.loading import builtin_spec, file_spec
 
     if args.probe:
         return file_spec(args.probe)
     options: dict[str, Any] = {"seed": args.seed}
     for name in ("image_size", "batch_size", "num_images"):
         value = getattr(args, name)
-        options[name] = preset[name] if value is None else value
-    for name in ("instances", "data", "weights", "workers", "augment", "accumulate",
-                 "clip_grad_norm", "lr", "scheduler"):
+        options[name] = getattr(preset, name) if value is None else value
+    if nproc and args.num_images is None:
+        options["num_images"] *= nproc
+    for name in RECIPE_OPTIONS:
         value = getattr(args, name)
         if value is not None:
             options[name] = value
@@ -334,150 +342,74 @@ def _probe_spec(args: argparse.Namespace, preset: dict[str, Any]) -> dict[str, A
     return builtin_spec(args.model, options)
 
 
-def _preset_text(preset: str, config: Any, spec: dict[str, Any]) -> str:
-    options = spec.get("options", {})
-    size = f", {options['image_size']} px, batch {options['batch_size']}" if options else ""
-    return (f"{preset} preset: {config.repeats} repeats x {config.epochs} epochs x "
-            f"{config.steps} steps{size}, {config.mode}")
+def _default_folder(name: str) -> Path:
+    return Path("reports") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _run(spec: dict[str, Any], config: Any, out: Path, args: argparse.Namespace):
-    from tqdm import tqdm
-
-    from .api import audit_config
-    from .isolation import run_isolated
-    from .loading import make_factory
-
-    total_steps = config.repeats * config.epochs * (config.steps or 0) or None
-    bar = tqdm(total=total_steps if args.isolation == "inprocess" else config.repeats,
-               disable=True if (args.quiet or args.json) else None, leave=False, file=sys.stderr, unit="step"
-               if args.isolation == "inprocess" else "repeat", dynamic_ncols=True,
-               desc=args.banner)
-    try:
-        if args.isolation == "process":
-            return run_isolated(spec, config, out, on_repeat=lambda r: bar.update(1))
-
-        def on_step(repeat: int, epoch: int, index: int, step: int) -> None:
-            bar.set_description(f"repeat {repeat + 1}/{config.repeats} epoch {epoch + 1}/{config.epochs}")
-            bar.update(1)
-
-        result = audit_config(make_factory(spec), config, out=out, probe_info=spec, on_step=on_step)
-        return result.traces, result.timings
-    finally:
-        bar.close()
-
-
-def _investigate(args, spec, config, traces, timings) -> dict[str, Any]:
-    """The op drill-down, census and fix verification asked for (all in this process)."""
-    from .compare import compare
-    from .investigate import investigate
-    from .loading import make_factory
-
-    comparison = compare(traces)
-    wanted = {"ops": args.drill_down and comparison.first_step is not None,
-              "census": args.census, "verify": args.verify_fix}
-    if not any(wanted.values()):
-        return {}
-    names = {"ops": "op-level replay of the first divergent step", "census": "census",
-             "verify": "fix verification"}
-    quiet = args.quiet or args.json
-
-    def on_stage(name: str) -> None:
-        if not quiet:
-            print(f"detaudit: {names[name]} ...", file=sys.stderr)
-
-    return investigate(
-        make_factory(spec), config, comparison, timings, ops=wanted["ops"],
-        census=wanted["census"], verify=wanted["verify"], probe_info=spec,
-        traces=traces, on_stage=on_stage,
-    )
-
-
-def _finish(args, spec, config, out: Path, traces, timings, preset_text: str,
-            extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Save run.json and the reports, print the summary; return the summary."""
-    from dataclasses import asdict
-
-    from .compare import compare
-    from .report import summarize, write_reports
-    from .runfolder import RunInfo, save_run
-
-    info = RunInfo(
-        probe={**spec, "preset": preset_text}, config=config.to_dict(),
-        command=_reproduce_command(args), traces=[f"trace-{t.repeat}.json.gz" for t in traces],
-        timings=[asdict(t) for t in timings], extra=extra or {},
-    )
-    save_run(out, info)
-    summary = summarize(info, compare(traces), traces)
-    write_reports(out, summary)
-    print_summary(args, summary, out)
-    return summary
-
-
-def print_summary(args: argparse.Namespace, summary: dict[str, Any], out: Path,
-                  more: str = "") -> None:
-    """The summary as --json, --quiet or the console text (plus `more`), then the folder."""
-    from .report import render_console
-
-    if args.json:
-        print(json.dumps(summary, indent=1, sort_keys=True, default=str))
-    elif args.quiet:
-        print(summary["headline"])
-    else:
-        print(render_console(summary))
-        if more:
-            print("\n" + more)
-        print(f"\nreports: {out}")
-
-
-def _reproduce_command(args: argparse.Namespace) -> str:
+def _reproduce_command(argv: list[str]) -> str:
     """The command line as given, minus --out (a rerun should write a new folder)."""
-    argv, skip = [], False
-    for arg in args.argv:
+    kept, skip = [], False
+    for arg in argv:
         if skip or arg == "--out":
             skip = not skip
             continue
         if not arg.startswith("--out="):
-            argv.append(arg)
-    return "detaudit " + shlex.join(argv)
+            kept.append(arg)
+    return "detaudit " + shlex.join(kept)
 
 
-def cmd_models(args: argparse.Namespace) -> int:
-    """`detaudit models`."""
-    from tabulate import tabulate
+# -- output --------------------------------------------------------------------------------
+class _Bar(Progress):
+    """The API's progress, drawn as a tqdm bar on stderr (nothing when quiet)."""
 
-    import probes
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.bar: Any = None
 
-    print(tabulate(probes.available(), headers=["model", "what it audits"]))
-    return EXIT_OK
+    def start(self, total: int | None, unit: str, description: str) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, disable=True if self.quiet else None, leave=False,
+                        file=sys.stderr, unit=unit, dynamic_ncols=True, desc=description)
+
+    def advance(self, description: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(description)
+            self.bar.update(1)
+
+    def stage(self, name: str) -> None:
+        if not self.quiet:
+            print(f"detaudit: {STAGE_NAMES.get(name, name)} ...", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
-def cmd_env(args: argparse.Namespace) -> int:
-    """`detaudit env`."""
-    from tabulate import tabulate
+def _print_summary(args: argparse.Namespace, summary: dict[str, Any], out: Path) -> None:
+    """The summary as --json, --quiet or the console text (with the ranks), then the folder."""
+    from .report import render_console, render_ranks_console, summary_json
 
-    from .environment import capture_environment, risks
-
-    env = capture_environment()
-    flagged = risks(env)
     if args.json:
-        print(json.dumps({"env": env, "risks": flagged}, indent=1, sort_keys=True))
+        print(summary_json(summary))
+    elif args.quiet:
+        print(summary["headline"])
     else:
-        rows = [(k, v, "RISK: " + flagged[k] if k in flagged else "") for k, v in sorted(env.items())]
-        print(tabulate(rows, headers=["setting", "value", "risk"], maxcolwidths=[None, 40, 70]))
-        print(f"\n{len(flagged)} risky setting(s)" if flagged else "\nno risky settings")
-    return EXIT_OK
+        print(render_console(summary))
+        ranks = render_ranks_console(summary)
+        if ranks:
+            print("\n" + ranks)
+        print(f"\nreports: {out}")
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    """`detaudit report DIR`."""
-    from .report import render_console, render_folder
+def _gate_case(gate: Any, name: str, classname: str) -> Any:
+    from .report.junit import junit_case
 
-    summary = render_folder(args.folder)
-    print(json.dumps(summary, indent=1, sort_keys=True, default=str) if args.json
-          else render_console(summary))
-    return EXIT_OK if summary["verdict"] == "deterministic" else EXIT_DIVERGED
+    return junit_case(name, classname, 0.0, gate.ok, gate.headline, gate.message)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _write_junit(path: str, case: Any) -> None:
+    from .report.junit import write_junit
+
+    write_junit(path, [case])

@@ -1,25 +1,60 @@
 """One run's record, in a versioned plain-data format that every later stage reads.
 
 A trace holds no timestamps, host names or absolute paths (those live in the run folder's
-``run.json``): the same run writes the same bytes.
+``run.json``): the same run writes the same bytes. This module owns the format's
+vocabulary; the recorders write it and the analysis reads it, and neither defines it.
 """
 
 from __future__ import annotations
 
-import gzip
-import io
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import TraceError
+from .storage import atomic_write, check_format, dump_json, read_json
 
 # History:
 #   1: first format: steps, columnar records and module calls, environment, probe config.
 FORMAT_VERSION = 1
 FORMAT_NAME = "detaudit-trace"
+
+# The format, version 1 (gzip-compressed JSON, keys sorted):
+#
+#   probe     what ran: PROBE_SPEC (the probe description, detaudit.config.ProbeSpec as a
+#             dict), PROBE_CONFIG (detaudit.config.AuditConfig as a dict) and, in a
+#             distributed audit, PROBE_DISTRIBUTED (the rank's sampler indices, loading
+#             RNG states and parameters as built).
+#   repeat    which repeat of the audit this is (0-based).
+#   env       the determinism-relevant environment (versions, device, threads, flags).
+#   steps     one StepInfo per step: global step, epoch, index in epoch, exact losses.
+#   records   columnar: one row per fingerprinted tensor, RECORD_COLUMNS; a row's key is
+#             (step, phase, module, call, slot).
+#   calls     columnar: the module call tree of every step, CALL_COLUMNS.
+#   failure   why the repeat stopped early (null when it ran to the end).
+#
+# A record's phase is one of PHASES:
+#   state      at the start of a step: the batch (``batch.<path>``), every RNG
+#              (``rng.<stream>``) and, at step 0, the parameters (``param.<name>``).
+#   forward    a module call's inputs (``in.<path>``), outputs (``out.<path>``) and the
+#              torch RNG before and after it when it drew (``rng.in``, ``rng.out``).
+#   backward   the gradient w.r.t. a module call's outputs (``grad_out.<path>``) and the
+#              gradient it sends to each input (``grad_in.<path>``).
+#   grad       a module's own parameter gradients after backward (``param.<name>``).
+#   optimizer  after the update: the parameters (``param.<name>``), the optimizer state
+#              (``state.<name>.<key>``) and a GradScaler's scale (``scale``).
+#   output     the step's loss terms (``loss.<name>``) or, in inference, its outputs
+#              (``detections.<path>``).
+#   op.forward / op.backward   op-level records: slots ``op<k>/<namespace.op>/in.<i>``
+#              and ``.../out.<i>``, where k counts the ops of one module call in order.
+STATE, FORWARD, BACKWARD, GRAD, OPTIMIZER, OUTPUT = (
+    "state", "forward", "backward", "grad", "optimizer", "output",
+)
+OP_FORWARD, OP_BACKWARD = "op.forward", "op.backward"
+OP_PHASES = (OP_FORWARD, OP_BACKWARD)
+PHASES = (STATE, FORWARD, BACKWARD, GRAD, OPTIMIZER, OUTPUT, *OP_PHASES)
+PROBE_SPEC, PROBE_CONFIG, PROBE_DISTRIBUTED = "info", "config", "distributed"
 
 RECORD_COLUMNS = (
     "step", "phase", "module", "call", "slot", "fp", "shape", "dtype", "norm", "absmax", "nonfinite",
@@ -102,14 +137,8 @@ class Trace:
     @classmethod
     def from_dict(cls, data: Any, source: str = "trace") -> Trace:
         """Rebuild a trace; one clear error for anything that is not a trace we can read."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-            raise TraceError(f"{source} is not a detaudit trace")
-        version = data.get("version")
-        if version != FORMAT_VERSION:
-            raise TraceError(
-                f"{source} has trace format version {version!r}; this detaudit reads version "
-                f"{FORMAT_VERSION} (upgrade detaudit or re-run the audit)"
-            )
+        check_format(data, FORMAT_NAME, FORMAT_VERSION, source,
+                     "upgrade detaudit or re-run the audit")
         try:
             records = {c: list(data["records"][c]) for c in RECORD_COLUMNS}
             calls = {c: list(data.get("calls", {}).get(c, [])) for c in CALL_COLUMNS}
@@ -126,15 +155,7 @@ class Trace:
 
     def save(self, path: str | Path) -> Path:
         """Write the trace as gzip-compressed JSON (deterministic bytes); return the path."""
-        path = Path(path)
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
-        buffer = io.BytesIO()
-        with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0, filename="") as gz:
-            gz.write(text.encode())
-        tmp = path.with_name(path.name + ".part")
-        tmp.write_bytes(buffer.getvalue())
-        tmp.replace(path)  # never leave a half-written trace under the real name
-        return path
+        return atomic_write(path, dump_json(self.to_dict(), compress=True))
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
@@ -142,18 +163,6 @@ class Trace:
         path = Path(path)
         data = read_json(path, "trace")
         return cls.from_dict(data, source=f"trace {path}")
-
-
-def read_json(path: Path, what: str) -> Any:
-    """Parse a JSON file, gzip-compressed or not; one clear error naming it otherwise."""
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise TraceError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    try:
-        return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    except (OSError, EOFError, ValueError):
-        raise TraceError(f"{what} {path} is truncated or corrupt") from None
 
 
 def _finite(value: float | None) -> float | None:

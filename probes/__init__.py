@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
-from detaudit.probe import Probe
-from probes.options import RecipeOptions
+from ..probe import Probe
+from .options import RecipeOptions
 
 Builder = Callable[[torch.device, RecipeOptions], Probe]
 
@@ -41,4 +41,4 @@ def available() -> list[tuple[str, str]]:
 
 
 # Importing the family modules registers their builders; they need `register` defined above.
-from probes import fasterrcnn, fcos, keypointrcnn, maskrcnn, retinanet, ssd  # noqa: F401
+from . import fasterrcnn, fcos, keypointrcnn, maskrcnn, retinanet, ssd  # noqa: F401

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +12,8 @@ import torch
 from PIL import Image, ImageDraw
 from torch.utils.data import DataLoader, Dataset
 
-from probes.options import RecipeOptions
+from ..seeding import seeded_loader_kwargs
+from .options import RecipeOptions
 
 Target = dict[str, torch.Tensor]
 Sample = tuple[torch.Tensor, Target]
@@ -318,23 +318,14 @@ def collate(batch: list[Sample]) -> tuple[list[torch.Tensor], list[Target]]:
     return [image for image, _ in batch], [target for _, target in batch]
 
 
-def seed_worker(worker_id: int) -> None:
-    """Seed numpy and `random` in a loader worker from its torch seed (the PyTorch recipe)."""
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
-    random.seed(seed)
-
-
 def make_loader(dataset: Dataset, options: RecipeOptions) -> DataLoader:
     """A DataLoader over `dataset` with the options' batching, shuffling and workers."""
-    generator = torch.Generator().manual_seed(options.seed) if options.shuffle else None
     return DataLoader(
         dataset,
         batch_size=options.batch_size,
         shuffle=options.shuffle,
         num_workers=options.workers,
         collate_fn=collate,
-        generator=generator,
-        worker_init_fn=seed_worker if options.workers > 0 else None,
         persistent_workers=False,
+        **seeded_loader_kwargs(options.seed),
     )

@@ -10,9 +10,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from detaudit.probe import Probe
-from probes.data import DetectionDataset, ProbeInputError, Target, make_loader
-from probes.options import RecipeOptions
+from ..probe import Probe
+from .data import DetectionDataset, ProbeInputError, Target, make_loader
+from .options import RecipeOptions
 
 BOX_TARGETS = ("boxes", "labels")
 MASK_TARGETS = ("boxes", "labels", "masks")

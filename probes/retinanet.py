@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torchvision.models import detection
 
-from detaudit.probe import Probe
-from probes import register
-from probes.data import make_dataset
-from probes.options import RecipeOptions
-from probes.recipe import make_probe, model_kwargs
+from ..probe import Probe
+from . import register
+from .data import make_dataset
+from .options import RecipeOptions
+from .recipe import make_probe, model_kwargs
 
 
 @register(

@@ -32,11 +32,12 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from detaudit import audit
-from detaudit import fingerprint as fingerprint_module
-from detaudit.fingerprint import CHUNK_BYTES, Fingerprinter, fingerprint
-from detaudit.loading import builtin_spec, make_factory
-from detaudit.recorder import OPTIMIZER, Recorder
+from detaudit.record import fingerprint as fingerprint_module
+from detaudit.record.fingerprint import CHUNK_BYTES, Fingerprinter, fingerprint
+from detaudit.drivers.loading import builtin_spec, make_factory
+from detaudit.record.recorder import Recorder
 from detaudit.seeding import seed_everything
+from detaudit.trace import OPTIMIZER
 
 
 def train_step(probe, batch, recorder=None, step=0, scope=None):

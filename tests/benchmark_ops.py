@@ -37,11 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmark import train_step as _step  # the same instrumented step as the module benchmark
 
 from detaudit import Fault
-from detaudit.compare import ORIGIN, compare_ops
-from detaudit.loading import builtin_spec, make_factory
-from detaudit.oprecorder import OpRecorder, op_name
-from detaudit.recorder import Recorder
-from detaudit.runner import AuditConfig, run_repeat
+from detaudit.analysis.compare import ORIGIN, compare_ops
+from detaudit.drivers.loading import builtin_spec, make_factory
+from detaudit.record.oprecorder import OpRecorder, op_name
+from detaudit.record.recorder import Recorder
+from detaudit.config import AuditConfig
+from detaudit.drivers.runner import run_repeat
 from detaudit.seeding import seed_everything
 
 PROBE = ("maskrcnn_v1", {"image_size": 128, "num_images": 1, "lr": 0.0})

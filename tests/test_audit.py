@@ -11,9 +11,8 @@ from test_recorder import _maskrcnn_probe
 from torch import nn
 
 from detaudit import Fault, Probe, audit
-from detaudit.compare import CONTAINS, ORIGIN, PROPAGATED
-from detaudit.report import render_console, summarize
-from detaudit.runfolder import RunInfo
+from detaudit.analysis.compare import CONTAINS, ORIGIN, PROPAGATED
+from detaudit.report import render_console
 
 
 def _roles(comparison, step, phase):
@@ -21,8 +20,7 @@ def _roles(comparison, step, phase):
 
 
 def _summary(result):
-    info = RunInfo(probe={"name": "t"}, config=result.config.to_dict(), command="t", traces=[])
-    return summarize(info, result.comparison, result.traces)
+    return result.summary
 
 
 def test_no_false_alarm_over_five_repeats():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import probes
+from detaudit import probes
 from detaudit import audit
-from detaudit.loading import builtin_spec, make_factory
+from detaudit.drivers.loading import builtin_spec, make_factory
 
 NAMES = [name for name, _ in probes.available()]
 

@@ -10,12 +10,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from detaudit.cli import main
-from detaudit.distributed_worker import ddp_fault
 from detaudit.errors import DetauditError
-from detaudit.fingerprint import TensorPrint
-from detaudit.rankprobe import is_rank_aware, shard_loader
-from detaudit.ranks import analyse, compare_ranks
-from detaudit.recorder import Fault
+from detaudit.record.fingerprint import TensorPrint
+from detaudit.drivers.rankprobe import is_rank_aware, shard_loader
+from detaudit.analysis.ranks import analyse, compare_ranks
+from detaudit.config import Fault
 from detaudit.trace import StepInfo, Trace
 
 PROBE = Path(__file__).parent / "probe_files" / "ddp_tiny.py"
@@ -126,10 +125,10 @@ def test_rank_aware_form_is_told_by_its_signature():
 
 
 def test_a_planted_fault_names_its_module_inside_the_ddp_wrapper():
-    assert ddp_fault(Fault("roi_heads.box_roi_pool", "backward", 2)) == Fault(
+    assert Fault("roi_heads.box_roi_pool", "backward", 2).in_wrapper() == Fault(
         "module.roi_heads.box_roi_pool", "backward", 2)
-    assert ddp_fault(Fault("module.head")).module == "module.head"
-    assert ddp_fault(Fault("", op="nms")).module == ""
+    assert Fault("module.head").in_wrapper().module == "module.head"
+    assert Fault("", op="nms").in_wrapper().module == ""
 
 
 def test_shard_loader_splits_a_single_process_loader_per_rank():

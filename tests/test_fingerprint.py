@@ -7,7 +7,7 @@ import pytest
 import torch
 import xxhash
 
-from detaudit.fingerprint import Fingerprinter, fingerprint
+from detaudit.record.fingerprint import Fingerprinter, fingerprint
 
 ALGORITHMS = ["xxh3", "wsum"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,

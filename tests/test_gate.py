@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from detaudit import Probe, audit
-from detaudit.api import AuditResult, audit_config
+from detaudit import api
+from detaudit.analysis.diff import GateResult, diff_traces, env_differences
 from detaudit.errors import TraceError
-from detaudit.gate import check_baseline, diff_traces, env_differences, load_baseline, save_baseline
-from detaudit.junit import JUnitCase, junit_xml, write_junit
-from detaudit.runner import AuditConfig
+from detaudit.report.junit import JUnitCase, junit_case, junit_xml, write_junit
+from detaudit.runfolder import load_baseline, save_baseline
 
 pytest_plugins = ["detaudit.testing"]  # the detaudit_check fixture, as users get it
 
@@ -88,11 +88,13 @@ def gather_probe(device: torch.device) -> Probe:
     return Probe(model=model, batches=batches, step=mse_step)
 
 
-PROBES: dict[str, Callable[[torch.device], Probe]] = {"conv": conv_probe, "gather": gather_probe}
+def check_conv(path: Path) -> GateResult:
+    """`detaudit check` of a baseline of conv_probe (a Python function, so passed along)."""
+    return api.check(path, factory=conv_probe).gate
 
 
-def run_fn(probe_spec: dict[str, Any], config: dict[str, Any]) -> AuditResult:
-    return audit_config(PROBES[probe_spec["name"]], AuditConfig.from_dict(config))
+def store_baseline(path: Path, result: api.AuditResult) -> Path:
+    return save_baseline(path, result.spec, result.config, result.traces[0])
 
 
 @pytest.fixture
@@ -105,15 +107,15 @@ def threads() -> Iterator[Callable[[int], None]]:
 @pytest.fixture(scope="module")
 def conv_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gate") / "conv.baseline.json"
-    save_baseline(path, {"name": "conv"}, audit(conv_probe, repeats=1, steps=2))
+    store_baseline(path, audit(conv_probe, repeats=1, steps=2))
     return path
 
 
 def test_baseline_round_trip_and_unchanged_code_passes(conv_baseline: Path) -> None:
     baseline = load_baseline(conv_baseline)
-    assert baseline.probe == {"name": "conv"} and baseline.config["steps"] == 2
+    assert baseline.spec.name == "conv_probe" and baseline.config.steps == 2
     assert len(baseline.trace) > 0 and baseline.env["device"] == "cpu"
-    result = check_baseline(conv_baseline, run_fn)
+    result = check_conv(conv_baseline)
     assert result.ok and result.exit_code == 0
     assert result.message.startswith("MATCH")
 
@@ -122,7 +124,7 @@ def test_patched_numerics_fail_the_check_naming_the_module(
     conv_baseline: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(Act, "forward", lambda self, x: torch.relu(x) * (1 + 2**-20))
-    result = check_baseline(conv_baseline, run_fn)
+    result = check_conv(conv_baseline)
     assert not result.ok and result.exit_code == 1
     assert (result.origin_module, result.origin_phase) == ("act", "forward")
     assert result.first is not None and result.first.module == "act" and result.first.step == 0
@@ -193,7 +195,8 @@ def test_junit_xml_parses_and_holds_the_failure(
     conv_baseline: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(Act, "forward", lambda self, x: torch.relu(x) * (1 + 2**-20))
-    failed = check_baseline(conv_baseline, run_fn).junit_case("conv", time=1.5)
+    gate = check_conv(conv_baseline)
+    failed = junit_case("conv", "detaudit", 1.5, gate.ok, gate.headline, gate.message)
     cases = [failed, JUnitCase("ok <&>", "detaudit", 0.25, None, "\x1b[1mfine\x1b[0m")]
     root = ET.parse(write_junit(tmp_path / "junit.xml", cases)).getroot()
     suite = root.find("testsuite")
@@ -227,9 +230,9 @@ def test_bad_baselines_are_one_clear_error(conv_baseline: Path, tmp_path: Path) 
 
 def test_gzip_baseline(tmp_path: Path) -> None:
     result = audit(conv_probe, repeats=1, steps=1)
-    path = save_baseline(tmp_path / "b.json.gz", {"name": "conv"}, result)
+    path = store_baseline(tmp_path / "b.json.gz", result)
     assert gzip.decompress(path.read_bytes()).startswith(b"{")
-    assert check_baseline(path, run_fn).ok
+    assert check_conv(path).ok
 
 
 def test_assert_deterministic_passes_on_a_deterministic_probe(

@@ -14,19 +14,18 @@ from test_recorder import _maskrcnn_probe
 from torch import nn
 
 from detaudit import Fault, Probe, audit, seed_everything
-from detaudit.cli import parse_fault
-from detaudit.compare import ORIGIN
-from detaudit.drilldown import tensor_difference
-from detaudit.environment import capture_environment, risks
-from detaudit.knowledge import KNOWN, lookup
-from detaudit.oprecorder import OP_PHASES
+from detaudit.analysis.compare import ORIGIN
+from detaudit.investigate.drilldown import tensor_difference
+from detaudit.record.environment import capture_environment, risks
+from detaudit.investigate.knowledge import KNOWN, lookup
+from detaudit.trace import OP_PHASES
 
 
 def _until_divergent(run, attempts: int = 5):
     """Real thread races do not fire every time: retry until one run shows it."""
     for _ in range(attempts):
         result = run()
-        ops = result.extra.get("ops") or {}
+        ops = result.investigations.get("ops") or {}
         if ops.get("reproduced") and ops.get("difference"):
             return result
     pytest.fail(f"no divergence reproduced in {attempts} attempts")
@@ -34,7 +33,7 @@ def _until_divergent(run, attempts: int = 5):
 
 def test_real_gather_backward_is_named_as_index_put_of_that_module(two_threads):
     result = _until_divergent(lambda: audit(gather_probe, repeats=3, drill_down=True))
-    drill = result.extra["ops"]
+    drill = result.investigations["ops"]
     origin = drill["ops"][0]
     assert (origin["op"], origin["module"], origin["phase"], origin["role"]) == (
         "aten.index_put", "gather", "backward", ORIGIN)
@@ -77,10 +76,10 @@ def test_planted_roi_align_backward_fault_is_named_inside_mask_roi_pool():
     result = audit(_maskrcnn_probe, repeats=2, steps=1, fault=fault, drill_down=True)
     c = result.comparison
     assert (c.first_step, c.cause, c.origins[0].module) == (0, "backward", module)
-    origin = result.extra["ops"]["ops"][0]
+    origin = result.investigations["ops"]["ops"][0]
     assert (origin["op"], origin["module"], origin["role"]) == (
         "torchvision._roi_align_backward", module, ORIGIN)
-    assert result.extra["ops"]["origin_ops"] == 1
+    assert result.investigations["ops"]["origin_ops"] == 1
     assert origin["elements"] == 1 and origin["max_ulp"] == 1
 
 
@@ -101,7 +100,7 @@ def test_planted_nms_permutation_is_caught_and_named():
     result = audit(_maskrcnn_probe, repeats=2, steps=1, mode="infer", fault=fault,
                    drill_down=True)
     assert result.comparison.first_step == 0
-    origin = result.extra["ops"]["ops"][0]
+    origin = result.investigations["ops"]["ops"][0]
     assert (origin["op"], origin["module"], origin["role"]) == ("torchvision.nms", "roi_heads",
                                                                 ORIGIN)
     # the same kept indices in another order: two elements differ, the sum does not
@@ -136,7 +135,7 @@ def _alerting_probe(device):
 
 def test_census_maps_each_alert_to_its_module_and_op():
     result = audit(_alerting_probe, repeats=2, census=True)
-    census = result.extra["census"]
+    census = result.investigations["census"]
     assert census["alerts"], census
     alert = census["alerts"][0]
     assert (alert["module"], alert["op"], alert["phase"]) == ("scatter", "aten.put_", "forward")
@@ -150,14 +149,14 @@ def test_census_maps_each_alert_to_its_module_and_op():
 def test_census_lists_known_ops_even_when_repeats_agree():
     result = audit(gather_probe, repeats=1, census=True)
     assert result.deterministic
-    ops = result.extra["census"]["ops"]
+    ops = result.investigations["census"]["ops"]
     assert [(o["module"], o["phase"], o["op"], o["count"]) for o in ops] == [
         ("gather", "backward", "aten.index_put(accumulate=True)", 1)]
 
 
 def test_op_granularity_stays_quiet_on_a_deterministic_model():
     result = audit(small_cnn_probe, repeats=3, epochs=1, granularity="op", drill_down=True)
-    assert result.deterministic and "ops" not in result.extra
+    assert result.deterministic and "ops" not in result.investigations
     phases = set(result.traces[0].records["phase"])
     assert set(OP_PHASES) <= phases
     assert result.comparison.total_records > 0
@@ -170,9 +169,9 @@ def test_op_granularity_drill_down_uses_the_recorded_ops(phase, op):
     result = audit(small_cnn_probe, repeats=2, epochs=1, granularity="op", fault=fault,
                    drill_down=True)
     assert result.comparison.origins[0].module == "block1.conv"
-    origin = result.extra["ops"]["ops"][0]
+    origin = result.investigations["ops"]["ops"][0]
     assert (origin["op"], origin["module"], origin["phase"]) == (op, "block1.conv", phase)
-    assert result.extra["ops"]["step"] == 1 and origin["max_ulp"] == 1
+    assert result.investigations["ops"]["step"] == 1 and origin["max_ulp"] == 1
 
 
 def test_tensor_difference_counts_elements_ulps_and_relative_error():
@@ -198,10 +197,10 @@ def test_knowledge_entries_are_complete_and_found_by_op():
 
 
 def test_op_fault_syntax():
-    assert parse_fault("op:torchvision.nms@forward:2") == Fault("", "forward", 2, "torchvision.nms")
-    assert parse_fault("roi_heads.box_roi_pool/torchvision.roi_align@backward:1") == Fault(
+    assert Fault.parse("op:torchvision.nms@forward:2") == Fault("", "forward", 2, "torchvision.nms")
+    assert Fault.parse("roi_heads.box_roi_pool/torchvision.roi_align@backward:1") == Fault(
         "roi_heads.box_roi_pool", "backward", 1, "torchvision.roi_align")
-    assert parse_fault("rpn.head@backward") == Fault("rpn.head", "backward", 0)
+    assert Fault.parse("rpn.head@backward") == Fault("rpn.head", "backward", 0)
 
 
 def test_env_flags_risky_settings(monkeypatch):
@@ -230,8 +229,8 @@ def test_op_drill_down_on_cuda_names_the_planted_op_and_backward_module():
     result = audit(small_cnn_probe, repeats=2, epochs=1, device="cuda", fault=fault,
                    drill_down=True, census=True)
     assert result.comparison.first_step == 1
-    origin = result.extra["ops"]["ops"][0]
+    origin = result.investigations["ops"]["ops"][0]
     assert (origin["op"], origin["module"], origin["phase"]) == (
         "aten.convolution_backward", "block2.conv", "backward")
     assert origin["max_ulp"] == 1
-    assert result.extra["census"]["device"].startswith("cuda")
+    assert result.investigations["census"]["device"].startswith("cuda")

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
 
-import probes
-from probes.data import (
+from detaudit import probes
+from detaudit.probes.data import (
     CocoDetection,
     DataSpec,
     ProbeInputError,
@@ -22,8 +22,8 @@ from probes.data import (
     make_loader,
     parse_data_spec,
 )
-from probes.options import RecipeOptions
-from probes.recipe import model_kwargs
+from detaudit.probes.options import RecipeOptions
+from detaudit.probes.recipe import model_kwargs
 
 NAMES = [
     "fasterrcnn",

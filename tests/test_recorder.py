@@ -6,7 +6,7 @@ import torchvision
 from conftest import SmallCNN, small_cnn_probe
 
 from detaudit import Probe, audit
-from detaudit.recorder import Recorder
+from detaudit.record.recorder import Recorder
 from detaudit.seeding import seed_everything
 
 

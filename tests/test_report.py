@@ -17,17 +17,12 @@ from torch import nn
 
 from detaudit import Fault, Probe, audit
 from detaudit.errors import TraceError
-from detaudit.report import (
-    render_folder,
-    render_github,
-    render_html,
-    render_markdown,
-    summarize,
-    write_reports,
-)
+from detaudit import api
+from detaudit.api import render_folder
+from detaudit.config import AuditConfig, Investigations
+from detaudit.report import render_github, render_html, render_markdown, write_reports
 from detaudit.report.github import LIMIT
 from detaudit.report.markdown import fence
-from detaudit.runfolder import RunInfo, save_run
 
 CHROMIUM = Path("/usr/bin/chromium")
 EVIL = "<script>alert(1)</script>"
@@ -55,14 +50,12 @@ def probe(device: str) -> Probe:
 
 
 def _run(folder: Path, fault: Fault | None) -> dict[str, Any]:
-    result = audit(probe, repeats=2, epochs=2, fault=fault, out=folder)
-    info = RunInfo(
-        probe={"name": "demo", "kind": "file"}, config=result.config.to_dict(),
-        command="detaudit run --probe demo.py",
-        traces=[f"trace-{t.repeat}.json.gz" for t in result.traces],
-    )
-    save_run(folder, info)
-    return summarize(info, result.comparison, result.traces)
+    """The orchestrator's run, as `detaudit run` makes it, with the command it would show."""
+    config = AuditConfig(repeats=2, epochs=2, fault=fault)
+    result = api.run(api.describe_callable(probe), config, factory=probe, out=folder,
+                     investigations=Investigations(drill_down=False),
+                     command="detaudit run --probe demo.py")
+    return result.summary
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ from typing import Any
 
 from tabulate import tabulate
 
+from .sections import SIDE_HEADERS, side_rows
+
 
 def render_console(summary: dict[str, Any]) -> str:
     """A one-screen text summary of a run."""
@@ -120,3 +122,18 @@ def _verify_lines(verify: dict[str, Any] | None) -> list[str]:
 
 def _g(value: Any) -> str:
     return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def render_ranks_console(summary: dict[str, Any]) -> str:
+    """The ranks for the terminal: side by side, then each check's result."""
+    ranks = summary.get("ranks")
+    if not ranks:
+        return ""
+    head = (f"ranks ({ranks['world_size']}, {ranks.get('backend') or '?'}); details above are "
+            f"for rank {ranks['primary_rank']}:")
+    lines = [head, tabulate(side_rows(ranks), headers=SIDE_HEADERS), ""]
+    lines.append(tabulate(
+        [[c["title"], c["status"], c["detail"]] for c in ranks["checks"]],
+        headers=["cross-rank check", "result", "detail"],
+    ))
+    return "\n".join(lines)

@@ -6,9 +6,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ..analysis.verdict import crash_line
+
 SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 120
 CLIP = 2000  # characters kept of one free-text value (failure messages, env values)
+FINDINGS_SHOWN = 20  # rows of one cross-rank check's findings in a report
 ROLE_TEXT = {
     "origin": "origin: the difference starts in this call (its inputs agree)",
     "contains-origin": "contains an origin further down its calls",
@@ -188,11 +191,7 @@ def _failures(s: dict[str, Any]) -> Section | None:
 
 
 def _ranks(s: dict[str, Any]) -> Section | None:
-    if not s.get("ranks"):
-        return None
-    from .ranks import ranks_section  # it builds on this module's blocks
-
-    return ranks_section(s)
+    return ranks_section(s) if s.get("ranks") else None
 
 
 def _first(s: dict[str, Any]) -> Section | None:
@@ -470,3 +469,59 @@ def _cap(table: Table, limit: int) -> None:
     if len(table.rows) > limit:
         table.omitted += len(table.rows) - limit
         del table.rows[limit:]
+
+
+# -- a distributed audit's ranks ----------------------------------------------------------
+def ranks_section(summary: dict[str, Any]) -> Section:
+    """The "Ranks" section: ranks side by side, then the cross-rank checks and findings."""
+    ranks = summary["ranks"]
+    blocks: list[Block] = [Text(
+        f"{ranks['world_size']} ranks ({ranks.get('backend') or '?'}); the sections below detail "
+        f"rank {ranks['primary_rank']}."
+    )]
+    if ranks.get("crash"):
+        blocks.append(Text(crash_line(ranks["crash"]), strong=True))
+    blocks.append(Table("ranks side by side", SIDE_HEADERS, side_rows(ranks)))
+    blocks.append(Table(
+        "cross-rank checks", ["check", "result", "detail"],
+        [[c["title"], c["status"], clip(c["detail"])] for c in ranks["checks"]],
+    ))
+    for check in ranks["checks"]:
+        if check["findings"]:
+            blocks.append(_rank_findings(check))
+    return Section("ranks", "Ranks", blocks)
+
+
+SIDE_HEADERS = ["rank", "verdict", "first step", "epoch", "phase", "module", "role", "cause",
+                "source", "failed repeats"]
+
+
+def side_rows(ranks: dict[str, Any]) -> list[list[str]]:
+    """One row per rank: its run-to-run verdict and first divergence."""
+    return [
+        [str(r["rank"]), r["verdict"], num(r["first_step"]), num(r["first_epoch"]),
+         num(r["phase"]), "–" if r["module"] is None else (r["module"] or "(model)"),
+         num(r["role"]), r["cause"], num(r["source"]), ", ".join(r["failures"]) or "–"]
+        for r in ranks["per_rank"]
+    ]
+
+
+def _rank_findings(check: dict[str, Any]) -> Table:
+    findings = check["findings"]
+    keys = [k for k in findings[0] if k != "groups"]
+    rows = [[_cell(f[k]) for k in keys] + ([_cell(f["groups"])] if "groups" in f else [])
+            for f in findings[:FINDINGS_SHOWN]]
+    headers = keys + (["ranks by equal value"] if "groups" in findings[0] else [])
+    repeats = f" (repeats {', '.join(map(str, check['repeats']))})" if check["repeats"] else ""
+    table = Table(f"{check['title']}: findings{repeats}", headers, rows, key=f"ranks.{check['key']}",
+                  fold=len(rows) > 10)
+    table.omitted = max(0, len(findings) - FINDINGS_SHOWN)
+    return table
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, list):
+        if value and isinstance(value[0], list):
+            return " | ".join(", ".join(map(str, g)) for g in value)
+        return ", ".join(map(str, value)) or "–"
+    return num(value)

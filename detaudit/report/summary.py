@@ -8,38 +8,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..compare import ORIGIN, Comparison, RecordDiff
+from ..analysis.compare import Comparison, RecordDiff
+from ..analysis.ranks import RankAnalysis
+from ..analysis.verdict import Verdict, one_based
 from ..runfolder import RunInfo
 from ..trace import Trace
-from .ranks import with_ranks
 
 SUMMARY_SCHEMA = 1
 MAP_LIMIT = 4000  # module x step cells kept for the divergence map
 
 
-def summarize(info: RunInfo, comparison: Comparison, traces: list[Trace]) -> dict[str, Any]:
-    """Build the summary of a run from its info, comparison and traces."""
+def summarize(
+    info: RunInfo, comparison: Comparison, traces: list[Trace], verdict: Verdict,
+    ranks: RankAnalysis | None = None,
+) -> dict[str, Any]:
+    """Build the summary of a run from its info, comparison, traces and verdict."""
     c = comparison
-    first = _first_divergence(c)
-    verdict = "failed" if c.failures and c.first_step is None else (
-        "deterministic" if c.deterministic else "divergent"
-    )
-    loss_hidden = (
-        c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
-    )
-    extra = info.extra or {}
+    extra = {k: v for k, v in (info.extra or {}).items() if k != "ranks"}
     ops = extra.get("ops") or {}
     census = extra.get("census") or {}
     summary = {
         "schema": SUMMARY_SCHEMA,
-        "verdict": verdict,
-        "headline": _headline(verdict, c, first, loss_hidden, ops),
+        "verdict": verdict.kind,
+        "headline": verdict.headline,
         "probe": info.probe,
         "command": info.command,
         "config": info.config,
         "repeats": c.repeats,
         "steps": [{"step": s, "epoch": e + 1, "index": i} for s, e, i in c.steps],
-        "first_divergence": first,
+        "first_divergence": verdict.first,
         "first_by_phase": {p: _record(d, c) for p, d in c.first_by_phase.items()},
         "origins": [
             {
@@ -66,7 +63,7 @@ def summarize(info: RunInfo, comparison: Comparison, traces: list[Trace]) -> dic
             },
         },
         "param_drift_step": c.param_drift_step,
-        "loss_hidden": loss_hidden,
+        "loss_hidden": verdict.loss_hidden,
         "fork": _record(c.fork, c) if c.fork else None,
         "records": {
             "total": c.total_records,
@@ -89,14 +86,13 @@ def summarize(info: RunInfo, comparison: Comparison, traces: list[Trace]) -> dic
         "census": census.get("ops") or [],
         "census_alerts": census.get("alerts") or [],
     }
-    if info.extra.get("ranks"):  # a distributed audit: its ranks side by side
-        summary = with_ranks(summary, info.extra["ranks"])
+    if ranks is not None:  # a distributed audit: its ranks side by side
+        summary["ranks"] = ranks.to_dict()
     return summary
 
 
 def _epoch(c: Comparison, step: int | None) -> int | None:
-    epoch = c.epoch_of(step)
-    return None if epoch is None else epoch + 1
+    return one_based(c.epoch_of(step))
 
 
 def _record(d: RecordDiff, c: Comparison) -> dict[str, Any]:
@@ -105,48 +101,6 @@ def _record(d: RecordDiff, c: Comparison) -> dict[str, Any]:
         "call": d.call, "slot": d.slot, "differing": d.differing, "missing": d.missing,
         "repeats": d.repeats, "ref": d.ref, "other": d.other,
     }
-
-
-def _first_divergence(c: Comparison) -> dict[str, Any] | None:
-    """The first origin (or, without one, the first differing record) of the first step."""
-    if c.first_step is None:
-        return None
-    origins = c.origins
-    step_index = next((i for s, _, i in c.steps if s == c.first_step), None)
-    if origins:
-        o = origins[0]
-        return {
-            "step": o.step, "epoch": _epoch(c, o.step), "index": step_index, "phase": o.phase,
-            "module": o.module, "call": o.call, "slots": o.slots, "role": ORIGIN,
-            "differing": o.differing, "repeats": o.repeats,
-        }
-    d = c.first_diffs[0]
-    return {
-        "step": d.step, "epoch": _epoch(c, d.step), "index": step_index, "phase": d.phase,
-        "module": d.module, "call": d.call, "slots": [d.slot], "role": "first record",
-        "differing": d.differing, "repeats": d.repeats,
-    }
-
-
-def _headline(
-    verdict: str, c: Comparison, first: dict[str, Any] | None, hidden: bool,
-    ops: dict[str, Any],
-) -> str:
-    if verdict == "failed":
-        return f"FAILED: {len(c.failures)} of {c.repeats} repeats did not finish"
-    if first is None:
-        return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {len(c.steps)} steps"
-    where = first["module"] or "(model)"
-    text = (
-        f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "
-        f"{where} ({first['role']}); cause: {c.cause}"
-    )
-    origin_op = (ops.get("ops") or [{}])[0]
-    if origin_op.get("role") == ORIGIN:
-        text += f"; op: {origin_op['op']} in {origin_op['module']}"
-    if hidden:
-        text += "; the loss stayed bit-identical while parameters diverged"
-    return text
 
 
 def _env_differences(traces: list[Trace]) -> dict[str, list[Any]]:

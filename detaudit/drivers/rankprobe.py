@@ -17,11 +17,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-from .errors import DetauditError
-from .fingerprint import Fingerprinter, fingerprint_bytes
-from .probe import Probe
-from .recorder import rng_states
-from .seeding import loader_generator, seed_everything
+from ..errors import DetauditError
+from ..record.fingerprint import Fingerprinter, fingerprint_bytes
+from ..probe import Probe
+from ..record.recorder import rng_states
+from ..seeding import loader_generator, seed_everything
 
 RANK_SEED_STRIDE = 1_000_003  # as in seeding.loader_generator
 

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .recorder import BACKWARD, FORWARD, Fault, Recorder
+from ..config import Fault
+from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD
+from .recorder import Recorder
 from .structure import iter_tensors, next_ulp
 
-OP_FORWARD, OP_BACKWARD = "op.forward", "op.backward"
-OP_PHASES = (OP_FORWARD, OP_BACKWARD)
 # Ops that only re-label memory or metadata: their outputs are their inputs.
 _PASSTHROUGH = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}
 # Ops whose outputs are uninitialized memory: their bytes are noise until written.

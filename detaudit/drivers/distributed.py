@@ -1,7 +1,7 @@
 """Distributed audits: the probe on N ranks under DDP, launched by ``torch.distributed.run``.
 
-Each rank records its own traces (see :mod:`detaudit.distributed_worker`); afterwards they
-are compared run to run per rank and across ranks (:mod:`detaudit.ranks`). A rank that
+Each rank records its own traces (see :mod:`detaudit.drivers.distributed_worker`); afterwards
+they are compared run to run per rank and across ranks (:mod:`detaudit.analysis.ranks`). A rank that
 crashes ends the audit: the launcher stops the others, and every trace already written is
 kept and reported.
 """
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .distributed_worker import PROGRESS, status_path, trace_name
-from .errors import DetauditError
-from .runner import AuditConfig
-from .trace import Trace
+from ..config import AuditConfig, ProbeSpec
+from ..errors import DetauditError
+from ..runfolder import failed_trace, save_trace, timing_name, trace_name
+from ..trace import Trace
+from .distributed_worker import PROGRESS, status_path
 
 LAUNCH_LOG = "launch.log"
 _EXIT_CODE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -37,7 +38,7 @@ class DistributedRun:
 
 
 def run_distributed(
-    spec: dict[str, Any],
+    spec: ProbeSpec,
     config: AuditConfig,
     folder: str | Path,
     nproc: int,
@@ -63,7 +64,7 @@ def run_distributed(
     if last is None:
         raise DetauditError(f"{_crash_text(crash)}; no trace was written (see {folder / LAUNCH_LOG})")
     if crash:
-        crash["kept"] = sorted(p.name for p in folder.glob("trace-r*.json.gz"))
+        crash["kept"] = sorted(p.name for p in folder.glob(trace_name("*", "*")))
     traces = {rank: _rank_traces(folder, spec, config, rank, last, crash) for rank in range(nproc)}
     return DistributedRun(traces, _timings(folder), crash, command)
 
@@ -83,17 +84,17 @@ def launch_command(nproc: int, job: Path) -> list[str]:
     """The torch.distributed.run command line that starts every rank on this machine."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-        str(nproc), "--monitor-interval", "0.1", "-m", "detaudit.distributed_worker", str(job),
+        str(nproc), "--monitor-interval", "0.1", "-m", "detaudit.drivers.distributed_worker", str(job),
     ]
 
 
 def _launch(
-    spec: dict[str, Any], config: AuditConfig, folder: Path, nproc: int, repeats: list[int],
+    spec: ProbeSpec, config: AuditConfig, folder: Path, nproc: int, repeats: list[int],
     on_step: Callable[[int, int, int], None] | None,
 ) -> tuple[list[str], dict[str, Any] | None]:
     """One launch of every rank over `repeats`; returns the command and the crash, if any."""
     job = folder / "job-distributed.json"
-    job.write_text(json.dumps({"spec": spec, "config": config.to_dict(), "repeats": repeats,
+    job.write_text(json.dumps({"spec": spec.to_dict(), "config": config.to_dict(), "repeats": repeats,
                                "folder": str(folder)}))
     for rank in range(nproc):
         status_path(folder, rank).unlink(missing_ok=True)
@@ -146,7 +147,7 @@ def _crash(
     failed = sorted((s["time"], r) for r, s in statuses.items() if s["state"] == "failed")
     if silent:
         rank = silent[0]
-        repeat = next((k for k in repeats if not (folder / trace_name(rank, k)).exists()), None)
+        repeat = next((k for k in repeats if not (folder / trace_name(k, rank)).exists()), None)
         exit_code = exit_codes.get(rank)
         how = f"exit code {exit_code}" if exit_code is not None else f"launcher exit code {code}"
         message = f"the process ended without a message ({how}; see {LAUNCH_LOG})"
@@ -164,29 +165,28 @@ def _crash_text(crash: dict[str, Any]) -> str:
 
 
 def _rank_traces(
-    folder: Path, spec: dict[str, Any], config: AuditConfig, rank: int, last: int,
+    folder: Path, spec: ProbeSpec, config: AuditConfig, rank: int, last: int,
     crash: dict[str, Any] | None,
 ) -> list[Trace]:
     """The rank's traces of repeats 0..last; one it never wrote becomes a failed trace."""
     traces = []
     for repeat in range(last + 1):
-        path = folder / trace_name(rank, repeat)
+        path = folder / trace_name(repeat, rank)
         if path.exists():
             traces.append(Trace.load(path))
             continue
-        failed = Trace(probe={"info": spec, "config": config.to_dict()}, repeat=repeat, env={})
-        failed.failure = (
+        failed = failed_trace(spec, config, repeat, (
             f"repeat {repeat} did not finish on rank {rank}: {_crash_text(crash)}" if crash
             else f"repeat {repeat} wrote no trace on rank {rank}"
-        )
+        ))
         traces.append(failed)
-        failed.save(path)
+        save_trace(folder, failed, rank)
     return traces
 
 
 def _timings(folder: Path) -> list[dict[str, Any]]:
     out = []
-    for path in sorted(folder.glob("timing-r*.json")):
+    for path in sorted(folder.glob(timing_name("*", "*"))):
         out.append(json.loads(path.read_text()))
         path.unlink()
     return sorted(out, key=lambda t: (t["rank"], t["repeat"]))

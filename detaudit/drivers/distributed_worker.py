@@ -1,6 +1,6 @@
 """One rank of a distributed audit, started by ``torch.distributed.run``.
 
-Run as ``python -m torch.distributed.run ... -m detaudit.distributed_worker JOB``. Each rank
+Run as ``python -m torch.distributed.run ... -m detaudit.drivers.distributed_worker JOB``. Each rank
 runs the job's repeats with the usual runner and writes ``trace-r<rank>-<repeat>.json.gz``
 as each repeat ends, then a status file ``rank-<rank>.json``: done, failed (a step raised;
 the rank stops so that no other rank waits on it) or error (bad input).
@@ -20,18 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import DetauditError
+from ..config import AuditConfig, ProbeSpec
+from ..errors import DetauditError
+from ..runfolder import save_trace, timing_name
+from ..trace import PROBE_DISTRIBUTED
 from .loading import make_factory
 from .rankprobe import RankWatch, is_rank_aware, prepare_rank_probe
-from .recorder import Fault
-from .runner import AuditConfig, run_repeat
+from .runner import run_repeat
 
 PROGRESS = "detaudit-progress"
-
-
-def trace_name(rank: int, repeat: int) -> str:
-    """The file name of one rank's trace of one repeat."""
-    return f"trace-r{rank}-{repeat}.json.gz"
 
 
 def status_path(folder: Path, rank: int) -> Path:
@@ -49,13 +46,6 @@ def write_status(folder: Path, rank: int, state: str, repeat: int | None, messag
         pass
 
 
-def ddp_fault(fault: Fault | None) -> Fault | None:
-    """A planted fault's module as named inside the DDP wrapper (under ``module.``)."""
-    if fault is None or not fault.module or fault.module.split(".")[0] == "module":
-        return fault
-    return dataclasses.replace(fault, module=f"module.{fault.module}")
-
-
 def main(job_path: str) -> int:
     """Run this rank's repeats of the job."""
     job = json.loads(Path(job_path).read_text())
@@ -68,7 +58,8 @@ def main(job_path: str) -> int:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    config = dataclasses.replace(config, device=str(device), fault=ddp_fault(config.fault))
+    fault = config.fault.in_wrapper() if config.fault else None
+    config = dataclasses.replace(config, device=str(device), fault=fault)
     current: dict[str, Any] = {"repeat": None}
 
     def terminated(signum: int, frame: Any) -> None:
@@ -78,7 +69,8 @@ def main(job_path: str) -> int:
     signal.signal(signal.SIGTERM, terminated)
     dist.init_process_group(backend)
     try:
-        fn = make_factory(job["spec"])
+        spec = ProbeSpec.from_dict(job["spec"])
+        fn = make_factory(spec)
         rank_aware = is_rank_aware(fn)
     except DetauditError as exc:
         write_status(folder, rank, "error", None, str(exc))
@@ -96,15 +88,15 @@ def main(job_path: str) -> int:
                 print(f"{PROGRESS} {repeat} {epoch} {step}", flush=True)
 
         try:
-            trace, timing = run_repeat(factory, config, repeat, job["spec"], on_step)
+            trace, timing = run_repeat(factory, config, repeat, spec, on_step)
         except DetauditError as exc:
             write_status(folder, rank, "error", repeat, str(exc))
             return 2
         if trace.failure:
             write_status(folder, rank, "failed", repeat, trace.failure)
-        trace.probe["distributed"] = watch.to_dict()
-        trace.save(folder / trace_name(rank, repeat))
-        timing_file = folder / f"timing-r{rank}-{repeat}.json"
+        trace.probe[PROBE_DISTRIBUTED] = watch.to_dict()
+        save_trace(folder, trace, rank)
+        timing_file = folder / timing_name(repeat, rank)
         timing_file.write_text(json.dumps({**dataclasses.asdict(timing), "rank": rank}))
         if trace.failure:
             return 1

@@ -7,6 +7,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..storage import atomic_write
+
 # Characters XML 1.0 cannot hold at all (escaping does not help): C0 controls but tab/LF/CR.
 _INVALID_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
@@ -20,6 +22,13 @@ class JUnitCase:
     time: float  # seconds
     failure_message: str | None = None  # None: the case passed
     details: str = ""
+
+
+def junit_case(
+    name: str, classname: str, seconds: float, passed: bool, headline: str, details: str
+) -> JUnitCase:
+    """The one way a verdict becomes a test case: failed (with the headline) unless it passed."""
+    return JUnitCase(name, classname, seconds, None if passed else headline, details)
 
 
 def junit_xml(cases: list[JUnitCase], suite: str = "detaudit") -> str:
@@ -45,9 +54,7 @@ def junit_xml(cases: list[JUnitCase], suite: str = "detaudit") -> str:
 
 def write_junit(path: str | Path, cases: list[JUnitCase], suite: str = "detaudit") -> Path:
     """Write :func:`junit_xml` of the cases to `path`; return the path."""
-    path = Path(path)
-    path.write_text(junit_xml(cases, suite), encoding="utf-8")
-    return path
+    return atomic_write(path, junit_xml(cases, suite))
 
 
 def _clean(text: str) -> str:

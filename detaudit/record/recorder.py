@@ -24,30 +24,12 @@ import torch
 from torch import nn
 from torch._C._autograd import _get_sequence_nr
 
+from ..config import Fault
+from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, OUTPUT, STATE
 from .fingerprint import Fingerprinter, TensorPrint
 from .structure import iter_tensors, next_ulp, replace_first_float
 
-FORWARD, BACKWARD, GRAD, STATE, OPTIMIZER, OUTPUT = (
-    "forward", "backward", "grad", "state", "optimizer", "output",
-)
 _AccumulateGrad = torch._C._functions.AccumulateGrad  # the node that fills a leaf's .grad
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A planted change in one run: 1 ULP at `module`'s output (forward) or input gradient
-    (backward); with `op`, in the first output of the first such op run inside `module`
-    (any module when `module` is empty) -- 1 ULP for floats, two elements swapped for
-    integers (e.g. nms's kept indices)."""
-
-    module: str
-    phase: str = FORWARD
-    step: int = 0
-    op: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.phase not in (FORWARD, BACKWARD):
-            raise ValueError(f"fault phase must be forward or backward, not {self.phase!r}")
 
 
 @dataclass

@@ -7,64 +7,25 @@ import os
 import sys
 import traceback
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from .environment import capture_environment
-from .errors import DetauditError, ProbeError
-from .fingerprint import Fingerprinter
+from ..config import AuditConfig, Fault, ProbeSpec
+from ..errors import DetauditError, ProbeError
+from ..probe import Probe
+from ..record.environment import capture_environment
+from ..record.fingerprint import Fingerprinter
+from ..record.oprecorder import OpRecorder
+from ..record.recorder import Recorder
+from ..seeding import seed_everything
+from ..runfolder import trace_probe
+from ..trace import OPTIMIZER, OUTPUT, STATE, StepInfo, Trace
 from .memory import PeakMemory
-from .oprecorder import OpRecorder
-from .probe import Probe
-from .recorder import OPTIMIZER, OUTPUT, STATE, Fault, Recorder
-from .seeding import seed_everything
-from .trace import StepInfo, Trace
 
 ProbeFactory = Callable[[torch.device], Probe]
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-@dataclass
-class AuditConfig:
-    """How to run an audit; stored in every trace so a run can be repeated exactly."""
-
-    repeats: int = 2
-    epochs: int = 1
-    steps: int | None = None  # per epoch; None runs each epoch's batches to the end
-    mode: str = "train"  # "train" or "infer"
-    device: str = "cpu"
-    seed: int = 0
-    deterministic: bool = False  # PyTorch's deterministic settings on for the run
-    fault: Fault | None = None  # planted in one repeat only (`fault_repeat`)
-    fault_repeat: int = -1  # -1: the last repeat
-    granularity: str = "module"  # "op": every step also recorded op by op (slower)
-
-    def __post_init__(self) -> None:
-        if self.repeats < 1:
-            raise DetauditError("--repeats must be at least 1")
-        if self.epochs < 1 or (self.steps is not None and self.steps < 1):
-            raise DetauditError("--epochs and --steps must be at least 1")
-        if self.mode not in ("train", "infer"):
-            raise DetauditError(f"mode must be train or infer, not {self.mode!r}")
-        if self.granularity not in ("module", "op"):
-            raise DetauditError(f"granularity must be module or op, not {self.granularity!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data for the trace."""
-        data = asdict(self)
-        data["fault"] = asdict(self.fault) if self.fault else None
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AuditConfig:
-        """Inverse of :meth:`to_dict`."""
-        data = dict(data)
-        if data.get("fault"):
-            data["fault"] = Fault(**data["fault"])
-        return cls(**data)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # detaudit/
 
 
 @dataclass
@@ -138,7 +99,7 @@ def run_repeat(
     factory: ProbeFactory,
     config: AuditConfig,
     repeat: int,
-    probe_info: dict[str, Any] | None = None,
+    spec: ProbeSpec | None = None,
     on_step: Callable[[int, int, int], None] | None = None,
     ops: OpPlan | None = None,
 ) -> tuple[Trace, RepeatTiming]:
@@ -156,7 +117,7 @@ def run_repeat(
     fault_repeat = config.fault_repeat % config.repeats
     fault = config.fault if repeat == fault_repeat else None
     trace = Trace(
-        probe={"info": probe_info or {}, "config": config.to_dict()},
+        probe=trace_probe(spec, config),
         repeat=repeat,
         env=capture_environment(device),
     )
@@ -312,10 +273,3 @@ def describe_user_error(exc: BaseException, when: str) -> str:
     where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__} while {when}{where}: {message}".rstrip(": ")
-
-
-def save_traces(traces: list[Trace], folder: str | Path) -> list[Path]:
-    """Write each trace as ``trace-<repeat>.json.gz`` in `folder`."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    return [t.save(folder / f"trace-{t.repeat}.json.gz") for t in traces]

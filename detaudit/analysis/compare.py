@@ -12,14 +12,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .oprecorder import OP_PHASES
-from .recorder import BACKWARD, FORWARD, GRAD, OPTIMIZER, OUTPUT, STATE
-from .trace import Trace
+from ..trace import (
+    BACKWARD, FORWARD, GRAD, OP_BACKWARD, OP_FORWARD, OP_PHASES, OPTIMIZER, OUTPUT, STATE, Trace,
+)
 
 Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot
 
 ORIGIN, CONTAINS, PROPAGATED = "origin", "contains-origin", "propagated"
-CAUSES = ("data", "rng", "params", "forward", "backward", "optimizer", "none")
 _CAUSE_TEXT = {
     "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not reproducible",
     "rng": "an RNG stream differs: something drew a different amount of randomness",
@@ -391,7 +390,7 @@ class OpFinding:
     @property
     def key(self) -> tuple[int, str, str, int, str]:
         """(step, op phase, module, call, slot prefix) -- what a capture replay looks for."""
-        phase = OP_PHASES[0] if self.phase == FORWARD else OP_PHASES[1]
+        phase = OP_FORWARD if self.phase == FORWARD else OP_BACKWARD
         return (self.step, phase, self.module, self.call, f"op{self.index}/{self.op}")
 
 
@@ -417,7 +416,7 @@ def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
         differ = [idx for idx in others if any(idx.fp.get(k) != ref.fp[k] for k in outputs)]
         op_index, _, op = prefix.partition("/")
         findings.append(OpFinding(
-            step, FORWARD if phase == OP_PHASES[0] else BACKWARD, module, call,
+            step, FORWARD if phase == OP_FORWARD else BACKWARD, module, call,
             int(op_index[2:]), op, PROPAGATED if inputs_differ else ORIGIN, len(differ),
             len(traces), [k[4][len(prefix) + 1:] for k in outputs], differ[0].trace.repeat,
             ref.stats(outputs[0]),

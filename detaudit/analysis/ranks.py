@@ -11,16 +11,84 @@ data; epochs in it are 1-based and steps 0-based global step numbers, as in the 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, PROBE_DISTRIBUTED, STATE, Trace
 from .compare import ORIGIN, Comparison, compare
-from .recorder import BACKWARD, FORWARD, GRAD, OPTIMIZER, STATE
-from .trace import Trace
 
 OK, FLAGGED, NOT_CHECKED = "ok", "flagged", "not checked"
+DETERMINISTIC, DIVERGENT, FAILED = "deterministic", "divergent", "failed"
 EXAMPLES = 5  # shared sample indices listed in a finding
 RankTraces = list[tuple[int, Trace]]  # (rank, trace) of one repeat, by rank
 CheckResult = tuple[str, str, list[dict[str, Any]]]  # status, detail, findings
+
+
+@dataclass
+class RankRow:
+    """One rank's run-to-run verdict and first divergence."""
+
+    rank: int
+    verdict: str  # deterministic, divergent or failed
+    repeats: int
+    first_step: int | None
+    first_epoch: int | None  # 1-based
+    phase: str | None
+    module: str | None
+    role: str | None
+    cause: str
+    source: str | None  # local, or "all-reduce (from rank k)"
+    failures: dict[str, str]
+
+
+@dataclass
+class RankCheck:
+    """One cross-rank check over every repeat: flagged if any repeat is."""
+
+    key: str
+    title: str
+    status: str  # ok, flagged or not checked
+    detail: str
+    findings: list[dict[str, Any]]  # the first flagged (or checked) repeat's findings
+    repeats: list[int]  # the repeats it was flagged in
+
+
+@dataclass
+class RankAnalysis:
+    """Per-rank verdicts side by side and every cross-rank check."""
+
+    world_size: int
+    backend: str | None
+    primary_rank: int  # whose run-to-run analysis the report details
+    per_rank: list[RankRow]
+    checks: list[RankCheck]
+    crash: dict[str, Any] | None = None  # rank, repeat, message, kept
+    launch: str = ""  # the launcher command line
+    traces: dict[str, list[str]] = field(default_factory=dict)  # rank -> trace file names
+
+    @property
+    def flagged(self) -> list[RankCheck]:
+        return [c for c in self.checks if c.status == FLAGGED]
+
+    @property
+    def divergent_ranks(self) -> list[RankRow]:
+        return [r for r in self.per_rank if r.verdict == DIVERGENT]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, as stored in run.json and the summary."""
+        return {**asdict(self), "flagged": [c.key for c in self.flagged]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankAnalysis:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            world_size=data["world_size"], backend=data.get("backend"),
+            primary_rank=data["primary_rank"],
+            per_rank=[RankRow(**row) for row in data["per_rank"]],
+            checks=[RankCheck(**check) for check in data["checks"]],
+            crash=data.get("crash"), launch=data.get("launch", ""),
+            traces=data.get("traces") or {},
+        )
 
 
 def compare_ranks(traces_by_rank: dict[int, list[Trace]]) -> dict[int, Comparison]:
@@ -42,8 +110,8 @@ def analyse(
     traces_by_rank: dict[int, list[Trace]],
     comparisons: dict[int, Comparison],
     crash: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Per-rank verdicts side by side and every cross-rank check, as plain data."""
+) -> RankAnalysis:
+    """Per-rank verdicts side by side and every cross-rank check."""
     ranks = sorted(traces_by_rank)
     rows = [_rank_row(rank, comparisons[rank]) for rank in ranks]
     _mark_all_reduce(rows, comparisons)
@@ -53,69 +121,61 @@ def analyse(
         results = [check([(r, traces_by_rank[r][k]) for r in ranks]) for k in range(repeats)]
         checks.append(_merge(key, title, results))
     backends = [_distributed(t).get("backend") for ts in traces_by_rank.values() for t in ts]
-    return {
-        "world_size": len(ranks),
-        "backend": next((b for b in backends if b), None),
-        "primary_rank": _primary(rows),
-        "per_rank": rows,
-        "checks": checks,
-        "flagged": [c["key"] for c in checks if c["status"] == FLAGGED],
-        "crash": crash,
-    }
+    return RankAnalysis(
+        world_size=len(ranks), backend=next((b for b in backends if b), None),
+        primary_rank=_primary(rows), per_rank=rows, checks=checks, crash=crash,
+    )
 
 
 # -- per-rank comparisons ------------------------------------------------------------------
 
 
-def _rank_row(rank: int, c: Comparison) -> dict[str, Any]:
-    verdict = "failed" if c.failures and c.first_step is None else (
-        "deterministic" if c.deterministic else "divergent"
+def _rank_row(rank: int, c: Comparison) -> RankRow:
+    verdict = FAILED if c.failures and c.first_step is None else (
+        DETERMINISTIC if c.deterministic else DIVERGENT
     )
-    row: dict[str, Any] = {
-        "rank": rank, "verdict": verdict, "repeats": c.repeats, "first_step": c.first_step,
-        "first_epoch": _one_based(c.first_epoch), "phase": None, "module": None, "role": None,
-        "cause": c.cause, "source": None,
-        "failures": {str(k): v for k, v in c.failures.items()},
-    }
+    row = RankRow(
+        rank=rank, verdict=verdict, repeats=c.repeats, first_step=c.first_step,
+        first_epoch=_one_based(c.first_epoch), phase=None, module=None, role=None,
+        cause=c.cause, source=None, failures={str(k): v for k, v in c.failures.items()},
+    )
     if c.first_step is not None:
         origin = c.origins[0] if c.origins else None
         first = c.first_diffs[0]
-        row.update(
-            phase=origin.phase if origin else first.phase,
-            module=origin.module if origin else first.module,
-            role=ORIGIN if origin else "first record", source="local",
-        )
+        row.phase = origin.phase if origin else first.phase
+        row.module = origin.module if origin else first.module
+        row.role = ORIGIN if origin else "first record"
+        row.source = "local"
     return row
 
 
-def _mark_all_reduce(rows: list[dict[str, Any]], comparisons: dict[int, Comparison]) -> None:
+def _mark_all_reduce(rows: list[RankRow], comparisons: dict[int, Comparison]) -> None:
     """A rank whose first difference is in its all-reduced gradients, while its own forward
     and backward agree run to run, got the difference from a rank where it started."""
     for row in rows:
-        step = row["first_step"]
+        step = row.first_step
         if step is None:
             continue
-        local = {d.phase for d in comparisons[row["rank"]].first_diffs}
+        local = {d.phase for d in comparisons[row.rank].first_diffs}
         if local & {FORWARD, BACKWARD} or GRAD not in local:
             continue
         senders = [
-            other["rank"] for other in rows if other is not row and any(
+            other.rank for other in rows if other is not row and any(
                 f.step == step and f.role == ORIGIN and f.phase in (FORWARD, BACKWARD)
-                for f in comparisons[other["rank"]].findings
+                for f in comparisons[other.rank].findings
             )
         ]
         if senders:
-            row["source"] = f"all-reduce (from rank {_join(senders)})"
+            row.source = f"all-reduce (from rank {_join(senders)})"
 
 
-def _primary(rows: list[dict[str, Any]]) -> int:
+def _primary(rows: list[RankRow]) -> int:
     """The rank whose run-to-run analysis the report details: the first to diverge locally."""
-    divergent = [r for r in rows if r["first_step"] is not None]
+    divergent = [r for r in rows if r.first_step is not None]
     if divergent:
-        best = min(divergent, key=lambda r: (r["first_step"], r["source"] != "local", r["rank"]))
-        return best["rank"]
-    failed = [r for r in rows if r["failures"]]
-    return (failed or rows)[0]["rank"]
+        return min(divergent, key=lambda r: (r.first_step, r.source != "local", r.rank)).rank
+    failed = [r for r in rows if r.failures]
+    return (failed or rows)[0].rank
 
 
 # -- cross-rank checks (one repeat: every rank's trace) -----------------------------------
@@ -380,21 +440,20 @@ CHECKS: tuple[tuple[str, str, Callable[[RankTraces], CheckResult]], ...] = (
 )
 
 
-def _merge(key: str, title: str, results: list[CheckResult]) -> dict[str, Any]:
+def _merge(key: str, title: str, results: list[CheckResult]) -> RankCheck:
     """One check over every repeat: flagged if any repeat is, with the first one's findings."""
     flagged = [k for k, (status, _, _) in enumerate(results) if status == FLAGGED]
     checked = [k for k, (status, _, _) in enumerate(results) if status == OK]
     pick = (flagged or checked or list(range(len(results))) or [None])[0]
     status, detail, findings = results[pick] if pick is not None else (NOT_CHECKED, "no traces", [])
-    return {"key": key, "title": title, "status": status, "detail": detail,
-            "findings": findings, "repeats": flagged}
+    return RankCheck(key, title, status, detail, findings, flagged)
 
 
 # -- small helpers -------------------------------------------------------------------------
 
 
 def _distributed(trace: Trace) -> dict[str, Any]:
-    return trace.probe.get("distributed") or {}
+    return trace.probe.get(PROBE_DISTRIBUTED) or {}
 
 
 def _samplers(items: RankTraces) -> dict[int, dict[int, dict[str, Any]]] | None:

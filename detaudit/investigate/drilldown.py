@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from .compare import ORIGIN, Comparison, OpFinding, compare_ops
+from ..analysis.compare import ORIGIN, Comparison, OpFinding, compare_ops
 from .knowledge import lookup
-from .runner import AuditConfig, OpPlan, ProbeFactory, run_repeat
-from .trace import Trace
+from ..config import AuditConfig, ProbeSpec
+from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
+from ..trace import Trace
 
 MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
 _INT_OF_FLOAT = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
@@ -26,7 +27,7 @@ _INT_OF_FLOAT = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
 
 def drill_down(
     factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
-    probe_info: dict[str, Any] | None = None, traces: list[Trace] | None = None,
+    spec: ProbeSpec | None = None, traces: list[Trace] | None = None,
 ) -> dict[str, Any] | None:
     """Plain data for the report: the differing ops of the first divergent step, the
     measured difference of the first origin op, and what is known about it. `traces`
@@ -37,7 +38,7 @@ def drill_down(
     config = replace(config, granularity="module")
     if traces is None:
         plan = OpPlan(steps=frozenset({step}), last_step=step)
-        traces = [run_repeat(factory, config, r, probe_info, ops=plan)[0]
+        traces = [run_repeat(factory, config, r, spec, ops=plan)[0]
                   for r in range(config.repeats)]
     findings = [f for f in compare_ops(traces) if f.step == step]
     origins = [f for f in findings if f.role == ORIGIN]
@@ -53,7 +54,7 @@ def drill_down(
     }
     if origins:
         first = origins[0]
-        out["difference"] = _capture_difference(factory, config, first, probe_info)
+        out["difference"] = _capture_difference(factory, config, first, spec)
         device = str(torch.device(config.device))
         out["knowledge"] = [
             {"op": first.op, **k.to_dict()} for k in lookup(first.op, first.phase, device)
@@ -72,18 +73,18 @@ def _op_row(f: OpFinding) -> dict[str, Any]:
 
 def _capture_difference(
     factory: ProbeFactory, config: AuditConfig, origin: OpFinding,
-    probe_info: dict[str, Any] | None,
+    spec: ProbeSpec | None,
 ) -> dict[str, Any] | None:
     """Replay repeat 0 and then the differing repeats, keeping only the origin op's outputs,
     and measure how far apart they are. An intermittent difference may not show again: the
     other repeats are tried in turn, and None means none of them differed this time."""
-    reference = _capture(factory, config, origin, 0, probe_info)
+    reference = _capture(factory, config, origin, 0, spec)
     if reference is None:
         return None
     others = [origin.other_repeat] + [r for r in range(1, config.repeats)
                                       if r != origin.other_repeat]
     for repeat in others:
-        outputs = _capture(factory, config, origin, repeat, probe_info) or []
+        outputs = _capture(factory, config, origin, repeat, spec) or []
         for a, b in zip(reference, outputs):
             if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
                 return tensor_difference(a, b)
@@ -92,10 +93,10 @@ def _capture_difference(
 
 def _capture(
     factory: ProbeFactory, config: AuditConfig, origin: OpFinding, repeat: int,
-    probe_info: dict[str, Any] | None,
+    spec: ProbeSpec | None,
 ) -> list[torch.Tensor] | None:
     plan = OpPlan(steps=frozenset(), last_step=origin.step, capture=origin.key[1:])
-    run_repeat(factory, config, repeat, probe_info, ops=plan)
+    run_repeat(factory, config, repeat, spec, ops=plan)
     return next((m.captured for m in plan.modes if m.captured is not None), None)
 
 

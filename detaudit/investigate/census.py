@@ -18,17 +18,18 @@ from typing import Any
 import torch
 
 from .knowledge import is_known, lookup
-from .runner import AuditConfig, OpPlan, ProbeFactory, run_repeat
+from ..config import AuditConfig, ProbeSpec
+from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
 
 
 def take_census(
-    factory: ProbeFactory, config: AuditConfig, probe_info: dict[str, Any] | None = None
+    factory: ProbeFactory, config: AuditConfig, spec: ProbeSpec | None = None
 ) -> dict[str, Any]:
     """Plain data for the report: known-nondeterministic ops per module, and the alerts."""
     config = replace(config, fault=None, granularity="module", repeats=1)
     device = str(torch.device(config.device))
     counts: Counter[tuple[str, str, str, bool | None]] = Counter()
-    for mode in _one_step(factory, config, probe_info):
+    for mode in _one_step(factory, config, spec):
         counts.update(mode.counts)
     ops = [
         {"module": module or "(model)", "phase": phase,
@@ -39,14 +40,14 @@ def take_census(
     ]
     alerts = [
         {"module": a.module or "(model)", "phase": a.phase, "op": a.op, "message": a.message}
-        for mode in _one_step(factory, replace(config, deterministic=True), probe_info)
+        for mode in _one_step(factory, replace(config, deterministic=True), spec)
         for a in mode.alerts
     ]
     return {"device": device, "ops": ops, "alerts": alerts,
             "ops_seen": sum(counts.values())}
 
 
-def _one_step(factory: ProbeFactory, config: AuditConfig, probe_info: dict[str, Any] | None):
+def _one_step(factory: ProbeFactory, config: AuditConfig, spec: ProbeSpec | None):
     plan = OpPlan(last_step=0, census=True)
-    run_repeat(factory, config, 0, probe_info, ops=plan)
+    run_repeat(factory, config, 0, spec, ops=plan)
     return plan.modes

@@ -1,7 +1,7 @@
 """Fix verification: re-run the audit with the remedies applied and measure their cost.
 
 The remedies are PyTorch's deterministic settings (see
-:func:`detaudit.runner.deterministic_settings`): deterministic algorithms,
+:func:`detaudit.drivers.runner.deterministic_settings`): deterministic algorithms,
 ``cudnn.benchmark=False`` / ``cudnn.deterministic=True``, ``CUBLAS_WORKSPACE_CONFIG``
 on CUDA, and filling uninitialized memory. Data-loader seeding cannot be applied to a
 user's loader from outside; when the cause is data it is offered as code instead.
@@ -15,8 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from .compare import compare
-from .runner import AuditConfig, ProbeFactory, RepeatTiming, run_repeat
+from ..analysis.compare import compare
+from ..config import AuditConfig, ProbeSpec
+from ..drivers.runner import ProbeFactory, RepeatTiming, run_repeat
 
 SEEDING_CODE = (
     "detaudit.seed_everything(seed, workers=True)\n"
@@ -41,14 +42,14 @@ def applied_remedies(device: str) -> list[str]:
 
 def verify_fix(
     factory: ProbeFactory, config: AuditConfig, original: list[RepeatTiming], cause: str,
-    probe_info: dict[str, Any] | None = None,
+    spec: ProbeSpec | None = None,
     on_step: Callable[[int, int, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run the same audit with the remedies; say whether it is deterministic now and what
     it cost: step time and peak memory as ratios of the original run's."""
     fixed_config = replace(config, deterministic=True, fault=None, granularity="module")
     runs = [
-        run_repeat(factory, fixed_config, r, probe_info,
+        run_repeat(factory, fixed_config, r, spec,
                    (lambda e, i, s, r=r: on_step(r, e, i, s)) if on_step else None)
         for r in range(config.repeats)
     ]

@@ -1,28 +1,17 @@
-"""Regression gate: a stored baseline trace, and bitwise (or tolerant) diffs of two runs.
+"""Regression gate: bitwise (or tolerant) diffs of two runs.
 
-A baseline is one repeat's trace plus what reproduces it (probe spec, audit config) and
-the environment it ran in. ``check_baseline`` re-runs that configuration and compares the
-new trace with the stored one; ``diff_traces`` compares any two runs the same way.
+``diff_traces`` compares run B against run A -- a stored baseline against a new run
+(``detaudit check``), or any two saved runs (``detaudit diff``) -- and says where they part.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .api import AuditResult
+from ..trace import Trace
 from .compare import Comparison, compare
-from .errors import EXIT_DIVERGED, EXIT_OK, TraceError
-from .junit import JUnitCase
-from .trace import Trace, read_json
-
-# History:
-#   1: first format: probe spec, audit config, environment, the trace of repeat 0.
-BASELINE_VERSION = 1
-BASELINE_FORMAT = "detaudit-baseline"
+from .verdict import MATCH, MISMATCH, exit_code
 
 # Environment keys that can change a run's numbers (PyTorch promises no bit-exactness
 # across versions, devices, thread counts or these flags).
@@ -32,18 +21,6 @@ ENV_KEYS = (
     "cudnn_benchmark", "tf32_matmul", "tf32_cudnn",
 )
 _FLOAT_PREFIXES = ("float", "bfloat", "complex")
-
-RunFn = Callable[[dict[str, Any], dict[str, Any]], AuditResult]
-
-
-@dataclass
-class Baseline:
-    """A stored reference run: what to run again and the trace it must reproduce."""
-
-    probe: dict[str, Any]
-    config: dict[str, Any]
-    env: dict[str, Any]
-    trace: Trace
 
 
 @dataclass
@@ -84,66 +61,12 @@ class GateResult:
     failures: list[str] = field(default_factory=list)
 
     @property
+    def verdict(self) -> str:
+        return MATCH if self.ok else MISMATCH
+
+    @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.ok else EXIT_DIVERGED
-
-    def junit_case(self, name: str, classname: str = "detaudit", time: float = 0.0) -> JUnitCase:
-        """This result as one JUnit test case."""
-        return JUnitCase(name, classname, time, None if self.ok else self.headline, self.message)
-
-
-# -- baseline files -----------------------------------------------------------------------
-def save_baseline(path: str | Path, probe_spec: dict[str, Any], result: AuditResult) -> Path:
-    """Store repeat 0 of `result` as a baseline (gzip when the name ends in .gz)."""
-    path = Path(path)
-    trace = result.traces[0]
-    data = {
-        "format": BASELINE_FORMAT,
-        "version": BASELINE_VERSION,
-        "probe": probe_spec,
-        "config": result.config.to_dict(),
-        "env": trace.env,
-        "trace": trace.to_dict(),
-    }
-    text = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    raw = gzip.compress(text.encode(), mtime=0) if path.suffix == ".gz" else text.encode()
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_bytes(raw)
-    tmp.replace(path)
-    return path
-
-
-def load_baseline(path: str | Path) -> Baseline:
-    """Read a baseline written by :func:`save_baseline`; one clear error for anything else."""
-    path = Path(path)
-    data = read_json(path, "baseline")
-    if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
-        raise TraceError(f"{path} is not a detaudit baseline")
-    if data.get("version") != BASELINE_VERSION:
-        raise TraceError(
-            f"baseline {path} has format version {data.get('version')!r}; this detaudit reads "
-            f"version {BASELINE_VERSION} (upgrade detaudit or record the baseline again)"
-        )
-    if not all(isinstance(data.get(k), dict) for k in ("probe", "config", "env")):
-        raise TraceError(f"baseline {path} is damaged: probe, config or env is missing")
-    trace = Trace.from_dict(data.get("trace"), source=f"the trace in baseline {path}")
-    return Baseline(data["probe"], data["config"], data["env"], trace)
-
-
-def check_baseline(
-    path: str | Path, run_fn: RunFn, rtol: float = 0.0, atol: float = 0.0
-) -> GateResult:
-    """Re-run the baseline's stored configuration and compare its repeat 0 with the baseline."""
-    baseline = load_baseline(path)
-    result = run_fn(baseline.probe, baseline.config)
-    gate = diff_traces(baseline.trace, result.traces, rtol, atol, labels=("baseline", "now"))
-    if len(result.traces) > 1 and not result.comparison.deterministic:
-        note = (
-            f"note: the new run is not deterministic by itself (its repeats differ from step "
-            f"{result.comparison.first_step}), so it cannot be expected to match any baseline"
-        )
-        gate.message += "\n" + note
-    return gate
+        return exit_code(self.verdict)
 
 
 # -- diffs ----------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Process isolation: each repeat in a fresh interpreter, traces handed back through files.
 
 This catches what one process hides: ordering that depends on ``PYTHONHASHSEED``, and state
-left in modules or globals by an earlier repeat. Run as ``python -m detaudit.isolation JOB``.
+left in modules or globals by an earlier repeat. Run as
+``python -m detaudit.drivers.isolation JOB``.
 """
 
 from __future__ import annotations
@@ -9,15 +10,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from .runner import AuditConfig, RepeatTiming, run_repeat
-from .trace import Trace
+from ..config import AuditConfig, ProbeSpec
+from ..errors import DetauditError
+from ..runfolder import failed_trace, save_trace, timing_name, trace_name
+from ..trace import Trace
+from .loading import make_factory
+from .runner import RepeatTiming, run_repeat
 
 
 def run_isolated(
-    spec: dict[str, Any],
+    spec: ProbeSpec,
     config: AuditConfig,
     folder: str | Path,
     on_repeat: Callable[[int], None] | None = None,
@@ -28,24 +34,26 @@ def run_isolated(
     traces, timings = [], []
     for repeat in range(config.repeats):
         job = folder / f"job-{repeat}.json"
-        job.write_text(json.dumps({"spec": spec, "config": config.to_dict(), "repeat": repeat,
-                                   "folder": str(folder)}))
+        job.write_text(json.dumps({"spec": spec.to_dict(), "config": config.to_dict(),
+                                   "repeat": repeat, "folder": str(folder)}))
         done = subprocess.run(
-            [sys.executable, "-m", "detaudit.isolation", str(job)],
+            [sys.executable, "-m", "detaudit.drivers.isolation", str(job)],
             capture_output=True, text=True, check=False,
         )
         job.unlink()
-        trace_path = folder / f"trace-{repeat}.json.gz"
-        timing_path = folder / f"timing-{repeat}.json"
+        trace_path = folder / trace_name(repeat)
+        timing_path = folder / timing_name(repeat)
         if done.returncode == 0 and trace_path.exists():
             traces.append(Trace.load(trace_path))
             timings.append(RepeatTiming(**json.loads(timing_path.read_text())))
             timing_path.unlink()
         else:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            failed = Trace(probe={"info": spec, "config": config.to_dict()}, repeat=repeat, env={})
-            failed.failure = f"repeat {repeat} crashed (exit code {done.returncode}): {last}"
-            failed.save(trace_path)
+            failed = failed_trace(
+                spec, config, repeat,
+                f"repeat {repeat} crashed (exit code {done.returncode}): {last}",
+            )
+            save_trace(folder, failed)
             traces.append(failed)
             timings.append(RepeatTiming(repeat, 0.0, 0))
         if on_repeat:
@@ -55,23 +63,18 @@ def run_isolated(
 
 def _child(job_path: str) -> int:
     """Run one repeat described by a job file and write its trace and timing."""
-    from dataclasses import asdict
-
-    from .errors import DetauditError
-    from .loading import make_factory
-
     job = json.loads(Path(job_path).read_text())
     folder = Path(job["folder"])
     try:
-        factory = make_factory(job["spec"])
+        spec = ProbeSpec.from_dict(job["spec"])
         trace, timing = run_repeat(
-            factory, AuditConfig.from_dict(job["config"]), job["repeat"], job["spec"]
+            make_factory(spec), AuditConfig.from_dict(job["config"]), job["repeat"], spec
         )
     except DetauditError as exc:
         print(f"detaudit: {exc}", file=sys.stderr)
         return 2
-    trace.save(folder / f"trace-{job['repeat']}.json.gz")
-    (folder / f"timing-{job['repeat']}.json").write_text(json.dumps(asdict(timing)))
+    save_trace(folder, trace)
+    (folder / timing_name(job["repeat"])).write_text(json.dumps(asdict(timing)))
     return 0
 
 

@@ -9,18 +9,19 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .census import take_census
-from .compare import Comparison
+from ..analysis.compare import Comparison
 from .drilldown import drill_down
-from .errors import DetauditError
+from ..errors import DetauditError
 from .fixes import verify_fix
-from .runner import AuditConfig, ProbeFactory, RepeatTiming, describe_user_error
-from .trace import Trace
+from ..config import AuditConfig, ProbeSpec
+from ..drivers.runner import ProbeFactory, RepeatTiming, describe_user_error
+from ..trace import Trace
 
 
 def investigate(
     factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
     timings: list[RepeatTiming], *, ops: bool = True, census: bool = False,
-    verify: bool = False, probe_info: dict[str, Any] | None = None,
+    verify: bool = False, spec: ProbeSpec | None = None,
     traces: list[Trace] | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -29,13 +30,13 @@ def investigate(
     stages: list[tuple[str, Callable[[], Any]]] = []
     if ops and comparison.first_step is not None and not comparison.failures:
         stages.append(("ops", lambda: drill_down(
-            factory, config, comparison, probe_info,
+            factory, config, comparison, spec,
             traces if config.granularity == "op" else None)))
     if census:
-        stages.append(("census", lambda: take_census(factory, config, probe_info)))
+        stages.append(("census", lambda: take_census(factory, config, spec)))
     if verify:
         stages.append(("verify", lambda: verify_fix(
-            factory, config, timings, comparison.cause, probe_info)))
+            factory, config, timings, comparison.cause, spec)))
     out: dict[str, Any] = {}
     for name, run in stages:
         if on_stage:

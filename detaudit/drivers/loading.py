@@ -13,44 +13,42 @@ from typing import Any
 
 import torch
 
-from .errors import DetauditError, ProbeError
+from ..config import ProbeSpec
+from ..errors import DetauditError, ProbeError
 from .runner import ProbeFactory, describe_user_error
 
 
-def builtin_spec(name: str, options: dict[str, Any]) -> dict[str, Any]:
+def builtin_spec(name: str, options: dict[str, Any]) -> ProbeSpec:
     """The description of a built-in probe."""
-    import probes
+    from .. import probes
 
     try:
         probes.get(name)
     except KeyError:
         known = ", ".join(n for n, _ in probes.available())
         raise DetauditError(f"unknown model {name!r}; known models: {known}") from None
-    return {"kind": "builtin", "name": name, "options": options}
+    return ProbeSpec("builtin", name, options=options)
 
 
-def file_spec(target: str) -> dict[str, Any]:
+def file_spec(target: str) -> ProbeSpec:
     """The description of a user probe file given as ``FILE.py[:FUNC]``."""
     path, _, func = target.partition(":") if not Path(target).exists() else (target, "", "")
     path_obj = Path(path)
     if not path_obj.is_file():
         raise DetauditError(f"probe file {path} does not exist")
-    return {
-        "kind": "file", "name": path_obj.stem, "source": str(path_obj.resolve()),
-        "func": func or "probe",
-    }
+    return ProbeSpec("file", path_obj.stem, source=str(path_obj.resolve()), func=func or "probe")
 
 
-def make_factory(spec: dict[str, Any]) -> ProbeFactory:
+def make_factory(spec: ProbeSpec) -> ProbeFactory:
     """A function `device -> Probe` for a probe description."""
-    if spec["kind"] == "builtin":
-        import probes
-        from probes.data import ProbeInputError
-        from probes.options import RecipeOptions
+    if spec.kind == "builtin":
+        from .. import probes
+        from ..probes.data import ProbeInputError
+        from ..probes.options import RecipeOptions
 
-        builder = probes.get(spec["name"])
+        builder = probes.get(spec.name)
         try:
-            options = RecipeOptions.from_dict(spec.get("options", {}))
+            options = RecipeOptions.from_dict(spec.options)
         except ValueError as exc:
             raise DetauditError(str(exc)) from None
 
@@ -61,9 +59,9 @@ def make_factory(spec: dict[str, Any]) -> ProbeFactory:
                 raise DetauditError(str(exc)) from None
 
         return factory
-    if spec["kind"] == "file":
-        return _load_file_function(spec["source"], spec.get("func", "probe"))
-    raise DetauditError(f"unknown probe kind {spec['kind']!r}")
+    if spec.kind == "file" and spec.source:
+        return _load_file_function(spec.source, spec.func)
+    raise DetauditError(f"a probe of kind {spec.kind!r} cannot be rebuilt from its description")
 
 
 def _load_file_function(source: str, func: str) -> ProbeFactory:

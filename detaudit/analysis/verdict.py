@@ -1,0 +1,133 @@
+"""The verdict of an audit, computed once: its kind, its headline and its exit code.
+
+Every command, the JUnit case, summary.json and every report take the verdict from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import EXIT_DIVERGED, EXIT_OK
+from .compare import ORIGIN, Comparison
+from .ranks import DETERMINISTIC, DIVERGENT, FAILED, RankAnalysis
+
+MATCH, MISMATCH = "match", "mismatch"  # a run against a baseline or another run
+EXIT_CODES = {
+    DETERMINISTIC: EXIT_OK, MATCH: EXIT_OK,
+    DIVERGENT: EXIT_DIVERGED, MISMATCH: EXIT_DIVERGED, FAILED: EXIT_DIVERGED,
+}
+
+
+def exit_code(kind: str) -> int:
+    """The process exit code of a verdict."""
+    return EXIT_CODES[kind]
+
+
+@dataclass
+class Verdict:
+    """What an audit concluded, in one word and one line."""
+
+    kind: str  # deterministic, divergent or failed
+    headline: str
+    first: dict[str, Any] | None  # the first divergence, 1-based epoch (None: none)
+    loss_hidden: bool  # parameters diverged while the loss stayed bit-identical
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.kind)
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+
+def judge(
+    c: Comparison, ops: dict[str, Any] | None = None, ranks: RankAnalysis | None = None
+) -> Verdict:
+    """The verdict of a comparison, naming the origin op when the drill-down found one and
+    counting the ranks of a distributed audit."""
+    first = first_divergence(c)
+    kind = FAILED if c.failures and c.first_step is None else (
+        DETERMINISTIC if c.deterministic else DIVERGENT
+    )
+    hidden = (
+        c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
+    )
+    headline = _headline(kind, c, first, hidden, ops or {})
+    if ranks is not None:
+        kind, headline = _with_ranks(kind, headline, ranks)
+    return Verdict(kind, headline, first, hidden)
+
+
+def first_divergence(c: Comparison) -> dict[str, Any] | None:
+    """The first origin (or, without one, the first differing record) of the first step."""
+    if c.first_step is None:
+        return None
+    step_index = next((i for s, _, i in c.steps if s == c.first_step), None)
+    epoch = one_based(c.epoch_of(c.first_step))
+    if c.origins:
+        o = c.origins[0]
+        return {
+            "step": o.step, "epoch": epoch, "index": step_index, "phase": o.phase,
+            "module": o.module, "call": o.call, "slots": o.slots, "role": ORIGIN,
+            "differing": o.differing, "repeats": o.repeats,
+        }
+    d = c.first_diffs[0]
+    return {
+        "step": d.step, "epoch": epoch, "index": step_index, "phase": d.phase,
+        "module": d.module, "call": d.call, "slots": [d.slot], "role": "first record",
+        "differing": d.differing, "repeats": d.repeats,
+    }
+
+
+def one_based(epoch: int | None) -> int | None:
+    """An epoch as people count them."""
+    return None if epoch is None else epoch + 1
+
+
+def crash_line(crash: dict[str, Any]) -> str:
+    """One line naming the crashed rank."""
+    repeat = "" if crash.get("repeat") is None else f" in repeat {crash['repeat']}"
+    return f"rank {crash['rank']} crashed{repeat}: {crash['message']}"
+
+
+def _headline(
+    kind: str, c: Comparison, first: dict[str, Any] | None, hidden: bool, ops: dict[str, Any]
+) -> str:
+    if kind == FAILED:
+        return f"FAILED: {len(c.failures)} of {c.repeats} repeats did not finish"
+    if first is None:
+        return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {len(c.steps)} steps"
+    where = first["module"] or "(model)"
+    text = (
+        f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "
+        f"{where} ({first['role']}); cause: {c.cause}"
+    )
+    origin_op = (ops.get("ops") or [{}])[0]
+    if origin_op.get("role") == ORIGIN:
+        text += f"; op: {origin_op['op']} in {origin_op['module']}"
+    if hidden:
+        text += "; the loss stayed bit-identical while parameters diverged"
+    return text
+
+
+def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str]:
+    """The verdict of a distributed audit: a crash, then local divergences, then checks."""
+    flagged = ranks.flagged
+    if ranks.crash:
+        return FAILED, f"FAILED: {crash_line(ranks.crash)}"
+    if kind == DIVERGENT:
+        headline += (
+            f"; on rank {ranks.primary_rank} ({len(ranks.divergent_ranks)} of "
+            f"{ranks.world_size} ranks diverge)"
+        )
+        if flagged:
+            headline += f"; {len(flagged)} cross-rank check(s) flagged"
+        return kind, headline
+    if flagged:
+        more = f" (+{len(flagged) - 1} more cross-rank checks flagged)" if len(flagged) > 1 else ""
+        return DIVERGENT, f"DIVERGENT ACROSS RANKS: {flagged[0].detail}{more}"
+    if kind == DETERMINISTIC:
+        headline += f"; {ranks.world_size} ranks in sync"
+    return kind, headline

@@ -1,0 +1,194 @@
+"""What to audit and how, as typed plain data: built once (by the CLI or the API), then
+passed down. Nothing here imports torch, so a configuration can be read, stored in a trace
+and rebuilt in another process or next month."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from .errors import DetauditError
+from .trace import FORWARD, BACKWARD
+
+TRAIN, INFER = "train", "infer"
+GRANULARITIES = ("module", "op")
+ISOLATIONS = ("inprocess", "process")
+_FAULT = re.compile(
+    r"^(?P<module>[^@:/]*)(/(?P<op>[\w.]+))?(@(?P<phase>forward|backward))?(:(?P<step>\d+))?$"
+)
+FAULT_GRAMMAR = "MODULE[/OP][@forward|@backward][:STEP] or op:OP[@phase][:STEP]"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A planted change in one run: 1 ULP at `module`'s output (forward) or input gradient
+    (backward); with `op`, in the first output of the first such op run inside `module`
+    (any module when `module` is empty) -- 1 ULP for floats, two elements swapped for
+    integers (e.g. nms's kept indices)."""
+
+    module: str
+    phase: str = FORWARD
+    step: int = 0
+    op: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.phase not in (FORWARD, BACKWARD):
+            raise DetauditError(f"fault phase must be forward or backward, not {self.phase!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """`MODULE[/OP][@forward|@backward][:STEP]`, or `op:OP...` for an op in any module."""
+        if text.startswith("op:"):
+            text = "/" + text[3:]
+        m = _FAULT.match(text)
+        if not m or not (m.group("module") or m.group("op")):
+            raise DetauditError(f"fault {text!r} is not {FAULT_GRAMMAR}")
+        return cls(m.group("module"), m.group("phase") or FORWARD, int(m.group("step") or 0),
+                   m.group("op"))
+
+    def in_wrapper(self, prefix: str = "module") -> Fault:
+        """The same fault with its module named inside a wrapper (DDP's ``module.``)."""
+        if not self.module or self.module.split(".")[0] == prefix:
+            return self
+        return replace(self, module=f"{prefix}.{self.module}")
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """How to run an audit; stored in every trace so a run can be repeated exactly."""
+
+    repeats: int = 2
+    epochs: int = 1
+    steps: int | None = None  # per epoch; None runs each epoch's batches to the end
+    mode: str = TRAIN  # "train" or "infer"
+    device: str = "cpu"
+    seed: int = 0
+    deterministic: bool = False  # PyTorch's deterministic settings on for the run
+    fault: Fault | None = None  # planted in one repeat only (`fault_repeat`)
+    fault_repeat: int = -1  # -1: the last repeat
+    granularity: str = "module"  # "op": every step also recorded op by op (slower)
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise DetauditError("repeats must be at least 1")
+        if self.epochs < 1 or (self.steps is not None and self.steps < 1):
+            raise DetauditError("epochs and steps must be at least 1")
+        if self.mode not in (TRAIN, INFER):
+            raise DetauditError(f"mode must be train or infer, not {self.mode!r}")
+        if self.granularity not in GRANULARITIES:
+            raise DetauditError(f"granularity must be module or op, not {self.granularity!r}")
+
+    @property
+    def train(self) -> bool:
+        return self.mode == TRAIN
+
+    @property
+    def total_steps(self) -> int | None:
+        """Steps over all repeats, when the steps per epoch are fixed."""
+        return self.repeats * self.epochs * self.steps if self.steps else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the trace."""
+        data = asdict(self)
+        data["fault"] = asdict(self.fault) if self.fault else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AuditConfig:
+        """Inverse of :meth:`to_dict`."""
+        data = dict(data)
+        if data.get("fault"):
+            data["fault"] = Fault(**data["fault"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """What to build for each repeat, as plain data: a built-in probe and its recipe
+    options, a probe file and the function in it, or (API only) a Python callable, which
+    cannot leave this process and is described by its qualified name."""
+
+    kind: str  # builtin | file | python
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)  # built-in recipe options
+    source: str | None = None  # the probe file (absolute) or the callable's module
+    func: str = "probe"  # the function in the probe file
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, keys as stored in traces and run folders (empty fields left out)."""
+        data: dict[str, Any] = {"kind": self.kind, "name": self.name}
+        if self.kind == "builtin":
+            data["options"] = dict(self.options)
+        elif self.kind == "file":
+            data.update(source=self.source, func=self.func)
+        else:
+            data["source"] = self.source
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProbeSpec:
+        """Inverse of :meth:`to_dict`; one clear error for a damaged description."""
+        if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+            raise DetauditError("the probe description is damaged (no kind)")
+        return cls(
+            kind=data["kind"], name=str(data.get("name", "?")),
+            options=dict(data.get("options") or {}), source=data.get("source"),
+            func=data.get("func") or "probe",
+        )
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Default sizes for a device type: small on CPU, realistic on CUDA."""
+
+    name: str
+    repeats: int
+    epochs: int
+    steps: int
+    image_size: int
+    batch_size: int
+    num_images: int
+
+    def describe(self, config: AuditConfig, spec: ProbeSpec, ranks: int | None = None) -> str:
+        """One line: what the run does, as the banner and the reports show it."""
+        options = spec.options
+        size = f", {options['image_size']} px, batch {options['batch_size']}" if options else ""
+        on_ranks = f", {ranks} ranks" if ranks else ""
+        return (f"{self.name} preset: {config.repeats} repeats x {config.epochs} epochs x "
+                f"{config.steps} steps{size}, {config.mode}{on_ranks}")
+
+
+CPU_PRESET = Preset("cpu", repeats=2, epochs=2, steps=2, image_size=128, batch_size=1,
+                    num_images=2)
+CUDA_PRESET = Preset("cuda", repeats=3, epochs=2, steps=5, image_size=800, batch_size=2,
+                     num_images=10)
+
+
+def preset_for(device_type: str) -> Preset:
+    """The preset of a device type (``cuda`` or anything else)."""
+    return CUDA_PRESET if device_type == "cuda" else CPU_PRESET
+
+
+@dataclass(frozen=True)
+class Investigations:
+    """What to run after the audit: the op drill-down (after a divergence), the census of
+    known-nondeterministic ops, and the verification of the fix."""
+
+    drill_down: bool = True
+    census: bool = False
+    verify_fix: bool = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the repeats run: in this process or one interpreter each, on one rank or N."""
+
+    isolation: str = "inprocess"
+    nproc: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.isolation not in ISOLATIONS:
+            raise DetauditError(f"isolation must be inprocess or process, not {self.isolation!r}")
+        if self.nproc is not None and self.nproc < 1:
+            raise DetauditError("the number of ranks must be at least 1")

@@ -1,0 +1,2 @@
+"""Recording: fingerprints, the module-level recorder, the op-level dispatch mode, and the
+environment a run records (imports torch)."""

@@ -1,0 +1,69 @@
+"""How detaudit's files are written and read: atomically, and with one clear error.
+
+Every file detaudit writes (traces, ``run.json``, baselines, reports) goes through
+:func:`atomic_write`, so a crash or Ctrl-C never leaves half a file under the real name;
+every JSON file it reads goes through :func:`read_json` and :func:`check_format`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import TraceError
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> Path:
+    """Write `data` to a ``.part`` file, flush it to disk, then rename it over `path`."""
+    path = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = path.with_name(path.name + ".part")
+    try:
+        with open(tmp, "wb") as file:
+            file.write(raw)
+            file.flush()
+            os.fsync(file.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def dump_json(
+    data: Any, *, compress: bool = False, indent: int | None = None, allow_nan: bool = False
+) -> bytes:
+    """Deterministic JSON bytes (sorted keys; NaN only when allowed), gzip-compressed without
+    a timestamp."""
+    separators = None if indent is not None else (",", ":")
+    text = json.dumps(data, sort_keys=True, indent=indent, separators=separators,
+                      allow_nan=allow_nan)
+    return gzip.compress(text.encode(), mtime=0) if compress else text.encode()
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """Parse a JSON file, gzip-compressed or not; one clear error naming it otherwise."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise TraceError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    except (OSError, EOFError, ValueError):
+        raise TraceError(f"{what} {path} is truncated or corrupt") from None
+
+
+def check_format(data: Any, name: str, version: int, source: str, remedy: str) -> dict[str, Any]:
+    """`data` as a dict after checking its ``format`` and ``version`` header fields."""
+    if not isinstance(data, dict) or data.get("format") != name:
+        raise TraceError(f"{source} is not a {name.replace('-', ' ')} file")
+    if data.get("version") != version:
+        raise TraceError(
+            f"{source} has format version {data.get('version')!r}; this detaudit reads "
+            f"version {version} ({remedy})"
+        )
+    return data
