@@ -27,7 +27,10 @@ _PUBLIC = {
     "seeded_loader_kwargs": "seeding",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "AuditConfig", "AuditResult", "Comparison", "DetauditError", "Fault", "Probe", "ProbeSpec",
+    "Trace", "audit", "compare", "seed_everything", "seed_worker", "seeded_loader_kwargs",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .analysis.compare import Comparison, compare

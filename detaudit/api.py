@@ -25,8 +25,15 @@ from .config import AuditConfig, Fault, Investigations, Launch, ProbeSpec
 from .errors import DetauditError, ProbeError
 from .report import render_console, summarize, write_reports
 from .report.junit import JUnitCase, junit_case
-from .runfolder import RunInfo, load_baseline, load_run, save_baseline, save_run, save_trace
-from .runfolder import trace_name
+from .runfolder import (
+    RunInfo,
+    load_baseline,
+    load_run,
+    save_baseline,
+    save_run,
+    save_trace,
+    trace_name,
+)
 from .trace import Trace
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,8 +155,8 @@ def run(
     *,
     factory: ProbeFactory | None = None,
     out: str | Path | None = None,
-    investigations: Investigations = Investigations(),
-    launch: Launch = Launch(),
+    investigations: Investigations | None = None,
+    launch: Launch | None = None,
     command: str = "",
     preset: str = "",
     progress: Progress | None = None,
@@ -161,6 +168,8 @@ def run(
     what the reports print as the command line and the preset line.
     """
     progress = progress or Progress()
+    investigations = investigations or Investigations()
+    launch = launch or Launch()
     folder = Path(out) if out is not None else None
     if spec.kind == "python" and (launch.isolation == "process" or launch.nproc):
         raise DetauditError(
@@ -194,7 +203,7 @@ def run(
 
 def baseline(
     spec: ProbeSpec, config: AuditConfig, path: str | Path, *, out: str | Path,
-    launch: Launch = Launch(), command: str = "", progress: Progress | None = None,
+    launch: Launch | None = None, command: str = "", progress: Progress | None = None,
 ) -> tuple[Path, Trace]:
     """Run the probe and store repeat 0 as a baseline at `path`; return it and its trace."""
     result = run(spec, config, out=out, investigations=Investigations(drill_down=False),
@@ -206,7 +215,7 @@ def baseline(
 
 
 def check(
-    path: str | Path, *, out: str | Path | None = None, launch: Launch = Launch(),
+    path: str | Path, *, out: str | Path | None = None, launch: Launch | None = None,
     rtol: float = 0.0, atol: float = 0.0, command: str = "", progress: Progress | None = None,
     factory: ProbeFactory | None = None,
 ) -> CheckResult:

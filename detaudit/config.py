@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .errors import DetauditError
-from .trace import FORWARD, BACKWARD
+from .trace import BACKWARD, FORWARD
 
 TRAIN, INFER = "train", "infer"
 GRANULARITIES = ("module", "op")

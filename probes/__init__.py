@@ -1,44 +1,11 @@
-"""Built-in probes: torchvision detectors on a shared, seeded training recipe."""
+"""Built-in probes: torchvision detectors on a shared, seeded training recipe.
+
+Importing this package registers every family's builder (see registry.py).
+"""
 
 from __future__ import annotations
 
-from typing import Callable
-
-import torch
-
-from ..probe import Probe
-from .options import RecipeOptions
-
-Builder = Callable[[torch.device, RecipeOptions], Probe]
-
-_REGISTRY: dict[str, tuple[str, Builder]] = {}
-
-
-def register(name: str, summary: str) -> Callable[[Builder], Builder]:
-    """Decorator registering a probe builder under `name` with a one-line summary."""
-
-    def decorate(build: Builder) -> Builder:
-        if name in _REGISTRY:
-            raise ValueError(f"a probe named {name!r} is already registered")
-        _REGISTRY[name] = (summary, build)
-        return build
-
-    return decorate
-
-
-def get(name: str) -> Builder:
-    """The builder registered under `name`."""
-    try:
-        return _REGISTRY[name][1]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
-        raise KeyError(f"unknown probe {name!r}; known probes: {known}") from None
-
-
-def available() -> list[tuple[str, str]]:
-    """(name, summary) of every registered probe, sorted by name."""
-    return sorted((name, summary) for name, (summary, _) in _REGISTRY.items())
-
-
-# Importing the family modules registers their builders; they need `register` defined above.
 from . import fasterrcnn, fcos, keypointrcnn, maskrcnn, retinanet, ssd  # noqa: F401
+from .registry import Builder, available, get, register
+
+__all__ = ["Builder", "available", "get", "register"]

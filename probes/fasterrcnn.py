@@ -6,7 +6,7 @@ import torch
 from torchvision.models import detection
 
 from ..probe import Probe
-from . import register
+from .registry import register
 from .data import make_dataset
 from .options import RecipeOptions
 from .recipe import make_probe, model_kwargs

@@ -32,9 +32,9 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from detaudit import audit
+from detaudit.drivers.loading import builtin_spec, make_factory
 from detaudit.record import fingerprint as fingerprint_module
 from detaudit.record.fingerprint import CHUNK_BYTES, Fingerprinter, fingerprint
-from detaudit.drivers.loading import builtin_spec, make_factory
 from detaudit.record.recorder import Recorder
 from detaudit.seeding import seed_everything
 from detaudit.trace import OPTIMIZER

@@ -38,11 +38,11 @@ from benchmark import train_step as _step  # the same instrumented step as the m
 
 from detaudit import Fault
 from detaudit.analysis.compare import ORIGIN, compare_ops
+from detaudit.config import AuditConfig
 from detaudit.drivers.loading import builtin_spec, make_factory
+from detaudit.drivers.runner import run_repeat
 from detaudit.record.oprecorder import OpRecorder, op_name
 from detaudit.record.recorder import Recorder
-from detaudit.config import AuditConfig
-from detaudit.drivers.runner import run_repeat
 from detaudit.seeding import seed_everything
 
 PROBE = ("maskrcnn_v1", {"image_size": 128, "num_images": 1, "lr": 0.0})

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detaudit import probes
-from detaudit import audit
+from detaudit import audit, probes
 from detaudit.drivers.loading import builtin_spec, make_factory
 
 NAMES = [name for name, _ in probes.available()]

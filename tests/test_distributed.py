@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from detaudit.analysis.ranks import analyse, compare_ranks
 from detaudit.cli import main
+from detaudit.config import Fault
+from detaudit.drivers.rankprobe import is_rank_aware, shard_loader
 from detaudit.errors import DetauditError
 from detaudit.record.fingerprint import TensorPrint
-from detaudit.drivers.rankprobe import is_rank_aware, shard_loader
-from detaudit.analysis.ranks import analyse, compare_ranks
-from detaudit.config import Fault
 from detaudit.trace import StepInfo, Trace
 
 PROBE = Path(__file__).parent / "probe_files" / "ddp_tiny.py"

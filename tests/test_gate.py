@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from detaudit import Probe, audit
-from detaudit import api
+from detaudit import Probe, api, audit
 from detaudit.analysis.diff import GateResult, diff_traces, env_differences
 from detaudit.errors import TraceError
 from detaudit.report.junit import JUnitCase, junit_case, junit_xml, write_junit

@@ -16,8 +16,8 @@ from torch import nn
 from detaudit import Fault, Probe, audit, seed_everything
 from detaudit.analysis.compare import ORIGIN
 from detaudit.investigate.drilldown import tensor_difference
-from detaudit.record.environment import capture_environment, risks
 from detaudit.investigate.knowledge import KNOWN, lookup
+from detaudit.record.environment import capture_environment, risks
 from detaudit.trace import OP_PHASES
 
 

@@ -8,10 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
-
-from detaudit import probes
 from detaudit.probes.data import (
     CocoDetection,
     DataSpec,
@@ -24,6 +20,10 @@ from detaudit.probes.data import (
 )
 from detaudit.probes.options import RecipeOptions
 from detaudit.probes.recipe import model_kwargs
+from PIL import Image
+from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
+
+from detaudit import probes
 
 NAMES = [
     "fasterrcnn",

@@ -15,11 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from detaudit import Fault, Probe, audit
-from detaudit.errors import TraceError
-from detaudit import api
+from detaudit import Fault, Probe, api
 from detaudit.api import render_folder
 from detaudit.config import AuditConfig, Investigations
+from detaudit.errors import TraceError
 from detaudit.report import render_github, render_html, render_markdown, write_reports
 from detaudit.report.github import LIMIT
 from detaudit.report.markdown import fence

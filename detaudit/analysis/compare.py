@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..trace import (
-    BACKWARD, FORWARD, GRAD, OP_BACKWARD, OP_FORWARD, OP_PHASES, OPTIMIZER, OUTPUT, STATE, Trace,
+    BACKWARD,
+    FORWARD,
+    GRAD,
+    OP_BACKWARD,
+    OP_FORWARD,
+    OP_PHASES,
+    OPTIMIZER,
+    OUTPUT,
+    STATE,
+    Trace,
 )
 
 Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot

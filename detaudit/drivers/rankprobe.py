@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
 from ..errors import DetauditError
-from ..record.fingerprint import Fingerprinter, fingerprint_bytes
 from ..probe import Probe
+from ..record.fingerprint import Fingerprinter, fingerprint_bytes
 from ..record.recorder import rng_states
 from ..seeding import loader_generator, seed_everything
 

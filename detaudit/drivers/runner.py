@@ -19,8 +19,8 @@ from ..record.environment import capture_environment
 from ..record.fingerprint import Fingerprinter
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import Recorder
-from ..seeding import seed_everything
 from ..runfolder import trace_probe
+from ..seeding import seed_everything
 from ..trace import OPTIMIZER, OUTPUT, STATE, StepInfo, Trace
 from .memory import PeakMemory
 

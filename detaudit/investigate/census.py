@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from .knowledge import is_known, lookup
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
+from .knowledge import is_known, lookup
 
 
 def take_census(

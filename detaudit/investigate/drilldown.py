@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from ..analysis.compare import ORIGIN, Comparison, OpFinding, compare_ops
-from .knowledge import lookup
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
 from ..trace import Trace
+from .knowledge import lookup
 
 MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
 _INT_OF_FLOAT = {torch.float16: torch.int16, torch.bfloat16: torch.int16,

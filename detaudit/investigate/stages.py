@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .census import take_census
 from ..analysis.compare import Comparison
-from .drilldown import drill_down
-from ..errors import DetauditError
-from .fixes import verify_fix
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.runner import ProbeFactory, RepeatTiming, describe_user_error
+from ..errors import DetauditError
 from ..trace import Trace
+from .census import take_census
+from .drilldown import drill_down
+from .fixes import verify_fix
 
 
 def investigate(

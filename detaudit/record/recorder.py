@@ -25,7 +25,7 @@ from torch import nn
 from torch._C._autograd import _get_sequence_nr
 
 from ..config import Fault
-from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, OUTPUT, STATE
+from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, STATE
 from .fingerprint import Fingerprinter, TensorPrint
 from .structure import iter_tensors, next_ulp, replace_first_float
 
