@@ -186,6 +186,8 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit run`."""
     from . import api
 
+    if args.nproc is not None and args.nproc < 1:
+        raise DetauditError("--nproc must be at least 1")
     launch = Launch(args.isolation, args.nproc)
     spec, config, preset = _audit_setup(args, launch)
     out = Path(args.out) if args.out else _default_folder(spec.name)
@@ -303,6 +305,9 @@ def _audit_setup(
             return value
         return default if default is not None else getattr(preset, name)
 
+    for name in ("repeats", "epochs", "steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise DetauditError(f"--{name} must be at least 1")
     config = AuditConfig(
         repeats=pick("repeats", repeats), epochs=pick("epochs"), steps=pick("steps"),
         mode=args.mode, device=device, seed=args.seed, deterministic=args.deterministic,

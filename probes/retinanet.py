@@ -6,10 +6,10 @@ import torch
 from torchvision.models import detection
 
 from ..probe import Probe
-from .registry import register
 from .data import make_dataset
 from .options import RecipeOptions
 from .recipe import make_probe, model_kwargs
+from .registry import register
 
 
 @register(

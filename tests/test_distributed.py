@@ -164,17 +164,17 @@ def _trace(rank: int, grad_fp: str, indices: list[int], fetch_state: str) -> Tra
 
 def test_analysis_names_gradient_desync_shared_shards_and_shared_draws():
     by_rank = {0: [_trace(0, "g0", [0, 1, 2, 3], "s")], 1: [_trace(1, "g1", [0, 1, 2, 3], "s")]}
-    found = {c["key"]: c for c in analyse(by_rank, compare_ranks(by_rank))["checks"]}
-    assert found["params"]["status"] == "ok"
-    grads = found["grads"]["findings"]
+    found = {c.key: c for c in analyse(by_rank, compare_ranks(by_rank)).checks}
+    assert found["params"].status == "ok"
+    grads = found["grads"].findings
     assert [(f["parameter"], f["step"], f["groups"]) for f in grads] == [
         ("module.fc.weight", 0, [[0], [1]])]
-    shards = found["shards"]["findings"][0]
+    shards = found["shards"].findings[0]
     assert (shards["epoch"], shards["shared"], shards["examples"]) == (1, 4, [0, 1, 2, 3])
-    assert [(f["where"], f["stream"], f["groups"]) for f in found["rng"]["findings"]] == [
+    assert [(f["where"], f["stream"], f["groups"]) for f in found["rng"].findings] == [
         ("data loading", "numpy", [[0, 1]]), ("module.fc", "torch", [[0, 1]])]
-    assert found["epochs"]["status"] == "not checked"
-    assert found["init"]["status"] == "ok"
+    assert found["epochs"].status == "not checked"
+    assert found["init"].status == "ok"
 
 
 def _records_trace(repeat: int, records: list[tuple[str, str, str]]) -> Trace:
@@ -194,8 +194,8 @@ def test_a_difference_received_through_all_reduce_points_at_the_rank_it_came_fro
             for k in (0, 1)],
     }
     ranks = analyse(by_rank, compare_ranks(by_rank))
-    rows = {r["rank"]: r for r in ranks["per_rank"]}
-    assert (rows[1]["phase"], rows[1]["module"], rows[1]["role"], rows[1]["source"]) == (
+    rows = {r.rank: r for r in ranks.per_rank}
+    assert (rows[1].phase, rows[1].module, rows[1].role, rows[1].source) == (
         "backward", "module.fc", "origin", "local")
-    assert rows[0]["source"] == "all-reduce (from rank 1)"
-    assert ranks["primary_rank"] == 1
+    assert rows[0].source == "all-reduce (from rank 1)"
+    assert ranks.primary_rank == 1

@@ -20,7 +20,11 @@ from detaudit.analysis.diff import diff_traces
 from detaudit.analysis.ranks import analyse, compare_ranks
 from detaudit.analysis.verdict import judge
 from detaudit.report import (
-    render_console, render_github, render_html, render_markdown, summary_json,
+    render_console,
+    render_github,
+    render_html,
+    render_markdown,
+    summary_json,
 )
 from detaudit.report.junit import junit_case, junit_xml
 from detaudit.runfolder import load_run

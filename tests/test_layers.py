@@ -86,14 +86,11 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _stage(name: str) -> int:
-    best = None
-    for level, (_, prefixes) in enumerate(STAGES):
-        for prefix in prefixes:
-            if name == prefix or name.startswith(prefix + "."):
-                if best is None or len(prefix) > best[1]:
-                    best = (level, len(prefix))
-    assert best is not None, f"{name} belongs to no stage: add it to STAGES"
-    return best[0]
+    """The stage of a module: the one with the longest matching prefix."""
+    matches = [(len(prefix), level) for level, (_, prefixes) in enumerate(STAGES)
+               for prefix in prefixes if name == prefix or name.startswith(prefix + ".")]
+    assert matches, f"{name} belongs to no stage: add it to STAGES"
+    return max(matches)[1]
 
 
 def test_the_import_graph_has_no_cycles() -> None:

@@ -28,6 +28,7 @@ from ..trace import (
 Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot
 
 ORIGIN, CONTAINS, PROPAGATED = "origin", "contains-origin", "propagated"
+DETERMINISTIC, DIVERGENT, FAILED = "deterministic", "divergent", "failed"
 _CAUSE_TEXT = {
     "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not reproducible",
     "rng": "an RNG stream differs: something drew a different amount of randomness",
@@ -119,6 +120,14 @@ class Comparison:
     @property
     def deterministic(self) -> bool:
         return self.first_step is None and not self.failures
+
+    @property
+    def verdict(self) -> str:
+        """deterministic, divergent, or failed (a repeat did not finish and nothing differs
+        before it stopped)."""
+        if self.failures and self.first_step is None:
+            return FAILED
+        return DETERMINISTIC if self.deterministic else DIVERGENT
 
     @property
     def first_epoch(self) -> int | None:

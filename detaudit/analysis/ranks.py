@@ -15,10 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, PROBE_DISTRIBUTED, STATE, Trace
-from .compare import ORIGIN, Comparison, compare
+from .compare import DIVERGENT, ORIGIN, Comparison, compare
 
 OK, FLAGGED, NOT_CHECKED = "ok", "flagged", "not checked"
-DETERMINISTIC, DIVERGENT, FAILED = "deterministic", "divergent", "failed"
 EXAMPLES = 5  # shared sample indices listed in a finding
 RankTraces = list[tuple[int, Trace]]  # (rank, trace) of one repeat, by rank
 CheckResult = tuple[str, str, list[dict[str, Any]]]  # status, detail, findings
@@ -131,11 +130,8 @@ def analyse(
 
 
 def _rank_row(rank: int, c: Comparison) -> RankRow:
-    verdict = FAILED if c.failures and c.first_step is None else (
-        DETERMINISTIC if c.deterministic else DIVERGENT
-    )
     row = RankRow(
-        rank=rank, verdict=verdict, repeats=c.repeats, first_step=c.first_step,
+        rank=rank, verdict=c.verdict, repeats=c.repeats, first_step=c.first_step,
         first_epoch=_one_based(c.first_epoch), phase=None, module=None, role=None,
         cause=c.cause, source=None, failures={str(k): v for k, v in c.failures.items()},
     )

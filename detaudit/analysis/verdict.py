@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import EXIT_DIVERGED, EXIT_OK
-from .compare import ORIGIN, Comparison
-from .ranks import DETERMINISTIC, DIVERGENT, FAILED, RankAnalysis
+from .compare import DETERMINISTIC, DIVERGENT, FAILED, ORIGIN, Comparison
+from .ranks import RankAnalysis
 
 MATCH, MISMATCH = "match", "mismatch"  # a run against a baseline or another run
 EXIT_CODES = {
@@ -48,9 +48,7 @@ def judge(
     """The verdict of a comparison, naming the origin op when the drill-down found one and
     counting the ranks of a distributed audit."""
     first = first_divergence(c)
-    kind = FAILED if c.failures and c.first_step is None else (
-        DETERMINISTIC if c.deterministic else DIVERGENT
-    )
+    kind = c.verdict
     hidden = (
         c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
     )
