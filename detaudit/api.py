@@ -26,12 +26,13 @@ from .errors import DetauditError, ProbeError
 from .report import render_console, summarize, write_reports
 from .report.junit import JUnitCase, junit_case
 from .runfolder import (
+    COMPLETE,
+    RunFolder,
     RunInfo,
     load_baseline,
     load_run,
+    new_run_id,
     save_baseline,
-    save_run,
-    save_trace,
     trace_name,
 )
 from .trace import Trace
@@ -155,6 +156,7 @@ def run(
     *,
     factory: ProbeFactory | None = None,
     out: str | Path | None = None,
+    overwrite: bool = False,
     investigations: Investigations | None = None,
     launch: Launch | None = None,
     command: str = "",
@@ -165,40 +167,105 @@ def run(
 
     `factory` builds the probe for a ``python`` spec (a callable cannot be described as
     data); built-in and file probes are rebuilt from `spec`. `command` and `preset` are
-    what the reports print as the command line and the preset line.
+    what the reports print as the command line and the preset line. With `out`, the folder
+    is claimed first (refused when it holds another run, unless `overwrite`, or when another
+    run is using it) and ``run.json`` is kept current from then on: an interrupted or
+    failed audit leaves a folder that ``detaudit report`` renders.
     """
     progress = progress or Progress()
     investigations = investigations or Investigations()
     launch = launch or Launch()
-    folder = Path(out) if out is not None else None
     if spec.kind == "python" and (launch.isolation == "process" or launch.nproc):
         raise DetauditError(
             "a probe passed as a Python function runs in this process only; give a probe "
             "file to run repeats in other processes or on several ranks"
         )
-    if launch.nproc:
-        if folder is None:
-            raise DetauditError("a distributed audit needs a run folder")
-        return _run_distributed(spec, config, folder, launch, command, preset, progress)
+    if out is None and (launch.isolation == "process" or launch.nproc):
+        raise DetauditError("repeats in other processes need a run folder")
+    info = RunInfo(probe={**spec.to_dict(), "preset": preset}, config=config.to_dict(),
+                   command=command, traces=[], run_id=new_run_id(), state="recording")
+    folder = RunFolder(out, info, overwrite) if out is not None else _Unsaved(info)
+    with folder:
+        try:
+            if launch.nproc:
+                return _run_distributed(spec, config, folder, launch, progress)
+            return _run_here(spec, config, factory, folder, launch, investigations, progress)
+        except KeyboardInterrupt:
+            _interrupted(folder)
+            raise
+        except BaseException as exc:
+            folder.set_state(f"failed during {folder.info.state}: {type(exc).__name__}")
+            raise
+
+
+def _run_here(
+    spec: ProbeSpec, config: AuditConfig, factory: ProbeFactory | None,
+    folder: RunFolder | _Unsaved, launch: Launch, wanted: Investigations, progress: Progress,
+) -> AuditResult:
+    """`run` in this process (or one interpreter per repeat)."""
     from .drivers.loading import make_factory
 
     factory = factory or make_factory(spec)
     traces, timings = _record(spec, factory, config, folder, launch.isolation, progress)
     comparison = compare(traces)
-    found = _investigate(spec, factory, config, comparison, traces, timings, investigations,
-                         progress)
+    found = _investigate(spec, factory, config, comparison, traces, timings, wanted,
+                         folder, progress)
+    folder.info.state = COMPLETE
+    folder.save()
     verdict = judge(comparison, found.get("ops"))
-    info = RunInfo(
-        probe={**spec.to_dict(), "preset": preset}, config=config.to_dict(), command=command,
-        traces=[trace_name(t.repeat) for t in traces], timings=[asdict(t) for t in timings],
-        extra=found,
-    )
-    summary = summarize(info, comparison, traces, verdict)
-    if folder is not None:
-        save_run(folder, info)
-        write_reports(folder, summary)
-    return AuditResult(spec, config, traces, comparison, verdict, summary, info, timings, found,
-                       folder=folder)
+    summary = summarize(folder.info, comparison, traces, verdict)
+    _write_reports(folder, summary)
+    return AuditResult(spec, config, traces, comparison, verdict, summary, folder.info,
+                       timings, found, folder=folder.path)
+
+
+class _Unsaved:
+    """A run without a folder (the Python API without `out`): the same calls, no files."""
+
+    path = None
+
+    def __init__(self, info: RunInfo) -> None:
+        self.info = info
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def add_trace(self, trace: Trace, timing: dict[str, Any] | None, rank: int | None = None
+                  ) -> None:
+        self.info.traces.append(trace_name(trace.repeat, rank))
+        if timing is not None:
+            self.info.timings.append(timing)
+
+    def set_state(self, state: str) -> None:
+        self.info.state = state
+
+    def save(self) -> None:
+        pass
+
+
+def _write_reports(folder: RunFolder | _Unsaved, summary: dict[str, Any]) -> None:
+    """Every report of the run into its folder, if it has one."""
+    if folder.path is None:
+        return
+    try:
+        write_reports(folder.path, summary)
+    except OSError as exc:
+        raise DetauditError(f"cannot write the reports into {folder.path}: "
+                            f"{exc.strerror or exc}") from None
+
+
+def _interrupted(folder: RunFolder | _Unsaved) -> None:
+    """Mark the run interrupted and leave reports of what was recorded."""
+    folder.set_state(f"interrupted during {folder.info.state}")
+    if folder.path is None or not folder.info.traces:
+        return
+    try:
+        render_folder(folder.path)
+    except DetauditError:
+        pass  # run.json says what happened; `detaudit report` will say what is missing
 
 
 def baseline(
@@ -215,7 +282,8 @@ def baseline(
 
 
 def check(
-    path: str | Path, *, out: str | Path | None = None, launch: Launch | None = None,
+    path: str | Path, *, out: str | Path | None = None, overwrite: bool = False,
+    launch: Launch | None = None,
     rtol: float = 0.0, atol: float = 0.0, command: str = "", progress: Progress | None = None,
     factory: ProbeFactory | None = None,
 ) -> CheckResult:
@@ -223,7 +291,7 @@ def check(
 
     `factory` stands in for a ``python`` baseline's probe function."""
     stored = load_baseline(path)
-    result = run(stored.spec, stored.config, factory=factory, out=out,
+    result = run(stored.spec, stored.config, factory=factory, out=out, overwrite=overwrite,
                  investigations=Investigations(drill_down=False), launch=launch,
                  command=command, preset="as stored in the baseline", progress=progress)
     gate = diff_traces(stored.trace, result.traces, rtol, atol, labels=("baseline", "now"))
@@ -248,7 +316,8 @@ def render_folder(folder: str | Path) -> dict[str, Any]:
     comparison = compare(traces)
     stored = (info.extra or {}).get("ranks")
     ranks = RankAnalysis.from_dict(stored) if stored else None
-    verdict = judge(comparison, (info.extra or {}).get("ops"), ranks)
+    verdict = judge(comparison, (info.extra or {}).get("ops"), ranks,
+                    interrupted=None if info.complete else info.state)
     summary = summarize(info, comparison, traces, verdict, ranks)
     write_reports(folder, summary)
     return summary
@@ -271,10 +340,10 @@ def environment() -> tuple[dict[str, Any], dict[str, str]]:
 
 # -- the stages of run() --------------------------------------------------------------------
 def _record(
-    spec: ProbeSpec, factory: ProbeFactory, config: AuditConfig, folder: Path | None,
+    spec: ProbeSpec, factory: ProbeFactory, config: AuditConfig, folder: RunFolder | _Unsaved,
     isolation: str, progress: Progress,
 ) -> tuple[list[Trace], list[RepeatTiming]]:
-    """Every repeat's trace, each saved into `folder` as soon as it is complete."""
+    """Every repeat's trace, each added to the run folder as soon as it is complete."""
     import torch
 
     from .drivers.isolation import run_isolated
@@ -284,10 +353,12 @@ def _record(
     try:
         if isolation == "process":
             progress.start(config.repeats, "repeat", description)
-            if folder is None:
-                raise DetauditError("process isolation needs a run folder")
-            return run_isolated(spec, config, folder,
-                                on_repeat=lambda r: progress.advance(f"repeat {r + 1}"))
+
+            def on_repeat(trace: Trace, timing: RepeatTiming) -> None:
+                folder.add_trace(trace, asdict(timing))
+                progress.advance(f"repeat {trace.repeat + 1}")
+
+            return run_isolated(spec, config, folder.path, folder.info.run_id, on_repeat)
         progress.start(config.total_steps, "step", description)
         traces, timings = [], []
         for repeat in range(config.repeats):
@@ -295,11 +366,11 @@ def _record(
                 progress.advance(f"repeat {repeat + 1}/{config.repeats} "
                                  f"epoch {epoch + 1}/{config.epochs}")
 
-            trace, timing = run_repeat(factory, config, repeat, spec, on_step)
+            trace, timing = run_repeat(factory, config, repeat, spec, on_step,
+                                       run_id=folder.info.run_id)
             traces.append(trace)
             timings.append(timing)
-            if folder is not None:
-                save_trace(folder, trace)
+            folder.add_trace(trace, asdict(timing))
             if repeat == 0 and trace.failure and not trace.steps:
                 raise ProbeError(trace.failure)
         return traces, timings
@@ -310,24 +381,33 @@ def _record(
 def _investigate(
     spec: ProbeSpec, factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
     traces: list[Trace], timings: list[RepeatTiming], wanted: Investigations,
-    progress: Progress,
+    folder: RunFolder | _Unsaved, progress: Progress,
 ) -> dict[str, Any]:
-    """The investigations asked for, as plain data (a failed one says so in its place)."""
+    """The investigations asked for, as plain data (a failed one says so in its place);
+    ``run.json`` says which one is running and keeps each result as it comes."""
     if not (wanted.drill_down and comparison.first_step is not None) and not (
         wanted.census or wanted.verify_fix
     ):
         return {}
     from .investigate.stages import investigate
 
+    def on_stage(name: str) -> None:
+        folder.set_state(f"investigating: {STAGE_NAMES.get(name, name)}")
+        progress.stage(name)
+
+    def on_done(name: str, result: Any) -> None:
+        folder.info.extra[name] = result
+        folder.save()
+
     return investigate(
         factory, config, comparison, timings, ops=wanted.drill_down, census=wanted.census,
-        verify=wanted.verify_fix, spec=spec, traces=traces, on_stage=progress.stage,
+        verify=wanted.verify_fix, spec=spec, traces=traces, on_stage=on_stage,
+        on_done=on_done,
     )
 
 
 def _run_distributed(
-    spec: ProbeSpec, config: AuditConfig, folder: Path, launch: Launch, command: str,
-    preset: str, progress: Progress,
+    spec: ProbeSpec, config: AuditConfig, folder: RunFolder, launch: Launch, progress: Progress,
 ) -> AuditResult:
     """`run` on N ranks: launch, compare per rank and across ranks, write the run folder."""
     from .analysis.ranks import analyse, compare_ranks, finished
@@ -340,7 +420,8 @@ def _run_distributed(
         progress.advance(f"repeat {repeat + 1}/{config.repeats} epoch {epoch + 1}/{config.epochs}")
 
     try:
-        launched = run_distributed(spec, config, folder, nproc, launch.isolation, on_step)
+        launched = run_distributed(spec, config, folder.path, nproc, launch.isolation, on_step,
+                                   run_id=folder.info.run_id)
     finally:
         progress.close()
     comparisons = compare_ranks(launched.traces)
@@ -350,14 +431,14 @@ def _run_distributed(
                     for r, ts in launched.traces.items()}
     primary = ranks.primary_rank
     compared = finished(launched.traces[primary])
-    info = RunInfo(
-        probe={**spec.to_dict(), "preset": preset}, config=config.to_dict(), command=command,
-        traces=[trace_name(t.repeat, primary) for t in compared], timings=launched.timings,
-        extra={"ranks": ranks.to_dict()},
-    )
+    info = folder.info
+    info.traces = [trace_name(t.repeat, primary) for t in compared]
+    info.timings = launched.timings
+    info.extra = {"ranks": ranks.to_dict()}
+    info.state = COMPLETE
+    folder.save()
     verdict = judge(comparisons[primary], None, ranks)
     summary = summarize(info, comparisons[primary], compared, verdict, ranks)
-    save_run(folder, info)
-    write_reports(folder, summary)
+    _write_reports(folder, summary)
     return AuditResult(spec, config, compared, comparisons[primary], verdict, summary, info,
-                       ranks=ranks, folder=folder)
+                       ranks=ranks, folder=folder.path)

@@ -4,24 +4,28 @@ one API function per subcommand, and prints. Nothing below this module sees argp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import shlex
+import signal
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from .api import STAGE_NAMES, Progress
 from .config import AuditConfig, Fault, Investigations, Launch, Preset, ProbeSpec, preset_for
-from .errors import EXIT_OK, EXIT_USAGE, DetauditError
+from .errors import EXIT_CRASH, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DetauditError
 
 RECIPE_OPTIONS = ("instances", "data", "weights", "workers", "augment", "accumulate",
                   "clip_grad_norm", "lr", "scheduler")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse, dispatch, map errors to one line and exit code 2."""
+    """Entry point: parse, dispatch, and turn every way a command can end into one line and
+    an exit code: 0 deterministic / match, 1 divergence found, 2 usage or input error, 3 a
+    crash (the user's code, leaving nothing to compare, or detaudit's own), 130 interrupted."""
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -29,15 +33,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return args.func(args, argv)
+        with _sigterm_as_interrupt():
+            return args.func(args, argv)
     except DetauditError as exc:
         if args.debug:
             raise
-        print(f"detaudit: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        print(f"detaudit: error: {_safe(str(exc))}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
-        print("detaudit: interrupted (traces of finished repeats are kept)", file=sys.stderr)
-        return 130
+        print("detaudit: interrupted; what was recorded is kept (see run.json in the run "
+              "folder; `detaudit report FOLDER` renders it)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:  # raised by the user's code outside a repeat
+        if args.debug:
+            raise
+        print(f"detaudit: error: the audited code exited (SystemExit {exc.code!r}) before "
+              "anything could be compared", file=sys.stderr)
+        return EXIT_CRASH
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"detaudit: internal error: {type(exc).__name__}: {_safe(str(exc))} "
+              "(run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_CRASH
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends a command the way Ctrl-C does: cleanly, keeping what was recorded."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _safe(text: str) -> str:
+    """Text from the user's world with control characters (ANSI/OSC escapes, BEL) shown
+    escaped, so that it cannot rewrite the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("baseline", help="a file written by `detaudit baseline`")
     check.add_argument("--out", help="folder for the new run (default: reports/check-<timestamp>/)")
+    check.add_argument("--overwrite", action="store_true",
+                       help="replace the run already in --out (refused otherwise)")
     check.add_argument("--quiet", action="store_true", help="no progress bar")
     check.add_argument("--isolation", choices=("inprocess", "process"), default="inprocess",
                        help="how to run the repeats (default inprocess)")
@@ -158,6 +204,9 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
                    "leftover global state); default: inprocess")
     p.add_argument("--out", required=out_help is not None,
                    help=out_help or "run folder (default: reports/<probe>-<timestamp>/)")
+    if out_help is None:
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace the run already in --out (refused otherwise: runs never mix)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     if out_help is None:
         p.add_argument("--junit", metavar="FILE", help="also write the verdict as JUnit XML")
@@ -190,22 +239,24 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
         raise DetauditError("--nproc must be at least 1")
     launch = Launch(args.isolation, args.nproc)
     spec, config, preset = _audit_setup(args, launch)
-    out = Path(args.out) if args.out else _default_folder(spec.name)
+    _check_output_file(args.junit, "--junit")
+    out = _out_folder(args.out, spec.name)
     investigations = Investigations(drill_down=args.drill_down, census=args.census,
                                     verify_fix=args.verify_fix)
-    quiet = args.quiet or args.json
-    result = api.run(
-        spec, config, out=out, investigations=investigations, launch=launch,
-        command=_reproduce_command(argv), preset=preset.describe(config, spec, launch.nproc),
-        progress=_Bar(quiet),
-    )
+    with _stdout_kept_for(args.json):
+        result = api.run(
+            spec, config, out=out, overwrite=args.overwrite, investigations=investigations,
+            launch=launch, command=_reproduce_command(argv),
+            preset=preset.describe(config, spec, launch.nproc),
+            progress=_Bar(args.quiet or args.json),
+        )
     _print_summary(args, result.summary, out)
     if result.ranks is not None and result.ranks.crash:
         crash = result.ranks.crash
         from .analysis.verdict import crash_line
 
-        print(f"detaudit: {crash_line(crash)}; traces kept in {out}: "
-              f"{', '.join(crash.get('kept', [])) or 'none'}", file=sys.stderr)
+        print(_safe(f"detaudit: {crash_line(crash)}; traces kept in {out}: "
+                    f"{', '.join(crash.get('kept', [])) or 'none'}"), file=sys.stderr)
     if args.junit:
         _write_junit(args.junit, result.junit_case())
     return result.verdict.exit_code
@@ -217,10 +268,13 @@ def cmd_baseline(args: argparse.Namespace, argv: list[str]) -> int:
 
     launch = Launch(args.isolation)
     spec, config, _ = _audit_setup(args, launch, repeats=1)
-    path, trace = api.baseline(
-        spec, config, args.out, out=_default_folder(f"{spec.name}-baseline"), launch=launch,
-        command=_reproduce_command(argv), progress=_Bar(args.quiet or args.json),
-    )
+    _check_output_file(args.out, "--out")
+    with _stdout_kept_for(args.json):
+        path, trace = api.baseline(
+            spec, config, args.out, out=_out_folder(None, f"{spec.name}-baseline"),
+            launch=launch, command=_reproduce_command(argv),
+            progress=_Bar(args.quiet or args.json),
+        )
     print(f"baseline written: {path} ({len(trace)} records, {len(trace.steps)} steps)")
     return EXIT_OK
 
@@ -229,12 +283,13 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit check BASELINE`."""
     from . import api
 
-    out = Path(args.out) if args.out else _default_folder("check")
-    result = api.check(args.baseline, out=out, launch=Launch(args.isolation), rtol=args.rtol,
-                       atol=args.atol, command=_reproduce_command(argv),
-                       progress=_Bar(args.quiet))
+    _check_output_file(args.junit, "--junit")
+    out = _out_folder(args.out, "check")
+    result = api.check(args.baseline, out=out, overwrite=args.overwrite,
+                       launch=Launch(args.isolation), rtol=args.rtol, atol=args.atol,
+                       command=_reproduce_command(argv), progress=_Bar(args.quiet))
     gate = result.gate
-    print(gate.message + ("" if gate.ok else f"\nreport folder: {out}"))
+    print(_safe(gate.message + ("" if gate.ok else f"\nreport folder: {out}")))
     if args.junit:
         _write_junit(args.junit, _gate_case(gate, Path(args.baseline).stem, "detaudit.check"))
     return gate.exit_code
@@ -244,8 +299,9 @@ def cmd_diff(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit diff RUN_A RUN_B`."""
     from . import api
 
+    _check_output_file(args.junit, "--junit")
     gate = api.diff(args.run_a, args.run_b, args.rtol, args.atol)
-    print(gate.message)
+    print(_safe(gate.message))
     if args.junit:
         name = f"{Path(args.run_a).name}-vs-{Path(args.run_b).name}"
         _write_junit(args.junit, _gate_case(gate, name, "detaudit.diff"))
@@ -285,7 +341,7 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
     from .report import render_console, summary_json
 
     summary = api.render_folder(args.folder)
-    print(summary_json(summary) if args.json else render_console(summary))
+    print(summary_json(summary) if args.json else _safe(render_console(summary)))
     return exit_code(summary["verdict"])
 
 
@@ -347,8 +403,37 @@ def _probe_spec(args: argparse.Namespace, preset: Preset, nproc: int | None) -> 
     return builtin_spec(args.model, options)
 
 
-def _default_folder(name: str) -> Path:
-    return Path("reports") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+def _out_folder(given: str | None, name: str) -> Path:
+    """The run folder: --out as given, or a new ``reports/<name>-<timestamp>`` folder."""
+    from .runfolder import new_folder
+
+    return Path(given) if given else new_folder("reports", name)
+
+
+def _check_output_file(path: str | None, flag: str) -> None:
+    """An output file's folder is created and must be writable before any work starts."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise DetauditError(f"{flag} {path} is a folder, not a file")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.parent / f".{target.name}.probe", "w"):
+            pass
+        (target.parent / f".{target.name}.probe").unlink()
+    except OSError as exc:
+        raise DetauditError(f"{flag} {path} cannot be written: {exc.strerror or exc}") from None
+
+
+@contextlib.contextmanager
+def _stdout_kept_for(json_output: bool) -> Iterator[None]:
+    """With --json, stdout holds only the JSON: the audited code's prints go to stderr."""
+    if not json_output:
+        yield
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
 
 
 def _reproduce_command(argv: list[str]) -> str:
@@ -399,12 +484,12 @@ def _print_summary(args: argparse.Namespace, summary: dict[str, Any], out: Path)
     if args.json:
         print(summary_json(summary))
     elif args.quiet:
-        print(summary["headline"])
+        print(_safe(summary["headline"]))
     else:
-        print(render_console(summary))
+        print(_safe(render_console(summary)))
         ranks = render_ranks_console(summary)
         if ranks:
-            print("\n" + ranks)
+            print("\n" + _safe(ranks))
         print(f"\nreports: {out}")
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 EXIT_OK = 0  # deterministic, or matches the baseline
 EXIT_DIVERGED = 1  # a divergence was found
 EXIT_USAGE = 2  # bad input or usage; the message says what
+EXIT_CRASH = 3  # the user's code crashed (nothing left to compare) or detaudit failed itself
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM: what was recorded is kept
 
 
 class DetauditError(Exception):
     """A problem with the user's input, reported as one line (no traceback without --debug)."""
+
+    exit_code = EXIT_USAGE
 
 
 class TraceError(DetauditError):
@@ -16,4 +20,7 @@ class TraceError(DetauditError):
 
 
 class ProbeError(DetauditError):
-    """An exception raised by the user's own probe code, located in their file."""
+    """An exception raised by the user's own probe code, located in their file (exit 3:
+    a crash, not a usage error)."""
+
+    exit_code = EXIT_CRASH

@@ -8,8 +8,11 @@ saved today can be compared and rendered later, on another machine.
 
 from __future__ import annotations
 
+import errno
+import os
 import platform
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,13 @@ from .trace import PROBE_CONFIG, PROBE_SPEC, Trace
 RUN_FORMAT_VERSION = 1
 RUN_FORMAT = "detaudit-run"
 RUN_FILE = "run.json"
+LOCK_FILE = ".detaudit.lock"
+# What a run leaves in its folder (removed by --overwrite before a new run starts).
+RUN_FILES = ("run.json", "summary.json", "report.md", "report.html", "report.github.html",
+             "launch.log", "trace-*.json.gz", "timing-*.json", "job-*.json", "rank-*.json",
+             "*.part")
+COMPLETE = "complete"  # the state of a run that ran to its end
+PROBE_RUN = "run"  # the key of the run id in Trace.probe
 # History:
 #   1: first format: probe description, audit config, environment, the trace of repeat 0.
 BASELINE_VERSION = 1
@@ -40,14 +50,19 @@ def timing_name(repeat: int | str, rank: int | str | None = None) -> str:
     return f"timing-{repeat}.json" if rank is None else f"timing-r{rank}-{repeat}.json"
 
 
-def trace_probe(spec: ProbeSpec | None, config: AuditConfig) -> dict[str, Any]:
-    """What a trace says about its probe and configuration."""
-    return {PROBE_SPEC: spec.to_dict() if spec else {}, PROBE_CONFIG: config.to_dict()}
+def trace_probe(spec: ProbeSpec | None, config: AuditConfig, run_id: str = "") -> dict[str, Any]:
+    """What a trace says about its probe, its configuration and the run it belongs to."""
+    probe = {PROBE_SPEC: spec.to_dict() if spec else {}, PROBE_CONFIG: config.to_dict()}
+    if run_id:
+        probe[PROBE_RUN] = run_id
+    return probe
 
 
-def failed_trace(spec: ProbeSpec | None, config: AuditConfig, repeat: int, why: str) -> Trace:
+def failed_trace(
+    spec: ProbeSpec | None, config: AuditConfig, repeat: int, why: str, run_id: str = ""
+) -> Trace:
     """The trace of a repeat that left none (its process crashed): no records, a failure."""
-    return Trace(probe=trace_probe(spec, config), repeat=repeat, env={}, failure=why)
+    return Trace(probe=trace_probe(spec, config, run_id), repeat=repeat, env={}, failure=why)
 
 
 def save_trace(folder: str | Path, trace: Trace, rank: int | None = None) -> Path:
@@ -68,6 +83,12 @@ class RunInfo:
     timings: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # investigations, ranks
     meta: dict[str, Any] = field(default_factory=dict)  # created, host: never compared
+    run_id: str = ""  # this run's id; a folder whose traces carry another is mixed
+    state: str = COMPLETE  # recording, investigating: <stage>, interrupted during <stage>
+
+    @property
+    def complete(self) -> bool:
+        return self.state == COMPLETE
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, **asdict(self)}
@@ -98,8 +119,147 @@ def load_run(folder: str | Path) -> tuple[RunInfo, list[Trace]]:
         raise TraceError(f"{path} is damaged: {exc}") from None
     traces = [Trace.load(folder / name) for name in info.traces]
     if not traces:
-        raise TraceError(f"{path} lists no traces")
+        raise TraceError(f"{path} lists no traces (the run ended before its first repeat did)")
+    mixed = [name for name, t in zip(info.traces, traces)
+             if info.run_id and t.probe.get(PROBE_RUN, info.run_id) != info.run_id]
+    if mixed:
+        raise TraceError(f"{folder} mixes runs: {', '.join(mixed)} belong to another run than "
+                         f"{RUN_FILE}; re-run the audit into an empty folder")
     return info, traces
+
+
+def new_run_id() -> str:
+    """A fresh id for one run (kept in run.json and in every trace of the run)."""
+    return uuid.uuid4().hex[:12]
+
+
+def new_folder(parent: str | Path, name: str) -> Path:
+    """A new folder `parent/name-<timestamp>`, created exclusively: two runs started in the
+    same second get two folders."""
+    parent = Path(parent)
+    stem = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for k in range(1, 1000):
+        path = parent / (stem if k == 1 else f"{stem}-{k}")
+        try:
+            _writable(path.mkdir, path, parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise TraceError(f"cannot find a free folder name like {parent / stem}")
+
+
+class RunFolder:
+    """A run folder held by one run: locked against a concurrent run, and ``run.json`` kept
+    current from the start, so that whatever happens later the folder can be reported."""
+
+    def __init__(self, path: str | Path, info: RunInfo, overwrite: bool = False) -> None:
+        self.path = Path(path)
+        self.info = info
+        self.overwrite = overwrite
+        self._locked = False
+
+    def __enter__(self):
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Claim the folder: create it, refuse one that holds another run (unless
+        overwriting) or that another run is using, and write ``run.json``."""
+        if self.path.exists() and not self.path.is_dir():
+            raise TraceError(f"--out {self.path} is a file, not a folder")
+        _writable(self.path.mkdir, self.path, parents=True, exist_ok=True)
+        self._lock()
+        if (self.path / RUN_FILE).exists():
+            if not self.overwrite:
+                self.close()
+                raise TraceError(
+                    f"{self.path} already holds a run; choose another --out or pass --overwrite"
+                )
+            for pattern in RUN_FILES:
+                for old in self.path.glob(pattern):
+                    old.unlink()
+        self.save()
+
+    def save(self) -> None:
+        """Write ``run.json`` as the run stands now."""
+        _writable(save_run, self.path / RUN_FILE, self.path, self.info)
+
+    def add_trace(self, trace: Trace, timing: dict[str, Any] | None, rank: int | None = None
+                  ) -> None:
+        """Record a finished repeat's trace and timing, then update ``run.json``."""
+        name = trace_name(trace.repeat, rank)
+        if not (self.path / name).exists():
+            save_trace(self.path, trace, rank)
+        if name not in self.info.traces:
+            self.info.traces.append(name)
+        if timing is not None:
+            self.info.timings.append(timing)
+        self.save()
+
+    def set_state(self, state: str) -> None:
+        self.info.state = state
+        self.save()
+
+    def close(self) -> None:
+        if self._locked:
+            (self.path / LOCK_FILE).unlink(missing_ok=True)
+            self._locked = False
+
+    def _lock(self) -> None:
+        lock = self.path / LOCK_FILE
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                holder = _lock_holder(lock)
+                if holder is not None:
+                    raise TraceError(
+                        f"{self.path} is in use by another detaudit run (pid {holder}); "
+                        "choose another --out"
+                    ) from None
+                lock.unlink(missing_ok=True)  # left by a run that no longer exists
+                continue
+            except OSError as exc:
+                raise TraceError(f"cannot write the run folder {self.path}: "
+                                 f"{exc.strerror or exc}") from None
+            with os.fdopen(fd, "w") as file:
+                file.write(str(os.getpid()))
+            self._locked = True
+            return
+        raise TraceError(f"cannot lock the run folder {self.path}")
+
+
+def _lock_holder(lock: Path) -> int | None:
+    """The pid of the live process holding `lock`, or None when it is stale."""
+    try:
+        pid = int(lock.read_text().strip() or "0")
+    except (OSError, ValueError):
+        return None
+    if pid <= 0 or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
+
+
+def _writable(action: Any, path: Path, *args: Any, **kwargs: Any) -> Any:
+    """Run a file-system action; an error becomes one line naming the folder."""
+    try:
+        return action(*args, **kwargs)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            reason = f"{reason} (not writable)"
+        raise TraceError(f"cannot write {path}: {reason}") from None
 
 
 @dataclass

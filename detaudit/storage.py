@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +52,42 @@ def read_json(path: str | Path, what: str) -> Any:
         raw = path.read_bytes()
     except OSError as exc:
         raise TraceError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except MemoryError:
+        raise TraceError(f"cannot read {what} {path}: it is too large to read") from None
     try:
         return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    except (OSError, EOFError, ValueError):
+    # zlib.error: a damaged deflate stream; EOFError: a cut one; OSError: a bad gzip header
+    # or checksum; ValueError: not JSON or not text (UnicodeDecodeError, JSONDecodeError).
+    except (OSError, EOFError, zlib.error, ValueError):
         raise TraceError(f"{what} {path} is truncated or corrupt") from None
+    except RecursionError:
+        raise TraceError(f"{what} {path} is corrupt: its JSON is nested too deeply") from None
+    except MemoryError:
+        raise TraceError(f"{what} {path} is too large to read") from None
 
 
 def check_format(data: Any, name: str, version: int, source: str, remedy: str) -> dict[str, Any]:
     """`data` as a dict after checking its ``format`` and ``version`` header fields."""
     if not isinstance(data, dict) or data.get("format") != name:
         raise TraceError(f"{source} is not a {name.replace('-', ' ')} file")
-    if data.get("version") != version:
+    found = data.get("version")
+    if type(found) is not int or found != version:  # not True, not 1.0
         raise TraceError(
-            f"{source} has format version {data.get('version')!r}; this detaudit reads "
+            f"{source} has format version {describe(found)}; this detaudit reads "
             f"version {version} ({remedy})"
         )
     return data
+
+
+def describe(value: Any, size: int = 40) -> str:
+    """A value read from a file, shown in an error message: short, one line, never deep."""
+    if isinstance(value, dict):
+        return "a dict"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**size:
+        return "a huge integer"
+    if isinstance(value, str) and len(value) > size:
+        return repr(value[:size]) + "..."
+    text = repr(value)
+    return text if len(text) <= size else text[:size] + "..."

@@ -8,12 +8,14 @@ vocabulary; the recorders write it and the analysis reads it, and neither define
 from __future__ import annotations
 
 import math
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import TraceError
-from .storage import atomic_write, check_format, dump_json, read_json
+from .storage import atomic_write, check_format, describe, dump_json, read_json
 
 # History:
 #   1: first format: steps, columnar records and module calls, environment, probe config.
@@ -136,21 +138,13 @@ class Trace:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "trace") -> Trace:
-        """Rebuild a trace; one clear error for anything that is not a trace we can read."""
+        """Rebuild a trace, checking every field (see :func:`_validated`): anything that is
+        not a trace we can compare and render is one clear error naming `source`."""
         check_format(data, FORMAT_NAME, FORMAT_VERSION, source,
                      "upgrade detaudit or re-run the audit")
         try:
-            records = {c: list(data["records"][c]) for c in RECORD_COLUMNS}
-            calls = {c: list(data.get("calls", {}).get(c, [])) for c in CALL_COLUMNS}
-            if len({len(v) for v in records.values()}) > 1:
-                raise ValueError("record columns of different lengths")
-            steps = [StepInfo(**s) for s in data["steps"]]
-            return cls(
-                probe=dict(data.get("probe", {})), repeat=int(data.get("repeat", 0)),
-                env=dict(data.get("env", {})), steps=steps, records=records, calls=calls,
-                failure=data.get("failure"),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            return cls(**_validated(data))
+        except _Damaged as exc:
             raise TraceError(f"{source} is damaged: {exc}") from None
 
     def save(self, path: str | Path) -> Path:
@@ -167,3 +161,190 @@ class Trace:
 
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
+
+
+# -- validation of what a file says ---------------------------------------------------------
+# A trace read from disk may be damaged or hostile; every field is checked here so that what
+# loads can be compared and rendered, and anything else is one TraceError. Unknown keys (at
+# the top, among the columns, in a step) are ignored, as the format's readers always have.
+_INT_LIMIT = 2**63  # integers are counts and positions: 0 <= n < 2**63
+_FLOAT_MAX = sys.float_info.max
+_MAX_DEPTH = 64  # nesting of the free-form probe and env values
+_OP_SLOT = re.compile(r"op[0-9]+/")  # an op-level record's slot: op<k>/<op>/...
+
+
+class _Damaged(ValueError):
+    """What is wrong with one field (the caller names the file)."""
+
+
+def _count(v: Any) -> bool:
+    return type(v) is int and 0 <= v < _INT_LIMIT  # type(), not isinstance: no bools
+
+
+def _number(v: Any) -> bool:
+    # finite: NaN fails both comparisons; huge ints that no float can hold fail too
+    return (type(v) is float or type(v) is int) and -_FLOAT_MAX <= v <= _FLOAT_MAX
+
+
+def _stat(v: Any) -> bool:
+    return v is None or _number(v)
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _shape(v: Any) -> bool:
+    return isinstance(v, list) and all(map(_count, v))
+
+
+_INTEGER = "an integer >= 0"
+_RECORD_CHECKS = {
+    "step": (_count, _INTEGER), "phase": (_text, "a string"), "module": (_text, "a string"),
+    "call": (_count, _INTEGER), "slot": (_text, "a string"), "fp": (_text, "a string"),
+    "shape": (_shape, "a list of integers >= 0"), "dtype": (_text, "a string"),
+    "norm": (_stat, "a finite number or null"), "absmax": (_stat, "a finite number or null"),
+    "nonfinite": (_count, _INTEGER),
+}
+_CALL_CHECKS = {
+    "step": (_count, _INTEGER), "module": (_text, "a string"), "index": (_count, _INTEGER),
+    "parent": (lambda v: type(v) is int and -1 <= v < _INT_LIMIT, "an integer >= -1"),
+}
+
+
+def _bad(where: str, value: Any, expected: str) -> _Damaged:
+    return _Damaged(f"{where} is {describe(value)}, not {expected}")
+
+
+def _column(where: str, values: Any, check: Any, expected: str) -> list[Any]:
+    if not isinstance(values, list):
+        raise _bad(where, values, "a list")
+    if not all(map(check, values)):
+        i = next(i for i, v in enumerate(values) if not check(v))
+        raise _bad(f"{where}[{i}]", values[i], expected)
+    return list(values)
+
+
+def _columns(where: str, table: Any, checks: dict[str, Any], required: bool) -> dict[str, list]:
+    """A columnar table: every column a list of the right element type, all one length."""
+    if not isinstance(table, dict):
+        raise _bad(where, table, "a dict of columns")
+    out = {}
+    for name, (check, expected) in checks.items():
+        if name not in table and required:
+            raise _Damaged(f"{where}.{name} is missing")
+        out[name] = _column(f"{where}.{name}", table.get(name, []), check, expected)
+    lengths = {len(v) for v in out.values()}
+    if len(lengths) > 1:
+        sizes = ", ".join(f"{name} {len(v)}" for name, v in out.items())
+        raise _Damaged(f"{where} columns have different lengths ({sizes})")
+    return out
+
+
+def _check_records(records: dict[str, list]) -> None:
+    """An op-level record's slot names its op as compare_ops reads it (op<k>/<op>/...)."""
+    for i, (phase, slot) in enumerate(zip(records["phase"], records["slot"])):
+        if phase in OP_PHASES and not _OP_SLOT.match(slot):
+            raise _bad(f"records.slot[{i}]", slot, f"an op slot (op<k>/<op>/...) in phase {phase}")
+
+
+def _check_calls(calls: dict[str, list]) -> None:
+    """Each call's parent is an earlier call of its step, and no call appears twice in a step
+    (so the call tree has no cycles)."""
+    seen: dict[int, dict[tuple[str, int], int]] = {}
+    for i, (step, module, index, parent) in enumerate(
+        zip(calls["step"], calls["module"], calls["index"], calls["parent"])
+    ):
+        earlier = seen.setdefault(step, {})
+        if parent >= len(earlier):
+            raise _Damaged(
+                f"calls.parent[{i}] is {parent}, not the position of an earlier call of step "
+                f"{step} (-1 to {len(earlier) - 1})"
+            )
+        if (module, index) in earlier:
+            raise _Damaged(f"calls[{i}] repeats call {index} of module {module!r} in step {step}")
+        earlier[(module, index)] = i
+
+
+def _step_info(i: int, s: Any) -> StepInfo:
+    where = f"steps[{i}]"
+    if not isinstance(s, dict):
+        raise _bad(where, s, "a dict")
+    for key in ("step", "epoch", "index"):
+        if key not in s:
+            raise _Damaged(f"{where}.{key} is missing")
+        if not _count(s[key]):
+            raise _bad(f"{where}.{key}", s[key], _INTEGER)
+    losses = s.get("losses", {})
+    if not isinstance(losses, dict):
+        raise _bad(f"{where}.losses", losses, "a dict")
+    for name, value in losses.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise _bad(f"{where}.losses[{describe(name)}]", value, "a string")
+        try:
+            float.fromhex(value)
+        except (ValueError, OverflowError):
+            raise _bad(f"{where}.losses[{describe(name)}]", value, "a float in hex") from None
+    stepped = s.get("optimizer_stepped", False)
+    if type(stepped) is not bool:
+        raise _bad(f"{where}.optimizer_stepped", stepped, "true or false")
+    lr = s.get("lr", [])
+    if not isinstance(lr, list) or not all(map(_number, lr)):
+        raise _bad(f"{where}.lr", lr, "a list of finite numbers")
+    scale = s.get("scale")
+    if not _stat(scale):
+        raise _bad(f"{where}.scale", scale, "a finite number or null")
+    return StepInfo(step=s["step"], epoch=s["epoch"], index=s["index"], losses=dict(losses),
+                    optimizer_stepped=stepped, lr=list(lr), scale=scale)
+
+
+def _free_form(where: str, value: Any) -> dict[str, Any]:
+    """A dict of plain data (probe, env): string keys, nested at most _MAX_DEPTH deep, no NaN
+    or infinity (the writer refuses them, so a trace can always be written again)."""
+    if not isinstance(value, dict):
+        raise _bad(where, value, "a dict")
+    key = next((k for k in value if not isinstance(k, str)), None)
+    if key is not None:
+        raise _bad(f"a key of {where}", key, "a string")
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            raise _Damaged(f"{where} is nested more than {_MAX_DEPTH} deep")
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+            elif type(child) is float and not -_FLOAT_MAX <= child <= _FLOAT_MAX:
+                raise _Damaged(f"{where} holds {child!r}, not a finite number")
+    return dict(value)
+
+
+def _validated(data: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of Trace for `data`, every field checked; _Damaged otherwise."""
+    probe = _free_form("probe", data.get("probe", {}))
+    for key in (PROBE_SPEC, PROBE_CONFIG, PROBE_DISTRIBUTED):
+        if key in probe and not isinstance(probe[key], dict):
+            raise _bad(f"probe.{key}", probe[key], "a dict")
+    repeat = data.get("repeat", 0)
+    if not _count(repeat):
+        raise _bad("repeat", repeat, _INTEGER)
+    env = _free_form("env", data.get("env", {}))
+    if "steps" not in data:
+        raise _Damaged("steps is missing")
+    steps = data["steps"]
+    if not isinstance(steps, list):
+        raise _bad("steps", steps, "a list")
+    if "records" not in data:
+        raise _Damaged("records is missing")
+    records = _columns("records", data["records"], _RECORD_CHECKS, required=True)
+    _check_records(records)
+    calls = _columns("calls", data.get("calls", {}), _CALL_CHECKS, required=False)
+    _check_calls(calls)
+    failure = data.get("failure")
+    if failure is not None and not isinstance(failure, str):
+        raise _bad("failure", failure, "a string or null")
+    return {
+        "probe": probe, "repeat": repeat, "env": env,
+        "steps": [_step_info(i, s) for i, s in enumerate(steps)],
+        "records": records, "calls": calls, "failure": failure,
+    }

@@ -116,6 +116,7 @@ class Comparison:
     differing_by_step: dict[int, int]
     failures: dict[int, str]
     first_diffs: list[RecordDiff] = field(default_factory=list)  # first step, execution order
+    common_steps: int | None = None  # with failures: only the steps every repeat completed
 
     @property
     def deterministic(self) -> bool:
@@ -153,14 +154,14 @@ class Comparison:
 class _Index:
     """One trace's records of one granularity: key -> (fp, row) and the execution order."""
 
-    def __init__(self, trace: Trace, ops: bool = False) -> None:
+    def __init__(self, trace: Trace, ops: bool = False, steps: int | None = None) -> None:
         r = trace.records
         self.trace = trace
         self.fp: dict[Key, str] = {}
         self.row: dict[Key, int] = {}
         self.order: list[Key] = []
         for i, key in enumerate(zip(r["step"], r["phase"], r["module"], r["call"], r["slot"])):
-            if (key[1] in OP_PHASES) != ops:
+            if (key[1] in OP_PHASES) != ops or (steps is not None and key[0] >= steps):
                 continue
             if key not in self.fp:
                 self.order.append(key)
@@ -176,11 +177,14 @@ class _Index:
 
 
 def compare(traces: Iterable[Trace]) -> Comparison:
-    """Align the traces of N repeats and analyse their differences."""
+    """Align the traces of N repeats and analyse their differences. When a repeat stopped
+    early (its trace names a failure), only the steps every repeat completed are compared:
+    a crash is a failure, not a divergence."""
     traces = list(traces)
     if not traces:
         raise ValueError("compare() needs at least one trace")
-    indexes = [_Index(t) for t in traces]
+    common = min(len(t.steps) for t in traces) if any(t.failure for t in traces) else None
+    indexes = [_Index(t, steps=common) for t in traces]
     ref, others = indexes[0], indexes[1:]
     n = len(traces)
 
@@ -219,7 +223,7 @@ def compare(traces: Iterable[Trace]) -> Comparison:
         first_by_phase.setdefault(d.phase, d)
 
     findings = _findings(traces[0], diffs, n)
-    steps = [(s.step, s.epoch, s.index) for s in traces[0].steps]
+    steps = [(s.step, s.epoch, s.index) for s in traces[0].steps[:common]]
     return Comparison(
         repeats=n,
         steps=steps,
@@ -230,7 +234,7 @@ def compare(traces: Iterable[Trace]) -> Comparison:
         first_by_phase=first_by_phase,
         findings=findings,
         cause=_cause(first_diffs, findings, first_step),
-        loss=_loss_drift(traces),
+        loss=_loss_drift(traces, common),
         param_drift_step=min(
             (k[0] for k in diffs if k[1] in (GRAD, OPTIMIZER) or (k[1] == STATE and "param" in k[4])),
             default=None,
@@ -239,6 +243,7 @@ def compare(traces: Iterable[Trace]) -> Comparison:
         differing_by_step=dict(sorted(by_step.items())),
         failures={t.repeat: t.failure for t in traces if t.failure},
         first_diffs=first_diffs,
+        common_steps=common,
     )
 
 
@@ -360,12 +365,12 @@ def _cause(first: list[RecordDiff], findings: list[CallFinding], step: int | Non
     return "none"
 
 
-def _loss_drift(traces: list[Trace]) -> LossDrift:
+def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
     """First step where any loss term differs bitwise, and the relative difference per step."""
     ref = traces[0]
     first_step = first_epoch = None
     per_step = []
-    for i, info in enumerate(ref.steps):
+    for i, info in enumerate(ref.steps[:common]):
         values = info.loss_values()
         rel = 0.0
         bitwise_differs = False

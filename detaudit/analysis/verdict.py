@@ -8,14 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import EXIT_DIVERGED, EXIT_OK
+from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK
 from .compare import DETERMINISTIC, DIVERGENT, FAILED, ORIGIN, Comparison
 from .ranks import RankAnalysis
 
 MATCH, MISMATCH = "match", "mismatch"  # a run against a baseline or another run
+INTERRUPTED = "interrupted"  # the run was stopped before its end and nothing differs so far
 EXIT_CODES = {
     DETERMINISTIC: EXIT_OK, MATCH: EXIT_OK,
-    DIVERGENT: EXIT_DIVERGED, MISMATCH: EXIT_DIVERGED, FAILED: EXIT_DIVERGED,
+    DIVERGENT: EXIT_DIVERGED, MISMATCH: EXIT_DIVERGED, FAILED: EXIT_CRASH,
+    INTERRUPTED: EXIT_INTERRUPTED,
 }
 
 
@@ -43,10 +45,12 @@ class Verdict:
 
 
 def judge(
-    c: Comparison, ops: dict[str, Any] | None = None, ranks: RankAnalysis | None = None
+    c: Comparison, ops: dict[str, Any] | None = None, ranks: RankAnalysis | None = None,
+    interrupted: str | None = None,
 ) -> Verdict:
     """The verdict of a comparison, naming the origin op when the drill-down found one and
-    counting the ranks of a distributed audit."""
+    counting the ranks of a distributed audit. A run `interrupted` (its state says where)
+    never passes: it is divergent if what it recorded differs, else interrupted."""
     first = first_divergence(c)
     kind = c.verdict
     hidden = (
@@ -55,6 +59,9 @@ def judge(
     headline = _headline(kind, c, first, hidden, ops or {})
     if ranks is not None:
         kind, headline = _with_ranks(kind, headline, ranks)
+    if interrupted:
+        kind = kind if kind == DIVERGENT else INTERRUPTED
+        headline = f"INTERRUPTED ({interrupted}); what was recorded: {headline}"
     return Verdict(kind, headline, first, hidden)
 
 
@@ -94,7 +101,7 @@ def _headline(
     kind: str, c: Comparison, first: dict[str, Any] | None, hidden: bool, ops: dict[str, Any]
 ) -> str:
     if kind == FAILED:
-        return f"FAILED: {len(c.failures)} of {c.repeats} repeats did not finish"
+        return f"FAILED: {_stopped(c)}; {_common(c)}"
     if first is None:
         return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {len(c.steps)} steps"
     where = first["module"] or "(model)"
@@ -107,7 +114,22 @@ def _headline(
         text += f"; op: {origin_op['op']} in {origin_op['module']}"
     if hidden:
         text += "; the loss stayed bit-identical while parameters diverged"
+    if c.failures:
+        text += f"; then {_stopped(c)}"
     return text
+
+
+def _stopped(c: Comparison) -> str:
+    """Which repeats stopped early, and why the first one did."""
+    repeat, why = min(c.failures.items())
+    more = f" ({len(c.failures)} of {c.repeats} repeats did not finish)" if len(c.failures) > 1 else ""
+    return f"repeat {repeat} stopped: {why}{more}"
+
+
+def _common(c: Comparison) -> str:
+    if not c.common_steps:
+        return "no step was completed by every repeat, so nothing could be compared"
+    return f"the repeats agree over the {c.common_steps} step(s) every repeat completed"
 
 
 def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str]:

@@ -44,6 +44,7 @@ def run_distributed(
     nproc: int,
     isolation: str = "inprocess",
     on_step: Callable[[int, int, int], None] | None = None,
+    run_id: str = "",
 ) -> DistributedRun:
     """Run the audit on `nproc` ranks; with process isolation, one launch per repeat."""
     _check_nproc(nproc, config.device)
@@ -57,7 +58,7 @@ def run_distributed(
     crash = None
     command: list[str] = []
     for repeats in groups:
-        command, crash = _launch(spec, config, folder, nproc, repeats, on_step)
+        command, crash = _launch(spec, config, folder, nproc, repeats, on_step, run_id)
         if crash:
             break
     last = crash["repeat"] if crash else config.repeats - 1
@@ -65,7 +66,8 @@ def run_distributed(
         raise DetauditError(f"{_crash_text(crash)}; no trace was written (see {folder / LAUNCH_LOG})")
     if crash:
         crash["kept"] = sorted(p.name for p in folder.glob(trace_name("*", "*")))
-    traces = {rank: _rank_traces(folder, spec, config, rank, last, crash) for rank in range(nproc)}
+    traces = {rank: _rank_traces(folder, spec, config, rank, last, crash, run_id)
+              for rank in range(nproc)}
     return DistributedRun(traces, _timings(folder), crash, command)
 
 
@@ -90,29 +92,37 @@ def launch_command(nproc: int, job: Path) -> list[str]:
 
 def _launch(
     spec: ProbeSpec, config: AuditConfig, folder: Path, nproc: int, repeats: list[int],
-    on_step: Callable[[int, int, int], None] | None,
+    on_step: Callable[[int, int, int], None] | None, run_id: str,
 ) -> tuple[list[str], dict[str, Any] | None]:
     """One launch of every rank over `repeats`; returns the command and the crash, if any."""
     job = folder / "job-distributed.json"
-    job.write_text(json.dumps({"spec": spec.to_dict(), "config": config.to_dict(), "repeats": repeats,
-                               "folder": str(folder)}))
+    job.write_text(json.dumps({"spec": spec.to_dict(), "config": config.to_dict(),
+                               "repeats": repeats, "folder": str(folder), "run": run_id}))
     for rank in range(nproc):
         status_path(folder, rank).unlink(missing_ok=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     command = launch_command(nproc, job)
-    with open(folder / LAUNCH_LOG, "a") as log:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        assert process.stdout is not None
-        for line in process.stdout:
-            if line.startswith(PROGRESS):
-                if on_step:
-                    on_step(*(int(x) for x in line.split()[1:4]))
-            else:
-                log.write(line)
-                log.flush()
-        code = process.wait()
-    job.unlink()
+    try:
+        with open(folder / LAUNCH_LOG, "a") as log:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
+                                       env=env)
+            assert process.stdout is not None
+            try:
+                for line in process.stdout:
+                    if line.startswith(PROGRESS):
+                        if on_step:
+                            on_step(*(int(x) for x in line.split()[1:4]))
+                    else:
+                        log.write(line)
+                        log.flush()
+                code = process.wait()
+            except BaseException:  # Ctrl-C / SIGTERM: stop the ranks, keep their traces
+                process.terminate()
+                process.wait(timeout=30)
+                raise
+    finally:
+        job.unlink(missing_ok=True)
     statuses = _statuses(folder, nproc)
     errors = sorted((s["time"], rank) for rank, s in statuses.items() if s["state"] == "error")
     if errors:
@@ -166,7 +176,7 @@ def _crash_text(crash: dict[str, Any]) -> str:
 
 def _rank_traces(
     folder: Path, spec: ProbeSpec, config: AuditConfig, rank: int, last: int,
-    crash: dict[str, Any] | None,
+    crash: dict[str, Any] | None, run_id: str,
 ) -> list[Trace]:
     """The rank's traces of repeats 0..last; one it never wrote becomes a failed trace."""
     traces = []
@@ -178,7 +188,7 @@ def _rank_traces(
         failed = failed_trace(spec, config, repeat, (
             f"repeat {repeat} did not finish on rank {rank}: {_crash_text(crash)}" if crash
             else f"repeat {repeat} wrote no trace on rank {rank}"
-        ))
+        ), run_id)
         traces.append(failed)
         save_trace(folder, failed, rank)
     return traces

@@ -88,7 +88,8 @@ def main(job_path: str) -> int:
                 print(f"{PROGRESS} {repeat} {epoch} {step}", flush=True)
 
         try:
-            trace, timing = run_repeat(factory, config, repeat, spec, on_step)
+            trace, timing = run_repeat(factory, config, repeat, spec, on_step,
+                                       run_id=job.get("run", ""))
         except DetauditError as exc:
             write_status(folder, rank, "error", repeat, str(exc))
             return 2

@@ -26,21 +26,25 @@ def run_isolated(
     spec: ProbeSpec,
     config: AuditConfig,
     folder: str | Path,
-    on_repeat: Callable[[int], None] | None = None,
+    run_id: str = "",
+    on_repeat: Callable[[Trace, RepeatTiming], None] | None = None,
 ) -> tuple[list[Trace], list[RepeatTiming]]:
-    """Run every repeat in its own interpreter; a crashed repeat becomes a failed trace."""
+    """Run every repeat in its own interpreter; a crashed repeat becomes a failed trace.
+    `on_repeat(trace, timing)` is called as each repeat ends."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     traces, timings = [], []
     for repeat in range(config.repeats):
         job = folder / f"job-{repeat}.json"
         job.write_text(json.dumps({"spec": spec.to_dict(), "config": config.to_dict(),
-                                   "repeat": repeat, "folder": str(folder)}))
-        done = subprocess.run(
-            [sys.executable, "-m", "detaudit.drivers.isolation", str(job)],
-            capture_output=True, text=True, check=False,
-        )
-        job.unlink()
+                                   "repeat": repeat, "folder": str(folder), "run": run_id}))
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "detaudit.drivers.isolation", str(job)],
+                capture_output=True, text=True, check=False,
+            )
+        finally:
+            job.unlink(missing_ok=True)
         trace_path = folder / trace_name(repeat)
         timing_path = folder / timing_name(repeat)
         if done.returncode == 0 and trace_path.exists():
@@ -51,13 +55,13 @@ def run_isolated(
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             failed = failed_trace(
                 spec, config, repeat,
-                f"repeat {repeat} crashed (exit code {done.returncode}): {last}",
+                f"repeat {repeat} crashed (exit code {done.returncode}): {last}", run_id,
             )
             save_trace(folder, failed)
             traces.append(failed)
             timings.append(RepeatTiming(repeat, 0.0, 0))
         if on_repeat:
-            on_repeat(repeat)
+            on_repeat(traces[-1], timings[-1])
     return traces, timings
 
 
@@ -68,7 +72,8 @@ def _child(job_path: str) -> int:
     try:
         spec = ProbeSpec.from_dict(job["spec"])
         trace, timing = run_repeat(
-            make_factory(spec), AuditConfig.from_dict(job["config"]), job["repeat"], spec
+            make_factory(spec), AuditConfig.from_dict(job["config"]), job["repeat"], spec,
+            run_id=job.get("run", ""),
         )
     except DetauditError as exc:
         print(f"detaudit: {exc}", file=sys.stderr)

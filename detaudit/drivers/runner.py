@@ -68,6 +68,31 @@ def resolve_device(name: str) -> torch.device:
 
 
 @contextlib.contextmanager
+def global_settings_restored() -> Iterator[None]:
+    """Torch's process-wide settings as they were, after whatever a repeat changed: threads,
+    deterministic algorithms, default dtype, matmul precision, cuDNN and TF32 flags. Each
+    in-process repeat then starts from the same settings."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (
+        torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory, torch.get_default_dtype(),
+        torch.get_float32_matmul_precision(), cudnn.enabled, cudnn.benchmark,
+        cudnn.deterministic, cudnn.allow_tf32, matmul.allow_tf32,
+    )
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.use_deterministic_algorithms(saved[1], warn_only=saved[2])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[3]
+        torch.set_default_dtype(saved[4])
+        torch.set_float32_matmul_precision(saved[5])
+        cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = saved[6:10]
+        matmul.allow_tf32 = saved[10]
+
+
+@contextlib.contextmanager
 def deterministic_settings(enabled: bool) -> Iterator[None]:
     """PyTorch's deterministic settings for the duration, restored afterwards."""
     if not enabled:
@@ -102,38 +127,39 @@ def run_repeat(
     spec: ProbeSpec | None = None,
     on_step: Callable[[int, int, int], None] | None = None,
     ops: OpPlan | None = None,
+    run_id: str = "",
 ) -> tuple[Trace, RepeatTiming]:
     """Run one repeat from freshly seeded RNGs and return its trace.
 
     `ops` adds op-level work (see :class:`OpPlan`); without it, ``config.granularity``
     decides whether every step is recorded op by op.
 
-    An exception while building the probe is raised as :class:`ProbeError`; one during the
-    steps ends the repeat early and is stored in ``trace.failure`` (records up to it kept).
+    An exception while building the probe (or ``sys.exit`` in it) is raised as
+    :class:`ProbeError`; one during the steps ends the repeat early and is stored in
+    ``trace.failure`` (records up to it kept). Torch's global settings are restored
+    afterwards; the trace's environment is the one the steps ran in (after the probe was
+    built, with the audit's own settings applied).
     """
     import time
 
     device = resolve_device(config.device)
     fault_repeat = config.fault_repeat % config.repeats
     fault = config.fault if repeat == fault_repeat else None
-    trace = Trace(
-        probe=trace_probe(spec, config),
-        repeat=repeat,
-        env=capture_environment(device),
-    )
+    trace = Trace(probe=trace_probe(spec, config, run_id), repeat=repeat, env={})
     if ops is None and config.granularity == "op":
         ops = OpPlan()
     started = time.perf_counter()
     steps_done = 0
     peak = PeakMemory(device)
-    with peak, deterministic_settings(config.deterministic):
+    with global_settings_restored(), peak, deterministic_settings(config.deterministic):
         seed_everything(config.seed)
         try:
             probe = factory(device)
         except DetauditError:
             raise
-        except Exception as exc:  # the user's code: report it as theirs
+        except (Exception, SystemExit) as exc:  # the user's code: report it as theirs
             raise ProbeError(describe_user_error(exc, "building the probe")) from exc
+        trace.env = capture_environment(device)
         if not isinstance(probe, Probe):
             raise ProbeError(f"the probe function returned {type(probe).__name__}, not detaudit.Probe")
         train = config.mode == "train"
@@ -144,7 +170,7 @@ def run_repeat(
                 steps_done = _run_steps(probe, config, recorder, trace, train, on_step, fault, ops)
             except DetauditError:
                 raise
-            except Exception as exc:  # noqa: BLE001 -- the user's step: keep what was recorded
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 -- the user's step
                 trace.failure = describe_user_error(exc, f"step {len(trace.steps)}")
         if (
             fault is not None and not recorder.fault_fired and trace.failure is None
@@ -271,5 +297,7 @@ def describe_user_error(exc: BaseException, when: str) -> str:
     user = [f for f in frames if not os.path.abspath(f.filename).startswith(library_dirs)]
     frame = (user or frames or [None])[-1]
     where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
+    if isinstance(exc, SystemExit):
+        return f"the audited code called sys.exit({exc.code!r}) while {when}{where}"
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__} while {when}{where}: {message}".rstrip(": ")

@@ -24,6 +24,7 @@ def investigate(
     verify: bool = False, spec: ProbeSpec | None = None,
     traces: list[Trace] | None = None,
     on_stage: Callable[[str], None] | None = None,
+    on_done: Callable[[str, Any], None] | None = None,
 ) -> dict[str, Any]:
     """Plain data under the keys ``ops``, ``census`` and ``verify`` (those asked for).
     `traces` recorded at op granularity are used for the drill-down without a replay."""
@@ -47,4 +48,6 @@ def investigate(
             out[name] = {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 -- the user's code failed in a replay
             out[name] = {"error": describe_user_error(exc, f"the {name} run")}
+        if on_done:
+            on_done(name, out[name])
     return out

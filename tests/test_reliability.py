@@ -1,0 +1,252 @@
+"""Verdicts a CI gate can trust: exit codes, crashes, interruptions, run-folder integrity,
+outputs checked before the work, JSON and console output that stay clean."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import small_cnn_probe
+
+from detaudit import Probe, api, audit
+from detaudit.cli import main
+from detaudit.config import AuditConfig
+from detaudit.errors import TraceError
+from detaudit.runfolder import LOCK_FILE, RunFolder, RunInfo, new_folder
+
+PROBES = Path(__file__).parent / "probe_files"
+
+
+def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "detaudit", *args], capture_output=True,
+                          text=True, timeout=300, check=False, **kwargs)
+
+
+def _probe_file(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "user_probe.py"
+    path.write_text("import sys\nimport torch\nimport detaudit\n\n" + body)
+    return path
+
+
+# -- exit codes -----------------------------------------------------------------------------
+def test_sys_exit_in_a_step_is_a_crash_not_a_pass(tmp_path, capsys):
+    code = main(["run", "--probe", str(PROBES / "exits_in_step.py"), "--out", str(tmp_path),
+                 "--no-census", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 3
+    assert out.startswith("FAILED: repeat 0 stopped: the audited code called sys.exit(0) "
+                          "while step 1 at ") and "exits_in_step.py:16" in out
+    assert main(["report", str(tmp_path)]) == 3  # the folder holds the verdict
+
+
+def test_sys_exit_while_building_the_probe_is_a_crash(tmp_path, capsys):
+    probe = _probe_file(tmp_path, "def probe(device):\n    sys.exit(0)\n")
+    assert main(["run", "--probe", str(probe), "--out", str(tmp_path / "run")]) == 3
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "sys.exit(0)" in err and "user_probe.py:6" in err
+
+
+def test_an_internal_error_is_exit_3_in_one_line(tmp_path, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in detaudit")
+
+    monkeypatch.setattr(api, "run", broken)
+    code = main(["run", "--probe", str(PROBES / "tiny_cnn.py"), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert err.strip() == ("detaudit: internal error: RuntimeError: a bug in detaudit "
+                           "(run with --debug for the traceback)")
+
+
+def test_a_crashed_repeat_is_a_failure_compared_over_the_steps_all_completed():
+    built = {"n": 0}
+
+    def probe(device):
+        built["n"] += 1
+        crashing = built["n"] == 2
+        base = small_cnn_probe(device)
+
+        def step(model, batch):
+            if crashing and step.calls == 2:
+                raise RuntimeError("out of memory")
+            step.calls += 1
+            return base.step(model, batch)
+
+        step.calls = 0
+        return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
+
+    result = audit(probe, repeats=2, steps=4)
+    assert result.comparison.common_steps == 2 and result.comparison.first_step is None
+    assert result.verdict.kind == "failed" and result.verdict.exit_code == 3
+    assert result.verdict.headline.startswith("FAILED: repeat 1 stopped: RuntimeError while "
+                                              "step 2 at ")
+    assert "the repeats agree over the 2 step(s) every repeat completed" in result.verdict.headline
+
+
+# -- run folders ----------------------------------------------------------------------------
+def test_a_folder_holding_a_run_is_refused_unless_overwritten(tmp_path, capsys):
+    args = ["run", "--probe", str(PROBES / "tiny_cnn.py"), "--out", str(tmp_path), "--epochs",
+            "1", "--steps", "1", "--no-census", "--quiet"]
+    assert main(args) == 0
+    first = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    assert main(args) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run.json").read_text())["run_id"] == first
+    assert main([*args, "--overwrite"]) == 0
+    assert json.loads((tmp_path / "run.json").read_text())["run_id"] != first
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    info = RunInfo(probe={}, config={}, command="", traces=[])
+    (tmp_path / LOCK_FILE).write_text(str(os.getppid()))  # a live process holds it
+    with pytest.raises(TraceError, match="in use by another detaudit run"):
+        RunFolder(tmp_path, info).open()
+    (tmp_path / LOCK_FILE).write_text("999999999")  # no such process
+    with RunFolder(tmp_path, info):
+        assert (tmp_path / LOCK_FILE).read_text() == str(os.getpid())
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_default_folders_are_created_exclusively(tmp_path):
+    folders = {new_folder(tmp_path, "maskrcnn") for _ in range(3)}
+    assert len(folders) == 3 and all(f.is_dir() for f in folders)
+
+
+def test_a_folder_mixing_two_runs_is_refused(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        audit(small_cnn_probe, repeats=2, steps=1, out=folder)
+    (a / "trace-1.json.gz").write_bytes((b / "trace-1.json.gz").read_bytes())
+    with pytest.raises(TraceError, match="mixes runs: trace-1.json.gz"):
+        api.render_folder(a)
+
+
+@pytest.mark.parametrize("args", [
+    ["--out", "{tmp}/file.txt"],
+    ["--out", "/proc/detaudit-run"],
+    ["--junit", "/proc/detaudit.xml"],
+    ["--junit", "{tmp}"],
+])
+def test_unwritable_outputs_are_refused_before_the_first_repeat(tmp_path, capsys, args):
+    (tmp_path / "file.txt").write_text("not a folder")
+    args = [a.format(tmp=tmp_path) for a in args]
+    # this probe calls sys.exit in its second step: reaching it would give exit 3, not 2
+    code = main(["run", "--probe", str(PROBES / "exits_in_step.py"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+
+
+def test_junit_into_a_missing_folder_is_created(tmp_path):
+    junit = tmp_path / "ci" / "results" / "detaudit.xml"
+    assert main(["run", "--probe", str(PROBES / "tiny_cnn.py"), "--out", str(tmp_path / "r"),
+                 "--epochs", "1", "--steps", "1", "--no-census", "--quiet",
+                 "--junit", str(junit)]) == 0
+    assert junit.exists() and "testcase" in junit.read_text()
+
+
+# -- interruptions --------------------------------------------------------------------------
+def _state(folder: Path) -> str:
+    try:
+        return json.loads((folder / "run.json").read_text())["state"]
+    except (OSError, ValueError, KeyError):
+        return ""
+
+
+@pytest.mark.parametrize("stage, sig, want", [
+    ("recording", signal.SIGTERM, "interrupted during recording"),
+    ("investigating: census", signal.SIGINT, "interrupted during investigating: census"),
+    ("recording", signal.SIGKILL, "recording"),
+])
+def test_an_interrupted_audit_leaves_a_folder_that_reports_it(tmp_path, stage, sig, want):
+    folder = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "detaudit", "run", "--probe", str(PROBES / "slow_steps.py"),
+         "--out", str(folder), "--repeats", "3", "--epochs", "1", "--steps", "3", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "DETAUDIT_TEST_STEP_SECONDS": "0.4"},
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if _state(folder) == stage and (stage != "recording" or (folder / "trace-0.json.gz").exists()):
+            break
+        time.sleep(0.05)
+    process.send_signal(sig)
+    _, err = process.communicate(timeout=120)
+    info = json.loads((folder / "run.json").read_text())
+    assert info["state"] == want
+    assert info["traces"] and all((folder / t).exists() for t in info["traces"])
+    if sig != signal.SIGKILL:
+        assert process.returncode == 130 and "interrupted" in err
+        assert not list(folder.glob("*.part")) and not list(folder.glob("job-*"))
+    report = run_cli("report", str(folder))
+    assert report.returncode == 130, report.stdout + report.stderr
+    assert report.stdout.startswith(f"INTERRUPTED ({want}); what was recorded: DETERMINISTIC")
+
+
+# -- output that stays clean ---------------------------------------------------------------
+def test_json_stays_json_when_the_audited_code_prints(tmp_path):
+    probe = _probe_file(tmp_path, (
+        "def probe(device):\n"
+        "    model = torch.nn.Linear(4, 1)\n"
+        "    def step(m, batch):\n"
+        "        print('loss is going down!')\n"
+        "        return m(batch).pow(2).mean()\n"
+        "    batches = [torch.ones(2, 4)] * 2\n"
+        "    return detaudit.Probe(model=model, batches=batches, step=step,\n"
+        "                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))\n"
+    ))
+    done = run_cli("run", "--probe", str(probe), "--out", str(tmp_path / "run"), "--json",
+                   "--epochs", "1", "--no-census")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["verdict"] == "deterministic"
+    assert "loss is going down!" in done.stderr
+
+
+def test_control_characters_from_the_user_are_escaped_on_the_console(tmp_path, capsys):
+    probe = _probe_file(tmp_path, (
+        "def probe(device):\n"
+        "    model = torch.nn.Linear(4, 1)\n"
+        "    def step(m, batch):\n"
+        "        raise RuntimeError('\\x1b]0;owned\\x07\\x1b[31mred')\n"
+        "    return detaudit.Probe(model=model, batches=[torch.ones(2, 4)], step=step)\n"
+    ))
+    main(["run", "--probe", str(probe), "--out", str(tmp_path / "run"), "--no-census"])
+    out, err = capsys.readouterr()
+    assert "\x1b" not in out + err and "\x07" not in out + err
+    assert "\\x1b]0;owned\\x07\\x1b[31mred" in out + err
+
+
+# -- state between in-process repeats ------------------------------------------------------
+def test_global_settings_a_probe_changes_are_restored_between_repeats():
+    seen = []
+
+    def probe(device):
+        seen.append((torch.get_num_threads(), torch.get_default_dtype()))
+        torch.set_num_threads(1)
+        torch.set_default_dtype(torch.float64)
+        return small_cnn_probe(device)
+
+    before = (torch.get_num_threads(), torch.get_default_dtype())
+    try:
+        result = audit(probe, repeats=3, steps=1)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert seen == [before] * 3
+    assert (torch.get_num_threads(), torch.get_default_dtype()) == before
+    assert [t.env["threads"] for t in result.traces] == [1, 1, 1]  # as the repeats ran
+
+
+def test_api_run_without_a_folder_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = api.run(api.describe_callable(small_cnn_probe), AuditConfig(steps=1),
+                     factory=small_cnn_probe)
+    assert result.folder is None and result.info.state == "complete"
+    assert list(tmp_path.iterdir()) == []
