@@ -51,6 +51,9 @@ class Progress:
     def advance(self, description: str) -> None:
         """One unit is done; `description` says where the audit is now."""
 
+    def note(self, message: str) -> None:
+        """Something the user must know before the work starts (e.g. which code will run)."""
+
     def stage(self, name: str) -> None:
         """An investigation (``ops``, ``census``, ``verify``) begins."""
 
@@ -285,12 +288,24 @@ def check(
     path: str | Path, *, out: str | Path | None = None, overwrite: bool = False,
     launch: Launch | None = None,
     rtol: float = 0.0, atol: float = 0.0, command: str = "", progress: Progress | None = None,
-    factory: ProbeFactory | None = None,
+    factory: ProbeFactory | None = None, allow_external_probe: bool = False,
 ) -> CheckResult:
     """Re-run a baseline's stored configuration and compare its repeat 0 with the baseline.
 
-    `factory` stands in for a ``python`` baseline's probe function."""
+    A baseline is code: it names the probe to run. A probe file outside the current folder
+    is refused unless `allow_external_probe`; `factory` stands in for a ``python``
+    baseline's probe function."""
     stored = load_baseline(path)
+    progress = progress or Progress()
+    if stored.spec.kind == "file":
+        source = Path(stored.spec.source or "")
+        progress.note(f"the baseline runs the probe file {source} ({stored.spec.func})")
+        if not allow_external_probe and not source.resolve().is_relative_to(Path.cwd().resolve()):
+            raise DetauditError(
+                f"the baseline {path} names the probe file {source}, outside the current folder "
+                f"{Path.cwd()}; a baseline is code: run check from the project folder, or allow "
+                "it explicitly (--allow-external-probe)"
+            )
     result = run(stored.spec, stored.config, factory=factory, out=out, overwrite=overwrite,
                  investigations=Investigations(drill_down=False), launch=launch,
                  command=command, preset="as stored in the baseline", progress=progress)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import re
 import shlex
 import signal
@@ -18,8 +19,9 @@ from .api import STAGE_NAMES, Progress
 from .config import AuditConfig, Fault, Investigations, Launch, Preset, ProbeSpec, preset_for
 from .errors import EXIT_CRASH, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DetauditError
 
-RECIPE_OPTIONS = ("instances", "data", "weights", "workers", "augment", "accumulate",
-                  "clip_grad_norm", "lr", "scheduler")
+RECIPE_OPTIONS = ("instances", "num_classes", "data", "weights", "workers", "augment",
+                  "accumulate", "clip_grad_norm", "lr", "scheduler")
+RECIPE_FLAGS = ("image_size", "batch_size", "num_images", *RECIPE_OPTIONS, "shuffle", "amp")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,13 +118,19 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check", help="re-run a baseline's configuration and compare (exit 1 on change)",
         description="Re-run exactly the configuration stored in BASELINE and compare with it. "
-        "Exit 0: matches; 1: changed (first changed record, report folder); 2: unreadable baseline.",
+        "Exit 0: matches; 1: changed (first changed record, report folder); 2: unreadable baseline; "
+        "3: the probe crashed. A baseline is code: it names a probe (a built-in model or a probe "
+        "file) that check imports and runs; check prints the file first and refuses a probe file "
+        "outside the current folder unless --allow-external-probe is given.",
     )
     check.add_argument("baseline", help="a file written by `detaudit baseline`")
     check.add_argument("--out", help="folder for the new run (default: reports/check-<timestamp>/)")
     check.add_argument("--overwrite", action="store_true",
                        help="replace the run already in --out (refused otherwise)")
     check.add_argument("--quiet", action="store_true", help="no progress bar")
+    check.add_argument("--allow-external-probe", action="store_true",
+                       help="run the baseline's probe file even when it lies outside the current "
+                       "folder (it is code, and runs with your rights)")
     check.add_argument("--isolation", choices=("inprocess", "process"), default="inprocess",
                        help="how to run the repeats (default inprocess)")
     _add_gate_arguments(check)
@@ -161,10 +169,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tolerance(text: str) -> float:
+    """A tolerance: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    return value
+
+
 def _add_gate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rtol", type=float, default=0.0,
+    p.add_argument("--rtol", type=_tolerance, default=0.0,
                    help="compare the stored stats within this relative tolerance instead of bitwise")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance for the stats")
+    p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute tolerance for the stats")
     p.add_argument("--junit", metavar="FILE", help="also write the result as JUnit XML")
 
 
@@ -216,6 +235,8 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
     recipe.add_argument("--batch-size", type=int, help="images per step (CPU preset: 1, CUDA: 2)")
     recipe.add_argument("--num-images", type=int, help="synthetic dataset size")
     recipe.add_argument("--instances", type=int, help="objects per synthetic image (default 3)")
+    recipe.add_argument("--num-classes", type=int,
+                        help="classes the model predicts, background included (default 5)")
     recipe.add_argument("--data", metavar="synthetic|coco:IMAGES_DIR:ANNOTATIONS.json",
                         help="dataset (default: synthetic, generated from the seed)")
     recipe.add_argument("--weights", metavar="PATH", help="local state dict to load (no downloads)")
@@ -287,7 +308,8 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     out = _out_folder(args.out, "check")
     result = api.check(args.baseline, out=out, overwrite=args.overwrite,
                        launch=Launch(args.isolation), rtol=args.rtol, atol=args.atol,
-                       command=_reproduce_command(argv), progress=_Bar(args.quiet))
+                       command=_reproduce_command(argv), progress=_Bar(args.quiet),
+                       allow_external_probe=args.allow_external_probe)
     gate = result.gate
     print(_safe(gate.message + ("" if gate.ok else f"\nreport folder: {out}")))
     if args.junit:
@@ -385,6 +407,10 @@ def _probe_spec(args: argparse.Namespace, preset: Preset, nproc: int | None) -> 
     from .drivers.loading import builtin_spec, file_spec
 
     if args.probe:
+        given = [f"--{n.replace('_', '-')}" for n in RECIPE_FLAGS if getattr(args, n, None)]
+        if given:
+            raise DetauditError(f"{', '.join(given)} set(s) the built-in recipe (--model); a "
+                                "probe file builds its own model and data")
         return file_spec(args.probe)
     options: dict[str, Any] = {"seed": args.seed}
     for name in ("image_size", "batch_size", "num_images"):
@@ -466,6 +492,9 @@ class _Bar(Progress):
         if self.bar is not None:
             self.bar.set_description(description)
             self.bar.update(1)
+
+    def note(self, message: str) -> None:
+        print(f"detaudit: {_safe(message)}", file=sys.stderr)
 
     def stage(self, name: str) -> None:
         if not self.quiet:

@@ -13,6 +13,7 @@ from .trace import BACKWARD, FORWARD
 
 TRAIN, INFER = "train", "infer"
 GRANULARITIES = ("module", "op")
+SEED_RANGE = (-(2**63), 2**64)  # what torch.manual_seed accepts
 ISOLATIONS = ("inprocess", "process")
 _FAULT = re.compile(
     r"^(?P<module>[^@:/]*)(/(?P<op>[\w.]+))?(@(?P<phase>forward|backward))?(:(?P<step>\d+))?$"
@@ -78,6 +79,9 @@ class AuditConfig:
             raise DetauditError(f"mode must be train or infer, not {self.mode!r}")
         if self.granularity not in GRANULARITIES:
             raise DetauditError(f"granularity must be module or op, not {self.granularity!r}")
+        if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise DetauditError(f"seed {self.seed} is outside torch's range "
+                                f"[{SEED_RANGE[0]}, {SEED_RANGE[1] - 1}]")
 
     @property
     def train(self) -> bool:

@@ -172,12 +172,30 @@ def _read_annotations(path: str) -> dict[str, Any]:
                 raise ProbeInputError(
                     f"COCO annotations file {path} has an {kind} without '{missing[0]}'."
                 )
-    for item in data["annotations"]:
-        bbox = item["bbox"]
-        if not (isinstance(bbox, list) and len(bbox) == 4):
-            raise ProbeInputError(
-                f"COCO annotations file {path} has a bbox that is not [x, y, width, height]."
-            )
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    fields = (
+        ("images", "id", lambda v: isinstance(v, (int, str)) and not isinstance(v, bool),
+         "an integer or a string"),
+        ("images", "file_name", lambda v: isinstance(v, str) and v != "", "a file name"),
+        ("annotations", "image_id", lambda v: isinstance(v, (int, str)) and not isinstance(v, bool),
+         "an integer or a string"),
+        ("annotations", "category_id",
+         lambda v: isinstance(v, (int, str)) and not isinstance(v, bool), "an integer or a string"),
+        ("annotations", "bbox", lambda v: isinstance(v, list) and len(v) == 4
+         and all(number(x) for x in v), "[x, y, width, height] numbers"),
+        ("annotations", "iscrowd", lambda v: v is None or number(v), "0 or 1"),
+        ("categories", "id", lambda v: isinstance(v, (int, str)) and not isinstance(v, bool),
+         "an integer or a string"),
+    )
+    for key, name, ok, expected in fields:
+        for index, item in enumerate(data.get(key, [])):
+            if name in item and not ok(item[name]):
+                raise ProbeInputError(
+                    f"COCO annotations file {path}: {key}[{index}].{name} is "
+                    f"{item[name]!r:.60}, not {expected}."
+                )
     return data
 
 

@@ -130,16 +130,26 @@ def test_models_lists_every_probe(capsys):
 def test_baseline_check_round_trip_through_the_cli(tmp_path):
     import xml.etree.ElementTree as ET
 
-    probe = str(PROBES / "tiny_cnn.py")
+    project = tmp_path / "project"  # the probe file lives in the project that checks it
+    project.mkdir()
+    (tmp_path / "ci").mkdir()
+    probe = project / "tiny_cnn.py"
+    probe.write_text((PROBES / "tiny_cnn.py").read_text())
     base = tmp_path / "base.json"
-    made = run_cli("baseline", "--probe", probe, "--out", str(base), cwd=tmp_path)
+    made = run_cli("baseline", "--probe", str(probe), "--out", str(base), cwd=project)
     assert made.returncode == 0, made.stderr
-    checked = run_cli("check", str(base), "--junit", str(tmp_path / "j.xml"), cwd=tmp_path)
+    checked = run_cli("check", str(base), "--junit", str(tmp_path / "j.xml"), cwd=project)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"the baseline runs the probe file {probe}" in checked.stderr
+    elsewhere = run_cli("check", str(base), cwd=tmp_path / "ci")  # the probe is outside ci/
+    assert elsewhere.returncode == 2 and "--allow-external-probe" in elsewhere.stderr
+    allowed = run_cli("check", str(base), "--allow-external-probe", "--out", str(tmp_path / "c"),
+                      cwd=tmp_path / "ci")
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
     case = ET.parse(tmp_path / "j.xml").getroot().find(".//testcase")
     assert case is not None and case.find("failure") is None
     base.write_text("{broken")
-    broken = run_cli("check", str(base), cwd=tmp_path)
+    broken = run_cli("check", str(base), cwd=project)
     assert broken.returncode == 2 and len(broken.stderr.strip().splitlines()) == 1
 
 

@@ -250,3 +250,51 @@ def test_api_run_without_a_folder_writes_nothing(tmp_path, monkeypatch):
                      factory=small_cnn_probe)
     assert result.folder is None and result.info.state == "complete"
     assert list(tmp_path.iterdir()) == []
+
+
+# -- smaller guards -------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--probe", str(PROBES / "tiny_cnn.py"), "--image-size", "64"], "--image-size"),
+    (["--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "stem:99"],
+     "never fired: the run has only 4 steps"),
+    (["--probe", str(PROBES / "tiny_cnn.py"), "--seed", str(2**64)], "outside torch's range"),
+    (["--probe", str(PROBES / "tiny_cnn.py"), "--repeats", "0"], "--repeats must be at least 1"),
+])
+def test_more_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    assert main(["run", *args, "--out", str(tmp_path), "--no-census"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_tolerances_must_be_finite_and_not_negative(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as stop:
+        main(["diff", str(tmp_path), str(tmp_path), "--rtol", value])
+    assert stop.value.code == 2 and "--rtol" in capsys.readouterr().err
+
+
+def test_a_non_scalar_loss_names_the_users_step(tmp_path, capsys):
+    probe = _probe_file(tmp_path, (
+        "def probe(device):\n"
+        "    model = torch.nn.Linear(4, 3)\n"
+        "    def step(m, batch):\n"
+        "        return m(batch).pow(2)\n"
+        "    return detaudit.Probe(model=model, batches=[torch.ones(2, 4)], step=step)\n"
+    ))
+    assert main(["run", "--probe", str(probe), "--out", str(tmp_path / "run"), "--no-census"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "the loss must be a scalar" in err and "user_probe.py:7" in err and "(2, 3)" in err
+
+
+def test_coco_field_types_name_the_file_and_the_field(tmp_path, capsys):
+    images = tmp_path / "images"
+    images.mkdir()
+    ann = tmp_path / "ann.json"
+    ann.write_text(json.dumps({"images": [{"id": 1, "file_name": "a.png"}], "annotations": [
+        {"image_id": 1, "bbox": [0, 0, "10", 10], "category_id": 1}]}))
+    code = main(["run", "--model", "fasterrcnn_mobilenet", "--data", f"coco:{images}:{ann}",
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert str(ann) in err and "annotations[0].bbox" in err

@@ -172,15 +172,14 @@ def run_repeat(
                 raise
             except (Exception, SystemExit) as exc:  # noqa: BLE001 -- the user's step
                 trace.failure = describe_user_error(exc, f"step {len(trace.steps)}")
-        if (
-            fault is not None and not recorder.fault_fired and trace.failure is None
-            and steps_done > fault.step
-        ):
+        if (fault is not None and not recorder.fault_fired and trace.failure is None
+                and not _replay_stops_before(ops, fault.step)):
             where = f"op {fault.op!r} in " if fault.op else ""
-            raise DetauditError(
-                f"the planted fault never fired: {where}module {fault.module!r} did not run "
-                f"{'forward' if fault.phase == 'forward' else 'backward'} at step {fault.step}"
-            )
+            why = (f"the run has only {steps_done} steps (0 to {steps_done - 1})"
+                   if steps_done <= fault.step else
+                   f"{where}module {fault.module!r} did not run "
+                   f"{'forward' if fault.phase == 'forward' else 'backward'} at step {fault.step}")
+            raise DetauditError(f"the planted fault never fired: {why}")
     timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes)
     return trace, timing
 
@@ -245,7 +244,13 @@ def _train_step(
         losses = probe.step(probe.model, batch)
     terms = losses if isinstance(losses, dict) else {"loss": losses}
     if not terms or not all(isinstance(v, torch.Tensor) for v in terms.values()):
-        raise ProbeError("in train mode the step must return a loss tensor or a dict of loss tensors")
+        raise ProbeError(f"in train mode the step ({_where(probe.step)}) must return a loss "
+                         "tensor or a dict of loss tensors")
+    shaped = {name: tuple(v.shape) for name, v in terms.items() if v.numel() != 1}
+    if shaped:
+        name, shape = next(iter(shaped.items()))
+        raise ProbeError(f"the loss must be a scalar: the step ({_where(probe.step)}) returned "
+                         f"{name!r} of shape {shape} (reduce it, e.g. .mean())")
     recorder.record(OUTPUT, "", 0, "loss", terms)
     info.losses = {name: float(value.detach().float()).hex() for name, value in terms.items()}
     total = sum(terms.values())
@@ -286,6 +291,17 @@ def _store(trace: Trace, step: int, records: Any) -> None:
         trace.add_record(step, key, print_)
     for call in records.calls:
         trace.add_call(step, call.module, call.index, call.parent)
+
+
+def _replay_stops_before(ops: OpPlan | None, step: int) -> bool:
+    """Whether an op-level replay ends before `step` (a fault there cannot fire)."""
+    return ops is not None and ops.last_step is not None and ops.last_step < step
+
+
+def _where(fn: Any) -> str:
+    """`file:line` of a user's function, for messages about what it returned."""
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
 
 
 def describe_user_error(exc: BaseException, when: str) -> str:
