@@ -19,8 +19,8 @@ from typing import Any
 
 from .config import AuditConfig, ProbeSpec
 from .errors import TraceError
-from .storage import atomic_write, check_format, dump_json, read_json
-from .trace import PROBE_CONFIG, PROBE_SPEC, Trace
+from .storage import atomic_write, check_format, dump_json, jsonable, read_json
+from .trace import PROBE_CONFIG, PROBE_RUN, PROBE_SPEC, Trace
 
 # History:
 #   1: first format.
@@ -33,7 +33,6 @@ RUN_FILES = ("run.json", "summary.json", "report.md", "report.html", "report.git
              "launch.log", "trace-*.json.gz", "timing-*.json", "job-*.json", "rank-*.json",
              "*.part")
 COMPLETE = "complete"  # the state of a run that ran to its end
-PROBE_RUN = "run"  # the key of the run id in Trace.probe
 # History:
 #   1: first format: probe description, audit config, environment, the trace of repeat 0.
 BASELINE_VERSION = 1
@@ -91,7 +90,8 @@ class RunInfo:
         return self.state == COMPLETE
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, **asdict(self)}
+        """Strict-JSON plain data (non-finite numbers as strings)."""
+        return jsonable({"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, **asdict(self)})
 
 
 def save_run(folder: str | Path, info: RunInfo) -> Path:
@@ -100,7 +100,7 @@ def save_run(folder: str | Path, info: RunInfo) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     info.meta.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     info.meta.setdefault("host", platform.node())
-    return atomic_write(folder / RUN_FILE, dump_json(info.to_dict(), indent=1, allow_nan=True))
+    return atomic_write(folder / RUN_FILE, dump_json(info.to_dict(), indent=1))
 
 
 def load_run(folder: str | Path) -> tuple[RunInfo, list[Trace]]:
@@ -276,8 +276,8 @@ def save_baseline(path: str | Path, spec: ProbeSpec, config: AuditConfig, trace:
     """Store `trace` as a baseline (gzip when the name ends in .gz)."""
     path = Path(path)
     data = {
-        "format": BASELINE_FORMAT, "version": BASELINE_VERSION, "probe": spec.to_dict(),
-        "config": config.to_dict(), "env": trace.env, "trace": trace.to_dict(),
+        "format": BASELINE_FORMAT, "version": BASELINE_VERSION, "probe": jsonable(spec.to_dict()),
+        "config": config.to_dict(), "env": jsonable(trace.env), "trace": trace.to_dict(),
     }
     return atomic_write(path, dump_json(data, compress=path.suffix == ".gz"))
 

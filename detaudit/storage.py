@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import zlib
 from pathlib import Path
@@ -34,15 +35,27 @@ def atomic_write(path: str | Path, data: bytes | str) -> Path:
     return path
 
 
-def dump_json(
-    data: Any, *, compress: bool = False, indent: int | None = None, allow_nan: bool = False
-) -> bytes:
-    """Deterministic JSON bytes (sorted keys; NaN only when allowed), gzip-compressed without
-    a timestamp."""
+def dump_json(data: Any, *, compress: bool = False, indent: int | None = None) -> bytes:
+    """Deterministic, strict JSON bytes (sorted keys, never a bare NaN), gzip-compressed
+    without a timestamp. Values that may be non-finite go through :func:`jsonable` first."""
     separators = None if indent is not None else (",", ":")
     text = json.dumps(data, sort_keys=True, indent=indent, separators=separators,
-                      allow_nan=allow_nan)
+                      allow_nan=False)
     return gzip.compress(text.encode(), mtime=0) if compress else text.encode()
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with every non-finite float written as the string ``"nan"``, ``"inf"`` or
+    ``"-inf"`` (strict JSON has no NaN), tuples as lists and other objects as strings."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int)):
+        return value
+    return str(value)
 
 
 def read_json(path: str | Path, what: str) -> Any:

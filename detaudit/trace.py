@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import TraceError
-from .storage import atomic_write, check_format, describe, dump_json, read_json
+from .storage import atomic_write, check_format, describe, dump_json, jsonable, read_json
 
 # History:
 #   1: first format: steps, columnar records and module calls, environment, probe config.
@@ -57,6 +57,7 @@ OP_FORWARD, OP_BACKWARD = "op.forward", "op.backward"
 OP_PHASES = (OP_FORWARD, OP_BACKWARD)
 PHASES = (STATE, FORWARD, BACKWARD, GRAD, OPTIMIZER, OUTPUT, *OP_PHASES)
 PROBE_SPEC, PROBE_CONFIG, PROBE_DISTRIBUTED = "info", "config", "distributed"
+PROBE_RUN = "run"  # the id of the run the trace belongs to (run.json has the same)
 
 RECORD_COLUMNS = (
     "step", "phase", "module", "call", "slot", "fp", "shape", "dtype", "norm", "absmax", "nonfinite",
@@ -73,8 +74,8 @@ class StepInfo:
     index: int  # step within its epoch
     losses: dict[str, str] = field(default_factory=dict)  # name -> float.hex, exact
     optimizer_stepped: bool = False
-    lr: list[float] = field(default_factory=list)
-    scale: float | None = None  # GradScaler scale after the step
+    lr: list[float | None] = field(default_factory=list)  # None: not finite
+    scale: float | None = None  # GradScaler scale after the step (None: not finite)
 
     def loss_values(self) -> dict[str, float]:
         """The exact loss values as floats."""
@@ -123,13 +124,14 @@ class Trace:
 
     # -- plain data ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The trace as JSON-able plain data."""
+        """The trace as JSON-able plain data (a non-finite value the user gave, e.g. a clip
+        norm of inf, becomes a string; the columns hold none)."""
         return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
-            "probe": self.probe,
+            "probe": jsonable(self.probe),
             "repeat": self.repeat,
-            "env": self.env,
+            "env": jsonable(self.env),
             "steps": [vars(s) for s in self.steps],
             "records": self.records,
             "calls": self.calls,
@@ -289,8 +291,8 @@ def _step_info(i: int, s: Any) -> StepInfo:
     if type(stepped) is not bool:
         raise _bad(f"{where}.optimizer_stepped", stepped, "true or false")
     lr = s.get("lr", [])
-    if not isinstance(lr, list) or not all(map(_number, lr)):
-        raise _bad(f"{where}.lr", lr, "a list of finite numbers")
+    if not isinstance(lr, list) or not all(map(_stat, lr)):
+        raise _bad(f"{where}.lr", lr, "a list of finite numbers or nulls")
     scale = s.get("scale")
     if not _stat(scale):
         raise _bad(f"{where}.scale", scale, "a finite number or null")

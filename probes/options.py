@@ -8,6 +8,7 @@ from typing import Any
 
 AUGMENTS = ("none", "flip")
 SCHEDULERS = ("none", "cosine")
+_NON_FINITE = ("nan", "inf", "-inf")
 
 
 @dataclass
@@ -69,4 +70,7 @@ class RecipeOptions:
             raise ValueError(
                 f"unknown recipe option(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})"
             )
-        return cls(**data)
+        # A non-finite float (a clip norm of inf) is stored as a string in strict JSON.
+        floats = {"clip_grad_norm", "lr", "momentum", "weight_decay"}
+        return cls(**{k: float(v) if k in floats and v in _NON_FINITE else v
+                      for k, v in data.items()})

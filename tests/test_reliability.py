@@ -19,7 +19,7 @@ from detaudit import Probe, api, audit
 from detaudit.cli import main
 from detaudit.config import AuditConfig
 from detaudit.errors import TraceError
-from detaudit.runfolder import LOCK_FILE, RunFolder, RunInfo, new_folder
+from detaudit.runfolder import LOCK_FILE, RunFolder, RunInfo, load_run, new_folder
 
 PROBES = Path(__file__).parent / "probe_files"
 
@@ -298,3 +298,49 @@ def test_coco_field_types_name_the_file_and_the_field(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert str(ann) in err and "annotations[0].bbox" in err
+
+
+# -- values JSON cannot hold ---------------------------------------------------------------
+def _strict(text: str):
+    def refuse(name: str):
+        raise AssertionError(f"bare {name} in JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_losses_and_learning_rates_are_stored_and_reported(tmp_path, capsys):
+    probe = _probe_file(tmp_path, (
+        "def probe(device):\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Linear(4, 1)\n"
+        "    def step(m, batch):\n"
+        "        return m(batch).pow(2).mean()\n"
+        "    optimizer = torch.optim.SGD(model.parameters(), lr=float('inf'))\n"
+        "    return detaudit.Probe(model=model, batches=[torch.ones(2, 4)] * 3, step=step,\n"
+        "                          optimizer=optimizer, clip_grad_norm=float('inf'))\n"
+    ))
+    folder = tmp_path / "run"
+    code = main(["run", "--probe", str(probe), "--out", str(folder), "--epochs", "1",
+                 "--no-census", "--json"])
+    summary = _strict(capsys.readouterr().out)
+    assert code == 0, summary["headline"]  # NaN in every repeat alike: deterministic
+    assert summary["loss"]["nonfinite"] == {"step": 1, "epoch": 1, "value": "inf"}
+    assert summary["headline"].endswith("; loss is infinite from step 1")
+    for name in ("summary.json", "run.json"):
+        _strict((folder / name).read_text())
+    trace = load_run(folder)[1][0]
+    assert trace.steps[0].lr == [None] and trace.steps[1].losses["loss"] == "inf"
+    assert "loss is infinite from step 1 (epoch 1)" in (folder / "report.md").read_text()
+
+
+def test_an_infinite_recipe_option_survives_the_trace(tmp_path):
+    from detaudit.config import ProbeSpec
+    from detaudit.probes.options import RecipeOptions
+    from detaudit.runfolder import trace_probe
+    from detaudit.trace import PROBE_SPEC, Trace
+
+    spec = ProbeSpec("builtin", "maskrcnn", options={"clip_grad_norm": float("inf")})
+    trace = Trace(probe=trace_probe(spec, AuditConfig()), repeat=0, env={})
+    loaded = Trace.load(trace.save(tmp_path / "t.json.gz"))
+    options = RecipeOptions.from_dict(loaded.probe[PROBE_SPEC]["options"])
+    assert options.clip_grad_norm == float("inf")

@@ -88,6 +88,7 @@ class LossDrift:
     first_step: int | None
     first_epoch: int | None
     per_step: list[tuple[int, int, float]]  # (step, epoch, max relative difference)
+    nonfinite: tuple[int, int, str] | None = None  # first (step, epoch, "nan"/"inf") of repeat 0
 
     def per_epoch(self) -> list[tuple[int, float]]:
         """(epoch, max relative loss difference in that epoch)."""
@@ -369,6 +370,7 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
     """First step where any loss term differs bitwise, and the relative difference per step."""
     ref = traces[0]
     first_step = first_epoch = None
+    nonfinite = None
     per_step = []
     for i, info in enumerate(ref.steps[:common]):
         values = info.loss_values()
@@ -390,7 +392,10 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
             first_step, first_epoch = info.step, info.epoch
         if values:
             per_step.append((info.step, info.epoch, rel))
-    return LossDrift(first_step, first_epoch, per_step)
+        bad = next((v for v in values.values() if not math.isfinite(v)), None)
+        if bad is not None and nonfinite is None:
+            nonfinite = (info.step, info.epoch, "nan" if math.isnan(bad) else "inf")
+    return LossDrift(first_step, first_epoch, per_step, nonfinite)
 
 
 @dataclass

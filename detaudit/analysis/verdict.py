@@ -57,6 +57,9 @@ def judge(
         c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
     )
     headline = _headline(kind, c, first, hidden, ops or {})
+    if c.loss.nonfinite is not None:
+        step, _, value = c.loss.nonfinite
+        headline += f"; loss is {'NaN' if value == 'nan' else 'infinite'} from step {step}"
     if ranks is not None:
         kind, headline = _with_ranks(kind, headline, ranks)
     if interrupted:

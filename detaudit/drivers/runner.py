@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import traceback
@@ -67,29 +68,58 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _settable(owner: Any, name: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    return (lambda: getattr(owner, name)), (lambda value: setattr(owner, name, value))
+
+
+def _global_settings() -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
+    """Torch's process-wide settings a probe may change: name -> (read, write). TF32 goes
+    through the fp32_precision API where torch has it (the legacy flags raise once a script
+    has used the new API)."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    settings = {
+        "threads": (torch.get_num_threads, torch.set_num_threads),
+        "deterministic": (
+            lambda: (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled()),
+            lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+        ),
+        "fill_uninitialized_memory": _settable(torch.utils.deterministic,
+                                               "fill_uninitialized_memory"),
+        "default_dtype": (torch.get_default_dtype, torch.set_default_dtype),
+        "cudnn.enabled": _settable(cudnn, "enabled"),
+        "cudnn.benchmark": _settable(cudnn, "benchmark"),
+        "cudnn.deterministic": _settable(cudnn, "deterministic"),
+    }
+    if hasattr(matmul, "fp32_precision"):
+        settings["matmul.fp32_precision"] = _settable(matmul, "fp32_precision")
+        settings["cudnn.fp32_precision"] = _settable(cudnn, "fp32_precision")
+    else:  # torch before the fp32_precision API
+        settings["matmul_precision"] = (torch.get_float32_matmul_precision,
+                                        torch.set_float32_matmul_precision)
+        settings["matmul.allow_tf32"] = _settable(matmul, "allow_tf32")
+        settings["cudnn.allow_tf32"] = _settable(cudnn, "allow_tf32")
+    return settings
+
+
 @contextlib.contextmanager
 def global_settings_restored() -> Iterator[None]:
     """Torch's process-wide settings as they were, after whatever a repeat changed: threads,
     deterministic algorithms, default dtype, matmul precision, cuDNN and TF32 flags. Each
-    in-process repeat then starts from the same settings."""
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = (
-        torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.utils.deterministic.fill_uninitialized_memory, torch.get_default_dtype(),
-        torch.get_float32_matmul_precision(), cudnn.enabled, cudnn.benchmark,
-        cudnn.deterministic, cudnn.allow_tf32, matmul.allow_tf32,
-    )
+    in-process repeat then starts from the same settings. Only what changed is set back."""
+    settings = _global_settings()
+    saved = {}
+    for name, (read, _) in settings.items():
+        with contextlib.suppress(Exception):
+            saved[name] = read()
     try:
         yield
     finally:
-        torch.set_num_threads(saved[0])
-        torch.use_deterministic_algorithms(saved[1], warn_only=saved[2])
-        torch.utils.deterministic.fill_uninitialized_memory = saved[3]
-        torch.set_default_dtype(saved[4])
-        torch.set_float32_matmul_precision(saved[5])
-        cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = saved[6:10]
-        matmul.allow_tf32 = saved[10]
+        for name, value in saved.items():
+            read, write = settings[name]
+            with contextlib.suppress(Exception):
+                if read() != value:
+                    write(value)
 
 
 @contextlib.contextmanager
@@ -273,15 +303,16 @@ def _train_step(
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
-        info.scale = float(scaler.get_scale())
-        recorder.record(OPTIMIZER, "", 0, "scale", torch.tensor(info.scale, dtype=torch.float64))
+        scale = float(scaler.get_scale())
+        info.scale = _finite(scale)
+        recorder.record(OPTIMIZER, "", 0, "scale", torch.tensor(scale, dtype=torch.float64))
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if probe.scheduler is not None:
         probe.scheduler.step()
     info.optimizer_stepped = True
-    info.lr = [float(group["lr"]) for group in optimizer.param_groups]
+    info.lr = [_finite(float(group["lr"])) for group in optimizer.param_groups]
     recorder.record_parameters(OPTIMIZER)
     recorder.record_optimizer(optimizer)
 
@@ -296,6 +327,11 @@ def _store(trace: Trace, step: int, records: Any) -> None:
 def _replay_stops_before(ops: OpPlan | None, step: int) -> bool:
     """Whether an op-level replay ends before `step` (a fault there cannot fire)."""
     return ops is not None and ops.last_step is not None and ops.last_step < step
+
+
+def _finite(value: float) -> float | None:
+    """A float a trace can hold (strict JSON): None where it is NaN or infinite."""
+    return value if math.isfinite(value) else None
 
 
 def _where(fn: Any) -> str:

@@ -35,14 +35,31 @@ def capture_environment(device: str | torch.device | None = None) -> dict[str, A
         "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "tf32_matmul": _read(lambda: _tf32(torch.backends.cuda.matmul)),
+        "tf32_cudnn": _read(lambda: _tf32(torch.backends.cudnn)),
         "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
     }
     return env
+
+
+def _read(getter: Any) -> Any:
+    """A setting's value, or why it could not be read: capturing never crashes a run."""
+    try:
+        return getter()
+    except Exception as exc:  # noqa: BLE001 -- e.g. torch refusing a mix of TF32 APIs
+        return f"unreadable: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+
+def _tf32(backend: Any) -> bool:
+    """Whether a backend (cuBLAS matmul, cuDNN) may use TF32: by torch's fp32_precision API
+    where it is set, else by the legacy allow_tf32 flag."""
+    precision = getattr(backend, "fp32_precision", None)
+    if precision not in (None, "none"):
+        return precision == "tf32"
+    return bool(backend.allow_tf32)
 
 
 def risks(env: dict[str, Any]) -> dict[str, str]:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..storage import atomic_write
+from ..storage import atomic_write, jsonable
 from .console import render_console, render_ranks_console
 from .github import render_github
 from .html import render_html
@@ -15,8 +15,9 @@ from .summary import summarize
 
 
 def summary_json(summary: dict[str, Any]) -> str:
-    """The summary as JSON text (summary.json and ``--json``)."""
-    return json.dumps(summary, indent=1, sort_keys=True, default=str)
+    """The summary as strict JSON text (summary.json and ``--json``): a NaN or infinite
+    value is written as the string "nan", "inf" or "-inf"."""
+    return json.dumps(jsonable(summary), indent=1, sort_keys=True, allow_nan=False)
 
 
 def write_reports(folder: str | Path, summary: dict[str, Any]) -> list[Path]:

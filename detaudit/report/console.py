@@ -6,7 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from .sections import SIDE_HEADERS, side_rows
+from .sections import SIDE_HEADERS, nonfinite_line, side_rows
 
 
 def render_console(summary: dict[str, Any]) -> str:
@@ -48,6 +48,8 @@ def render_console(summary: dict[str, Any]) -> str:
     loss = summary["loss"]
     if loss["per_epoch"]:
         lines.append("")
+        if loss.get("nonfinite"):
+            lines.append(nonfinite_line(loss["nonfinite"]))
         if loss["first_step"] is None:
             lines.append("loss: bit-identical in every step")
         else:

@@ -276,6 +276,8 @@ def _loss(s: dict[str, Any]) -> Section | None:
     else:
         lead = f"The loss first differs at step {loss['first_step']} (epoch {loss['first_epoch']})."
     blocks: list[Block] = [Text(lead)]
+    if loss.get("nonfinite"):
+        blocks.append(Text(nonfinite_line(loss["nonfinite"]), strong=True))
     if s.get("loss_hidden"):
         blocks.append(Text(
             f"Parameters diverged from step {s['param_drift_step']} while the loss stayed "
@@ -307,6 +309,13 @@ def _per_step(s: dict[str, Any]) -> Table:
     ]
     headers = ["step", "epoch", "relative |Δloss|", "records differing"]
     return Table("steps that differ", headers, rows, key="per_step", fold=True)
+
+
+def nonfinite_line(nonfinite: dict[str, Any]) -> str:
+    """The finding that the loss stopped being a number."""
+    value = "NaN" if nonfinite["value"] == "nan" else "infinite"
+    return (f"loss is {value} from step {nonfinite['step']} (epoch {nonfinite['epoch']}): "
+            "the training diverged numerically")
 
 
 def _loss_diff(value: float) -> str:

@@ -48,6 +48,10 @@ def summarize(
         ],
         "cause": {"kind": c.cause, "text": c.cause_text},
         "loss": {
+            "nonfinite": None if c.loss.nonfinite is None else dict(zip(
+                ("step", "epoch", "value"), (c.loss.nonfinite[0], c.loss.nonfinite[1] + 1,
+                                             c.loss.nonfinite[2])
+            )),
             "first_step": c.loss.first_step,
             "first_epoch": None if c.loss.first_epoch is None else c.loss.first_epoch + 1,
             "per_step": [

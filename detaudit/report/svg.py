@@ -56,8 +56,8 @@ def figure(kind: str, summary: dict[str, Any]) -> str:
 
 def loss_curves(summary: dict[str, Any]) -> str:
     """The loss of every repeat per step; repeats that agree lie on top of each other."""
-    curves = {
-        r: _thin([(p["step"], p["loss"]) for p in c if math.isfinite(p["loss"])])
+    curves = {  # NaN, inf and losses so large that the axis padding would overflow: not drawn
+        r: _thin([(p["step"], p["loss"]) for p in c if abs(p["loss"]) <= 1e300])
         for r, c in summary["loss"].get("curves", {}).items()
     }
     points = [p for c in curves.values() for p in c]
