@@ -1,7 +1,7 @@
 """One run's record, in a versioned plain-data format that every later stage reads.
 
 A trace holds no timestamps, host names or absolute paths (those live in the run folder's
-``run.json``): the same run writes the same bytes. This module owns the format's
+``run.json``): the same run writes the same bytes, up to the run's id. This module owns the format's
 vocabulary; the recorders write it and the analysis reads it, and neither defines it.
 """
 
@@ -25,9 +25,11 @@ FORMAT_NAME = "detaudit-trace"
 # The format, version 1 (gzip-compressed JSON, keys sorted):
 #
 #   probe     what ran: PROBE_SPEC (the probe description, detaudit.config.ProbeSpec as a
-#             dict), PROBE_CONFIG (detaudit.config.AuditConfig as a dict) and, in a
+#             dict), PROBE_CONFIG (detaudit.config.AuditConfig as a dict), PROBE_RUN (the
+#             run's id, as in run.json: a folder's traces all carry it) and, in a
 #             distributed audit, PROBE_DISTRIBUTED (the rank's sampler indices, loading
-#             RNG states and parameters as built).
+#             RNG states and parameters as built). Non-finite numbers the user gave (a
+#             clip norm of inf) are the strings "nan", "inf", "-inf": the file is strict JSON.
 #   repeat    which repeat of the audit this is (0-based).
 #   env       the determinism-relevant environment (versions, device, threads, flags).
 #   steps     one StepInfo per step: global step, epoch, index in epoch, exact losses.

@@ -160,16 +160,24 @@ def _state(folder: Path) -> str:
         return ""
 
 
-@pytest.mark.parametrize("stage, sig, want", [
+INTERRUPTIONS = [
     ("recording", signal.SIGTERM, "interrupted during recording"),
-    ("investigating: census", signal.SIGINT, "interrupted during investigating: census"),
+    ("recording", signal.SIGINT, "interrupted during recording"),
     ("recording", signal.SIGKILL, "recording"),
-])
+    ("investigating: census", signal.SIGINT, "interrupted during investigating: census"),
+    ("investigating: census", signal.SIGKILL, "investigating: census"),
+    ("investigating: fix verification", signal.SIGTERM,
+     "interrupted during investigating: fix verification"),
+]
+
+
+@pytest.mark.parametrize("stage, sig, want", INTERRUPTIONS)
 def test_an_interrupted_audit_leaves_a_folder_that_reports_it(tmp_path, stage, sig, want):
     folder = tmp_path / "run"
     process = subprocess.Popen(
         [sys.executable, "-m", "detaudit", "run", "--probe", str(PROBES / "slow_steps.py"),
-         "--out", str(folder), "--repeats", "3", "--epochs", "1", "--steps", "3", "--quiet"],
+         "--out", str(folder), "--repeats", "3", "--epochs", "1", "--steps", "3", "--quiet",
+         "--verify-fix"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "DETAUDIT_TEST_STEP_SECONDS": "0.4"},
     )
