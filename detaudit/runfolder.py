@@ -19,7 +19,7 @@ from typing import Any
 
 from .config import AuditConfig, ProbeSpec
 from .errors import TraceError
-from .storage import atomic_write, check_format, dump_json, jsonable, read_json
+from .storage import atomic_write, check_format, describe, dump_json, jsonable, read_json
 from .trace import PROBE_CONFIG, PROBE_RUN, PROBE_SPEC, Trace
 
 # History:
@@ -113,10 +113,7 @@ def load_run(folder: str | Path) -> tuple[RunInfo, list[Trace]]:
         raise TraceError(f"{path} is missing: {folder} is not a detaudit run folder")
     data = check_format(read_json(path, "run file"), RUN_FORMAT, RUN_FORMAT_VERSION, str(path),
                         "upgrade detaudit or re-run the audit")
-    try:
-        info = RunInfo(**{k: v for k, v in data.items() if k not in ("format", "version")})
-    except TypeError as exc:
-        raise TraceError(f"{path} is damaged: {exc}") from None
+    info = _run_info(data, path)
     traces = [Trace.load(folder / name) for name in info.traces]
     if not traces:
         raise TraceError(f"{path} lists no traces (the run ended before its first repeat did)")
@@ -260,6 +257,29 @@ def _writable(action: Any, path: Path, *args: Any, **kwargs: Any) -> Any:
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             reason = f"{reason} (not writable)"
         raise TraceError(f"cannot write {path}: {reason}") from None
+
+
+_RUN_FIELDS = {  # field -> (type, what it must be)
+    "probe": (dict, "a dict"), "config": (dict, "a dict"), "command": (str, "a string"),
+    "traces": (list, "a list of file names"), "timings": (list, "a list"),
+    "extra": (dict, "a dict"), "meta": (dict, "a dict"), "run_id": (str, "a string"),
+    "state": (str, "a string"),
+}
+
+
+def _run_info(data: dict[str, Any], path: Path) -> RunInfo:
+    """run.json's fields, each checked; trace names must be plain file names in the folder."""
+    for name, (kind, what) in _RUN_FIELDS.items():
+        if name in data and not isinstance(data[name], kind):
+            raise TraceError(f"{path} is damaged: {name} is {describe(data[name])}, not {what}")
+    for name in ("probe", "config", "command", "traces"):
+        if name not in data:
+            raise TraceError(f"{path} is damaged: it has no {name}")
+    for name in data["traces"]:
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise TraceError(f"{path} is damaged: {describe(name)} is not a trace file name "
+                             "in its own folder")
+    return RunInfo(**{k: data[k] for k in _RUN_FIELDS if k in data})
 
 
 @dataclass

@@ -342,8 +342,9 @@ def test_non_finite_losses_and_learning_rates_are_stored_and_reported(tmp_path, 
 
 
 def test_an_infinite_recipe_option_survives_the_trace(tmp_path):
-    from detaudit.config import ProbeSpec
     from detaudit.probes.options import RecipeOptions
+
+    from detaudit.config import ProbeSpec
     from detaudit.runfolder import trace_probe
     from detaudit.trace import PROBE_SPEC, Trace
 
@@ -352,3 +353,24 @@ def test_an_infinite_recipe_option_survives_the_trace(tmp_path):
     loaded = Trace.load(trace.save(tmp_path / "t.json.gz"))
     options = RecipeOptions.from_dict(loaded.probe[PROBE_SPEC]["options"])
     assert options.clip_grad_norm == float("inf")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("traces", ["../elsewhere/trace-0.json.gz"], "not a trace file name in its own folder"),
+    ("traces", ["/etc/passwd"], "not a trace file name in its own folder"),
+    ("traces", "trace-0.json.gz", "traces is 'trace-0.json.gz', not a list"),
+    ("extra", [], "extra is a list, not a dict"),
+    ("command", None, "it has no command"),
+])
+def test_run_json_is_checked_field_by_field(tmp_path, field, value, message):
+    folder = tmp_path / "run"
+    audit(small_cnn_probe, repeats=2, steps=1, out=folder)
+    data = json.loads((folder / "run.json").read_text())
+    if value is None:
+        del data[field]
+    else:
+        data[field] = value
+    (folder / "run.json").write_text(json.dumps(data))
+    with pytest.raises(TraceError, match=message):
+        api.render_folder(folder)
+    assert main(["report", str(folder)]) == 2
