@@ -347,7 +347,8 @@ def resolve_device(name: str) -> str:
 
 def environment() -> tuple[dict[str, Any], dict[str, str]]:
     """The determinism-relevant environment, and the risky settings in it with the reason."""
-    from .record.environment import capture_environment, risks
+    from .analysis.risks import risks
+    from .record.environment import capture_environment
 
     env = capture_environment()
     return env, risks(env)

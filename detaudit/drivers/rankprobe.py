@@ -95,7 +95,11 @@ class _WatchedEpoch:
 
 
 def _rng_prints() -> dict[str, str]:
-    return {name: fingerprint_bytes(state) for name, state in rng_states().items()}
+    """Every global RNG's state, the rank's own CUDA device's generator named ``cuda`` so
+    that rank 0's cuda:0 is compared with rank 1's cuda:1."""
+    own = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_initialized() else None
+    return {("cuda" if name == own else name): fingerprint_bytes(state)
+            for name, state in rng_states().items()}
 
 
 def sampler_snapshot(batches: Iterable[Any]) -> dict[str, Any] | None:

@@ -63,8 +63,13 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise DetauditError(f"unknown device {name!r} (use auto, cpu or cuda[:i])") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DetauditError("CUDA was requested but torch.cuda.is_available() is False")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DetauditError("CUDA was requested but torch.cuda.is_available() is False")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise DetauditError(f"there is no device {device}: {count} CUDA device(s), "
+                                f"cuda:0 to cuda:{count - 1}")
     return device
 
 
@@ -181,7 +186,9 @@ def run_repeat(
     started = time.perf_counter()
     steps_done = 0
     peak = PeakMemory(device)
-    with global_settings_restored(), peak, deterministic_settings(config.deterministic):
+    # cuda:N is the current device for the repeat: per-module RNG tracking reads its generator
+    current = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with global_settings_restored(), current, peak, deterministic_settings(config.deterministic):
         seed_everything(config.seed)
         try:
             probe = factory(device)
@@ -192,6 +199,12 @@ def run_repeat(
         trace.env = capture_environment(device)
         if not isinstance(probe, Probe):
             raise ProbeError(f"the probe function returned {type(probe).__name__}, not detaudit.Probe")
+        if isinstance(probe.model, torch.nn.DataParallel):
+            raise DetauditError(
+                "nn.DataParallel runs replicas on several threads and devices at once, which "
+                "a run-to-run audit cannot attribute; return the bare model, or audit "
+                "DistributedDataParallel on N ranks (detaudit run --nproc N)"
+            )
         train = config.mode == "train"
         probe.model.train(train)
         fingerprinter = Fingerprinter()
@@ -300,8 +313,11 @@ def _train_step(
     if probe.clip_grad_norm:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(params, probe.clip_grad_norm)
+    stepped = True
     if scaler is not None:
+        scale_before = float(scaler.get_scale())
         scaler.step(optimizer)
+        stepped = not _skipped(scaler, optimizer, scale_before)
         scaler.update()
         scale = float(scaler.get_scale())
         info.scale = _finite(scale)
@@ -311,10 +327,22 @@ def _train_step(
     optimizer.zero_grad(set_to_none=True)
     if probe.scheduler is not None:
         probe.scheduler.step()
-    info.optimizer_stepped = True
+    info.optimizer_stepped = stepped
     info.lr = [_finite(float(group["lr"])) for group in optimizer.param_groups]
     recorder.record_parameters(OPTIMIZER)
     recorder.record_optimizer(optimizer)
+
+
+def _skipped(scaler: Any, optimizer: Any, scale_before: float) -> bool:
+    """Whether GradScaler skipped the optimizer step (inf/NaN gradients). Read before
+    ``update()``, which forgets it; a scaler without that state is judged by its scale."""
+    found = getattr(scaler, "_found_inf_per_device", None)
+    if found is not None:
+        try:
+            return any(float(v) for v in found(optimizer).values())
+        except (KeyError, RuntimeError, AssertionError):
+            pass
+    return float(scaler.get_scale()) < scale_before
 
 
 def _store(trace: Trace, step: int, records: Any) -> None:

@@ -44,6 +44,11 @@ def render_console(summary: dict[str, Any]) -> str:
                 f"control flow forked at step {f['step']}: {f['module'] or '(model)'} {f['slot']} "
                 f"is missing in {f['missing']} repeat(s)"
             )
+    flagged = summary.get("env_risks") or {}
+    if flagged:
+        lines.append("")
+        lines.append(f"risky settings: {', '.join(flagged)} (the report says why; "
+                     "`detaudit env` checks this machine)")
     lines.extend(_op_lines(summary))
     loss = summary["loss"]
     if loss["per_epoch"]:

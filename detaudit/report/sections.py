@@ -448,6 +448,12 @@ def _env(s: dict[str, Any]) -> Section | None:
             ["setting", *(f"repeat {i}" for i in range(repeats))],
             [[k, *(_value(v) for v in values)] for k, values in diffs.items()],
         ))
+    flagged = s.get("env_risks") or {}
+    if flagged:
+        blocks.append(Table(
+            "risky settings (as `detaudit env` flags them)", ["setting", "value", "why"],
+            [[k, _value(env.get(k)), clip(why)] for k, why in flagged.items()],
+        ))
     if env:
         blocks.append(Table(
             "environment", ["setting", "value"], [[k, _value(v)] for k, v in env.items()],

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..analysis.compare import Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
+from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, one_based
 from ..runfolder import RunInfo
 from ..trace import Trace
@@ -82,6 +83,7 @@ def summarize(
         "map_truncated": max(0, len(c.findings) - MAP_LIMIT),
         "failures": {str(k): v for k, v in c.failures.items()},
         "env": traces[0].env if traces else {},
+        "env_risks": risks(traces[0].env) if traces and traces[0].env else {},
         "env_differences": _env_differences(traces),
         "extra": extra,
         "ops": ops.get("ops") or [],

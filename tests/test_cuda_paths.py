@@ -1,0 +1,112 @@
+"""What a GPU user would hit first, with the CUDA condition simulated on CPU where the logic
+allows (the tests that need a real GPU are marked `cuda` and skip without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import small_cnn_probe
+
+from detaudit import Probe, audit
+from detaudit.cli import main
+from detaudit.drivers import rankprobe
+from detaudit.drivers.runner import resolve_device
+from detaudit.errors import DetauditError
+
+
+@pytest.fixture
+def new_tf32_api():
+    """torch's fp32_precision API in use (it makes the legacy allow_tf32 flags raise)."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API")
+    matmul.fp32_precision = "tf32"
+    with pytest.raises(RuntimeError):  # the crash the audit used to hit
+        _ = matmul.allow_tf32
+    yield matmul
+    matmul.fp32_precision = "none"
+
+
+def test_the_new_tf32_api_never_crashes_a_run(new_tf32_api):
+    result = audit(small_cnn_probe, repeats=2, steps=1)
+    assert result.deterministic
+    assert [t.env["tf32_matmul"] for t in result.traces] == [True, True]
+    assert new_tf32_api.fp32_precision == "tf32"
+
+
+def test_tf32_a_probe_turns_on_is_off_again_for_the_next_repeat():
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API")
+    seen = []
+
+    def probe(device):
+        seen.append(torch.backends.cuda.matmul.fp32_precision)
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        return small_cnn_probe(device)
+
+    try:
+        audit(probe, repeats=2, steps=1)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = "none"
+    assert seen == ["none", "none"]
+
+
+def test_a_cuda_index_beyond_the_devices_is_refused_up_front(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(DetauditError, match=r"no device cuda:2: 2 CUDA device\(s\), cuda:0 to cuda:1"):
+        resolve_device("cuda:2")
+    assert main(["run", "--model", "maskrcnn", "--device", "cuda:5", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no device cuda:5" in err
+
+
+def test_data_parallel_is_refused_with_the_way_out(tmp_path):
+    def probe(device):
+        inner = small_cnn_probe(device)
+        return Probe(model=torch.nn.DataParallel(inner.model), batches=inner.batches,
+                     step=inner.step, optimizer=inner.optimizer)
+
+    with pytest.raises(DetauditError, match="nn.DataParallel.*--nproc N"):
+        audit(probe, repeats=2, steps=1)
+
+
+def test_a_step_grad_scaler_skips_is_not_an_optimizer_step():
+    def probe(device):
+        model = torch.nn.Linear(4, 1)
+        batches = [torch.full((2, 4), float("inf")), torch.ones(2, 4), torch.ones(2, 4)]
+        return Probe(model=model, batches=batches, step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     scaler=torch.amp.GradScaler("cpu", init_scale=2.0**4))
+
+    result = audit(probe, repeats=1, steps=3)
+    steps = result.traces[0].steps
+    assert [s.optimizer_stepped for s in steps] == [False, True, True]
+    assert steps[0].scale == 2.0**3  # backed off after the inf gradients
+
+
+def test_ranks_compare_their_own_cuda_generator(monkeypatch):
+    states = {0: {"torch": b"t", "cuda:0": b"same"}, 1: {"torch": b"t", "cuda:1": b"same"}}
+    prints = {}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    for rank, state in states.items():
+        monkeypatch.setattr(torch.cuda, "current_device", lambda rank=rank: rank)
+        monkeypatch.setattr(rankprobe, "rng_states", lambda state=state: state)
+        prints[rank] = rankprobe._rng_prints()
+    assert set(prints[0]) == set(prints[1]) == {"torch", "cuda"}
+    assert prints[0]["cuda"] == prints[1]["cuda"]  # the same draw on both ranks: comparable
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_index_is_the_current_device_during_a_repeat():
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    seen = []
+
+    def probe(dev):
+        seen.append(torch.cuda.current_device())
+        return small_cnn_probe(dev)
+
+    audit(probe, repeats=1, steps=1, device=device)
+    assert seen == [torch.cuda.device_count() - 1]
