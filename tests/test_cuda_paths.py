@@ -110,3 +110,43 @@ def test_cuda_index_is_the_current_device_during_a_repeat():
 
     audit(probe, repeats=1, steps=1, device=device)
     assert seen == [torch.cuda.device_count() - 1]
+
+
+def test_cudnn_and_cublas_entries_only_where_the_settings_leave_them_free():
+    from detaudit.investigate.knowledge import CONDITIONS, KNOWN, applicable
+
+    assert all(k.when in CONDITIONS for k in KNOWN)
+    free = {"cudnn_benchmark": True, "cudnn_deterministic": False}
+    pinned = {"cudnn_benchmark": False, "cudnn_deterministic": True,
+              "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert applicable("aten.convolution", "forward", "cuda:0", free)
+    assert not applicable("aten.convolution", "forward", "cuda:0", pinned)
+    assert applicable("aten.addmm", "forward", "cuda", free)
+    assert not applicable("aten.addmm", "forward", "cuda", pinned)
+    assert applicable("torchvision._roi_align_backward", "backward", "cuda", pinned)
+    assert not applicable("aten.addmm", "forward", "cpu", free)  # thread count alone: no
+
+
+def test_a_census_step_that_fails_is_an_error_in_the_report(tmp_path, capsys):
+    from detaudit import api
+    from detaudit.config import AuditConfig, Investigations
+
+    def probe(device):
+        base = small_cnn_probe(device)
+
+        def step(model, batch):
+            if torch.are_deterministic_algorithms_enabled():  # the census's second pass
+                raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasGemmEx")
+            return base.step(model, batch)
+
+        return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
+
+    result = api.run(api.describe_callable(probe), AuditConfig(steps=1), factory=probe,
+                     out=tmp_path, investigations=Investigations(census=True))
+    errors = result.summary["census_errors"]
+    assert len(errors) == 1 and "under use_deterministic_algorithms(True) stopped" in errors[0]
+    assert "CUBLAS_STATUS_NOT_SUPPORTED" in errors[0]
+    from detaudit.report import render_console
+
+    assert "CUBLAS_STATUS_NOT_SUPPORTED" in render_console(result.summary)
+    assert "CUBLAS_STATUS_NOT_SUPPORTED" in (tmp_path / "report.html").read_text()

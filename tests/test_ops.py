@@ -15,9 +15,9 @@ from torch import nn
 
 from detaudit import Fault, Probe, audit, seed_everything
 from detaudit.analysis.compare import ORIGIN
+from detaudit.analysis.risks import risks
 from detaudit.investigate.drilldown import tensor_difference
 from detaudit.investigate.knowledge import KNOWN, lookup
-from detaudit.analysis.risks import risks
 from detaudit.record.environment import capture_environment
 from detaudit.trace import OP_PHASES
 

@@ -19,7 +19,7 @@ import torch
 
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
-from .knowledge import is_known, lookup
+from .knowledge import applicable
 
 
 def take_census(
@@ -29,25 +29,36 @@ def take_census(
     config = replace(config, fault=None, granularity="module", repeats=1)
     device = str(torch.device(config.device))
     counts: Counter[tuple[str, str, str, bool | None]] = Counter()
-    for mode in _one_step(factory, config, spec):
+    errors: list[str] = []
+    modes, env = _one_step(factory, config, spec, "as configured", errors)
+    for mode in modes:
         counts.update(mode.counts)
     ops = [
         {"module": module or "(model)", "phase": phase,
          "op": op if accumulate is None else f"{op}(accumulate={accumulate})", "count": n,
-         "what": lookup(op, phase, device, accumulate)[0].what}
+         "what": known[0].what}
         for (module, phase, op, accumulate), n in sorted(counts.items(), key=str)
-        if is_known(op, phase, device, accumulate)
+        if (known := applicable(op, phase, device, env, accumulate))
     ]
+    deterministic, _ = _one_step(factory, replace(config, deterministic=True), spec,
+                                 "under use_deterministic_algorithms(True)", errors)
     alerts = [
         {"module": a.module or "(model)", "phase": a.phase, "op": a.op, "message": a.message}
-        for mode in _one_step(factory, replace(config, deterministic=True), spec)
-        for a in mode.alerts
+        for mode in deterministic for a in mode.alerts
     ]
-    return {"device": device, "ops": ops, "alerts": alerts,
+    return {"device": device, "ops": ops, "alerts": alerts, "errors": errors,
             "ops_seen": sum(counts.values())}
 
 
-def _one_step(factory: ProbeFactory, config: AuditConfig, spec: ProbeSpec | None):
+def _one_step(
+    factory: ProbeFactory, config: AuditConfig, spec: ProbeSpec | None, which: str,
+    errors: list[str],
+) -> tuple[list[Any], dict[str, Any]]:
+    """The op-level modes of one census step and the environment it ran in; a step that
+    stopped early is an error of the census (its lists are then partial), never silent."""
     plan = OpPlan(last_step=0, census=True)
-    run_repeat(factory, config, 0, spec, ops=plan)
-    return plan.modes
+    trace, _ = run_repeat(factory, config, 0, spec, ops=plan)
+    if trace.failure:
+        errors.append(f"the census step {which} stopped, so its lists are partial: "
+                      f"{trace.failure}")
+    return plan.modes, trace.env

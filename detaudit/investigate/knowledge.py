@@ -12,7 +12,7 @@ reproducibility notes, torchvision's ``ops/`` sources.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Known:
     deterministic_mode: str
     torch: str = "all versions"
     accumulate: bool | None = None  # only when the op's `accumulate` argument is this
+    when: str = "always"  # the settings under which runs differ: a key of CONDITIONS
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,11 +58,13 @@ KNOWN: tuple[Known, ...] = (
     ),
     Known(
         ops=("torchvision.nms",), device="any", phase="forward",
-        what="nms with tied scores",
-        why="boxes with exactly equal scores may be kept in either order (the sort is not "
-        "stable on CUDA), which reorders proposals and everything downstream",
-        remedy="break ties before NMS (e.g. add a tiny index-dependent offset to the scores) "
-        "or sort with stable=True",
+        what="nms with tied or nearly tied scores",
+        why="torchvision's nms sorts scores with a stable sort, so on one device ties keep "
+        "their order run to run; but CPU and CUDA break ties differently, and any earlier "
+        "1-ULP difference in two near-equal scores changes which box is kept, reordering "
+        "proposals and everything downstream",
+        remedy="break ties before NMS (e.g. add a tiny index-dependent offset to the scores); "
+        "make what feeds the scores deterministic",
         deterministic_mode="no effect",
     ),
     Known(
@@ -121,7 +124,7 @@ KNOWN: tuple[Known, ...] = (
         "(e.g. backward-filter with atomics) are nondeterministic",
         remedy="torch.backends.cudnn.benchmark = False; torch.backends.cudnn.deterministic = "
         "True (or use_deterministic_algorithms(True))",
-        deterministic_mode="switches",
+        deterministic_mode="switches", when="cudnn may choose",
     ),
     Known(
         ops=("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul"),
@@ -132,7 +135,7 @@ KNOWN: tuple[Known, ...] = (
         remedy="export CUBLAS_WORKSPACE_CONFIG=:4096:8 (or :16:8) before the process starts, "
         "with use_deterministic_algorithms(True)",
         deterministic_mode="raises",
-        torch="CUDA >= 10.2",
+        torch="CUDA >= 10.2", when="cublas workspace unset",
     ),
     Known(
         ops=("aten.put_",), device="cpu", phase="any",
@@ -151,9 +154,21 @@ KNOWN: tuple[Known, ...] = (
         "fixed thread count but differ between, e.g., 1 and 2 threads or machines",
         remedy="pin torch.set_num_threads(N) (and OMP_NUM_THREADS) to the same value "
         "everywhere you compare runs",
-        deterministic_mode="no effect",
+        deterministic_mode="no effect", when="thread count changes",
     ),
 )
+
+# When an entry makes two runs with the same settings differ, from the environment a run
+# recorded (detaudit.record.environment); without an environment every entry applies.
+CONDITIONS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "always": lambda env: True,
+    "cudnn may choose": lambda env: bool(env.get("cudnn_benchmark"))
+    or not (env.get("cudnn_deterministic") or env.get("deterministic_algorithms")),
+    "cublas workspace unset": lambda env: env.get("CUBLAS_WORKSPACE_CONFIG")
+    not in (":4096:8", ":16:8"),
+    # runs at one thread count agree: only comparisons across thread counts differ
+    "thread count changes": lambda env: False,
+}
 
 
 def lookup(
@@ -171,7 +186,12 @@ def lookup(
     ]
 
 
-def is_known(op: str, phase: str, device: str, accumulate: bool | None = None) -> bool:
-    """Whether `op` is a known source of run-to-run nondeterminism there (thread-count
-    dependence alone does not make runs at one thread count differ, so it is left out)."""
-    return any("thread-count" not in k.what for k in lookup(op, phase, device, accumulate))
+def applicable(
+    op: str, phase: str, device: str, env: dict[str, Any] | None = None,
+    accumulate: bool | None = None,
+) -> list[Known]:
+    """The entries under which `op` makes two runs differ there, with the settings `env`
+    records (cuDNN and cuBLAS ops only when those settings leave them free to vary)."""
+    return [k for k in lookup(op, phase, device, accumulate)
+            if env is None and k.when != "thread count changes"
+            or env is not None and CONDITIONS[k.when](env)]

@@ -105,9 +105,13 @@ def _op_lines(summary: dict[str, Any]) -> list[str]:
 
 def _census_lines(summary: dict[str, Any]) -> list[str]:
     census, alerts = summary.get("census") or [], summary.get("census_alerts") or []
-    if not census and not alerts:
+    errors = summary.get("census_errors") or []
+    if not census and not alerts and not errors:
         return []
-    lines = ["", "census: known-nondeterministic ops this model runs on this device (one step)"]
+    lines = ["", *errors]
+    if census or alerts:
+        lines.append("census: known-nondeterministic ops this model runs on this device "
+                     "(one step)")
     if census:
         lines.append(tabulate([(c["module"], c["phase"], c["op"], c["count"]) for c in census[:12]],
                               headers=["module", "phase", "op", "count"]))

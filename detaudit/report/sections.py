@@ -356,13 +356,15 @@ def _rel(a: float | None, b: float | None) -> float | None:
 def _census(s: dict[str, Any]) -> Section | None:
     census = s.get("census") or []
     alerts = s.get("census_alerts") or []
-    if not census and not alerts:
+    errors = s.get("census_errors") or []
+    if not census and not alerts and not errors:
         return None
     blocks: list[Block] = [Text(
         "Known-nondeterministic ops your model ran on this device in one step (whether or not "
         "the repeats happened to agree), and the alerts raised under "
         "torch.use_deterministic_algorithms(True, warn_only=True)."
     )]
+    blocks += [Text(clip(e), strong=True) for e in errors]
     if census:
         rows = [[num(c.get("module")), num(c.get("phase")), num(c.get("op")), num(c.get("count")),
                  num(c.get("what"))] for c in census]

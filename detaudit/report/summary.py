@@ -91,6 +91,9 @@ def summarize(
         "knowledge": ops.get("knowledge") or [],
         "census": census.get("ops") or [],
         "census_alerts": census.get("alerts") or [],
+        "census_errors": list(census.get("errors") or []) + (
+            [f"the census failed: {census['error']}"] if census.get("error") else []
+        ),
     }
     if ranks is not None:  # a distributed audit: its ranks side by side
         summary["ranks"] = ranks.to_dict()
