@@ -211,8 +211,7 @@ def _run_here(
     factory = factory or make_factory(spec)
     traces, timings = _record(spec, factory, config, folder, launch.isolation, progress)
     comparison = compare(traces)
-    found = _investigate(spec, factory, config, comparison, traces, timings, wanted,
-                         folder, progress)
+    found = _investigate(spec, factory, config, comparison, traces, wanted, folder, progress)
     folder.info.state = COMPLETE
     folder.save()
     verdict = judge(comparison, found.get("ops"))
@@ -396,8 +395,8 @@ def _record(
 
 def _investigate(
     spec: ProbeSpec, factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
-    traces: list[Trace], timings: list[RepeatTiming], wanted: Investigations,
-    folder: RunFolder | _Unsaved, progress: Progress,
+    traces: list[Trace], wanted: Investigations, folder: RunFolder | _Unsaved,
+    progress: Progress,
 ) -> dict[str, Any]:
     """The investigations asked for, as plain data (a failed one says so in its place);
     ``run.json`` says which one is running and keeps each result as it comes."""
@@ -416,7 +415,7 @@ def _investigate(
         folder.save()
 
     return investigate(
-        factory, config, comparison, timings, ops=wanted.drill_down, census=wanted.census,
+        factory, config, comparison, ops=wanted.drill_down, census=wanted.census,
         verify=wanted.verify_fix, spec=spec, traces=traces, on_stage=on_stage,
         on_done=on_done,
     )

@@ -150,3 +150,31 @@ def test_a_census_step_that_fails_is_an_error_in_the_report(tmp_path, capsys):
 
     assert "CUBLAS_STATUS_NOT_SUPPORTED" in render_console(result.summary)
     assert "CUBLAS_STATUS_NOT_SUPPORTED" in (tmp_path / "report.html").read_text()
+
+
+def test_verify_fix_alternates_like_with_like_and_times_steady_steps():
+    import time
+
+    from detaudit.config import AuditConfig
+    from detaudit.investigate.fixes import verify_fix
+
+    order = []
+
+    def probe(device):
+        order.append(torch.are_deterministic_algorithms_enabled())
+        base = small_cnn_probe(device)
+
+        def step(model, batch):
+            if step.calls == 0:
+                time.sleep(0.3)  # building and warming up: must not count
+            step.calls += 1
+            return base.step(model, batch)
+
+        step.calls = 0
+        return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
+
+    config = AuditConfig(repeats=2, steps=3, granularity="op")
+    found = verify_fix(probe, config, "none")
+    assert order == [False, True, True, False]  # original first, then fixed first
+    assert found["deterministic"] and found["step_seconds"]["original"] < 0.15
+    assert 0.2 < found["step_time_ratio"] < 5  # module level both: no op-level slowdown

@@ -53,6 +53,14 @@ class RepeatTiming:
     seconds: float
     steps: int
     peak_bytes: int | None = None
+    steady_seconds: float | None = None  # the steps after the first (no build, no warm-up)
+
+    @property
+    def steady_step_seconds(self) -> float | None:
+        """Seconds per step once the probe is built and the first step has warmed up."""
+        if self.steady_seconds is None or self.steps < 2:
+            return None
+        return self.steady_seconds / (self.steps - 1)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -208,9 +216,19 @@ def run_repeat(
         train = config.mode == "train"
         probe.model.train(train)
         fingerprinter = Fingerprinter()
+        ends: list[float] = []
+
+        def step_ended(epoch: int, index: int, step: int) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # a step has ended when its kernels have
+            ends.append(time.perf_counter())
+            if on_step:
+                on_step(epoch, index, step)
+
         with Recorder(probe.model, fingerprinter, fault=fault) as recorder:
             try:
-                steps_done = _run_steps(probe, config, recorder, trace, train, on_step, fault, ops)
+                steps_done = _run_steps(probe, config, recorder, trace, train, step_ended, fault,
+                                        ops)
             except DetauditError:
                 raise
             except (Exception, SystemExit) as exc:  # noqa: BLE001 -- the user's step
@@ -223,7 +241,9 @@ def run_repeat(
                    f"{where}module {fault.module!r} did not run "
                    f"{'forward' if fault.phase == 'forward' else 'backward'} at step {fault.step}")
             raise DetauditError(f"the planted fault never fired: {why}")
-    timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes)
+    steady = ends[-1] - ends[0] if len(ends) >= 2 else None
+    timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes,
+                          steady)
     return trace, timing
 
 

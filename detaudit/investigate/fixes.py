@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,20 +41,23 @@ def applied_remedies(device: str) -> list[str]:
 
 
 def verify_fix(
-    factory: ProbeFactory, config: AuditConfig, original: list[RepeatTiming], cause: str,
-    spec: ProbeSpec | None = None,
-    on_step: Callable[[int, int, int, int], None] | None = None,
+    factory: ProbeFactory, config: AuditConfig, cause: str, spec: ProbeSpec | None = None,
 ) -> dict[str, Any]:
     """Run the same audit with the remedies; say whether it is deterministic now and what
-    it cost: step time and peak memory as ratios of the original run's."""
-    fixed_config = replace(config, deterministic=True, fault=None, granularity="module")
-    runs = [
-        run_repeat(factory, fixed_config, r, spec,
-                   (lambda e, i, s, r=r: on_step(r, e, i, s)) if on_step else None)
-        for r in range(config.repeats)
-    ]
-    comparison = compare([trace for trace, _ in runs])
-    timings = [timing for _, timing in runs]
+    it cost: step time and peak memory as ratios of the original's. Like is compared with
+    like: original and fixed repeats both at module level without a planted fault, run in
+    alternating order (original first, then fixed first, ...), timed over their steady
+    steps (after the first, so neither building the probe nor warm-up counts)."""
+    original_config = replace(config, fault=None, granularity="module")
+    fixed_config = replace(original_config, deterministic=True)
+    runs: dict[bool, list[tuple[Any, RepeatTiming]]] = {False: [], True: []}
+    for r in range(config.repeats):
+        for fixed in ((False, True) if r % 2 == 0 else (True, False)):
+            cfg = fixed_config if fixed else original_config
+            runs[fixed].append(run_repeat(factory, cfg, r, spec))
+    comparison = compare([trace for trace, _ in runs[True]])
+    timings = [timing for _, timing in runs[True]]
+    original = [timing for _, timing in runs[False]]
     time_ratio = _ratio(_step_seconds(timings), _step_seconds(original))
     memory_ratio = _ratio(_peak(timings), _peak(original))
     return {
@@ -72,12 +75,14 @@ def verify_fix(
         "peak_bytes": {"original": _peak(original), "fixed": _peak(timings)},
         "peak_memory_kind": "cuda max_memory_allocated" if torch.device(config.device).type
         == "cuda" else "process peak RSS",
+        "timed": f"{config.repeats} original and {config.repeats} fixed repeats in alternating "
+        "order, module level, steady steps only",
     }
 
 
 def _step_seconds(timings: list[RepeatTiming]) -> float | None:
-    """Median seconds per step over the repeats."""
-    per_step = [t.seconds / t.steps for t in timings if t.steps]
+    """Median steady seconds per step over the repeats (whole repeats for 1-step runs)."""
+    per_step = [t.steady_step_seconds or t.seconds / t.steps for t in timings if t.steps]
     return statistics.median(per_step) if per_step else None
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from ..analysis.compare import Comparison
 from ..config import AuditConfig, ProbeSpec
-from ..drivers.runner import ProbeFactory, RepeatTiming, describe_user_error
+from ..drivers.runner import ProbeFactory, describe_user_error
 from ..errors import DetauditError
 from ..trace import Trace
 from .census import take_census
@@ -20,7 +20,7 @@ from .fixes import verify_fix
 
 def investigate(
     factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
-    timings: list[RepeatTiming], *, ops: bool = True, census: bool = False,
+    *, ops: bool = True, census: bool = False,
     verify: bool = False, spec: ProbeSpec | None = None,
     traces: list[Trace] | None = None,
     on_stage: Callable[[str], None] | None = None,
@@ -36,8 +36,7 @@ def investigate(
     if census:
         stages.append(("census", lambda: take_census(factory, config, spec)))
     if verify:
-        stages.append(("verify", lambda: verify_fix(
-            factory, config, timings, comparison.cause, spec)))
+        stages.append(("verify", lambda: verify_fix(factory, config, comparison.cause, spec)))
     out: dict[str, Any] = {}
     for name, run in stages:
         if on_stage:
