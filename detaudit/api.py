@@ -386,6 +386,13 @@ def _record(
             traces.append(trace)
             timings.append(timing)
             folder.add_trace(trace, asdict(timing))
+            if repeat == 0 and config.repeats > 1 and trace.env.get("cudnn_benchmark") and (
+                    str(config.device).startswith("cuda")):
+                progress.note(
+                    "cudnn.benchmark is on: repeats in one process share cuDNN's algorithm "
+                    "cache and may agree where separate runs would not; audit with "
+                    "--isolation process for a verdict that holds"
+                )
             if repeat == 0 and trace.failure and not trace.steps:
                 raise ProbeError(trace.failure)
         return traces, timings

@@ -3,6 +3,8 @@ allows (the tests that need a real GPU are marked `cuda` and skip without one)."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import small_cnn_probe
@@ -12,6 +14,8 @@ from detaudit.cli import main
 from detaudit.drivers import rankprobe
 from detaudit.drivers.runner import resolve_device
 from detaudit.errors import DetauditError
+
+PROBES = Path(__file__).parent / "probe_files"
 
 
 @pytest.fixture
@@ -178,3 +182,29 @@ def test_verify_fix_alternates_like_with_like_and_times_steady_steps():
     assert order == [False, True, True, False]  # original first, then fixed first
     assert found["deterministic"] and found["step_seconds"]["original"] < 0.15
     assert 0.2 < found["step_time_ratio"] < 5  # module level both: no op-level slowdown
+
+
+def test_census_and_fix_verification_run_in_a_child_with_the_workspace_set(monkeypatch):
+    import os
+
+    from detaudit import api
+    from detaudit.config import AuditConfig, ProbeSpec
+    from detaudit.drivers.loading import make_factory
+    from detaudit.investigate.isolated import needs_child
+    from detaudit.investigate.stages import investigate
+
+    spec = ProbeSpec("file", "tiny_cnn", source=str(PROBES / "tiny_cnn.py"))
+    config = AuditConfig(repeats=2, steps=1)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not needs_child(config, spec)  # CPU: in this process
+    assert needs_child(AuditConfig(device="cuda"), spec)  # CUDA: a fresh process
+    assert not needs_child(AuditConfig(device="cuda"), api.describe_callable(small_cnn_probe))
+    comparison = api.run(spec, config).comparison
+    wanted = {"census": True, "verify": True, "ops": False, "spec": spec}
+    here = investigate(make_factory(spec), config, comparison, child=False, **wanted)
+    there = investigate(make_factory(spec), config, comparison, child=True, **wanted)
+    assert there["census"]["process"].endswith("CUBLAS_WORKSPACE_CONFIG=:4096:8")
+    assert there["census"]["ops_seen"] == here["census"]["ops_seen"] > 0
+    assert there["census"]["alerts"] == here["census"]["alerts"]
+    assert there["verify"]["deterministic"] and here["verify"]["deterministic"]
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # the parent is left as it was

@@ -16,6 +16,7 @@ from ..trace import Trace
 from .census import take_census
 from .drilldown import drill_down
 from .fixes import verify_fix
+from .isolated import needs_child, run_in_child
 
 
 def investigate(
@@ -25,18 +26,25 @@ def investigate(
     traces: list[Trace] | None = None,
     on_stage: Callable[[str], None] | None = None,
     on_done: Callable[[str, Any], None] | None = None,
+    child: bool | None = None,
 ) -> dict[str, Any]:
     """Plain data under the keys ``ops``, ``census`` and ``verify`` (those asked for).
-    `traces` recorded at op granularity are used for the drill-down without a replay."""
+    `traces` recorded at op granularity are used for the drill-down without a replay.
+    The census and the fix verification run in a child process where their settings must
+    be in force from its start (`child`; default: on CUDA, see :mod:`.isolated`)."""
+    if child is None:
+        child = needs_child(config, spec)
     stages: list[tuple[str, Callable[[], Any]]] = []
     if ops and comparison.first_step is not None and not comparison.failures:
         stages.append(("ops", lambda: drill_down(
             factory, config, comparison, spec,
             traces if config.granularity == "op" else None)))
     if census:
-        stages.append(("census", lambda: take_census(factory, config, spec)))
+        stages.append(("census", lambda: run_in_child("census", spec, config, "")
+                       if child and spec else take_census(factory, config, spec)))
     if verify:
-        stages.append(("verify", lambda: verify_fix(factory, config, comparison.cause, spec)))
+        stages.append(("verify", lambda: run_in_child("verify", spec, config, comparison.cause)
+                       if child and spec else verify_fix(factory, config, comparison.cause, spec)))
     out: dict[str, Any] = {}
     for name, run in stages:
         if on_stage:
