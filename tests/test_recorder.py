@@ -117,3 +117,46 @@ def test_small_cnn_records_every_phase():
     assert {"state", "forward", "backward", "grad", "optimizer", "output"} <= phases
     slots = set(trace.records["slot"])
     assert {"batch.0", "batch.1", "rng.torch", "rng.numpy", "rng.python"} <= slots
+
+
+def test_gradient_hooks_from_several_threads_keep_each_key_with_its_print():
+    """Backward across devices runs hooks on several autograd threads at once: every record
+    must still carry its own tensor's print."""
+    import sys
+
+    from detaudit.record.fingerprint import fingerprint
+
+    model = torch.nn.Linear(2, 2)
+    grads = {f"grad_out.{i}": torch.full((64,), float(i)) for i in range(256)}
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes
+    try:
+        records = _hooks_from_threads(model, grads)
+    finally:
+        sys.setswitchinterval(switch)
+    printed = {key[3]: p.fp for key, p in zip(records.keys, records.prints)}
+    assert printed == {slot: fingerprint(g).fp for slot, g in grads.items()}
+
+
+def _hooks_from_threads(model, grads):
+    import threading
+
+    from detaudit.record.recorder import Call
+
+    with Recorder(model) as recorder:
+        recorder.begin_step(0)
+        call = Call("worker", 0, -1)
+        hooks = [(recorder._grad_out_hook(call, slot), g) for slot, g in grads.items()]
+        start = threading.Barrier(8)
+
+        def run(part):
+            start.wait()
+            for hook, grad in part:
+                hook(grad)
+
+        threads = [threading.Thread(target=run, args=(hooks[i::8],)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return recorder.end_step()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,7 @@ class Recorder:
         self._handles: list[Any] = []
         self._step_handles: list[Any] = []
         self._step = -1
+        self._lock = threading.Lock()  # a record's key and print are appended together
         self._reset_step()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -119,7 +121,6 @@ class Recorder:
         self._calls: list[Call] = []
         self._stack: list[tuple[int, bytes | None]] = []
         self._counts: dict[str, int] = {}
-        self._edge_counts: dict[tuple[int, str], int] = {}
         self._seq_index: tuple[int, list[int], list[list[int]]] | None = None
 
     def begin_step(self, step: int) -> None:
@@ -270,8 +271,9 @@ class Recorder:
 
     def _grad_out_hook(self, call: Call, slot: str):
         def hook(grad: torch.Tensor) -> None:
-            self._keys.append((BACKWARD, call.module, call.index, slot))
-            self.fp.add(grad)
+            with self._lock:  # backward across devices runs hooks on several threads
+                self._keys.append((BACKWARD, call.module, call.index, slot))
+                self.fp.add(grad)
 
         return hook
 
@@ -285,6 +287,10 @@ class Recorder:
         fault = self.fault
         fault_here = fault is not None and fault.phase == BACKWARD and fault.step == self._step
         boundaries: dict[Any, list[tuple[int, int, str | None]]] = {}
+        # One call can send several gradients to the same input (x + f(x)): they are told
+        # apart as slot, slot#1, ... in the order of this walk, not in the order backward
+        # happens to deliver them (which varies when several threads run it).
+        sent: dict[tuple[int, str], int] = {}
         seen = {loss.grad_fn}
         todo = [loss.grad_fn]
         while todo:
@@ -312,8 +318,9 @@ class Recorder:
                 for c in chain:  # innermost first: stop at the first call that made `nxt`
                     if calls[c].seq_start <= created:
                         break
-                    path = calls[c].inputs.get(target, f"?{nxt.name()}")
-                    boundaries.setdefault(node, []).append((k, c, _slot("grad_in", path)))
+                    slot = _slot("grad_in", calls[c].inputs.get(target, f"?{nxt.name()}"))
+                    n = sent[(c, slot)] = sent.get((c, slot), -1) + 1
+                    boundaries.setdefault(node, []).append((k, c, f"{slot}#{n}" if n else slot))
         for node, edges in boundaries.items():
             self._step_handles.append(node.register_hook(self._boundary_hook(edges)))
 
@@ -363,13 +370,9 @@ class Recorder:
                 ):
                     grads[k], changed, self.fault_fired = next_ulp(grad), True, True
                 if slot is not None:
-                    # One call can send several gradients to the same input (x + f(x)).
-                    seen = self._edge_counts.get((c, slot), 0)
-                    self._edge_counts[(c, slot)] = seen + 1
-                    self._keys.append(
-                        (BACKWARD, call.module, call.index, f"{slot}#{seen}" if seen else slot)
-                    )
-                    self.fp.add(grads[k])
+                    with self._lock:
+                        self._keys.append((BACKWARD, call.module, call.index, slot))
+                        self.fp.add(grads[k])
             return tuple(grads) if changed else None
 
         return hook
