@@ -188,6 +188,22 @@ def test_mixed_fingerprint_algorithms_force_tolerance_mode(conv_baseline: Path) 
     assert "different algorithms (xxh3 vs wsum)" in result.message
     assert result.message.index("device") < result.message.index("MATCH")
     assert env_differences(a.env, b.env) == {"device": ("cpu", "cuda:0")}
+    # what tolerance cannot judge is said, and never counted as agreeing
+    unjudged = sum(1 for d, n in zip(b.records["dtype"], b.records["norm"])
+                   if d != "bytes" and n is None)
+    assert unjudged and result.not_comparable == unjudged
+    assert f"{unjudged} differing records not comparable within tolerance" in result.headline
+    assert f"on {len(a) - unjudged} records" in result.headline
+
+
+def test_tolerance_never_excuses_a_changed_integer_record(conv_baseline: Path) -> None:
+    a = load_baseline(conv_baseline).trace
+    b = load_baseline(conv_baseline).trace
+    for t in (a, b):  # record 0 as an integer tensor (e.g. the batch's labels): no stats
+        t.records["dtype"][0], t.records["norm"][0], t.records["absmax"][0] = "int64", None, None
+    b.records["fp"][0] = "f" * 16
+    result = diff_traces(a, b, rtol=1e-3)
+    assert not result.ok and result.first is not None and result.first.slot == a.records["slot"][0]
 
 
 def test_junit_xml_parses_and_holds_the_failure(

@@ -59,6 +59,7 @@ class GateResult:
     message: str
     labels: tuple[str, str] = ("A", "B")
     failures: list[str] = field(default_factory=list)
+    not_comparable: int = 0  # differing records tolerance cannot judge: never a match
 
     @property
     def verdict(self) -> str:
@@ -95,9 +96,9 @@ def diff_traces(
     algorithms = fingerprint_algorithm(ta.env), fingerprint_algorithm(tb.env)
     mixed = None not in algorithms and algorithms[0] != algorithms[1]
     tolerance = mixed or rtol > 0 or atol > 0
-    accepted = 0
+    accepted = unjudged = 0
     if tolerance:
-        tb, accepted = _accept_within(ta, tb, rtol, atol, mixed)
+        tb, accepted, unjudged = _accept_within(ta, tb, rtol, atol, mixed)
     comparison = compare([ta, tb])
     envs = env_differences(ta.env, tb.env)
     failures = [f"{name} stopped early: {t.failure}" for name, t in zip(labels, (ta, tb)) if t.failure]
@@ -109,7 +110,7 @@ def diff_traces(
         origin_phase=origin.phase if origin else None,
         differing_records=comparison.differing_records, total_records=comparison.total_records,
         tolerance=tolerance, within_tolerance=accepted, headline="", message="", labels=labels,
-        failures=failures,
+        failures=failures, not_comparable=unjudged,
     )
     result.headline = _headline(result, len(comparison.steps), rtol, atol)
     result.message = _message(result, algorithms if mixed else None)
@@ -118,26 +119,33 @@ def diff_traces(
 
 def _accept_within(
     a: Trace, b: Trace, rtol: float, atol: float, mixed: bool
-) -> tuple[Trace, int]:
-    """A copy of `b` whose records within tolerance of `a` carry `a`'s fingerprint; how many."""
+) -> tuple[Trace, int, int]:
+    """A copy of `b` in which the records tolerance accepts, and those it cannot judge, carry
+    `a`'s fingerprint (so the comparison passes over them); how many of each."""
     ra, rb = a.records, b.records
     keys = ("step", "phase", "module", "call", "slot")
     row_a = {k: i for i, k in enumerate(zip(*(ra[c] for c in keys)))}
     fps = list(rb["fp"])
-    accepted = 0
+    accepted = unjudged = 0
     for j, key in enumerate(zip(*(rb[c] for c in keys))):
         i = row_a.get(key)
-        if i is not None and fps[j] != ra["fp"][i] and _within(ra, i, rb, j, rtol, atol, mixed):
+        if i is None or fps[j] == ra["fp"][i]:
+            continue
+        judged = _within(ra, i, rb, j, rtol, atol, mixed)
+        if judged is not False:
             fps[j] = ra["fp"][i]
-            accepted += 1
-    return replace(b, records={**rb, "fp": fps}), accepted
+            accepted += judged is True
+            unjudged += judged is None
+    return replace(b, records={**rb, "fp": fps}), accepted, unjudged
 
 
 def _within(
     ra: dict[str, list[Any]], i: int, rb: dict[str, list[Any]], j: int,
     rtol: float, atol: float, mixed: bool,
-) -> bool:
-    """Whether record i of A and record j of B agree within tolerance by their stored stats."""
+) -> bool | None:
+    """Whether record i of A and record j of B agree within tolerance by their stored stats;
+    None where tolerance cannot say (a float stored without stats; an integer whose prints
+    came from two algorithms) -- such a record is reported, never counted as a match."""
     if ra["shape"][i] != rb["shape"][j] or ra["dtype"][i] != rb["dtype"][j]:
         return False
     if ra["nonfinite"][i] != rb["nonfinite"][j]:
@@ -147,8 +155,8 @@ def _within(
         return all(abs(x - y) <= atol + rtol * abs(y) for x, y in stats)
     dtype = str(ra["dtype"][i])
     if dtype.startswith(_FLOAT_PREFIXES):
-        return True  # floats recorded without stats (parameters): unmeasurable, judged downstream
-    return mixed and dtype != "bytes"  # integers are exact; only a changed algorithm excuses them
+        return None
+    return None if mixed and dtype != "bytes" else False  # integers compare exactly
 
 
 def _first(comparison: Comparison) -> FirstDifference | None:
@@ -200,9 +208,15 @@ def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
     mode = f"within rtol={rtol:g}, atol={atol:g}" if result.tolerance else "bitwise"
     if result.ok:
         inexact = f" ({result.within_tolerance} not bitwise)" if result.within_tolerance else ""
+        unjudged = (
+            f"; {result.not_comparable} differing records not comparable within tolerance "
+            "(floats stored without stats, or integers printed by another algorithm)"
+            if result.not_comparable else ""
+        )
+        compared = result.total_records - result.not_comparable
         return (
-            f"MATCH: {lb} agrees with {la} {mode} on {result.total_records} records{inexact} "
-            f"over {steps} steps"
+            f"MATCH: {lb} agrees with {la} {mode} on {compared} records{inexact} "
+            f"over {steps} steps{unjudged}"
         )
     if result.first is None:
         return f"MISMATCH: {lb} and {la} did not run to the same end"
