@@ -21,7 +21,7 @@ from .analysis.compare import Comparison, compare
 from .analysis.diff import GateResult, diff_traces
 from .analysis.ranks import RankAnalysis
 from .analysis.verdict import Verdict, judge
-from .config import AuditConfig, Fault, Investigations, Launch, ProbeSpec
+from .config import SCAN, AuditConfig, Fault, Investigations, Launch, ProbeSpec
 from .errors import DetauditError, ProbeError
 from .report import render_console, summarize, write_reports
 from .report.junit import JUnitCase, junit_case
@@ -31,9 +31,11 @@ from .runfolder import (
     RunInfo,
     load_baseline,
     load_run,
+    load_zoom,
     new_run_id,
     save_baseline,
     trace_name,
+    zoom_name,
 )
 from .trace import Trace
 
@@ -62,7 +64,9 @@ class Progress:
 
 
 STAGE_NAMES = {"ops": "op-level replay of the first divergent step", "census": "census",
-               "verify": "fix verification"}
+               "verify": "fix verification",
+               "zoom": "zoom: replay to the first divergent step, module and op level"}
+ZOOMED_CAUSES = ("forward", "backward")  # what the scan's step state cannot locate
 
 
 @dataclass
@@ -211,11 +215,12 @@ def _run_here(
     factory = factory or make_factory(spec)
     traces, timings = _record(spec, factory, config, folder, launch.isolation, progress)
     comparison = compare(traces)
+    zoomed = _zoom(spec, factory, config, comparison, wanted, folder, progress)
     found = _investigate(spec, factory, config, comparison, traces, wanted, folder, progress)
     folder.info.state = COMPLETE
     folder.save()
-    verdict = judge(comparison, found.get("ops"))
-    summary = summarize(folder.info, comparison, traces, verdict)
+    verdict = judge(comparison, found.get("ops"), zoom=zoomed)
+    summary = summarize(folder.info, comparison, traces, verdict, zoom=zoomed)
     _write_reports(folder, summary)
     return AuditResult(spec, config, traces, comparison, verdict, summary, folder.info,
                        timings, found, folder=folder.path)
@@ -240,6 +245,9 @@ class _Unsaved:
         self.info.traces.append(trace_name(trace.repeat, rank))
         if timing is not None:
             self.info.timings.append(timing)
+
+    def add_zoom_trace(self, trace: Trace) -> None:
+        pass
 
     def set_state(self, state: str) -> None:
         self.info.state = state
@@ -330,9 +338,11 @@ def render_folder(folder: str | Path) -> dict[str, Any]:
     comparison = compare(traces)
     stored = (info.extra or {}).get("ranks")
     ranks = RankAnalysis.from_dict(stored) if stored else None
+    zoomed_traces = load_zoom(folder, info)
+    zoomed = compare(zoomed_traces) if zoomed_traces else None
     verdict = judge(comparison, (info.extra or {}).get("ops"), ranks,
-                    interrupted=None if info.complete else info.state)
-    summary = summarize(info, comparison, traces, verdict, ranks)
+                    interrupted=None if info.complete else info.state, zoom=zoomed)
+    summary = summarize(info, comparison, traces, verdict, ranks, zoom=zoomed)
     write_reports(folder, summary)
     return summary
 
@@ -400,6 +410,30 @@ def _record(
         progress.close()
 
 
+def _zoom(
+    spec: ProbeSpec, factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
+    wanted: Investigations, folder: RunFolder | _Unsaved, progress: Progress,
+) -> Comparison | None:
+    """A scanned run that parted in forward or backward: replay to that step and record it
+    at module and op level (the zoomed traces join the run folder); their comparison."""
+    if not (config.granularity == SCAN and wanted.drill_down and comparison.first_step
+            is not None and not comparison.failures and comparison.cause in ZOOMED_CAUSES):
+        return None
+    from .investigate.zoom import zoom
+
+    folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
+    progress.stage("zoom")
+    found, traces = zoom(factory, config, comparison, spec, wanted.zoom_tries)
+    found["traces"] = [zoom_name(t.repeat) for t in traces]
+    for trace in traces:
+        folder.add_zoom_trace(trace)
+    folder.info.extra["zoom"] = {k: v for k, v in found.items() if k != "ops"}
+    if found["ops"] is not None:
+        folder.info.extra["ops"] = found["ops"]
+    folder.save()
+    return compare(traces) if traces else None
+
+
 def _investigate(
     spec: ProbeSpec, factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
     traces: list[Trace], wanted: Investigations, folder: RunFolder | _Unsaved,
@@ -407,10 +441,11 @@ def _investigate(
 ) -> dict[str, Any]:
     """The investigations asked for, as plain data (a failed one says so in its place);
     ``run.json`` says which one is running and keeps each result as it comes."""
-    if not (wanted.drill_down and comparison.first_step is not None) and not (
+    drill = wanted.drill_down and config.granularity != SCAN
+    if not (drill and comparison.first_step is not None) and not (
         wanted.census or wanted.verify_fix
     ):
-        return {}
+        return dict(folder.info.extra)
     from .investigate.stages import investigate
 
     def on_stage(name: str) -> None:
@@ -421,11 +456,12 @@ def _investigate(
         folder.info.extra[name] = result
         folder.save()
 
-    return investigate(
-        factory, config, comparison, ops=wanted.drill_down, census=wanted.census,
+    investigate(
+        factory, config, comparison, ops=drill, census=wanted.census,
         verify=wanted.verify_fix, spec=spec, traces=traces, on_stage=on_stage,
         on_done=on_done,
     )
+    return dict(folder.info.extra)
 
 
 def _run_distributed(

@@ -206,11 +206,17 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
                    "step 0); with /OP (e.g. roi_heads.box_roi_pool/torchvision.roi_align@backward:1, "
                    "or op:torchvision.nms for any module) inside that op: 1 ULP in its first float "
                    "output (its backward op in backward), a swap of two elements in an integer one")
-    p.add_argument("--granularity", choices=("module", "op"), default="module",
-                   help="module: hooks per module call (default); op: every aten/torchvision op of "
-                   "every step too (much slower, for short runs)")
+    p.add_argument("--granularity", choices=("scan", "module", "op"), default="module",
+                   help="scan: every step's state only (batch, RNGs, losses, gradients as the "
+                   "optimizer gets them, parameters after the update), then a zoom into the first "
+                   "divergent step at module and op level; module: hooks per module call on every "
+                   "step (default); op: every aten/torchvision op of every step too (much slower)")
     p.add_argument("--no-drill-down", dest="drill_down", action="store_false",
-                   help="after a divergence, do not replay the first divergent step op by op")
+                   help="after a divergence, do not replay the first divergent step op by op "
+                   "(at scan granularity: do not zoom)")
+    p.add_argument("--zoom-tries", type=int, default=3, metavar="N",
+                   help="scan: replays of the first divergent step before it is reported as "
+                   "intermittent (default 3)")
     p.add_argument("--census", action=argparse.BooleanOptionalAction, default=True,
                    help="list the known-nondeterministic ops the model runs (one step, even when "
                    "the repeats agree) and the alerts raised under "
@@ -262,8 +268,10 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     spec, config, preset = _audit_setup(args, launch)
     _check_output_file(args.junit, "--junit")
     out = _out_folder(args.out, spec.name)
+    if args.zoom_tries < 1:
+        raise DetauditError("--zoom-tries must be at least 1")
     investigations = Investigations(drill_down=args.drill_down, census=args.census,
-                                    verify_fix=args.verify_fix)
+                                    verify_fix=args.verify_fix, zoom_tries=args.zoom_tries)
     with _stdout_kept_for(args.json):
         result = api.run(
             spec, config, out=out, overwrite=args.overwrite, investigations=investigations,

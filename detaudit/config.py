@@ -12,7 +12,8 @@ from .errors import DetauditError
 from .trace import BACKWARD, FORWARD
 
 TRAIN, INFER = "train", "infer"
-GRANULARITIES = ("module", "op")
+SCAN = "scan"  # step state only, every step; module and op level at the zoomed step
+GRANULARITIES = (SCAN, "module", "op")
 SEED_RANGE = (-(2**63), 2**64)  # what torch.manual_seed accepts
 ISOLATIONS = ("inprocess", "process")
 _FAULT = re.compile(
@@ -68,7 +69,7 @@ class AuditConfig:
     deterministic: bool = False  # PyTorch's deterministic settings on for the run
     fault: Fault | None = None  # planted in one repeat only (`fault_repeat`)
     fault_repeat: int = -1  # -1: the last repeat
-    granularity: str = "module"  # "op": every step also recorded op by op (slower)
+    granularity: str = "module"  # "scan": step state only; "op": op by op too (slower)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -78,7 +79,8 @@ class AuditConfig:
         if self.mode not in (TRAIN, INFER):
             raise DetauditError(f"mode must be train or infer, not {self.mode!r}")
         if self.granularity not in GRANULARITIES:
-            raise DetauditError(f"granularity must be module or op, not {self.granularity!r}")
+            raise DetauditError(f"granularity must be one of {', '.join(GRANULARITIES)}, "
+                                f"not {self.granularity!r}")
         if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise DetauditError(f"seed {self.seed} is outside torch's range "
                                 f"[{SEED_RANGE[0]}, {SEED_RANGE[1] - 1}]")
@@ -179,9 +181,10 @@ class Investigations:
     """What to run after the audit: the op drill-down (after a divergence), the census of
     known-nondeterministic ops, and the verification of the fix."""
 
-    drill_down: bool = True
+    drill_down: bool = True  # at scan granularity: the zoom
     census: bool = False
     verify_fix: bool = False
+    zoom_tries: int = 3  # replays of the zoomed step before it is called intermittent
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ RUN_FILE = "run.json"
 LOCK_FILE = ".detaudit.lock"
 # What a run leaves in its folder (removed by --overwrite before a new run starts).
 RUN_FILES = ("run.json", "summary.json", "report.md", "report.html", "report.github.html",
-             "launch.log", "trace-*.json.gz", "timing-*.json", "job-*.json", "rank-*.json",
+             "launch.log", "trace-*.json.gz", "zoom-*.json.gz", "timing-*.json", "job-*.json",
+             "rank-*.json",
              "*.part")
 COMPLETE = "complete"  # the state of a run that ran to its end
 # History:
@@ -42,6 +43,11 @@ BASELINE_FORMAT = "detaudit-baseline"
 def trace_name(repeat: int | str, rank: int | str | None = None) -> str:
     """The file name of one repeat's trace (of one rank, in a distributed audit); "*" globs."""
     return f"trace-{repeat}.json.gz" if rank is None else f"trace-r{rank}-{repeat}.json.gz"
+
+
+def zoom_name(repeat: int | str) -> str:
+    """The file name of one repeat's zoomed trace (module and op level at the zoomed step)."""
+    return f"zoom-{repeat}.json.gz"
 
 
 def timing_name(repeat: int | str, rank: int | str | None = None) -> str:
@@ -196,6 +202,10 @@ class RunFolder:
             self.info.timings.append(timing)
         self.save()
 
+    def add_zoom_trace(self, trace: Trace) -> None:
+        """Keep a zoomed trace in the folder (run.json's zoom entry lists them)."""
+        _writable(trace.save, self.path, self.path / zoom_name(trace.repeat))
+
     def set_state(self, state: str) -> None:
         self.info.state = state
         self.save()
@@ -280,6 +290,16 @@ def _run_info(data: dict[str, Any], path: Path) -> RunInfo:
             raise TraceError(f"{path} is damaged: {describe(name)} is not a trace file name "
                              "in its own folder")
     return RunInfo(**{k: data[k] for k in _RUN_FIELDS if k in data})
+
+
+def load_zoom(folder: str | Path, info: RunInfo) -> list[Trace]:
+    """The zoomed traces a run folder holds (none unless a scanned run was zoomed)."""
+    names = ((info.extra or {}).get("zoom") or {}).get("traces") or []
+    if not isinstance(names, list) or not all(
+            isinstance(n, str) and Path(n).name == n and n.startswith("zoom-") for n in names):
+        raise TraceError(f"{Path(folder) / RUN_FILE} is damaged: its zoom traces are not file "
+                         "names in its own folder")
+    return [Trace.load(Path(folder) / name) for name in names]
 
 
 @dataclass

@@ -264,6 +264,9 @@ def _findings(ref: Trace, diffs: dict[Key, RecordDiff], n: int) -> list[CallFind
         return differs(step - 1, OPTIMIZER, module, 0, "param.")
 
     parents = _call_parents(ref)
+    # Steps recorded at module level (a scanned step has no forward records, and its
+    # parameter gradients alone cannot say which module a backward difference started in).
+    module_steps = {s for s, p in zip(ref.records["step"], ref.records["phase"]) if p == FORWARD}
     findings: list[CallFinding] = []
     for step in sorted({d.step for d in diffs.values()}):
         calls = parents.get(step, {})
@@ -286,7 +289,7 @@ def _findings(ref: Trace, diffs: dict[Key, RecordDiff], n: int) -> list[CallFind
                 candidates[phase].append((module, call))
         # Backward: a module whose own parameter gradients differ, with nothing upstream.
         for (s, phase, module, call), ds in slots.items():
-            if s != step or phase != GRAD:
+            if s != step or phase != GRAD or step not in module_steps:
                 continue
             upstream = differs(step, BACKWARD, module, 0, "grad_out") or bool(
                 slots.get((step, FORWARD, module, 0))
@@ -355,14 +358,14 @@ def _cause(first: list[RecordDiff], findings: list[CallFinding], step: int | Non
     forward = [f for f in origins if f.phase == FORWARD]
     if forward:
         return "rng" if forward[0].rng else "forward"
-    if any(d.phase == FORWARD for d in first):
+    # A loss that differs is a forward difference (in a scanned step the loss is the only
+    # forward record); gradients alone are backward; parameters alone, the optimizer.
+    if any(d.phase in (FORWARD, OUTPUT) for d in first):
         return "forward"
     if any(f.phase == BACKWARD for f in origins) or any(d.phase in (BACKWARD, GRAD) for d in first):
         return "backward"
     if any(d.phase == OPTIMIZER for d in first):
         return "optimizer"
-    if any(d.phase == OUTPUT for d in first):
-        return "forward"
     return "none"
 
 

@@ -46,17 +46,21 @@ class Verdict:
 
 def judge(
     c: Comparison, ops: dict[str, Any] | None = None, ranks: RankAnalysis | None = None,
-    interrupted: str | None = None,
+    interrupted: str | None = None, zoom: Comparison | None = None,
 ) -> Verdict:
     """The verdict of a comparison, naming the origin op when the drill-down found one and
     counting the ranks of a distributed audit. A run `interrupted` (its state says where)
-    never passes: it is divergent if what it recorded differs, else interrupted."""
-    first = first_divergence(c)
+    never passes: it is divergent if what it recorded differs, else interrupted. A scanned
+    run's `zoom` (its first divergent step replayed at module level) names the module."""
+    located = zoom if zoom is not None and zoom.first_step is not None else c
+    first = first_divergence(located)
     kind = c.verdict
     hidden = (
         c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
     )
-    headline = _headline(kind, c, first, hidden, ops or {})
+    headline = _headline(kind, located, first, hidden, ops or {})
+    if located is zoom:
+        headline += f"; zoomed in on step {zoom.first_step} after a scan"
     if c.loss.nonfinite is not None:
         step, _, value = c.loss.nonfinite
         headline += f"; loss is {'NaN' if value == 'nan' else 'infinite'} from step {step}"

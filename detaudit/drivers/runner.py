@@ -13,13 +13,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import AuditConfig, Fault, ProbeSpec
+from ..config import SCAN, AuditConfig, Fault, ProbeSpec
 from ..errors import DetauditError, ProbeError
 from ..probe import Probe
 from ..record.environment import capture_environment
 from ..record.fingerprint import Fingerprinter
 from ..record.oprecorder import OpRecorder
-from ..record.recorder import Recorder
+from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
 from ..runfolder import trace_probe
 from ..seeding import seed_everything
 from ..trace import OPTIMIZER, OUTPUT, STATE, StepInfo, Trace
@@ -31,13 +31,15 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # de
 
 @dataclass
 class OpPlan:
-    """Op-level work for one repeat: which steps to record op by op, where to stop, and
-    whether to take the census (op counts and deterministic-algorithms alerts)."""
+    """Extra work for one repeat: which steps to record op by op, which to record at module
+    level in a scanned run (the zoom), where to stop, and whether to take the census (op
+    counts and deterministic-algorithms alerts)."""
 
     steps: frozenset[int] | None = None  # None: every step
     last_step: int | None = None  # stop after this global step
     census: bool = False
     capture: tuple[str, str, int, str] | None = None  # (op phase, module, call, op prefix)
+    zoom: frozenset[int] = frozenset()  # steps of a scanned run recorded at module level
     modes: list[OpRecorder] = field(default_factory=list)  # the census modes, once run
 
     def records(self, step: int) -> bool:
@@ -225,7 +227,8 @@ def run_repeat(
             if on_step:
                 on_step(epoch, index, step)
 
-        with Recorder(probe.model, fingerprinter, fault=fault) as recorder:
+        watch = WATCH_NONE if config.granularity == SCAN else WATCH_MODULE
+        with Recorder(probe.model, fingerprinter, fault=fault, watch=watch) as recorder:
             try:
                 steps_done = _run_steps(probe, config, recorder, trace, train, step_ended, fault,
                                         ops)
@@ -265,13 +268,14 @@ def _run_steps(
             if ops is not None and ops.last_step is not None and step > ops.last_step:
                 return step
             scope = _op_scope(recorder, step, fault, ops)
-            recorder.begin_step(step)
+            watch = _watch(config, step, fault, ops, scope)
+            recorder.begin_step(step, watch)
             info = StepInfo(step=step, epoch=epoch, index=index)
             recorder.record_state(batch)
             if step == 0:
                 recorder.record_parameters(STATE)
             if train:
-                _train_step(probe, batch, recorder, info, step, scope)
+                _train_step(probe, batch, recorder, info, step, scope, watch == WATCH_MODULE)
             else:
                 with torch.no_grad(), scope:
                     outputs = probe.step(probe.model, batch)
@@ -281,7 +285,26 @@ def _run_steps(
             step += 1
             if on_step:
                 on_step(epoch, index, step)
+        if config.granularity == SCAN and train and probe.optimizer is not None and step:
+            # a scan keeps optimizer state at epoch ends only (and at zoomed steps)
+            recorder.begin_step(step - 1, WATCH_NONE)
+            recorder.record_optimizer(probe.optimizer)
+            _store(trace, step - 1, recorder.end_step())
     return step
+
+
+def _watch(
+    config: AuditConfig, step: int, fault: Fault | None, ops: OpPlan | None,
+    scope: contextlib.AbstractContextManager,
+) -> str:
+    """How the recorder watches the modules at `step`: every call recorded (module and op
+    granularity, and a scanned run's zoomed steps); calls followed but not recorded (a
+    scanned step where a fault is planted or the op level runs, which need to know the
+    call); or not at all (a scanned step: step state only)."""
+    if config.granularity != SCAN or (ops is not None and step in ops.zoom):
+        return WATCH_MODULE
+    op_level = not isinstance(scope, contextlib.nullcontext)
+    return WATCH_CALLS if op_level or (fault is not None and fault.step == step) else WATCH_NONE
 
 
 def _op_scope(
@@ -301,8 +324,11 @@ def _op_scope(
 
 def _train_step(
     probe: Probe, batch: Any, recorder: Recorder, info: StepInfo, step: int,
-    scope: contextlib.AbstractContextManager,
+    scope: contextlib.AbstractContextManager, modules: bool = True,
 ) -> None:
+    """One training step. At module level the parameter gradients are recorded as backward
+    left them (what the backward origin analysis reads); in a scanned step as the optimizer
+    receives them, after unscaling and clipping, and the optimizer state not at all."""
     with scope:
         losses = probe.step(probe.model, batch)
     terms = losses if isinstance(losses, dict) else {"loss": losses}
@@ -324,8 +350,9 @@ def _train_step(
     scaler = probe.scaler
     with scope:
         (scaler.scale(total) if scaler is not None else total).backward()
-    recorder.record_param_grads()
     optimizer = probe.optimizer
+    if modules or optimizer is None:
+        recorder.record_param_grads()
     if optimizer is None or (step + 1) % accumulate:
         return
     if scaler is not None:
@@ -333,6 +360,8 @@ def _train_step(
     if probe.clip_grad_norm:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(params, probe.clip_grad_norm)
+    if not modules:
+        recorder.record_param_grads()
     stepped = True
     if scaler is not None:
         scale_before = float(scaler.get_scale())
@@ -350,7 +379,8 @@ def _train_step(
     info.optimizer_stepped = stepped
     info.lr = [_finite(float(group["lr"])) for group in optimizer.param_groups]
     recorder.record_parameters(OPTIMIZER)
-    recorder.record_optimizer(optimizer)
+    if modules:
+        recorder.record_optimizer(optimizer)
 
 
 def _skipped(scaler: Any, optimizer: Any, scale_before: float) -> bool:

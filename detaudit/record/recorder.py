@@ -30,6 +30,8 @@ from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, STATE
 from .fingerprint import Fingerprinter, TensorPrint
 from .structure import iter_tensors, next_ulp, replace_first_float
 
+WATCH_MODULE, WATCH_CALLS, WATCH_NONE = "module", "calls", "none"
+WATCH_LEVELS = (WATCH_MODULE, WATCH_CALLS, WATCH_NONE)
 _AccumulateGrad = torch._C._functions.AccumulateGrad  # the node that fills a leaf's .grad
 
 
@@ -88,6 +90,7 @@ class Recorder:
         fingerprinter: Fingerprinter | None = None,
         fault: Fault | None = None,
         track_rng: bool = True,
+        watch: str = "module",
     ) -> None:
         self.model = model
         self.fp = fingerprinter or Fingerprinter()
@@ -100,21 +103,32 @@ class Recorder:
         self._step_handles: list[Any] = []
         self._step = -1
         self._lock = threading.Lock()  # a record's key and print are appended together
+        if watch not in WATCH_LEVELS:
+            raise ValueError(f"watch must be one of {', '.join(WATCH_LEVELS)}, not {watch!r}")
+        self._default_watch = self._watch = watch
         self._reset_step()
 
     # -- lifecycle -----------------------------------------------------------------------
     def __enter__(self) -> Recorder:  # noqa: PYI034
-        for module in self.model.modules():
-            self._handles.append(
-                module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
-            )
-            self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+        if self._watch != WATCH_NONE:
+            self._install()
         return self
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles + self._step_handles:
             handle.remove()
         self._handles, self._step_handles = [], []
+
+    def _install(self) -> None:
+        for module in self.model.modules():
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+
+    @property
+    def _records_modules(self) -> bool:
+        return self._watch == WATCH_MODULE
 
     def _reset_step(self) -> None:
         self._keys: list[tuple[str, str, int, str]] = []
@@ -123,10 +137,20 @@ class Recorder:
         self._counts: dict[str, int] = {}
         self._seq_index: tuple[int, list[int], list[list[int]]] | None = None
 
-    def begin_step(self, step: int) -> None:
-        """Start recording global step `step`."""
+    def begin_step(self, step: int, watch: str | None = None) -> None:
+        """Start recording global step `step`, watching its modules as `watch` says (default:
+        as the recorder was made): ``module`` records every module call; ``calls`` follows the
+        calls without recording them (for op attribution and planted faults); ``none``
+        leaves the model without hooks (a scanned step: step state only)."""
         self._step = step
         self._reset_step()
+        self._watch = watch or self._default_watch
+        if self._watch == WATCH_NONE and self._handles:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+        elif self._watch != WATCH_NONE and not self._handles:
+            self._install()
 
     def end_step(self) -> StepRecords:
         """Finish the step: fetch device values once and hand over its records."""
@@ -134,7 +158,7 @@ class Recorder:
             handle.remove()
         self._step_handles = []
         prints = self.fp.collect()
-        out = StepRecords(self._keys, prints, self._calls)
+        out = StepRecords(self._keys, prints, self._calls if self._records_modules else [])
         self._reset_step()
         return out
 
@@ -226,14 +250,16 @@ class Recorder:
             inputs: Any = (("0", args[0]),)  # the common case, without walking the structure
         else:
             inputs = _iter_inputs(args, kwargs)
-        for path, tensor in inputs:
+        recording = self._records_modules
+        for path, tensor in inputs if recording else ():
             self._keys.append((FORWARD, name, index, f"in.{path}"))
             self.fp.add(tensor)
             if tensor.requires_grad:
                 edge = (tensor.grad_fn, tensor.output_nr) if tensor.grad_fn else (tensor, 0)
                 call.inputs.setdefault((id(edge[0]), edge[1]), path)
         self._calls.append(call)
-        self._stack.append((len(self._calls) - 1, _module_rng_state() if self.track_rng else None))
+        rng = _module_rng_state() if self.track_rng and recording else None
+        self._stack.append((len(self._calls) - 1, rng))
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not self._stack:
@@ -253,6 +279,8 @@ class Recorder:
                 output, self.fault_fired = replaced, True
             else:
                 replaced = None
+        if not self._records_modules:
+            return replaced
         outputs = (("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)
         for path, tensor in outputs:
             slot = _slot("out", path)
@@ -286,6 +314,8 @@ class Recorder:
         params = {id(p): name.rpartition(".")[0] for name, p in self._params.items()}
         fault = self.fault
         fault_here = fault is not None and fault.phase == BACKWARD and fault.step == self._step
+        if not (self._records_modules or fault_here):
+            return
         boundaries: dict[Any, list[tuple[int, int, str | None]]] = {}
         # One call can send several gradients to the same input (x + f(x)): they are told
         # apart as slot, slot#1, ... in the order of this walk, not in the order backward
@@ -369,7 +399,7 @@ class Recorder:
                     and grad.is_floating_point() and grad.numel()
                 ):
                     grads[k], changed, self.fault_fired = next_ulp(grad), True, True
-                if slot is not None:
+                if slot is not None and self._records_modules:
                     with self._lock:
                         self._keys.append((BACKWARD, call.module, call.index, slot))
                         self.fp.add(grads[k])

@@ -21,10 +21,12 @@ MAP_LIMIT = 4000  # module x step cells kept for the divergence map
 
 def summarize(
     info: RunInfo, comparison: Comparison, traces: list[Trace], verdict: Verdict,
-    ranks: RankAnalysis | None = None,
+    ranks: RankAnalysis | None = None, zoom: Comparison | None = None,
 ) -> dict[str, Any]:
-    """Build the summary of a run from its info, comparison, traces and verdict."""
+    """Build the summary of a run from its info, comparison, traces and verdict; a scanned
+    run's module-level origins and cause come from its `zoom`, when it has one."""
     c = comparison
+    located = zoom if zoom is not None and zoom.first_step is not None else c
     extra = {k: v for k, v in (info.extra or {}).items() if k != "ranks"}
     ops = extra.get("ops") or {}
     census = extra.get("census") or {}
@@ -38,16 +40,17 @@ def summarize(
         "repeats": c.repeats,
         "steps": [{"step": s, "epoch": e + 1, "index": i} for s, e, i in c.steps],
         "first_divergence": verdict.first,
-        "first_by_phase": {p: _record(d, c) for p, d in c.first_by_phase.items()},
+        "first_by_phase": {p: _record(d, located) for p, d in located.first_by_phase.items()},
         "origins": [
             {
                 "step": f.step, "epoch": _epoch(c, f.step), "phase": f.phase, "module": f.module,
                 "call": f.call, "slots": f.slots, "differing": f.differing, "repeats": f.repeats,
                 "rng": f.rng,
             }
-            for f in c.origins
+            for f in located.origins
         ],
-        "cause": {"kind": c.cause, "text": c.cause_text},
+        "cause": {"kind": located.cause, "text": located.cause_text},
+        "zoom": (info.extra or {}).get("zoom"),
         "loss": {
             "nonfinite": None if c.loss.nonfinite is None else dict(zip(
                 ("step", "epoch", "value"), (c.loss.nonfinite[0], c.loss.nonfinite[1] + 1,
@@ -78,9 +81,9 @@ def summarize(
         },
         "map": [
             {"step": f.step, "module": f.module or "(model)", "phase": f.phase, "role": f.role}
-            for f in c.findings[:MAP_LIMIT]
+            for f in _map_findings(c, zoom)[:MAP_LIMIT]
         ],
-        "map_truncated": max(0, len(c.findings) - MAP_LIMIT),
+        "map_truncated": max(0, len(_map_findings(c, zoom)) - MAP_LIMIT),
         "failures": {str(k): v for k, v in c.failures.items()},
         "env": traces[0].env if traces else {},
         "env_risks": risks(traces[0].env) if traces and traces[0].env else {},
@@ -98,6 +101,11 @@ def summarize(
     if ranks is not None:  # a distributed audit: its ranks side by side
         summary["ranks"] = ranks.to_dict()
     return summary
+
+
+def _map_findings(c: Comparison, zoom: Comparison | None) -> list[Any]:
+    """The differing module calls of every step: a scanned run has them only where zoomed."""
+    return c.findings + [f for f in (zoom.findings if zoom else []) if f.step == zoom.first_step]
 
 
 def _epoch(c: Comparison, step: int | None) -> int | None:

@@ -33,7 +33,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from detaudit.record.fingerprint import Fingerprinter  # noqa: E402
+from detaudit.record.fingerprint import Fingerprinter
 
 
 def audit(out: Path, name: str, *args: str, timeout: int = 540) -> tuple[dict, float, int]:
@@ -125,8 +125,8 @@ def main() -> int:
     rows.append(("seed scenario (maskrcnn, preset)", summary.get("verdict", "?"), where(summary),
                  f"{seconds:.0f} s, exit {code}"))
     census_errors = summary.get("census_errors") or []
-    rows.append(("census (one step) and alerts", f"{len(summary.get('census') or [])} ops, "
-                 f"{len(summary.get('census_alerts') or [])} alerts",
+    rows.append(("census (one step) and alerts", (f"{len(summary.get('census') or [])} ops, "
+                 f"{len(summary.get('census_alerts') or [])} alerts"),
                  "; ".join(census_errors) or "no error", ""))
     summary, seconds, code = audit(out, "dense", "--model", "maskrcnn", "--device", device,
                                    "--instances", "1000", "--num-images", "1", *dense)
@@ -136,11 +136,11 @@ def main() -> int:
                                    "--verify-fix", "--no-census", *sizes)
     verify = (summary.get("extra") or {}).get("verify") or {}
     rows.append(("--verify-fix", verify.get("headline", verify.get("error", "-")),
-                 f"step time {verify.get('step_time_ratio') or 0:.2f}x, peak memory "
-                 f"{verify.get('peak_memory_ratio') or 0:.2f}x", f"{seconds:.0f} s"))
+                 (f"step time {verify.get('step_time_ratio') or 0:.2f}x, peak memory "
+                 f"{verify.get('peak_memory_ratio') or 0:.2f}x"), f"{seconds:.0f} s"))
     fp, sums, per_call, peak = throughput(device, 16 if args.smoke else 1024)
-    rows.append(("fingerprint throughput vs x.sum()", fp, sums, f"per call {per_call}, "
-                 f"peak {peak}"))
+    rows.append(("fingerprint throughput vs x.sum()", fp, sums, (f"per call {per_call}, "
+                 f"peak {peak}")))
     if not args.smoke and torch.cuda.device_count() >= 2:
         summary, seconds, code = audit(out, "nproc2", "--model", "maskrcnn", "--nproc", "2",
                                        "--epochs", "1", "--steps", "2")

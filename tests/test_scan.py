@@ -1,0 +1,242 @@
+"""Scan, then zoom: step state only on every step, module and op level at the first step
+where the runs part, with the same findings as recording every module on every step."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import gather_probe, small_cnn_probe
+from torch import nn
+
+from detaudit import Fault, Probe, api, audit
+from detaudit.record.recorder import Recorder
+
+PLANTED = [
+    Fault("head", "backward", 2),
+    Fault("block1.conv", "forward", 2),
+    Fault("stem", "backward", 2, op="aten.convolution"),
+]
+
+
+def _scan(probe, **kwargs):
+    return audit(probe, granularity="scan", drill_down=True, **kwargs)
+
+
+@pytest.mark.parametrize("fault", PLANTED, ids=lambda f: f"{f.module}/{f.op}@{f.phase}")
+def test_scan_and_zoom_name_what_full_recording_names(fault):
+    full = audit(small_cnn_probe, repeats=2, steps=4, fault=fault, drill_down=True)
+    scan = _scan(small_cnn_probe, repeats=2, steps=4, fault=fault)
+    want = full.verdict.first
+    got = scan.verdict.first
+    assert (got["step"], got["phase"], got["module"], got["role"]) == (
+        want["step"], want["phase"], want["module"], want["role"]) == (
+        2, fault.phase, fault.module, "origin")
+    assert scan.investigations["zoom"]["status"] == "found"
+    assert scan.investigations["zoom"]["step"] == 2
+    if fault.op:
+        op = scan.investigations["ops"]["ops"][0]
+        assert (op["module"], op["role"]) == (fault.module, "origin")
+        assert op["op"] == full.investigations["ops"]["ops"][0]["op"] == "aten.convolution_backward"
+        assert f"op: aten.convolution_backward in {fault.module}" in scan.verdict.headline
+    assert "zoomed in on step 2 after a scan" in scan.verdict.headline
+
+
+def test_a_scan_records_step_state_only_and_few_records():
+    scan = _scan(small_cnn_probe, repeats=2, steps=4).traces[0]
+    full = audit(small_cnn_probe, repeats=2, steps=4).traces[0]
+    phases = set(scan.records["phase"])
+    assert phases == {"state", "output", "grad", "optimizer"}
+    assert not scan.calls["step"]  # no module calls at scanned steps
+    assert len(scan) < len(full) / 2
+    # optimizer state once, at the epoch's end; parameters after every update
+    momentum = [s for s, slot in zip(scan.records["step"], scan.records["slot"])
+                if slot.startswith("state.")]
+    assert momentum and set(momentum) == {3}
+
+
+def test_no_false_alarm_over_five_repeats_and_two_epochs():
+    result = _scan(small_cnn_probe, repeats=5, epochs=2, steps=4)
+    assert result.deterministic and result.verdict.kind == "deterministic"
+    assert "zoom" not in result.investigations
+
+
+def test_scanning_perturbs_nothing():
+    """Losses and parameters with scan recording equal those of a plain loop, bit for bit."""
+    def plain():
+        torch.manual_seed(0)
+        probe = small_cnn_probe(torch.device("cpu"))
+        losses = []
+        for batch in probe.batches:
+            loss = probe.step(probe.model, batch)["mse"]
+            loss.backward()
+            probe.optimizer.step()
+            probe.optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()).hex())
+        return losses, [p.detach().clone() for p in probe.model.parameters()]
+
+    losses, params = plain()
+    result = _scan(small_cnn_probe, repeats=1, steps=4, seed=0)
+    assert [s.losses["mse"] for s in result.traces[0].steps] == losses
+    torch.manual_seed(0)
+    probe = small_cnn_probe(torch.device("cpu"))
+    with Recorder(probe.model, watch="none") as recorder:
+        for step, batch in enumerate(probe.batches):
+            recorder.begin_step(step)
+            recorder.record_state(batch)
+            loss = probe.step(probe.model, batch)["mse"]
+            loss.backward()
+            recorder.record_param_grads()
+            probe.optimizer.step()
+            probe.optimizer.zero_grad(set_to_none=True)
+            recorder.record_parameters("optimizer")
+            recorder.end_step()
+    assert all(torch.equal(a, b) for a, b in zip(params, probe.model.parameters()))
+
+
+def test_cause_from_the_scan_alone_data():
+    def probe(device):
+        model = nn.Linear(8, 2)
+        rng = np.random.default_rng()  # unseeded: a different stream every repeat
+
+        def batches():
+            for _ in range(2):
+                yield torch.from_numpy(rng.normal(size=(4, 8)).astype("float32"))
+
+        return Probe(model=model, batches=lambda epoch: batches(),
+                     step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    result = _scan(probe, repeats=2)
+    assert (result.comparison.first_step, result.comparison.cause) == (0, "data")
+    assert "zoom" not in result.investigations  # the step state already says it
+
+
+_BUILT = {"optimizers": 0}
+
+
+class NudgingSGD(torch.optim.SGD):
+    """SGD whose second instance moves one weight one ULP further at step 1: the gradients
+    agree, the parameters after the update do not."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        _BUILT["optimizers"] += 1
+        self.nudge, self.steps = _BUILT["optimizers"] == 2, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        self.steps += 1
+        if self.nudge and self.steps == 2:
+            w = self.param_groups[0]["params"][0].view(-1)
+            w[0] = torch.nextafter(w[0], torch.tensor(math.inf))
+
+
+def test_cause_from_the_scan_alone_optimizer():
+    def probe(device):
+        model = nn.Linear(8, 2)
+        g = torch.Generator().manual_seed(0)
+        return Probe(model=model, batches=[torch.randn(4, 8, generator=g) for _ in range(3)],
+                     step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=NudgingSGD(model.parameters(), lr=0.1))
+
+    _BUILT["optimizers"] = 0
+    result = _scan(probe, repeats=2, steps=3)
+    c = result.comparison
+    assert (c.first_step, c.cause) == (1, "optimizer")
+    assert {d.phase for d in c.first_diffs} == {"optimizer"}  # gradients equal at step 1
+
+
+_DRAWS = {"calls": 0}
+
+
+class LeakySampler(nn.Module):
+    """Draws a number of random values that depends on state left from earlier repeats."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _DRAWS["calls"] += 1
+        torch.rand(int((x > 0).sum()) + _DRAWS["calls"] % 2)
+        return x
+
+
+def test_cause_rng_is_found_by_the_zoom():
+    def probe(device):
+        model = nn.Sequential(nn.Linear(8, 8), LeakySampler(), nn.Dropout(0.5), nn.Linear(8, 2))
+        g = torch.Generator().manual_seed(0)
+        data = [torch.randn(4, 8, generator=g) for _ in range(3)]
+        return Probe(model=model, batches=data, step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    _DRAWS["calls"] = 0
+    result = _scan(probe, repeats=2)
+    assert result.comparison.first_step == 0
+    assert result.summary["cause"]["kind"] == "rng"
+    assert result.verdict.first["module"] == "1" and result.verdict.first["phase"] == "forward"
+
+
+def test_a_real_race_ends_with_its_origin_or_an_honest_intermittent(two_threads):
+    result = _scan(gather_probe, repeats=3)
+    if result.comparison.first_step is None:
+        pytest.skip("the race did not fire in any repeat this time")
+    zoom = result.investigations["zoom"]
+    assert zoom["status"] in ("found", "intermittent")
+    if zoom["status"] == "found":
+        assert (result.verdict.first["module"], result.verdict.first["phase"]) == (
+            "gather", "backward")
+        assert result.investigations["ops"]["ops"][0]["op"] == "aten.index_put"
+    else:
+        assert len(zoom["attempts"]) == 3 and "zoomed" not in result.verdict.headline
+
+
+_RUNS = {"built": 0}
+
+
+def _parts_at(step_of_build):
+    """A probe whose repeats part at a step that depends on how many were built before."""
+    def probe(device):
+        _RUNS["built"] += 1
+        part_at = step_of_build(_RUNS["built"])
+        base = small_cnn_probe(device)
+
+        def step(model, batch):
+            loss = base.step(model, batch)["mse"]
+            if step.calls == part_at:
+                loss = loss * (1 + 2**-20)
+            step.calls += 1
+            return {"mse": loss}
+
+        step.calls = 0
+        return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
+
+    return probe
+
+
+def test_a_replay_that_parts_earlier_moves_the_zoom_there():
+    # the scanned runs part at step 3; every replay's second repeat parts at step 1
+    _RUNS["built"] = 0
+    result = _scan(_parts_at(lambda n: {2: 3}.get(n, 1 if n % 2 == 0 else -1)), repeats=2,
+                   steps=4)
+    zoom = result.investigations["zoom"]
+    assert result.comparison.first_step == 3
+    assert zoom["status"] == "found" and zoom["step"] == 1
+    assert zoom["attempts"][0]["outcome"].startswith("parted earlier, at step 1")
+
+
+def test_a_step_that_never_parts_again_is_intermittent():
+    _RUNS["built"] = 0
+    result = _scan(_parts_at(lambda n: 2 if n == 2 else -1), repeats=2, steps=4)
+    zoom = result.investigations["zoom"]
+    assert result.comparison.first_step == 2 and zoom["status"] == "intermittent"
+    assert [a["outcome"] for a in zoom["attempts"]] == ["did not part this time"] * 3
+    assert result.verdict.kind == "divergent"  # the scan's finding stands
+
+
+def test_a_zoomed_run_folder_renders_the_same_again(tmp_path):
+    first = _scan(small_cnn_probe, repeats=2, steps=4, fault=PLANTED[0], out=tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("zoom-*")) == ["zoom-0.json.gz", "zoom-1.json.gz"]
+    again = api.render_folder(tmp_path)
+    assert again == first.summary
+    assert again["origins"][0]["module"] == "head"
