@@ -58,7 +58,8 @@ def train_step(probe, batch, recorder=None, step=0, scope=None):
     probe.optimizer.zero_grad(set_to_none=True)
     if recorder:
         recorder.record_parameters(OPTIMIZER)
-        recorder.record_optimizer(probe.optimizer)
+        if recorder._records_modules:  # a scanned step keeps optimizer state at epoch ends
+            recorder.record_optimizer(probe.optimizer)
         recorder.end_step()
 
 
@@ -91,7 +92,14 @@ VARIANTS = {
     "recorded (xxh3 + stats)": {},
     "floor: same bytes read once, no hash": {(fingerprint_module, "_hash_piece"): _read_once},
     "floor: bookkeeping only, no byte read": {(fingerprint_module, "_hash_piece"): _read_nothing},
+    "scan: step state only (xxh3)": {},
+    "scan floor: same bytes read once": {(fingerprint_module, "_hash_piece"): _read_once},
 }
+
+
+def _recorder(name: str, model) -> Recorder:
+    """The recorder a variant runs: module level, or a scan (no module hooks)."""
+    return Recorder(model, watch="none" if name.startswith("scan") else "module")
 
 
 @contextlib.contextmanager
@@ -113,7 +121,7 @@ def recording_overhead(pairs: int) -> list[tuple]:
         for name, samples in times.items():
             gc.collect()
             torch.manual_seed(i)
-            recording = Recorder(probe.model) if name else contextlib.nullcontext()
+            recording = _recorder(name, probe.model) if name else contextlib.nullcontext()
             with _swapped(VARIANTS.get(name, {})), recording as recorder:
                 t0 = time.perf_counter()
                 train_step(probe, batch, recorder, i)  # recorder None: the plain step
@@ -146,9 +154,9 @@ def time_inside_recorder(steps: int) -> tuple[list[str], list[tuple]]:
     leaves out what it costs the model around it (caches, slower module calls)."""
     probe, batch = _maskrcnn_warmed_up()
     columns: list[dict[str, list[float]]] = []
-    for patches in VARIANTS.values():
+    for variant, patches in VARIANTS.items():
         totals: dict[str, list[float]] = {}
-        recorder = Recorder(probe.model)
+        recorder = _recorder(variant, probe.model)
         for name in ("_pre_hook", "_post_hook", "before_backward", "record_state",
                      "record_param_grads", "record_parameters", "record_optimizer", "end_step"):
             setattr(recorder, name, _timed(getattr(recorder, name), totals, name.strip("_")))
@@ -170,6 +178,28 @@ def time_inside_recorder(steps: int) -> tuple[list[str], list[tuple]]:
     rows.append(("total", *(f"{sum(v[0] for v in c.values()) / steps * 1e3:.1f}"
                             for c in columns), ""))
     return ["inside the recorder, ms per step", *VARIANTS, "calls"], rows
+
+
+def bytes_per_step() -> list[tuple]:
+    """Bytes fingerprinted per Mask R-CNN step, module level vs scan, counted by the
+    fingerprinter itself (what one read of them costs is the floor rows above)."""
+    probe, batch = _maskrcnn_warmed_up()
+    rows = []
+    for name in ("recorded (xxh3 + stats)", "scan: step state only (xxh3)"):
+        counted = {"bytes": 0, "tensors": 0}
+        real = fingerprint_module._hash_piece
+
+        def counting(a, start, stop, *args, **kwargs):
+            counted["bytes"] += (stop - start) * a.itemsize
+            counted["tensors"] += start == 0
+            return real(a, start, stop, *args, **kwargs)
+
+        with mock.patch.object(fingerprint_module, "_hash_piece", counting), \
+                _recorder(name, probe.model) as recorder:
+            torch.manual_seed(0)
+            train_step(probe, batch, recorder, 0)
+        rows.append((name, f"{counted['bytes'] / 1e6:.0f} MB", counted["tensors"]))
+    return rows
 
 
 def _best(fn, repeats: int = 5) -> float:
@@ -258,6 +288,8 @@ def main() -> None:
     print()
     headers, rows = time_inside_recorder(args.pairs)
     print(tabulate(rows, headers=headers))
+    print()
+    print(tabulate(bytes_per_step(), headers=["fingerprinted per step", "bytes", "pieces"]))
     big, small = fingerprint_speed()
     print()
     print(tabulate(big, headers=["256 MB float32", "GB/s", "speed vs x.sum()",
