@@ -1,17 +1,22 @@
 from __future__ import annotations
 
+import contextlib
+import math
 import random
 
 import numpy as np
 import pytest
 import torch
 import xxhash
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from detaudit.record.fingerprint import Fingerprinter, fingerprint
+from detaudit.record import fingerprint as fpmod
+from detaudit.record.fingerprint import Fingerprinter, fingerprint, wsum_device_value
 
 ALGORITHMS = ["xxh3", "wsum"]
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,
-          torch.uint8, torch.bool]
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+DTYPES = [*FLOATS, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+          torch.complex64]
 
 
 def fp(t, algorithm):
@@ -43,7 +48,7 @@ def test_order_and_content_change_the_print(algorithm, dtype):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_one_ulp_changes_the_print(algorithm, dtype):
     x = _sample(dtype)
     y = x.clone()
@@ -150,3 +155,216 @@ def test_add_many_gives_the_prints_of_add():
         one.add(t)
     many.add_many(tensors)
     assert many.collect() == one.collect()
+
+
+class _Ops(TorchDispatchMode):
+    """Records the aten ops run and the largest tensor any of them made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.names.append(func.__name__)
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def _stats_case(dtype, kind):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(6)) * 3
+    if kind == "huge":  # near the top of each dtype's range: squares overflow float32
+        top = {torch.float16: 6e4, torch.bfloat16: 1e38, torch.float32: 1e30,
+               torch.float64: 1e100}[dtype]
+        x = x.double() / 12 * top
+    x = x.to(dtype)
+    if kind == "nonfinite":
+        x[[3, 100, 2999, 4999]] = torch.tensor([float("nan"), float("inf"), float("-inf"),
+                                                 float("nan")], dtype=dtype)
+    return x
+
+
+def _assert_same_stats(p, q, rel=1e-6):
+    assert abs(p.norm - q.norm) <= rel * q.norm
+    assert (p.absmax, p.nonfinite) == (q.absmax, q.nonfinite)
+
+
+@pytest.mark.parametrize("chunk", [1024, None])
+@pytest.mark.parametrize("kind", ["plain", "nonfinite", "huge"])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_device_stats_match_the_cpu_stats(dtype, kind, chunk, monkeypatch):
+    """In float64, chunk by chunk: no overflow for large finite values (1e30 in float32,
+    above float32's range in float64), and NaN/Inf counted as on the CPU."""
+    if chunk:
+        monkeypatch.setattr(fpmod, "_WSUM_CHUNK", chunk)  # 5 chunks, the last one short
+    x = _stats_case(dtype, kind)
+    p, q = fingerprint(x, "wsum"), fingerprint(x, "xxh3")
+    assert math.isfinite(p.norm) and p.nonfinite == (4 if kind == "nonfinite" else 0)
+    _assert_same_stats(p, q)
+
+
+@pytest.mark.parametrize("kind", ["plain", "nonfinite", "huge"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_device_stats_without_float64_scale_and_do_not_overflow(dtype, kind, monkeypatch):
+    """A device without float64 (MPS): float32, each chunk scaled by the absmax so far."""
+    monkeypatch.setattr(fpmod, "_stats_dtype", lambda device: torch.float32)
+    monkeypatch.setattr(fpmod, "_WSUM_CHUNK", 1024)
+    x = _stats_case(dtype, kind)
+    if kind == "huge":  # an increasing absmax: every chunk rescales the sum so far
+        x = x.abs().sort().values
+    _assert_same_stats(fingerprint(x, "wsum"), fingerprint(x, "xxh3"))
+    assert fingerprint(torch.zeros(3000, dtype=dtype), "wsum")[3:] == (0.0, 0.0, 0)
+    assert fingerprint(torch.zeros(0, dtype=dtype), "wsum")[3:] == (0.0, 0.0, 0)
+
+
+def test_device_stats_without_float64_count_past_2_pow_24(monkeypatch):
+    monkeypatch.setattr(fpmod, "_stats_dtype", lambda device: torch.float32)
+    x = torch.full(((1 << 24) + 3,), float("inf"), dtype=torch.float16)
+    x[5] = -2.0
+    assert fingerprint(x, "wsum")[3:] == (2.0, 2.0, (1 << 24) + 2)
+
+
+def test_device_stats_temporaries_stay_within_a_chunk(monkeypatch):
+    monkeypatch.setattr(fpmod, "_WSUM_CHUNK", 1024)
+    x = torch.randn(100_000).half()
+    with _Ops() as ops:
+        fpmod._device_float_stats(x)
+    assert 0 < ops.largest <= 1024 * 8  # one chunk in float64; the tensor in float32: 400 kB
+
+
+M64 = (1 << 64) - 1
+
+
+def _xorshift(x, arithmetic=False):
+    """x ^ (x >> 31) on python ints in [0, 2**64): the old mixer shifted arithmetically."""
+    shifted = x >> 31
+    if arithmetic and x >> 63:
+        shifted |= M64 ^ ((1 << 33) - 1)  # the sign copied into the 31 high bits
+    return x ^ shifted
+
+
+def _mix(x, arithmetic=False):
+    """The wsum mixer on python ints in [0, 2**64)."""
+    return _xorshift(x * (fpmod._MIX2 & M64) & M64, arithmetic)
+
+
+def _reference_wsum(bits):
+    """The wsum device value of int bit patterns, in python ints: the algorithm's definition."""
+    total = 0
+    for i, b in enumerate(bits):
+        weight = _mix((i * fpmod._MIX + 1) & M64) | 1
+        total += _mix((b + fpmod._MIX) & M64) * weight
+    total &= M64
+    return total - (1 << 64) if total >> 63 else total
+
+
+@pytest.mark.parametrize("chunk", [7, None])
+def test_wsum_value_is_the_reference_sum(chunk, monkeypatch):
+    """Chunks, cached and fresh weights, and each dtype's bits give the defined sum."""
+    if chunk:
+        monkeypatch.setattr(fpmod, "_WSUM_CHUNK", chunk)
+    g = torch.Generator().manual_seed(7)
+    cases = [torch.randint(-(1 << 63), (1 << 63) - 1, (40,), generator=g),
+             torch.tensor([-(1 << 63), (1 << 63) - 1, -1, 0, 1]),
+             torch.randn(30, generator=g).double(), torch.randn(3, generator=g),
+             torch.randint(-(1 << 15), 1 << 15, (25,), generator=g).short(),
+             torch.randint(0, 256, (9,), generator=g).to(torch.uint8), torch.zeros(0)]
+    for t in cases:
+        bits = t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[
+            t.element_size()])
+        assert int(wsum_device_value(t)) == _reference_wsum(bits.tolist())
+
+
+def test_the_mixer_is_a_bijection_on_64_bit_values():
+    """Two int64 values the old (arithmetic-shift) mixer sent to one now print differently."""
+    mixed = (1 + fpmod._MIX) * (fpmod._MIX2 & M64) & M64  # the value 1, before the xorshift
+    # its partner x: x ^ (x >> 31) (logical) equals that of `mixed` with the 31 high bits flipped
+    y = (mixed ^ (mixed >> 31)) ^ (M64 ^ ((1 << 33) - 1))
+    partner = y ^ (y >> 31) ^ (y >> 62)  # the inverse of the logical xorshift
+    assert partner ^ (partner >> 31) == y and partner >> 63 != mixed >> 63
+    value = (partner * pow(fpmod._MIX2 & M64, -1, 1 << 64) - fpmod._MIX) & M64
+    value -= 1 << 64 if value >> 63 else 0
+    assert _xorshift(mixed, arithmetic=True) == _xorshift(partner, arithmetic=True)
+    old = [_mix((v + fpmod._MIX) & M64, arithmetic=True) for v in (1, value)]
+    assert old[0] == old[1]  # the old mixer sent 1 and `value` to one number
+    a, b = torch.tensor([1]), torch.tensor([value])
+    assert fp(a, "wsum") != fp(b, "wsum")
+    assert fp(a.view(torch.float64), "wsum") != fp(b.view(torch.float64), "wsum")
+    assert fp(a, "xxh3") != fp(b, "xxh3")
+    # the torch mixer sets the top bit (the old one never did) and matches the python one
+    values = [mixed, partner, 0, 1, M64, 1 << 63, 12345678901234567]
+    signed = torch.tensor([v - (1 << 64) if v >> 63 else v for v in values])
+    got = [v & M64 for v in fpmod._splitmix(signed.clone()).tolist()]
+    assert got == [_mix(v) for v in values] and len(set(got)) == len(values)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("inside", [False, True])
+def test_inference_tensors_print_like_normal_ones(algorithm, inside):
+    """Made in inference mode, fingerprinted outside or inside it."""
+    x = _sample(torch.float32)
+    with torch.inference_mode():
+        y = x.clone()
+    expected = fingerprint(x, algorithm)
+    fpmod._WEIGHTS.clear()  # inside: the wsum weights are made in inference mode
+    with torch.inference_mode() if inside else contextlib.nullcontext():
+        assert fingerprint(y, algorithm) == expected
+        f = Fingerprinter(algorithm=algorithm)
+        f.add(y)
+        f.add(y)
+        f.add_many([y, x])
+        if inside:
+            y.add_(1.0)  # allowed in inference mode, and not counted: must be hashed again
+            f.add(y)
+        prints = f.collect()
+    assert prints[:4] == [expected] * 4
+    if inside:
+        assert prints[4] == fingerprint(x + 1.0, algorithm) != expected
+    assert fingerprint(x, algorithm) == expected  # with weights cached in inference mode
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_lazy_conj_and_neg_views_print_as_materialised(algorithm):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, dtype=torch.complex64, generator=g).conj()
+    assert x.is_conj()
+    assert fingerprint(x, algorithm) == fingerprint(x.resolve_conj(), algorithm)
+    assert fp(x, algorithm) != fp(x.conj().resolve_conj(), algorithm)
+    for n in (3, 1):  # one element: the negated view is contiguous
+        y = torch.randn(n, dtype=torch.complex64, generator=g).conj().imag
+        assert y.is_neg()
+        assert fingerprint(y, algorithm) == fingerprint(y.resolve_neg(), algorithm)
+        assert fp(y, algorithm) != fp(-y.resolve_neg(), algorithm)
+    f = Fingerprinter(algorithm=algorithm)
+    f.add_many([x, y])
+    assert f.collect() == [fingerprint(x.resolve_conj(), algorithm),
+                           fingerprint(y.resolve_neg(), algorithm)]
+
+
+def test_wsum_weights_are_cached_per_device_and_bounded():
+    fpmod._WEIGHTS.clear()
+    first = fingerprint(torch.arange(10.0), "wsum")
+    cached = fpmod._WEIGHTS[torch.device("cpu")]
+    fingerprint(torch.arange(3000.0), "wsum")  # within the cached size: the same tensor
+    assert fpmod._WEIGHTS[torch.device("cpu")] is cached
+    fingerprint(torch.arange(70_000.0), "wsum")  # grown to a power of two, never past a chunk
+    assert fpmod._WEIGHTS[torch.device("cpu")].numel() == 1 << 17
+    fingerprint(torch.arange(fpmod._WSUM_CHUNK + 5, dtype=torch.int8), "wsum")
+    assert fpmod._WEIGHTS[torch.device("cpu")].numel() == fpmod._WSUM_CHUNK
+    assert fingerprint(torch.arange(10.0), "wsum") == first
+
+
+def test_wsum_adds_no_host_sync_per_tensor():
+    """Values stay on the device until collect (an item() or a bool() would be a sync)."""
+    tensors = [torch.randn(50, 3), torch.randn(4, dtype=torch.complex64).conj(),
+               torch.tensor([1.0, float("nan")]).double(), torch.arange(5), torch.zeros(0)]
+    f = Fingerprinter(algorithm="wsum")
+    with _Ops() as ops:
+        for t in tensors:
+            f.add(t)
+        f.add_many(tensors[:2])
+    assert ops.names and "_local_scalar_dense" not in ops.names
+    assert [p.fp for p in f.collect()] == [fp(t, "wsum") for t in tensors + tensors[:2]]

@@ -235,27 +235,69 @@ def _cpu_print(t: torch.Tensor, stats: bool) -> TensorPrint:
     return _finish(t, a, f"{fp:016x}", shape, dtype, stats, [sums] if sums else None)
 
 
+_LOW33 = (1 << 33) - 1  # keeps the low 33 bits: an int64 `>> 31` made a logical shift
+
+
 def _splitmix(x: torch.Tensor) -> torch.Tensor:
-    """A cheap int64 bit mixer (wrapping arithmetic, same on every device)."""
-    x = x * _MIX2
-    return x ^ (x >> 31)
+    """Mix an int64 tensor of our own in place (wrapping arithmetic, same on every device).
+
+    A bijection: a product by an odd constant, then an xor with the *logical* right shift.
+    torch's `>>` on int64 is arithmetic, and copying the sign into the high bits cleared the
+    top bit of every result, so two 64-bit values mixed to one."""
+    x.mul_(_MIX2)
+    return x.bitwise_xor_((x >> 31).bitwise_and_(_LOW33))
 
 
-def wsum_device_value(t: torch.Tensor) -> torch.Tensor:
-    """Position-weighted int64 sum of the mixed bit patterns, left on the tensor's device."""
-    flat = t.detach().contiguous().reshape(-1)
+def _new_weights(start: int, n: int, device: torch.device) -> torch.Tensor:
+    """The odd int64 weights of positions [start, start + n), on `device`."""
+    pos = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    return _splitmix(pos.mul_(_MIX).add_(1)).bitwise_or_(1)
+
+
+# Per device, the weights of the first positions, as many as the largest tensor asked for
+# (rounded up to a power of two, at most a chunk: 32 MiB). Most tensors fit in one chunk, so
+# they are weighed by a slice of this; later chunks of a larger tensor are weighed anew, which
+# costs about what mixing the chunk does, rather than keeping 8 bytes per element on the device.
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(start: int, n: int, device: torch.device) -> torch.Tensor:
+    if start:
+        return _new_weights(start, n, device)
+    weights = _WEIGHTS.get(device)
+    if weights is None or weights.numel() < n:
+        if len(_WEIGHTS) >= 16:
+            _WEIGHTS.clear()
+        size = max(n, min(max(1 << 12, 1 << (n - 1).bit_length()), _WSUM_CHUNK))
+        weights = _WEIGHTS[device] = _new_weights(0, size, device)
+    return weights[:n]
+
+
+def _device_flat(t: torch.Tensor) -> torch.Tensor:
+    """A flat, contiguous tensor of `t`'s logical content, lazy conjugation and negation
+    resolved (a copy only where `t` is strided, conjugated or negated)."""
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+
+
+def _wsum(flat: torch.Tensor) -> torch.Tensor:
+    """Position-weighted int64 sum of the mixed bit patterns of a `_device_flat` tensor."""
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     bits = flat.view(_BITS_DTYPE[flat.element_size()])
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    total = None
     for start in range(0, bits.numel(), _WSUM_CHUNK):
-        chunk = bits[start : start + _WSUM_CHUNK].to(torch.int64)
-        pos = torch.arange(start, start + chunk.numel(), device=flat.device, dtype=torch.int64)
-        weights = _splitmix(pos * _MIX + 1) | 1
-        total = total + (_splitmix(chunk + _MIX) * weights).sum()
-    return total
+        # a copy of our own (`to` alone returns 64-bit bits as they are): mixed in place
+        mixed = _splitmix(bits[start : start + _WSUM_CHUNK].to(torch.int64, copy=True).add_(_MIX))
+        part = mixed.mul_(_weights(start, mixed.numel(), flat.device)).sum()
+        total = part if total is None else total + part
+    return torch.zeros((), dtype=torch.int64, device=flat.device) if total is None else total
+
+
+def wsum_device_value(t: torch.Tensor) -> torch.Tensor:
+    """Position-weighted int64 sum of the mixed bit patterns, left on the tensor's device."""
+    return _wsum(_device_flat(t))
 
 
 def _finish_wsum(header: bytes, value: int) -> int:
@@ -264,16 +306,68 @@ def _finish_wsum(header: bytes, value: int) -> int:
     )
 
 
-def _device_float_stats(t: torch.Tensor) -> torch.Tensor:
-    """[norm, absmax, nonfinite] of a device floating tensor, as one device vector (no sync)."""
-    x = t.detach().float()
-    finite = torch.isfinite(x)
-    good = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    if x.numel() == 0:
-        return torch.zeros(3, device=x.device)
-    return torch.stack(
-        [good.norm(), good.abs().amax(), (~finite).sum().float()]
-    ).to(torch.float64)
+_FLOAT64_DEVICES: dict[str, bool] = {}
+
+
+def _stats_dtype(device: torch.device) -> torch.dtype:
+    """float64 where the device has it (CPU, CUDA), else float32 (MPS)."""
+    has = _FLOAT64_DEVICES.get(device.type)
+    if has is None:
+        try:
+            torch.zeros(1, dtype=torch.float64, device=device)
+            has = True
+        except (RuntimeError, TypeError):  # MPS raises TypeError
+            has = False
+        _FLOAT64_DEVICES[device.type] = has
+    return torch.float64 if has else torch.float32
+
+
+def _device_float_stats(flat: torch.Tensor) -> torch.Tensor:
+    """The stats of a flat floating tensor as one device vector (no sync), for `_read_stats`.
+
+    Like the CPU's, they skip NaN and Inf. Taken chunk by chunk, so the temporaries stay
+    within a chunk's size. In float64: [norm, absmax, nonfinite]. A device without float64
+    (MPS) divides each chunk by the absmax so far before squaring, so no finite square
+    overflows, and gives [norm / absmax, absmax, nonfinite >> 24, nonfinite & 0xFFFFFF]: the
+    host multiplies (the norm may pass float32's range where no element does), and a float32
+    holds integers exactly only to 2**24."""
+    wide = _stats_dtype(flat.device)
+    scaled = wide != torch.float64
+    if flat.numel() == 0:
+        return torch.zeros(4 if scaled else 3, dtype=wide, device=flat.device)
+    sq = absmax = finite = None
+    for start in range(0, flat.numel(), _WSUM_CHUNK):
+        part = flat[start : start + _WSUM_CHUNK]
+        part_finite = torch.isfinite(part).sum()
+        x = part.to(wide, copy=True).nan_to_num_(0.0, 0.0, 0.0)  # a copy of our own
+        lo, hi = torch.aminmax(x)
+        peak = torch.maximum(hi, -lo)
+        if absmax is None:
+            top, finite = peak, part_finite
+        else:
+            top, finite = torch.maximum(absmax, peak), finite + part_finite
+        if scaled:  # sq holds the sum of (x / absmax)**2
+            unit = torch.where(top > 0, top, 1.0)
+            x.div_(unit)
+            part_sq = torch.dot(x, x)
+            sq = part_sq if sq is None else sq * (absmax / unit).square() + part_sq
+        else:
+            part_sq = torch.dot(x, x)
+            sq = part_sq if sq is None else sq + part_sq
+        absmax = top
+    nonfinite = flat.numel() - finite
+    if scaled:
+        return torch.stack([sq.sqrt(), absmax, (nonfinite >> 24).to(wide),
+                            (nonfinite & 0xFFFFFF).to(wide)])
+    return torch.stack([sq.sqrt(), absmax, nonfinite.to(wide)])
+
+
+def _read_stats(stats: list[float]) -> tuple[float, float, int]:
+    """(norm, absmax, nonfinite) from the host values of a `_device_float_stats` vector."""
+    if len(stats) == 3:
+        return stats[0], stats[1], int(stats[2])
+    root, absmax, high, low = stats
+    return root * absmax, absmax, (int(high) << 24) + int(low)
 
 
 class Fingerprinter:
@@ -304,9 +398,12 @@ class Fingerprinter:
         if t.is_cpu and self.algorithm != "wsum":
             self._done.append(_cpu_print(t, want_stats))
             return slot
-        device_stats = _device_float_stats(t) if want_stats and t.is_floating_point() else None
+        flat = _device_flat(t)
+        device_stats = (
+            _device_float_stats(flat) if want_stats and t.is_floating_point() else None
+        )
         self._done.append(None)
-        self._pending.append((slot, wsum_device_value(t), device_stats, _describe(t)))
+        self._pending.append((slot, _wsum(flat), device_stats, _describe(t)))
         return slot
 
     def add_many(self, tensors: list[torch.Tensor], stats: bool | None = None) -> None:
@@ -324,6 +421,8 @@ class Fingerprinter:
 
     def _reuse(self, t: torch.Tensor, stats: bool, slot: int) -> bool:
         """Point at the earlier slot of this very tensor, unchanged since; else remember it."""
+        if t.is_inference():  # no version counter, and changes in place in inference mode
+            return False
         key = (id(t), stats)
         version = t._version
         seen = self._seen.get(key)
@@ -346,11 +445,11 @@ class Fingerprinter:
             stats_iter = iter(stats)
             for (slot, _, has_stats, (header, shape, dtype)), value in zip(self._pending, values):
                 norm, absmax, nonfinite = (
-                    next(stats_iter) if has_stats is not None else (None, None, 0)
+                    _read_stats(next(stats_iter)) if has_stats is not None else (None, None, 0)
                 )
                 self._done[slot] = TensorPrint(
                     f"{_finish_wsum(header, int(value)):016x}", shape, dtype,
-                    norm, absmax, int(nonfinite),
+                    norm, absmax, nonfinite,
                 )
         done = [p if not isinstance(p, int) else self._done[p] for p in self._done]
         self._done, self._pending, self._seen = [], [], {}
