@@ -368,3 +368,18 @@ def test_wsum_adds_no_host_sync_per_tensor():
         f.add_many(tensors[:2])
     assert ops.names and "_local_scalar_dense" not in ops.names
     assert [p.fp for p in f.collect()] == [fp(t, "wsum") for t in tensors + tensors[:2]]
+
+
+def test_integers_print_alike_on_every_device_scheme():
+    """Integers and bools are printed by wsum on CPU too, so a CPU trace and a CUDA trace
+    compare them bitwise; floats keep xxh3 on CPU."""
+    from detaudit.record.fingerprint import scheme
+
+    labels = torch.tensor([3, 1, 4, 1, 5], dtype=torch.int64)
+    mask = torch.tensor([True, False, True])
+    for t in (labels, mask):
+        assert fingerprint(t).fp == fingerprint(t, algorithm="wsum").fp
+    x = torch.randn(8)
+    assert fingerprint(x).fp == fingerprint(x, algorithm="xxh3").fp != fingerprint(
+        x, algorithm="wsum").fp
+    assert scheme("cpu") == "xxh3+wsum2-int" and scheme("cuda:1") == "wsum2"

@@ -179,13 +179,13 @@ def test_thread_count_diff_names_the_module_and_tolerance_passes(
 def test_mixed_fingerprint_algorithms_force_tolerance_mode(conv_baseline: Path) -> None:
     a = load_baseline(conv_baseline).trace
     b = load_baseline(conv_baseline).trace
-    b.env["device"] = "cuda:0"
+    b.env["device"], b.env["fingerprint"] = "cuda:0", "wsum2"
     # Another algorithm for every tensor; RNG states (bytes) are hashed the same way everywhere.
     prints = zip(b.records["fp"], b.records["dtype"])
     b.records["fp"] = [fp if dtype == "bytes" else "0" * 16 for fp, dtype in prints]
     result = diff_traces(a, b)
     assert result.ok and result.tolerance
-    assert "different algorithms (xxh3 vs wsum)" in result.message
+    assert "different algorithms (xxh3+wsum2-int vs wsum2)" in result.message
     assert result.message.index("device") < result.message.index("MATCH")
     assert env_differences(a.env, b.env) == {"device": ("cpu", "cuda:0")}
     # what tolerance cannot judge is said, and never counted as agreeing
@@ -196,9 +196,11 @@ def test_mixed_fingerprint_algorithms_force_tolerance_mode(conv_baseline: Path) 
     assert f"on {len(a) - unjudged} records" in result.headline
 
 
-def test_tolerance_never_excuses_a_changed_integer_record(conv_baseline: Path) -> None:
+@pytest.mark.parametrize("b_scheme", ["xxh3+wsum2-int", "wsum2"])  # same device, or CPU vs CUDA
+def test_tolerance_never_excuses_a_changed_integer_record(conv_baseline: Path, b_scheme) -> None:
     a = load_baseline(conv_baseline).trace
     b = load_baseline(conv_baseline).trace
+    b.env["fingerprint"] = b_scheme  # integers are printed by wsum2 in both schemes
     for t in (a, b):  # record 0 as an integer tensor (e.g. the batch's labels): no stats
         t.records["dtype"][0], t.records["norm"][0], t.records["absmax"][0] = "int64", None, None
     b.records["fp"][0] = "f" * 16

@@ -77,11 +77,19 @@ def env_differences(a_env: dict[str, Any], b_env: dict[str, Any]) -> dict[str, t
 
 
 def fingerprint_algorithm(env: dict[str, Any]) -> str | None:
-    """The fingerprint algorithm a trace's device tensors used (None when unknown)."""
+    """The fingerprint scheme of a trace (None when unknown); traces from before the
+    environment named it used xxh3 on CPU and the first wsum elsewhere, for every dtype."""
+    if env.get("fingerprint"):
+        return str(env["fingerprint"])
     device = env.get("device")
     if not device:
         return None
     return "xxh3" if str(device).split(":")[0] == "cpu" else "wsum"
+
+
+def _integers_by(scheme: str | None) -> str | None:
+    """The algorithm a scheme prints integers and bools with."""
+    return "wsum2" if scheme and "wsum2" in scheme else scheme
 
 
 def diff_traces(
@@ -98,7 +106,8 @@ def diff_traces(
     tolerance = mixed or rtol > 0 or atol > 0
     accepted = unjudged = 0
     if tolerance:
-        tb, accepted, unjudged = _accept_within(ta, tb, rtol, atol, mixed)
+        exact_ints = _integers_by(algorithms[0]) == _integers_by(algorithms[1])
+        tb, accepted, unjudged = _accept_within(ta, tb, rtol, atol, not exact_ints)
     comparison = compare([ta, tb])
     envs = env_differences(ta.env, tb.env)
     failures = [f"{name} stopped early: {t.failure}" for name, t in zip(labels, (ta, tb)) if t.failure]
@@ -118,7 +127,7 @@ def diff_traces(
 
 
 def _accept_within(
-    a: Trace, b: Trace, rtol: float, atol: float, mixed: bool
+    a: Trace, b: Trace, rtol: float, atol: float, ints_unjudged: bool
 ) -> tuple[Trace, int, int]:
     """A copy of `b` in which the records tolerance accepts, and those it cannot judge, carry
     `a`'s fingerprint (so the comparison passes over them); how many of each."""
@@ -131,7 +140,7 @@ def _accept_within(
         i = row_a.get(key)
         if i is None or fps[j] == ra["fp"][i]:
             continue
-        judged = _within(ra, i, rb, j, rtol, atol, mixed)
+        judged = _within(ra, i, rb, j, rtol, atol, ints_unjudged)
         if judged is not False:
             fps[j] = ra["fp"][i]
             accepted += judged is True
@@ -141,7 +150,7 @@ def _accept_within(
 
 def _within(
     ra: dict[str, list[Any]], i: int, rb: dict[str, list[Any]], j: int,
-    rtol: float, atol: float, mixed: bool,
+    rtol: float, atol: float, ints_unjudged: bool,
 ) -> bool | None:
     """Whether record i of A and record j of B agree within tolerance by their stored stats;
     None where tolerance cannot say (a float stored without stats; an integer whose prints
@@ -156,7 +165,7 @@ def _within(
     dtype = str(ra["dtype"][i])
     if dtype.startswith(_FLOAT_PREFIXES):
         return None
-    return None if mixed and dtype != "bytes" else False  # integers compare exactly
+    return None if ints_unjudged and dtype != "bytes" else False  # integers compare exactly
 
 
 def _first(comparison: Comparison) -> FirstDifference | None:

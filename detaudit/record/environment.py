@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .fingerprint import scheme
+
 
 def capture_environment(device: str | torch.device | None = None) -> dict[str, Any]:
     """A plain-data snapshot of everything that can change a run's numbers."""
@@ -29,6 +31,7 @@ def capture_environment(device: str | torch.device | None = None) -> dict[str, A
         if cuda else [],
         "cpu": platform.processor() or platform.machine(),
         "device": str(device) if device is not None else None,
+        "fingerprint": scheme(device),
         "threads": torch.get_num_threads(),
         "interop_threads": torch.get_num_interop_threads(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),

@@ -370,6 +370,23 @@ def _read_stats(stats: list[float]) -> tuple[float, float, int]:
     return root * absmax, absmax, (int(high) << 24) + int(low)
 
 
+WSUM = "wsum2"  # the device algorithm's version: 2 has a bijective mixer for 64-bit values
+
+
+def scheme(device: str | torch.device | None) -> str:
+    """Which algorithm prints what, for a trace made on `device` (kept in its environment,
+    so that a diff knows which records two traces can compare bitwise): floats by xxh3 on
+    CPU and wsum elsewhere; integers and bools by wsum everywhere, so that they compare
+    exactly across devices."""
+    kind = torch.device(device).type if device is not None else "cpu"
+    return f"xxh3+{WSUM}-int" if kind == "cpu" else WSUM
+
+
+def _exact_dtype(t: torch.Tensor) -> bool:
+    """Integers and bools: printed by wsum on every device."""
+    return not (t.is_floating_point() or t.is_complex())
+
+
 class Fingerprinter:
     """Fingerprints tensors; device results are fetched once, in :meth:`collect`.
 
@@ -395,7 +412,8 @@ class Fingerprinter:
         want_stats = self.stats if stats is None else stats
         if self._reuse(t, want_stats, slot):
             return slot
-        if t.is_cpu and self.algorithm != "wsum":
+        if t.is_cpu and self.algorithm != "wsum" and (
+                self.algorithm == "xxh3" or not _exact_dtype(t)):
             self._done.append(_cpu_print(t, want_stats))
             return slot
         flat = _device_flat(t)
@@ -411,7 +429,8 @@ class Fingerprinter:
         want_stats = self.stats if stats is None else stats
         batch: list[tuple[int, torch.Tensor]] = []
         for t in tensors:
-            if not t.is_cpu or self.algorithm == "wsum":
+            if not t.is_cpu or self.algorithm == "wsum" or (
+                    self.algorithm is None and _exact_dtype(t)):
                 self.add(t, stats)
             elif not self._reuse(t, want_stats, len(self._done)):
                 batch.append((len(self._done), t))
