@@ -189,7 +189,7 @@ def bytes_per_step() -> list[tuple]:
         counted = {"bytes": 0, "tensors": 0}
         real = fingerprint_module._hash_piece
 
-        def counting(a, start, stop, *args, counted=counted, **kwargs):
+        def counting(a, start, stop, *args, counted=counted, real=real, **kwargs):
             counted["bytes"] += (stop - start) * a.itemsize
             counted["tensors"] += start == 0
             return real(a, start, stop, *args, **kwargs)
