@@ -235,3 +235,22 @@ def test_op_drill_down_on_cuda_names_the_planted_op_and_backward_module():
         "aten.convolution_backward", "block2.conv", "backward")
     assert origin["max_ulp"] == 1
     assert result.investigations["census"]["device"].startswith("cuda")
+
+
+def test_op_level_recording_of_an_inference_mode_step():
+    """Tensors made under torch.inference_mode() have no version counter; the op level
+    (including its uninitialised-memory tracking of empty()) must still record them."""
+    def probe(device):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+
+        def step(m, batch):
+            with torch.inference_mode():
+                scratch = torch.empty(4)
+                scratch.fill_(1.0)
+                return m(batch) + scratch
+
+        return Probe(model=model, batches=[torch.ones(2, 4)] * 2, step=step)
+
+    result = audit(probe, repeats=2, mode="infer", granularity="op")
+    assert result.deterministic
+    assert any(p.startswith("op.") for p in result.traces[0].records["phase"])

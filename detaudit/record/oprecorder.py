@@ -185,7 +185,8 @@ class OpRecorder(TorchDispatchMode):
 
     def _remember_uninitialized(self, out: Any) -> None:
         for _, t in iter_tensors(out):
-            self._fresh[t.untyped_storage().data_ptr()] = (weakref.ref(t), t._version)
+            if not t.is_inference():  # no version counter: cannot tell when it is written
+                self._fresh[t.untyped_storage().data_ptr()] = (weakref.ref(t), t._version)
 
     def _uninitialized(self, t: torch.Tensor) -> bool:
         """Whether `t` is (a view of) an empty() output not written since."""
