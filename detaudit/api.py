@@ -13,7 +13,7 @@ Torch is imported only by the functions that record (:func:`run` and what calls 
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -125,6 +125,8 @@ def audit(
     deterministic: bool = False,
     fault: Fault | None = None,
     granularity: str = "module",
+    stress: int = 16,
+    stress_every_op: bool = False,
     drill_down: bool = False,
     census: bool = False,
     verify_fix: bool = False,
@@ -139,11 +141,14 @@ def audit(
     After a divergence, `drill_down` replays the first divergent step op by op to name the
     op (``result.investigations["ops"]``); `census` lists the known-nondeterministic ops the
     model runs and the deterministic-mode alerts (``["census"]``); `verify_fix` re-runs with
-    PyTorch's deterministic settings and measures the cost (``["verify"]``).
+    PyTorch's deterministic settings and measures the cost (``["verify"]``). The last
+    repeat re-runs each risky op `stress` times on identical inputs at the first step of
+    every epoch (every op with `stress_every_op`; 0: off): see ``result.comparison.proven``.
     """
     config = AuditConfig(
         repeats=repeats, epochs=epochs, steps=steps, mode=mode, device=device, seed=seed,
-        deterministic=deterministic, fault=fault, granularity=granularity,
+        deterministic=deterministic, fault=fault, granularity=granularity, stress=stress,
+        stress_every_op=stress_every_op,
     )
     wanted = Investigations(drill_down=drill_down, census=census, verify_fix=verify_fix)
     if isinstance(probe, ProbeSpec):
@@ -189,6 +194,8 @@ def run(
         )
     if out is None and (launch.isolation == "process" or launch.nproc):
         raise DetauditError("repeats in other processes need a run folder")
+    if launch.nproc and config.stress:  # ranks compare each other; no re-execution proof yet
+        config = replace(config, stress=0)
     info = RunInfo(probe={**spec.to_dict(), "preset": preset}, config=config.to_dict(),
                    command=command, traces=[], run_id=new_run_id(), state="recording")
     folder = RunFolder(out, info, overwrite) if out is not None else _Unsaved(info)

@@ -221,6 +221,12 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
                    help="list the known-nondeterministic ops the model runs (one step, even when "
                    "the repeats agree) and the alerts raised under "
                    "use_deterministic_algorithms(True, warn_only=True) (default: on)")
+    p.add_argument("--stress", default="16", metavar="K|all[:K]",
+                   help="proof by re-execution: at the first step of every epoch, the last "
+                   "repeat re-runs each op known to be possibly nondeterministic on the device K "
+                   "times on identical copies of its inputs; distinct results make the verdict "
+                   "a divergence even when the repeats agreed. 'all': every op of those steps "
+                   "(slow); 0: off (default: 16)")
     p.add_argument("--verify-fix", action="store_true",
                    help="re-run with PyTorch's deterministic settings: deterministic now? at what "
                    "step-time and peak-memory cost?")
@@ -398,8 +404,22 @@ def _audit_setup(
         repeats=pick("repeats", repeats), epochs=pick("epochs"), steps=pick("steps"),
         mode=args.mode, device=device, seed=args.seed, deterministic=args.deterministic,
         fault=_fault(args.inject_fault), granularity=args.granularity,
+        **_stress(getattr(args, "stress", "0")),
     )
     return _probe_spec(args, preset, launch.nproc), config, preset
+
+
+def _stress(text: str) -> dict[str, Any]:
+    """--stress K, all or all:K as AuditConfig fields."""
+    every = text == "all" or text.startswith("all:")
+    count = text[4:] if text.startswith("all:") else "16" if text == "all" else text
+    try:
+        runs = int(count)
+    except ValueError:
+        raise DetauditError(f"--stress takes a number of runs, all or all:K, not {text!r}") from None
+    if runs < 0 or runs == 1:
+        raise DetauditError("--stress needs at least 2 runs to compare (0 turns it off)")
+    return {"stress": runs, "stress_every_op": every}
 
 
 def _fault(text: str | None) -> Fault | None:

@@ -70,6 +70,10 @@ class AuditConfig:
     fault: Fault | None = None  # planted in one repeat only (`fault_repeat`)
     fault_repeat: int = -1  # -1: the last repeat
     granularity: str = "module"  # "scan": step state only; "op": op by op too (slower)
+    # The last repeat re-runs each risky op this many times on identical inputs at the first
+    # step of every epoch (0: off); `stress_every_op`: every op of those steps, not only risky ones.
+    stress: int = 16
+    stress_every_op: bool = False
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -81,6 +85,8 @@ class AuditConfig:
         if self.granularity not in GRANULARITIES:
             raise DetauditError(f"granularity must be one of {', '.join(GRANULARITIES)}, "
                                 f"not {self.granularity!r}")
+        if self.stress < 0:
+            raise DetauditError(f"stress must be 0 (off) or a number of runs, not {self.stress}")
         if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise DetauditError(f"seed {self.seed} is outside torch's range "
                                 f"[{SEED_RANGE[0]}, {SEED_RANGE[1] - 1}]")

@@ -37,6 +37,12 @@ FORMAT_NAME = "detaudit-trace"
 #             (step, phase, module, call, slot).
 #   calls     columnar: the module call tree of every step, CALL_COLUMNS.
 #   failure   why the repeat stopped early (null when it ran to the end).
+#   stress    columnar, optional (absent: nothing stressed): STRESS_COLUMNS, one row per op,
+#             module and phase at each stressed step (see detaudit.record.stress): how
+#             often the op ran, how many of those calls were re-executed `runs` times on
+#             identical inputs, the most distinct results one call gave (2+: proven
+#             nondeterministic) and the size of the first difference. Its cost in time is
+#             in run.json's timings (a trace holds no times).
 #
 # A record's phase is one of PHASES:
 #   state      at the start of a step: the batch (``batch.<path>``), every RNG
@@ -65,6 +71,10 @@ RECORD_COLUMNS = (
     "step", "phase", "module", "call", "slot", "fp", "shape", "dtype", "norm", "absmax", "nonfinite",
 )
 CALL_COLUMNS = ("step", "module", "index", "parent")
+STRESS_COLUMNS = (
+    "step", "epoch", "phase", "module", "op", "calls", "stressed", "runs", "distinct",
+    "elements", "differing", "max_abs", "max_ulp", "rel_err",
+)
 
 
 @dataclass
@@ -95,6 +105,7 @@ class Trace:
     records: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in RECORD_COLUMNS})
     calls: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in CALL_COLUMNS})
     failure: str | None = None  # why the run stopped early; records up to then are kept
+    stress: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in STRESS_COLUMNS})
 
     # -- building ------------------------------------------------------------------------
     def add_record(self, step: int, key: tuple[str, str, int, str], print_: Any) -> None:
@@ -113,6 +124,16 @@ class Trace:
         """Append one module call (parent = position of the enclosing call in its step)."""
         for name, value in (("step", step), ("module", module), ("index", index), ("parent", parent)):
             self.calls[name].append(value)
+
+    def add_stress(self, row: dict[str, Any]) -> None:
+        """Append one stressed op (a dict with the STRESS_COLUMNS keys)."""
+        for name in STRESS_COLUMNS:
+            self.stress[name].append(row[name])
+
+    def stress_rows(self) -> list[dict[str, Any]]:
+        """The stressed ops as one dict per row."""
+        return [dict(zip(STRESS_COLUMNS, values))
+                for values in zip(*(self.stress[c] for c in STRESS_COLUMNS))]
 
     # -- reading -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -138,6 +159,7 @@ class Trace:
             "records": self.records,
             "calls": self.calls,
             "failure": self.failure,
+            **({"stress": self.stress} if self.stress["step"] else {}),
         }
 
     @classmethod
@@ -209,6 +231,15 @@ _RECORD_CHECKS = {
     "shape": (_shape, "a list of integers >= 0"), "dtype": (_text, "a string"),
     "norm": (_stat, "a finite number or null"), "absmax": (_stat, "a finite number or null"),
     "nonfinite": (_count, _INTEGER),
+}
+_MAYBE_COUNT = (lambda v: v is None or _count(v), "an integer >= 0 or null")
+_STRESS_CHECKS = {
+    "step": (_count, _INTEGER), "epoch": (_count, _INTEGER), "phase": (_text, "a string"),
+    "module": (_text, "a string"), "op": (_text, "a string"), "calls": (_count, _INTEGER),
+    "stressed": (_count, _INTEGER), "runs": (_count, _INTEGER), "distinct": (_count, _INTEGER),
+    "elements": (_count, _INTEGER), "differing": (_count, _INTEGER),
+    "max_abs": (_stat, "a finite number or null"), "max_ulp": _MAYBE_COUNT,
+    "rel_err": (_stat, "a finite number or null"),
 }
 _CALL_CHECKS = {
     "step": (_count, _INTEGER), "module": (_text, "a string"), "index": (_count, _INTEGER),
@@ -347,8 +378,9 @@ def _validated(data: dict[str, Any]) -> dict[str, Any]:
     failure = data.get("failure")
     if failure is not None and not isinstance(failure, str):
         raise _bad("failure", failure, "a string or null")
+    stress = _columns("stress", data.get("stress", {}), _STRESS_CHECKS, required=False)
     return {
         "probe": probe, "repeat": repeat, "env": env,
         "steps": [_step_info(i, s) for i, s in enumerate(steps)],
-        "records": records, "calls": calls, "failure": failure,
+        "records": records, "calls": calls, "failure": failure, "stress": stress,
     }

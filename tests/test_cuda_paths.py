@@ -117,7 +117,7 @@ def test_cuda_index_is_the_current_device_during_a_repeat():
 
 
 def test_cudnn_and_cublas_entries_only_where_the_settings_leave_them_free():
-    from detaudit.investigate.knowledge import CONDITIONS, KNOWN, applicable
+    from detaudit.analysis.knowledge import CONDITIONS, KNOWN, applicable
 
     assert all(k.when in CONDITIONS for k in KNOWN)
     free = {"cudnn_benchmark": True, "cudnn_deterministic": False}

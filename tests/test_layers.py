@@ -33,7 +33,7 @@ TORCH_FREE = [
     "detaudit.analysis.diff", "detaudit.analysis.verdict", "detaudit.report",
     "detaudit.report.summary", "detaudit.report.console", "detaudit.report.markdown",
     "detaudit.report.html", "detaudit.report.github", "detaudit.report.svg",
-    "detaudit.report.junit", "detaudit.investigate.knowledge", "detaudit.api", "detaudit.cli",
+    "detaudit.report.junit", "detaudit.analysis.knowledge", "detaudit.api", "detaudit.cli",
 ]
 
 

@@ -24,6 +24,7 @@ from ..trace import (
     STATE,
     Trace,
 )
+from .stress import StressedOp, stressed_ops
 
 Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot
 
@@ -118,6 +119,12 @@ class Comparison:
     failures: dict[int, str]
     first_diffs: list[RecordDiff] = field(default_factory=list)  # first step, execution order
     common_steps: int | None = None  # with failures: only the steps every repeat completed
+    stress: list[StressedOp] = field(default_factory=list)  # risky ops re-executed (proof)
+
+    @property
+    def proven(self) -> list[StressedOp]:
+        """The ops re-execution proved nondeterministic, whatever the repeats did."""
+        return [s for s in self.stress if s.proven]
 
     @property
     def deterministic(self) -> bool:
@@ -245,6 +252,7 @@ def compare(traces: Iterable[Trace]) -> Comparison:
         failures={t.repeat: t.failure for t in traces if t.failure},
         first_diffs=first_diffs,
         common_steps=common,
+        stress=stressed_ops(traces),
     )
 
 

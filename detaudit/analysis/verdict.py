@@ -14,9 +14,10 @@ from .ranks import RankAnalysis
 
 MATCH, MISMATCH = "match", "mismatch"  # a run against a baseline or another run
 INTERRUPTED = "interrupted"  # the run was stopped before its end and nothing differs so far
+PROVEN = "nondeterministic op"  # the repeats agreed, but re-execution proved an op is not
 EXIT_CODES = {
     DETERMINISTIC: EXIT_OK, MATCH: EXIT_OK,
-    DIVERGENT: EXIT_DIVERGED, MISMATCH: EXIT_DIVERGED, FAILED: EXIT_CRASH,
+    DIVERGENT: EXIT_DIVERGED, MISMATCH: EXIT_DIVERGED, PROVEN: EXIT_DIVERGED, FAILED: EXIT_CRASH,
     INTERRUPTED: EXIT_INTERRUPTED,
 }
 
@@ -30,7 +31,7 @@ def exit_code(kind: str) -> int:
 class Verdict:
     """What an audit concluded, in one word and one line."""
 
-    kind: str  # deterministic, divergent or failed
+    kind: str  # deterministic, divergent, nondeterministic op, failed or interrupted
     headline: str
     first: dict[str, Any] | None  # the first divergence, 1-based epoch (None: none)
     loss_hidden: bool  # parameters diverged while the loss stayed bit-identical
@@ -51,7 +52,9 @@ def judge(
     """The verdict of a comparison, naming the origin op when the drill-down found one and
     counting the ranks of a distributed audit. A run `interrupted` (its state says where)
     never passes: it is divergent if what it recorded differs, else interrupted. A scanned
-    run's `zoom` (its first divergent step replayed at module level) names the module."""
+    run's `zoom` (its first divergent step replayed at module level) names the module. An op
+    that re-execution proved nondeterministic (``c.proven``) makes agreeing repeats a
+    divergence found all the same; after a divergence it confirms the origin."""
     located = zoom if zoom is not None and zoom.first_step is not None else c
     first = first_divergence(located)
     kind = c.verdict
@@ -59,6 +62,10 @@ def judge(
         c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
     )
     headline = _headline(kind, located, first, hidden, ops or {})
+    if c.proven and kind == DETERMINISTIC:
+        kind, headline = PROVEN, _proven_headline(c)
+    elif c.proven and kind == DIVERGENT:
+        headline += f"; proven by re-execution: {_confirming(c, first).line()}"
     if located is zoom:
         headline += f"; zoomed in on step {zoom.first_step} after a scan"
     if c.loss.nonfinite is not None:
@@ -124,6 +131,20 @@ def _headline(
     if c.failures:
         text += f"; then {_stopped(c)}"
     return text
+
+
+def _proven_headline(c: Comparison) -> str:
+    proven = c.proven
+    more = f" (+{len(proven) - 1} more ops proven)" if len(proven) > 1 else ""
+    agreed = (f"the {c.repeats} repeats agreed this time" if c.repeats > 1
+              else "one repeat, so nothing to compare")
+    return f"NONDETERMINISTIC OP: {proven[0].line()} ({agreed}){more}"
+
+
+def _confirming(c: Comparison, first: dict[str, Any] | None) -> Any:
+    """The proven op in the module where the runs first parted, else the earliest proven."""
+    where = first["module"] if first else None
+    return next((p for p in c.proven if p.module == where), c.proven[0])
 
 
 def _stopped(c: Comparison) -> str:

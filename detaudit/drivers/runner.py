@@ -20,6 +20,7 @@ from ..record.environment import capture_environment
 from ..record.fingerprint import Fingerprinter
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
+from ..record.stress import StressMode
 from ..runfolder import trace_probe
 from ..seeding import seed_everything
 from ..trace import OPTIMIZER, OUTPUT, STATE, StepInfo, Trace
@@ -47,6 +48,22 @@ class OpPlan:
 
 
 @dataclass
+class StressPlan:
+    """The stress of one repeat: at the first step of every epoch, risky ops (or every op)
+    re-run `runs` times on identical inputs; the rows go into the trace."""
+
+    runs: int
+    every_op: bool
+    device: str
+    env: dict[str, Any]
+    seconds: float = 0.0
+
+    def mode(self, recorder: Recorder, step: int, epoch: int) -> StressMode:
+        return StressMode(recorder, step, epoch, self.runs, every_op=self.every_op,
+                          device=self.device, env=self.env)
+
+
+@dataclass
 class RepeatTiming:
     """Wall time and peak memory of one repeat, kept out of the trace (they would change
     its bytes). Peak memory: CUDA max_memory_allocated, else the process's peak RSS."""
@@ -56,6 +73,7 @@ class RepeatTiming:
     steps: int
     peak_bytes: int | None = None
     steady_seconds: float | None = None  # the steps after the first (no build, no warm-up)
+    stress_seconds: float = 0.0  # re-executing risky ops (see detaudit.record.stress)
 
     @property
     def steady_step_seconds(self) -> float | None:
@@ -181,7 +199,9 @@ def run_repeat(
 
     An exception while building the probe (or ``sys.exit`` in it) is raised as
     :class:`ProbeError`; one during the steps ends the repeat early and is stored in
-    ``trace.failure`` (records up to it kept). Torch's global settings are restored
+    ``trace.failure`` (records up to it kept). The last repeat of an audit (not a replay
+    with `ops`) stresses the risky ops (``config.stress``, see :class:`StressPlan`).
+    Torch's global settings are restored
     afterwards; the trace's environment is the one the steps ran in (after the probe was
     built, with the audit's own settings applied).
     """
@@ -219,6 +239,8 @@ def run_repeat(
         probe.model.train(train)
         fingerprinter = Fingerprinter()
         ends: list[float] = []
+        stress = (StressPlan(config.stress, config.stress_every_op, str(device), trace.env)
+                  if ops is None and config.stress and repeat == config.repeats - 1 else None)
 
         def step_ended(epoch: int, index: int, step: int) -> None:
             if device.type == "cuda":
@@ -231,7 +253,7 @@ def run_repeat(
         with Recorder(probe.model, fingerprinter, fault=fault, watch=watch) as recorder:
             try:
                 steps_done = _run_steps(probe, config, recorder, trace, train, step_ended, fault,
-                                        ops)
+                                        ops, stress)
             except DetauditError:
                 raise
             except (Exception, SystemExit) as exc:  # noqa: BLE001 -- the user's step
@@ -246,7 +268,7 @@ def run_repeat(
             raise DetauditError(f"the planted fault never fired: {why}")
     steady = ends[-1] - ends[0] if len(ends) >= 2 else None
     timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes,
-                          steady)
+                          steady, stress.seconds if stress is not None else 0.0)
     return trace, timing
 
 
@@ -259,6 +281,7 @@ def _run_steps(
     on_step: Callable[[int, int, int], None] | None,
     fault: Fault | None,
     ops: OpPlan | None,
+    stress: StressPlan | None = None,
 ) -> int:
     step = 0
     for epoch in range(config.epochs):
@@ -267,7 +290,8 @@ def _run_steps(
                 break
             if ops is not None and ops.last_step is not None and step > ops.last_step:
                 return step
-            scope = _op_scope(recorder, step, fault, ops)
+            stressing = stress.mode(recorder, step, epoch) if stress and index == 0 else None
+            scope = _op_scope(recorder, step, fault, ops, stressing)
             watch = _watch(config, step, fault, ops, scope)
             recorder.begin_step(step, watch)
             info = StepInfo(step=step, epoch=epoch, index=index)
@@ -282,6 +306,10 @@ def _run_steps(
                 recorder.record(OUTPUT, "", 0, "detections", outputs)
             _store(trace, step, recorder.end_step())
             trace.steps.append(info)
+            if stressing is not None:
+                for row in stressing.rows():
+                    trace.add_stress(row)
+                stress.seconds += stressing.seconds
             step += 1
             if on_step:
                 on_step(epoch, index, step)
@@ -308,18 +336,40 @@ def _watch(
 
 
 def _op_scope(
-    recorder: Recorder, step: int, fault: Fault | None, ops: OpPlan | None
+    recorder: Recorder, step: int, fault: Fault | None, ops: OpPlan | None,
+    stressing: StressMode | None = None,
 ) -> contextlib.AbstractContextManager:
-    """The op-level mode for this step, or nothing when no op-level work is due."""
+    """The op-level modes for this step, or nothing when no op-level work is due. The stress
+    mode sits below the op recorder, so it sees each op as it really ran (before a planted
+    op fault) and the recorder never records the re-executions."""
     record = ops is not None and ops.records(step)
     census = ops is not None and ops.census
     capture = ops.capture if ops is not None and ops.last_step == step else None
     if not (record or census or capture or (fault is not None and fault.op and fault.step == step)):
-        return contextlib.nullcontext()
+        return stressing if stressing is not None else contextlib.nullcontext()
     mode = OpRecorder(recorder, step, record=record, fault=fault, census=census, capture=capture)
     if ops is not None:
         ops.modes.append(mode)
-    return mode
+    return mode if stressing is None else _Stacked(stressing, mode)
+
+
+class _Stacked:
+    """Dispatch modes entered in order (the last one on top), as one re-usable scope."""
+
+    def __init__(self, *modes: contextlib.AbstractContextManager) -> None:
+        self.modes = modes
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> _Stacked:  # noqa: PYI034
+        self._stack = contextlib.ExitStack()
+        for mode in self.modes:
+            self._stack.enter_context(mode)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.__exit__(*exc)
 
 
 def _train_step(

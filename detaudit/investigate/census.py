@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from ..analysis.knowledge import applicable
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
-from .knowledge import applicable
 
 
 def take_census(

@@ -48,7 +48,7 @@ def verify_fix(
     like: original and fixed repeats both at module level without a planted fault, run in
     alternating order (original first, then fixed first, ...), timed over their steady
     steps (after the first, so neither building the probe nor warm-up counts)."""
-    original_config = replace(config, fault=None, granularity="module")
+    original_config = replace(config, fault=None, granularity="module", stress=0)
     fixed_config = replace(original_config, deterministic=True)
     runs: dict[bool, list[tuple[Any, RepeatTiming]]] = {False: [], True: []}
     for r in range(config.repeats):

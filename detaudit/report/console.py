@@ -71,6 +71,7 @@ def render_console(summary: dict[str, Any]) -> str:
             f"parameters diverged from step {summary['param_drift_step']} while the loss stayed "
             "bit-identical: the loss alone hides this"
         )
+    lines.extend(_stress_lines(summary))
     lines.extend(_census_lines(summary))
     lines.extend(_verify_lines(summary.get("extra", {}).get("verify")))
     for repeat, message in summary.get("failures", {}).items():
@@ -100,6 +101,28 @@ def _op_lines(summary: dict[str, Any]) -> list[str]:
     for k in summary.get("knowledge") or []:
         lines.append(f"    known: {k['what']} -- {k['why']}")
         lines.append(f"    fix: {k['remedy']}")
+    return lines
+
+
+def _stress_lines(summary: dict[str, Any]) -> list[str]:
+    """What re-executing the risky ops proved."""
+    stress = summary.get("stress") or []
+    if not stress:
+        return []
+    proven = [op for op in stress if op.get("proven")]
+    if not proven:
+        runs = max(op.get("runs") or 0 for op in stress)
+        return ["", (f"proof by re-execution: {len(stress)} risky op(s) re-run {runs} times on "
+                     "identical inputs each gave one result")]
+    lines = [""]
+    for op in proven[:6]:
+        proof = op.get("proof") or {}
+        lines.append(f"proven nondeterministic: {op['line']}; {proof.get('differing')} of "
+                     f"{proof.get('elements')} elements differ, max ULP {_g(proof.get('max_ulp'))}")
+        if op.get("remedy"):
+            lines.append(f"    fix: {op['remedy']}")
+    if len(proven) > 6:
+        lines.append(f"... {len(proven) - 6} more proven ops in the report")
     return lines
 
 

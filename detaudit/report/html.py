@@ -8,7 +8,8 @@ from typing import Any
 from .sections import Block, Code, Section, Table, Text, sections, title
 from .svg import figure
 
-VERDICTS = ("deterministic", "divergent", "failed")
+VERDICTS = {"deterministic": "deterministic", "divergent": "divergent", "failed": "failed",
+            "nondeterministic op": "divergent"}  # verdict -> header class
 CAPTIONS = {
     "loss": "Loss per step of every repeat; where repeats agree, their curves lie on each other.",
     "drift": "Relative |Δloss| between repeats per step (log scale); dashed lines start epochs.",
@@ -82,7 +83,7 @@ def omitted_note(table: Table) -> str:
 
 def _header(head: Section, summary: dict[str, Any]) -> str:
     verdict = summary.get("verdict")
-    kind = verdict if verdict in VERDICTS else ""
+    kind = VERDICTS.get(verdict, "")
     lines = [f"<p>{escape(title(summary))}</p>"]
     for block in head.blocks:
         if isinstance(block, Text):

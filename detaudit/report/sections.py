@@ -71,7 +71,8 @@ def sections(summary: dict[str, Any], limits: dict[str, int] | None = None) -> l
     """The report's sections in the order a reader needs them; `limits` caps tables by key."""
     limits = limits or {}
     builders = (
-        _verdict, _reproduce, _failures, _ranks, _first, _cause, _loss, _size, _census, _verify,
+        _verdict, _reproduce, _failures, _ranks, _first, _cause, _loss, _size, _stress, _census,
+        _verify,
         _map, _env,
     )
     found = [build(summary) for build in builders]
@@ -351,6 +352,41 @@ def _rel(a: float | None, b: float | None) -> float | None:
     if a is None or b is None:
         return None
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def _stress(s: dict[str, Any]) -> Section | None:
+    stress = s.get("stress") or []
+    if not stress:
+        return None
+    runs = max(op.get("runs") or 0 for op in stress)
+    cost = s.get("stress_seconds")
+    blocks: list[Block] = [Text(
+        "At the first step of every epoch the last repeat re-ran each op known to be "
+        f"possibly nondeterministic on this device {runs} times on identical copies of its "
+        "inputs: two or more distinct results prove the op nondeterministic, whether or not "
+        "the repeats happened to agree" + ("" if cost is None else
+                                          f" (re-executions: {num(cost, 3)} s)") + "."
+    )]
+    rows = []
+    for op in stress:
+        proof = op.get("proof") or {}
+        rows.append([
+            num(op.get("module")), num(op.get("phase")), num(op.get("op")),
+            f"epoch {num(op.get('epoch'))}", num(op.get("calls")),
+            f"{num(op.get('distinct'))} of {num(op.get('runs'))}",
+            num(proof.get("max_ulp")), num(proof.get("max_abs")), num(proof.get("rel_err")),
+            (f"{num(proof.get('differing'))} of {num(proof.get('elements'))}"
+             if proof else "–"),
+        ])
+    blocks.append(Table(
+        "risky ops re-executed on identical inputs",
+        ["module", "phase", "op", "first seen", "calls", "distinct results", "max ULP",
+         "max |Δ|", "rel. error", "differing elements"], rows, key="stress",
+        fold=len(rows) > 10))
+    for op in stress:
+        if op.get("proven") and op.get("remedy"):
+            blocks.append(Text(f"{op.get('line')}: {op.get('what')}. Fix: {op.get('remedy')}."))
+    return Section("stress", "Proof by re-execution", blocks)
 
 
 def _census(s: dict[str, Any]) -> Section | None:

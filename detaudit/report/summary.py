@@ -6,6 +6,7 @@ step numbers, as ``--inject-fault MODULE@phase:STEP`` takes them.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..analysis.compare import Comparison, RecordDiff
@@ -92,6 +93,8 @@ def summarize(
         "ops": ops.get("ops") or [],
         "op_drill_down": {k: v for k, v in ops.items() if k not in ("ops", "knowledge")},
         "knowledge": ops.get("knowledge") or [],
+        "stress": [op.to_dict() for op in c.stress],
+        "stress_seconds": _stress_seconds(info),
         "census": census.get("ops") or [],
         "census_alerts": census.get("alerts") or [],
         "census_errors": list(census.get("errors") or []) + (
@@ -101,6 +104,13 @@ def summarize(
     if ranks is not None:  # a distributed audit: its ranks side by side
         summary["ranks"] = ranks.to_dict()
     return summary
+
+
+def _stress_seconds(info: RunInfo) -> float | None:
+    """Time spent re-executing risky ops, from run.json's timings (None: not recorded)."""
+    values = [t.get("stress_seconds") for t in info.timings if isinstance(t, dict)]
+    numbers = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(numbers) if numbers else None
 
 
 def _map_findings(c: Comparison, zoom: Comparison | None) -> list[Any]:

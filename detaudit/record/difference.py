@@ -1,0 +1,39 @@
+"""How two versions of one tensor differ: what a report says about the size of a divergence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_INT_OF_FLOAT = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
+                 torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """How two versions of one tensor differ: elements, max |a-b|, max ULP, relative error."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {"elements": None, "of": a.numel(),
+                "note": f"{tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"}
+    differ = a != b
+    if a.is_floating_point():
+        differ = differ & ~(a.isnan() & b.isnan())
+    out: dict[str, Any] = {"elements": int(differ.sum()), "of": a.numel(),
+                           "max_abs_diff": None, "max_ulp": None, "rel_error": None}
+    if not out["elements"]:
+        return out
+    wide = torch.float64 if a.is_floating_point() or a.is_complex() else torch.int64
+    diff = (a.to(wide) - b.to(wide)).abs()
+    out["max_abs_diff"] = float(diff.max())
+    if a.dtype in _INT_OF_FLOAT:
+        out["max_ulp"] = int((_ordered_bits(a) - _ordered_bits(b)).abs().max())
+        norm = float(a.to(torch.float64).norm())
+        out["rel_error"] = float(diff.norm()) / norm if norm else None
+    return out
+
+
+def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    """Float bit patterns mapped to integers that count ULPs (-0.0 and +0.0 both at 0)."""
+    bits = t.contiguous().view(_INT_OF_FLOAT[t.dtype]).to(torch.int64)
+    magnitude = bits & ((1 << (t.element_size() * 8 - 1)) - 1)
+    return torch.where(bits < 0, -magnitude, magnitude)

@@ -1,0 +1,211 @@
+"""Proof by re-execution: risky ops re-run on identical inputs prove a race even when the
+repeats happen to agree, name the op and module, and never perturb the audited run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+from conftest import gather_probe, small_cnn_probe
+from torch import nn
+
+from detaudit import Fault, Probe, audit
+from detaudit.analysis.verdict import PROVEN
+from detaudit.cli import main
+from detaudit.errors import EXIT_DIVERGED, EXIT_OK, TraceError
+from detaudit.report import render_console, render_markdown
+from detaudit.trace import Trace
+
+CELLS, VOTES = 64, 40_000  # 40,000 votes x 4 channels: well past torch's parallel grain
+
+
+class VoteHead(nn.Module):
+    """Splats per-point votes into a grid: index_put_ with accumulate over duplicates."""
+
+    def forward(self, votes: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+        grid = votes.new_zeros(CELLS, votes.shape[1])
+        return grid.index_put_((cells,), votes, accumulate=True)
+
+
+class VoteNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.vote_head = VoteHead()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, points: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+        return self.out(self.vote_head(self.embed(points), cells))
+
+
+def vote_probe(device: torch.device) -> Probe:
+    model = VoteNet().to(device)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(VOTES, 4, generator=g), torch.randint(0, CELLS, (VOTES,), generator=g))]
+
+    def step(m: nn.Module, batch):
+        points, cells = (t.to(device) for t in batch)
+        return m(points, cells).pow(2).mean()
+
+    return Probe(model=model, batches=batches, step=step,
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+def test_forward_splat_ends_nonzero_every_time_and_names_op_and_module(two_threads):
+    for _ in range(10):
+        result = audit(vote_probe, repeats=2)
+        assert result.verdict.exit_code == EXIT_DIVERGED, result.verdict.headline
+        proven = result.comparison.proven
+        assert [(p.module, p.phase, p.base_op) for p in proven][:1] == [
+            ("vote_head", "forward", "aten.index_put_")]
+        assert "aten.index_put_ in vote_head (forward, step 0)" in result.verdict.headline
+
+
+def test_duplicate_index_gather_backward_ends_nonzero_every_time(two_threads):
+    for _ in range(10):
+        result = audit(gather_probe, repeats=2, epochs=1, steps=1)
+        assert result.verdict.exit_code == EXIT_DIVERGED, result.verdict.headline
+        assert [(p.module, p.phase, p.base_op) for p in result.comparison.proven] == [
+            ("gather", "backward", "aten.index_put")]
+
+
+def test_agreeing_repeats_with_a_proven_op_are_not_deterministic(two_threads):
+    result = audit(gather_probe, repeats=1, epochs=1, steps=1)  # one repeat: nothing to compare
+    assert result.comparison.first_step is None
+    assert result.verdict.kind == PROVEN and result.verdict.exit_code == EXIT_DIVERGED
+    assert result.verdict.headline.startswith(
+        "NONDETERMINISTIC OP: aten.index_put in gather (backward, step 0) gave ")
+    proof = result.comparison.proven[0].proof
+    assert proof["differing"] > 0 and proof["max_ulp"] >= 1 and proof["max_abs"] > 0
+    text = render_console(result.summary)
+    assert "proven nondeterministic: aten.index_put in gather" in text
+    assert "fix: torch.use_deterministic_algorithms(True)" in text
+    assert "risky ops re-executed on identical inputs" in render_markdown(result.summary)
+
+
+def test_stress_off_or_one_thread_is_deterministic(two_threads):
+    assert audit(gather_probe, repeats=1, epochs=1, steps=1, stress=0).verdict.exit_code == EXIT_OK
+    torch.set_num_threads(1)
+    result = audit(gather_probe, repeats=2, epochs=1, steps=1)
+    assert result.verdict.exit_code == EXIT_OK, result.verdict.headline
+    (op,) = result.comparison.stress
+    assert (op.module, op.distinct, op.runs, op.stressed) == ("gather", 1, 16, 1)
+    assert "each gave one result" in render_console(result.summary)
+
+
+class Sampler(nn.Module):
+    """Draws from the global RNG (randperm: a risky op), then drops out (dropout: not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.randperm(x.shape[0])[: x.shape[0] // 2]
+        return self.drop(x[keep])
+
+
+def sampling_probe(device: torch.device) -> Probe:
+    model = nn.Sequential(nn.Linear(8, 8), Sampler(), nn.Linear(8, 1)).to(device)
+    batches = [torch.randn(32, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    return Probe(model=model, batches=batches, step=lambda m, b: m(b.to(device)).pow(2).mean(),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_stress_does_not_perturb_the_run_random_ops_included():
+    """Repeat 1 is stressed, repeat 0 is not: every record, RNG states included, agrees."""
+    result = audit(sampling_probe, repeats=2, epochs=2)
+    assert result.comparison.deterministic and result.verdict.exit_code == EXIT_OK
+    stressed = {(s.module, s.op): s for s in result.comparison.stress}
+    randperm = stressed[("1", "aten.randperm")]  # re-run from its own RNG state: one result
+    assert randperm.distinct == 1 and randperm.stressed == 2 and randperm.steps == [0, 3]
+    assert [t.stress_rows() != [] for t in result.traces] == [False, True]
+
+
+def test_planted_op_fault_is_not_mistaken_for_a_racy_op():
+    """The stress sees the op as it really ran, below the planted 1-ULP change."""
+    fault = Fault("stem", "forward", 0, op="aten.convolution")
+    result = audit(small_cnn_probe, repeats=2, steps=2, fault=fault, stress_every_op=True,
+                   stress=4)
+    assert result.comparison.first_step == 0 and not result.comparison.proven
+    conv = [s for s in result.comparison.stress if s.module == "stem"]
+    assert conv and all(s.distinct == 1 for s in conv)
+
+
+class LateBranch(nn.Module):
+    """A gather branch that only trains from epoch 2 (frozen before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(64, 16))
+
+    def forward(self, cells: torch.Tensor) -> torch.Tensor:
+        return self.table[cells]
+
+
+class LateNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.late = LateBranch()
+
+    def forward(self, x: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + self.late(cells)
+
+
+def late_probe(device: torch.device) -> Probe:
+    model = LateNet().to(device)
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4000, 16, generator=g), torch.randint(0, 64, (4000,), generator=g),
+             torch.randn(4000, 16, generator=g)) for _ in range(2)]
+
+    def batches(epoch: int):
+        model.late.requires_grad_(epoch >= 1)  # unfrozen at epoch 2
+        return iter(data)
+
+    def step(m: nn.Module, batch):
+        x, cells, y = (t.to(device) for t in batch)
+        return (m(x, cells) - y).pow(2).mean()
+
+    return Probe(model=model, batches=batches, step=step,
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+def test_risky_op_that_only_runs_from_epoch_2_is_found_and_proven(two_threads):
+    result = audit(late_probe, repeats=1, epochs=2)
+    ops = {(s.module, s.phase, s.base_op): s for s in result.comparison.stress}
+    late = ops[("late", "backward", "aten.index_put")]
+    assert late.first_epoch == 1 and late.steps == [2] and late.proven
+    assert result.verdict.exit_code == EXIT_DIVERGED
+    assert "| late | backward | aten.index\\_put(accumulate=True) | epoch 2 |" in render_markdown(
+        result.summary)
+
+
+def test_stress_rows_survive_the_trace_file_and_damage_is_one_error(tmp_path, two_threads):
+    result = audit(gather_probe, repeats=1, epochs=1, steps=1, out=tmp_path / "run")
+    path = tmp_path / "run" / "trace-0.json.gz"
+    assert Trace.load(path).stress_rows() == result.traces[0].stress_rows() != []
+    data = json.loads(gzip.decompress(path.read_bytes()))
+    data["stress"]["distinct"] = ["three"]
+    path.write_bytes(gzip.compress(json.dumps(data).encode()))
+    with pytest.raises(TraceError, match=r"stress.distinct\[0\]"):
+        Trace.load(path)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("1", "at least 2 runs"), ("-3", "at least 2 runs"), ("some", "a number of runs"),
+    ("all:x", "a number of runs"),
+])
+def test_bad_stress_values_are_usage_errors(value, message, capsys):
+    assert main(["run", "--model", "maskrcnn", "--stress", value]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_stress_all_parses(monkeypatch):
+    from detaudit.cli import _stress
+
+    assert _stress("all") == {"stress": 16, "stress_every_op": True}
+    assert _stress("all:4") == {"stress": 4, "stress_every_op": True}
+    assert _stress("0") == {"stress": 0, "stress_every_op": False}
