@@ -4,6 +4,7 @@ repeats happen to agree, name the op and module, and never perturb the audited r
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 
 import pytest
@@ -209,3 +210,58 @@ def test_stress_all_parses(monkeypatch):
     assert _stress("all") == {"stress": 16, "stress_every_op": True}
     assert _stress("all:4") == {"stress": 4, "stress_every_op": True}
     assert _stress("0") == {"stress": 0, "stress_every_op": False}
+
+
+BUILDS = itertools.count()  # probes built so far: each repeat builds its own
+
+
+def timing_draw_probe(device: torch.device) -> Probe:
+    """The step draws a timing-dependent number of values from the global torch RNG, outside
+    any module, before a model with dropout runs."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1)).to(device)
+    batches = [torch.randn(16, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    draws = next(BUILDS) % 2 + 1  # what a clock or a queue length would give: differs per repeat
+
+    def step(m: nn.Module, batch):
+        if batch is batches[1]:
+            torch.randint(0, 10, (draws,))  # e.g. a logger sampling a few examples
+        return m(batch.to(device)).pow(2).mean()
+
+    return Probe(model=model, batches=batches, step=step,
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_rng_draw_outside_any_module_is_located_between_modules():
+    result = audit(timing_draw_probe, repeats=2)
+    c = result.comparison
+    assert c.first_step == 1 and c.cause == "rng"
+    assert c.rng_gap is not None and c.rng_gap.after == ("", 0)
+    assert not any(o.phase == "forward" and o.module == "1" for o in c.origins)
+    first = result.verdict.first
+    assert first["outside"] == "outside any module, between the start of step 1 and (model)"
+    assert "outside any module, between the start of step 1 and (model)" in result.verdict.headline
+    assert "cause: rng" in result.verdict.headline
+
+
+def test_rng_draw_between_two_submodules_names_both_and_the_enclosing_module():
+    class TwoPasses(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encode = nn.Linear(8, 8)
+            self.drop = nn.Dropout(0.5)
+            self.draws = next(BUILDS) % 2 + 1
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.encode(x)
+            torch.rand(self.draws)  # inside the model's forward, but in no submodule
+            return self.drop(y)
+
+    def probe(device):
+        model = TwoPasses()
+        return Probe(model=model, batches=[torch.randn(4, 8)],
+                     step=lambda m, b: m(b).pow(2).mean())
+
+    result = audit(probe, repeats=2)
+    assert result.comparison.cause == "rng"
+    assert result.verdict.first["outside"] == (
+        "in (model)'s own code, outside its submodules, between the start of (model) and drop")

@@ -24,6 +24,7 @@ from ..trace import (
     STATE,
     Trace,
 )
+from .rnggap import RngGap, rng_gap
 from .stress import StressedOp, stressed_ops
 
 Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot
@@ -120,6 +121,7 @@ class Comparison:
     first_diffs: list[RecordDiff] = field(default_factory=list)  # first step, execution order
     common_steps: int | None = None  # with failures: only the steps every repeat completed
     stress: list[StressedOp] = field(default_factory=list)  # risky ops re-executed (proof)
+    rng_gap: RngGap | None = None  # the first step's RNG moved outside any module
 
     @property
     def proven(self) -> list[StressedOp]:
@@ -232,6 +234,7 @@ def compare(traces: Iterable[Trace]) -> Comparison:
 
     findings = _findings(traces[0], diffs, n)
     steps = [(s.step, s.epoch, s.index) for s in traces[0].steps[:common]]
+    gap = rng_gap(traces[0], diffs, first_step) if first_step is not None else None
     return Comparison(
         repeats=n,
         steps=steps,
@@ -241,7 +244,7 @@ def compare(traces: Iterable[Trace]) -> Comparison:
         first_step=first_step,
         first_by_phase=first_by_phase,
         findings=findings,
-        cause=_cause(first_diffs, findings, first_step),
+        cause=_cause(first_diffs, findings, first_step, gap),
         loss=_loss_drift(traces, common),
         param_drift_step=min(
             (k[0] for k in diffs if k[1] in (GRAD, OPTIMIZER) or (k[1] == STATE and "param" in k[4])),
@@ -253,6 +256,7 @@ def compare(traces: Iterable[Trace]) -> Comparison:
         first_diffs=first_diffs,
         common_steps=common,
         stress=stressed_ops(traces),
+        rng_gap=gap,
     )
 
 
@@ -351,8 +355,12 @@ def _is_ancestor(
     return False
 
 
-def _cause(first: list[RecordDiff], findings: list[CallFinding], step: int | None) -> str:
-    """The class of cause, from the first records to differ in the first divergent step."""
+def _cause(
+    first: list[RecordDiff], findings: list[CallFinding], step: int | None,
+    gap: RngGap | None = None,
+) -> str:
+    """The class of cause, from the first records to differ in the first divergent step
+    (and the RNG moving outside any module in it, `gap`)."""
     if step is None:
         return "none"
     state = [d for d in first if d.phase == STATE]
@@ -362,6 +370,8 @@ def _cause(first: list[RecordDiff], findings: list[CallFinding], step: int | Non
         return "rng"
     if any(d.slot.startswith("param.") for d in state):
         return "params"
+    if gap is not None:
+        return "rng"
     origins = [f for f in findings if f.step == step and f.role == ORIGIN]
     forward = [f for f in origins if f.phase == FORWARD]
     if forward:

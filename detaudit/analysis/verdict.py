@@ -85,6 +85,16 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
         return None
     step_index = next((i for s, _, i in c.steps if s == c.first_step), None)
     epoch = one_based(c.epoch_of(c.first_step))
+    gap = c.rng_gap
+    if gap is not None and not any(o.phase == "forward" and not o.rng for o in c.origins):
+        d = next((d for d in c.first_diffs
+                  if (d.module, d.call, d.slot) == (*gap.after, "rng.in")), c.first_diffs[0])
+        return {
+            "step": gap.step, "epoch": epoch, "index": step_index, "phase": d.phase,
+            "module": gap.module, "call": gap.after[1], "slots": [d.slot],
+            "role": "rng draw outside any module", "outside": gap.where(),
+            "differing": d.differing, "repeats": d.repeats,
+        }
     if c.origins:
         o = c.origins[0]
         return {
@@ -118,7 +128,7 @@ def _headline(
         return f"FAILED: {_stopped(c)}; {_common(c)}"
     if first is None:
         return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {len(c.steps)} steps"
-    where = first["module"] or "(model)"
+    where = first.get("outside") or first["module"] or "(model)"
     text = (
         f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "
         f"{where} ({first['role']}); cause: {c.cause}"

@@ -23,6 +23,7 @@ from ..trace import Trace
 
 MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
 
+
 def drill_down(
     factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
     spec: ProbeSpec | None = None, traces: list[Trace] | None = None,

@@ -21,7 +21,7 @@ def render_console(summary: dict[str, Any]) -> str:
         rows = [
             ("step", f"{first['step']} (epoch {first['epoch']}, step {first['index']} of the epoch)"),
             ("phase", first["phase"]),
-            ("module", first["module"] or "(model)"),
+            ("module", first.get("outside") or first["module"] or "(model)"),
             ("role", first["role"]),
             ("records", ", ".join(first["slots"][:4]) + (" ..." if len(first["slots"]) > 4 else "")),
             ("repeats differing", f"{first['differing']} of {first['repeats'] - 1} (vs repeat 0)"),

@@ -17,6 +17,8 @@ ROLE_TEXT = {
     "contains-origin": "contains an origin further down its calls",
     "propagated": "propagated: it only passes on a difference that started earlier",
     "first record": "first differing record (no single origin call was found)",
+    "rng draw outside any module": "the torch RNG moved outside any module (the step "
+    "function, a hook, a logger): the next module that draws only starts from another state",
 }
 
 
@@ -204,7 +206,7 @@ def _first(s: dict[str, Any]) -> Section | None:
         ["epoch", f"{first['epoch']} (step {num(first.get('index'))} of the epoch, 0-based)"],
         ["step", f"{first['step']} (global, 0-based)"],
         ["phase", first["phase"]],
-        ["module", first["module"] or "(model)"],
+        ["module", first.get("outside") or first["module"] or "(model)"],
         ["role", ROLE_TEXT.get(first["role"], first["role"])],
         ["records", ", ".join(first["slots"])],
         ["repeats differing", f"{first['differing']} of {first['repeats'] - 1} (against repeat 0)"],
