@@ -6,7 +6,9 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import gather_probe, small_cnn_probe
@@ -265,3 +267,65 @@ def test_rng_draw_between_two_submodules_names_both_and_the_enclosing_module():
     assert result.comparison.cause == "rng"
     assert result.verdict.first["outside"] == (
         "in (model)'s own code, outside its submodules, between the start of (model) and drop")
+
+
+class HostNoise(nn.Module):
+    """Adds a value computed on the host from Python's RNG, drawn a timing-dependent number
+    of times: no PyTorch op inside differs on equal inputs, the dispatcher never sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws = next(BUILDS) % 2 + 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value = [random.random() for _ in range(self.draws)][-1]
+        return x + torch.tensor(value)
+
+
+class NumpyCube(torch.autograd.Function):
+    """A custom autograd Function computing its forward in numpy, off by 1 ULP in one repeat."""
+
+    @staticmethod
+    def forward(ctx, x, bump):
+        out = np.power(x.detach().numpy(), 3)
+        if bump:
+            out.flat[0] = np.nextafter(out.flat[0], np.inf)
+        return torch.from_numpy(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Cube(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bump = next(BUILDS) % 2 == 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NumpyCube.apply(x, self.bump)
+
+
+@pytest.mark.parametrize("inner", [HostNoise, Cube])
+def test_difference_outside_the_dispatcher_is_named_in_its_module(inner):
+    def probe(device):
+        model = nn.Sequential(nn.Linear(4, 4), inner(), nn.Linear(4, 1))
+        return Probe(model=model, batches=[torch.randn(8, 4)],
+                     step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    result = audit(probe, repeats=2, drill_down=True)
+    assert [(o.module, o.phase) for o in result.comparison.origins][:1] == [("1", "forward")]
+    drill = result.investigations["ops"]
+    outside = drill["outside_dispatcher"]
+    assert outside["module"] == "1" and drill["origin_ops"] == 0
+    assert outside["host_rng_draws"] == (["1"] if inner is HostNoise else [])
+    assert "outside the dispatcher: no op in 1 differs on equal inputs" in result.verdict.headline
+    assert "code outside PyTorch's dispatcher" in render_console(result.summary)
+
+
+def test_an_op_origin_is_not_called_outside_the_dispatcher():
+    fault = Fault("block1.conv", "forward", 1, op="aten.convolution")
+    result = audit(small_cnn_probe, repeats=2, steps=2, fault=fault, drill_down=True)
+    assert result.investigations["ops"]["outside_dispatcher"] is None
+    assert "op: aten.convolution in block1.conv" in result.verdict.headline

@@ -134,8 +134,12 @@ def _headline(
         f"{where} ({first['role']}); cause: {c.cause}"
     )
     origin_op = (ops.get("ops") or [{}])[0]
+    outside = ops.get("outside_dispatcher")
     if origin_op.get("role") == ORIGIN:
         text += f"; op: {origin_op['op']} in {origin_op['module']}"
+    elif outside:
+        text += (f"; outside the dispatcher: no op in {outside['module']} differs on equal "
+                 "inputs")
     if hidden:
         text += "; the loss stayed bit-identical while parameters diverged"
     if c.failures:

@@ -42,6 +42,9 @@ class OpPlan:
     capture: tuple[str, str, int, str] | None = None  # (op phase, module, call, op prefix)
     zoom: frozenset[int] = frozenset()  # steps of a scanned run recorded at module level
     modes: list[OpRecorder] = field(default_factory=list)  # the census modes, once run
+    # step -> module calls during which Python's or numpy's RNG advanced (op-recorded steps
+    # of every repeat run with this plan)
+    host_draws: dict[int, set[tuple[str, int]]] = field(default_factory=dict)
 
     def records(self, step: int) -> bool:
         return not self.census and (self.steps is None or step in self.steps)
@@ -294,6 +297,7 @@ def _run_steps(
             scope = _op_scope(recorder, step, fault, ops, stressing)
             watch = _watch(config, step, fault, ops, scope)
             recorder.begin_step(step, watch)
+            recorder.watch_host_rng = ops is not None and ops.records(step)
             info = StepInfo(step=step, epoch=epoch, index=index)
             recorder.record_state(batch)
             if step == 0:
@@ -306,6 +310,9 @@ def _run_steps(
                 recorder.record(OUTPUT, "", 0, "detections", outputs)
             _store(trace, step, recorder.end_step())
             trace.steps.append(info)
+            if ops is not None and recorder.host_draws:
+                ops.host_draws.setdefault(step, set()).update(recorder.host_draws)
+                recorder.host_draws = set()
             if stressing is not None:
                 for row in stressing.rows():
                     trace.add_stress(row)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..analysis.compare import ORIGIN, Comparison, OpFinding, compare_ops
+from ..analysis.compare import ORIGIN, Comparison, OpFinding, compare, compare_ops
 from ..analysis.knowledge import lookup
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
@@ -27,23 +27,28 @@ MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
 def drill_down(
     factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
     spec: ProbeSpec | None = None, traces: list[Trace] | None = None,
+    host_draws: set[tuple[str, int]] | None = None,
 ) -> dict[str, Any] | None:
     """Plain data for the report: the differing ops of the first divergent step, the
     measured difference of the first origin op, and what is known about it. `traces`
-    that already hold op-level records (``granularity="op"``) spare the replay."""
+    that already hold op-level records (``granularity="op"``, a zoom) spare the replay;
+    `host_draws` are the module calls of their step where Python's or numpy's RNG advanced."""
     step = comparison.first_step
     if step is None:
         return None
     config = replace(config, granularity="module")
+    plan = OpPlan(steps=frozenset({step}), last_step=step)
     if traces is None:
-        plan = OpPlan(steps=frozenset({step}), last_step=step)
         traces = [run_repeat(factory, config, r, spec, ops=plan)[0]
                   for r in range(config.repeats)]
     findings = [f for f in compare_ops(traces) if f.step == step]
     origins = [f for f in findings if f.role == ORIGIN]
+    draws = plan.host_draws.get(step, set()) | (host_draws or set())
+    outside = _outside_dispatcher(compare(traces), step, origins, draws)
     out: dict[str, Any] = {
         "step": step,
-        "reproduced": bool(findings),
+        "reproduced": bool(findings) or outside is not None,
+        "outside_dispatcher": outside,
         "ops": [_op_row(f) for f in (origins + [f for f in findings if f.role != ORIGIN])
                 [:MAX_OPS_REPORTED]],
         "origin_ops": len(origins),
@@ -60,6 +65,32 @@ def drill_down(
         ]
         out["ops"][0].update(out["difference"] or {})
     return out
+
+
+def _outside_dispatcher(
+    modules: Comparison, step: int, op_origins: list[OpFinding],
+    host_draws: set[tuple[str, int]],
+) -> dict[str, Any] | None:
+    """A module the replay shows as an origin again, with no op inside it differing on equal
+    inputs: its difference comes from code the dispatcher does not see. With the module
+    calls in which Python's or numpy's RNG advanced, the detectable such code."""
+    origin = next((o for o in modules.origins if o.step == step), None)
+    if origin is None or any(_within(op.module, origin.module) for op in op_origins):
+        return None
+    draws = sorted({m or "(model)" for m, _ in host_draws if _within(m, origin.module)})
+    return {
+        "module": origin.module or "(model)", "phase": origin.phase,
+        "host_rng_draws": draws,
+        "text": f"no op inside {origin.module or '(model)'} differs on equal inputs, yet its "
+        f"{origin.phase} result does: the difference comes from code outside PyTorch's "
+        "dispatcher (a C++/CUDA extension called directly, a Python-side random draw, a "
+        "host-side computation)" + (
+            f"; Python or numpy random draws ran in {', '.join(draws)}" if draws else ""),
+    }
+
+
+def _within(module: str, ancestor: str) -> bool:
+    return ancestor == "" or module == ancestor or module.startswith(ancestor + ".")
 
 
 def _op_row(f: OpFinding) -> dict[str, Any]:

@@ -33,8 +33,8 @@ def zoom(
     attempts: list[dict[str, Any]] = []
     for _ in range(max(1, tries)):
         at = frozenset({step})
-        traces = [run_repeat(factory, config, r, spec,
-                             ops=OpPlan(steps=at, last_step=step, zoom=at))[0]
+        plan = OpPlan(steps=at, last_step=step, zoom=at)
+        traces = [run_repeat(factory, config, r, spec, ops=plan)[0]
                   for r in range(config.repeats)]
         zoomed = compare(traces)
         if zoomed.first_step is not None and zoomed.first_step < step:
@@ -44,7 +44,8 @@ def zoom(
             continue
         if zoomed.first_step == step:
             attempts.append({"step": step, "outcome": "parted again"})
-            ops = drill_down(factory, replace(config, granularity="module"), zoomed, spec, traces)
+            ops = drill_down(factory, replace(config, granularity="module"), zoomed, spec, traces,
+                             plan.host_draws.get(step, set()))
             return {"status": FOUND, "step": step, "attempts": attempts, "ops": ops}, traces
         attempts.append({"step": step, "outcome": "did not part this time"})
     return {"status": INTERMITTENT, "step": step, "attempts": attempts, "ops": None}, []

@@ -68,6 +68,12 @@ def rng_states() -> dict[str, bytes]:
     return out
 
 
+def _host_rng_state() -> int:
+    """A digest of Python's and numpy's global RNG states."""
+    _, keys, pos, _, _ = np.random.get_state()
+    return hash((random.getstate(), keys.tobytes(), pos))
+
+
 def _module_rng_state() -> bytes:
     """The RNG state a module's own draws (dropout, randperm) change: torch CPU + current CUDA."""
     state = torch.get_rng_state().numpy().tobytes()
@@ -97,6 +103,10 @@ class Recorder:
         self.fault = fault if fault is not None and not fault.op else None  # op faults: OpRecorder
         self.track_rng = track_rng
         self.fault_fired = False
+        # Python's and numpy's global RNGs are outside the dispatcher: with watch_host_rng,
+        # the module calls during which they advanced are kept in host_draws.
+        self.watch_host_rng = False
+        self.host_draws: set[tuple[str, int]] = set()
         self._names = {id(m): name for name, m in model.named_modules()}
         self._params = dict(model.named_parameters())
         self._handles: list[Any] = []
@@ -133,7 +143,7 @@ class Recorder:
     def _reset_step(self) -> None:
         self._keys: list[tuple[str, str, int, str]] = []
         self._calls: list[Call] = []
-        self._stack: list[tuple[int, bytes | None]] = []
+        self._stack: list[tuple[int, bytes | None, int | None]] = []
         self._counts: dict[str, int] = {}
         self._seq_index: tuple[int, list[int], list[list[int]]] | None = None
 
@@ -259,13 +269,16 @@ class Recorder:
                 call.inputs.setdefault((id(edge[0]), edge[1]), path)
         self._calls.append(call)
         rng = _module_rng_state() if self.track_rng and recording else None
-        self._stack.append((len(self._calls) - 1, rng))
+        host = _host_rng_state() if self.watch_host_rng else None
+        self._stack.append((len(self._calls) - 1, rng, host))
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not self._stack:
             return None
-        position, rng_before = self._stack.pop()
+        position, rng_before, host_before = self._stack.pop()
         call = self._calls[position]
+        if host_before is not None and _host_rng_state() != host_before:
+            self.host_draws.add((call.module, call.index))
         call.seq_end = _get_sequence_nr()
         self._seq_index = None
         replaced = None

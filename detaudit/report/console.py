@@ -89,6 +89,8 @@ def _op_lines(summary: dict[str, Any]) -> list[str]:
         return ["", f"op-level replay failed: {drill['error']}"]
     if drill and not drill.get("reproduced"):
         return ["", "op-level replay did not reproduce the divergence (intermittent)"]
+    if drill.get("outside_dispatcher"):
+        return ["", f"outside the dispatcher: {drill['outside_dispatcher']['text']}"]
     if not ops or ops[0].get("role") != "origin":
         return []
     o = ops[0]

@@ -241,6 +241,8 @@ def _first(s: dict[str, Any]) -> Section | None:
             f"The op-level replay of step {drill.get('step')} did not reproduce the divergence: "
             "it is intermittent; run again, or with more --repeats."
         ))
+    elif isinstance(drill.get("outside_dispatcher"), dict):
+        blocks.append(Text(f"Outside the dispatcher: {drill['outside_dispatcher'].get('text')}."))
     return Section("first", "First divergence", blocks)
 
 
