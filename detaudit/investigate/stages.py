@@ -6,6 +6,7 @@ never loses the audit that came before it.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from ..analysis.compare import Comparison
@@ -49,12 +50,15 @@ def investigate(
     for name, run in stages:
         if on_stage:
             on_stage(name)
+        started = time.perf_counter()
         try:
             out[name] = run()
         except DetauditError as exc:
             out[name] = {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 -- the user's code failed in a replay
             out[name] = {"error": describe_user_error(exc, f"the {name} run")}
+        if isinstance(out[name], dict):
+            out[name]["seconds"] = time.perf_counter() - started  # what the investigation cost
         if on_done:
             on_done(name, out[name])
     return out

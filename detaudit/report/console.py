@@ -136,10 +136,11 @@ def _census_lines(summary: dict[str, Any]) -> list[str]:
     lines = ["", *errors]
     if census or alerts:
         lines.append("census: known-nondeterministic ops this model runs on this device "
-                     "(one step)")
+                     "(the census step, and each epoch's first step)")
     if census:
-        lines.append(tabulate([(c["module"], c["phase"], c["op"], c["count"]) for c in census[:12]],
-                              headers=["module", "phase", "op", "count"]))
+        lines.append(tabulate([(c["module"], c["phase"], c["op"], c["count"],
+                                f"epoch {c.get('epoch', 1)}") for c in census[:12]],
+                              headers=["module", "phase", "op", "count", "first seen"]))
         if len(census) > 12:
             lines.append(f"... {len(census) - 12} more in the report")
     for a in alerts[:8]:

@@ -399,18 +399,22 @@ def _census(s: dict[str, Any]) -> Section | None:
     errors = s.get("census_errors") or []
     if not census and not alerts and not errors:
         return None
+    seconds = s.get("census_seconds")
     blocks: list[Block] = [Text(
-        "Known-nondeterministic ops your model ran on this device in one step (whether or not "
-        "the repeats happened to agree), and the alerts raised under "
-        "torch.use_deterministic_algorithms(True, warn_only=True)."
+        "Known-nondeterministic ops your model ran on this device (whether or not the repeats "
+        "happened to agree): in the census's own step, and at the first step of every later "
+        "epoch the stress saw (first seen: that epoch); and the alerts raised under "
+        "torch.use_deterministic_algorithms(True, warn_only=True) in the census's step"
+        + ("" if not isinstance(seconds, (int, float)) else f" (census: {num(seconds, 3)} s)")
+        + "."
     )]
     blocks += [Text(clip(e), strong=True) for e in errors]
     if census:
         rows = [[num(c.get("module")), num(c.get("phase")), num(c.get("op")), num(c.get("count")),
-                 num(c.get("what"))] for c in census]
+                 f"epoch {num(c.get('epoch'))}", num(c.get("what"))] for c in census]
         blocks.append(Table("known-nondeterministic ops per module",
-                            ["module", "phase", "op", "count", "what"], rows, key="census",
-                            fold=len(rows) > 10))
+                            ["module", "phase", "op", "count", "first seen", "what"], rows,
+                            key="census", fold=len(rows) > 10))
     if alerts:
         rows = [[num(a.get("module")), num(a.get("phase")), num(a.get("op")),
                  num(a.get("message"))] for a in alerts]

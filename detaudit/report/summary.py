@@ -95,7 +95,8 @@ def summarize(
         "knowledge": ops.get("knowledge") or [],
         "stress": [op.to_dict() for op in c.stress],
         "stress_seconds": _stress_seconds(info),
-        "census": census.get("ops") or [],
+        "census": _census_ops(census.get("ops") or [], c) if census else [],
+        "census_seconds": census.get("seconds"),
         "census_alerts": census.get("alerts") or [],
         "census_errors": list(census.get("errors") or []) + (
             [f"the census failed: {census['error']}"] if census.get("error") else []
@@ -104,6 +105,19 @@ def summarize(
     if ranks is not None:  # a distributed audit: its ranks side by side
         summary["ranks"] = ranks.to_dict()
     return summary
+
+
+def _census_ops(ops: list[Any], c: Comparison) -> list[dict[str, Any]]:
+    """The census's risky ops (its one step, epoch 1), and those the stressed steps of later
+    epochs saw first, marked with that epoch."""
+    rows = [{**o, "epoch": 1} for o in ops if isinstance(o, dict)]
+    seen = {(o.get("module"), o.get("phase"), o.get("op")) for o in rows}
+    for op in c.stress:
+        row = op.to_dict()
+        if (row["module"], row["phase"], row["op"]) not in seen:
+            rows.append({"module": row["module"], "phase": row["phase"], "op": row["op"],
+                         "count": op.calls, "what": row["what"], "epoch": row["epoch"]})
+    return rows
 
 
 def _stress_seconds(info: RunInfo) -> float | None:
