@@ -9,6 +9,9 @@
 2. Fingerprint throughput on a 256 MB tensor against `x.sum()` and hashlib.sha256, and the
    per-call cost on small tensors.
 3. Trace size against image size: records, not tensor bytes, set what a trace holds.
+4. The cost of the proof by re-execution (--stress): the `detaudit run --model maskrcnn`
+   CPU-preset audit (no investigations) with --stress 0 and --stress 16, alternating, and
+   the re-executions' own time as the audit counts it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from detaudit import audit
+from detaudit import api, audit
+from detaudit.config import CPU_PRESET, AuditConfig, Investigations
 from detaudit.drivers.loading import builtin_spec, make_factory
 from detaudit.record import fingerprint as fingerprint_module
 from detaudit.record.fingerprint import CHUNK_BYTES, Fingerprinter, fingerprint
@@ -277,6 +281,30 @@ def trace_size() -> list[tuple]:
     return rows
 
 
+def stress_cost(pairs: int) -> list[tuple]:
+    """The CPU-preset Mask R-CNN audit without and with the stress, alternating."""
+    p = CPU_PRESET
+    spec = builtin_spec("maskrcnn", {"seed": 0, "image_size": p.image_size,
+                                     "batch_size": p.batch_size, "num_images": p.num_images})
+    seconds: dict[int, list[float]] = {0: [], 16: []}
+    stressed: list[float] = []
+    for _ in range(pairs):
+        for runs, samples in seconds.items():
+            config = AuditConfig(repeats=p.repeats, epochs=p.epochs, steps=p.steps, stress=runs)
+            t0 = time.perf_counter()
+            result = api.run(spec, config, investigations=Investigations(drill_down=False))
+            samples.append(time.perf_counter() - t0)
+            if runs:
+                stressed.append(sum(t.get("stress_seconds", 0.0) for t in result.info.timings))
+    ratios = [b / a for a, b in zip(seconds[0], seconds[16])]
+    return [
+        ("--stress 0", f"{statistics.median(seconds[0]):.1f}", "", "", pairs),
+        ("--stress 16 (default)", f"{statistics.median(seconds[16]):.1f}",
+         f"{(statistics.median(ratios) - 1) * 100:+.1f}%", f"{statistics.median(stressed):.2f}",
+         pairs),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=6, help="paired steps for the overhead")
@@ -298,6 +326,10 @@ def main() -> None:
     print(tabulate(small, headers=["per call", "µs"]))
     print()
     print(tabulate(trace_size(), headers=["trace of 1 step", "records", "JSON MB", "gzip MB"]))
+    print()
+    print(tabulate(stress_cost(max(1, args.pairs // 3)),
+                   headers=["detaudit run --model maskrcnn (CPU preset)", "s (median)",
+                            "vs --stress 0 (median ratio)", "re-executions, s", "pairs"]))
 
 
 if __name__ == "__main__":
