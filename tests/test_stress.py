@@ -342,3 +342,31 @@ def test_census_marks_ops_first_seen_in_a_later_epoch_and_shows_its_cost(two_thr
     text = render_console(result.summary)
     assert "late      backward  aten.index_put(accumulate=True)" in text and "epoch 2" in text
     assert "(census: " in render_markdown(result.summary)
+
+
+def mid_epoch_vote_probe(device: torch.device) -> Probe:
+    """The splat runs at step 1 only, mid-epoch: the epochs' first steps never see it."""
+    model = VoteNet().to(device)
+    g = torch.Generator().manual_seed(3)
+    points, cells = torch.randn(VOTES, 4, generator=g), torch.randint(0, CELLS, (VOTES,), generator=g)
+    batches = [(points[:8], cells[:8]), (points, cells), (points[:8], cells[:8])]
+
+    def step(m: nn.Module, batch):
+        return m(*(t.to(device) for t in batch)).pow(2).mean()
+
+    return Probe(model=model, batches=batches, step=step,
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+@pytest.mark.parametrize("granularity", ["scan", "module"])
+def test_the_replayed_divergent_step_is_stressed_too(granularity, two_threads):
+    fault = Fault("out", "forward", 1)  # the runs part at step 1, where the splat runs
+    result = audit(mid_epoch_vote_probe, repeats=2, steps=3, fault=fault,
+                   granularity=granularity, drill_down=True)
+    assert result.comparison.first_step == 1
+    assert not any(op.module == "vote_head" and op.proven  # step 0: 8 votes, no race
+                   for op in result.comparison.stress)
+    vote = [op for op in result.summary["stress"] if op["module"] == "vote_head"]
+    assert vote and vote[0]["proven"] and vote[0]["steps"] == [1]
+    assert "proven by re-execution: aten.index_put_ in vote_head (forward, step 1)" in (
+        result.verdict.headline)

@@ -64,8 +64,8 @@ def judge(
     headline = _headline(kind, located, first, hidden, ops or {})
     if c.proven and kind == DETERMINISTIC:
         kind, headline = PROVEN, _proven_headline(c)
-    elif c.proven and kind == DIVERGENT:
-        headline += f"; proven by re-execution: {_confirming(c, first).line()}"
+    elif kind == DIVERGENT and (proofs := proven_ops(c, zoom, ops)):
+        headline += f"; proven by re-execution: {_confirming(proofs, first)['line']}"
     if located is zoom:
         headline += f"; zoomed in on step {zoom.first_step} after a scan"
     if c.loss.nonfinite is not None:
@@ -155,10 +155,23 @@ def _proven_headline(c: Comparison) -> str:
     return f"NONDETERMINISTIC OP: {proven[0].line()} ({agreed}){more}"
 
 
-def _confirming(c: Comparison, first: dict[str, Any] | None) -> Any:
+def proven_ops(
+    c: Comparison, zoom: Comparison | None = None, ops: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Every op re-execution proved nondeterministic: in the run's stressed steps, at the
+    zoomed step and in the drill-down's replay (as StressedOp.to_dict() gives them)."""
+    found = [p.to_dict() for p in c.proven + (zoom.proven if zoom is not None else [])]
+    found += [p for p in (ops or {}).get("stress") or [] if isinstance(p, dict) and p.get("proven")]
+    unique: dict[tuple, dict[str, Any]] = {}
+    for p in found:
+        unique.setdefault((p.get("phase"), p.get("module"), p.get("op")), p)
+    return list(unique.values())
+
+
+def _confirming(proofs: list[dict[str, Any]], first: dict[str, Any] | None) -> dict[str, Any]:
     """The proven op in the module where the runs first parted, else the earliest proven."""
-    where = first["module"] if first else None
-    return next((p for p in c.proven if p.module == where), c.proven[0])
+    where = (first["module"] or "(model)") if first else None
+    return next((p for p in proofs if p.get("module") == where), proofs[0])
 
 
 def _stopped(c: Comparison) -> str:

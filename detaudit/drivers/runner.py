@@ -41,6 +41,7 @@ class OpPlan:
     census: bool = False
     capture: tuple[str, str, int, str] | None = None  # (op phase, module, call, op prefix)
     zoom: frozenset[int] = frozenset()  # steps of a scanned run recorded at module level
+    stress: frozenset[int] = frozenset()  # steps whose risky ops the last repeat re-executes
     modes: list[OpRecorder] = field(default_factory=list)  # the census modes, once run
     # step -> module calls during which Python's or numpy's RNG advanced (op-recorded steps
     # of every repeat run with this plan)
@@ -203,7 +204,8 @@ def run_repeat(
     An exception while building the probe (or ``sys.exit`` in it) is raised as
     :class:`ProbeError`; one during the steps ends the repeat early and is stored in
     ``trace.failure`` (records up to it kept). The last repeat of an audit (not a replay
-    with `ops`) stresses the risky ops (``config.stress``, see :class:`StressPlan`).
+    with `ops`, unless its plan names steps to stress) stresses the risky ops
+    (``config.stress``, see :class:`StressPlan`).
     Torch's global settings are restored
     afterwards; the trace's environment is the one the steps ran in (after the probe was
     built, with the audit's own settings applied).
@@ -243,7 +245,8 @@ def run_repeat(
         fingerprinter = Fingerprinter()
         ends: list[float] = []
         stress = (StressPlan(config.stress, config.stress_every_op, str(device), trace.env)
-                  if ops is None and config.stress and repeat == config.repeats - 1 else None)
+                  if config.stress and repeat == config.repeats - 1
+                  and (ops is None or ops.stress) else None)
 
         def step_ended(epoch: int, index: int, step: int) -> None:
             if device.type == "cuda":
@@ -293,7 +296,8 @@ def _run_steps(
                 break
             if ops is not None and ops.last_step is not None and step > ops.last_step:
                 return step
-            stressing = stress.mode(recorder, step, epoch) if stress and index == 0 else None
+            due = index == 0 if ops is None else step in ops.stress
+            stressing = stress.mode(recorder, step, epoch) if stress and due else None
             scope = _op_scope(recorder, step, fault, ops, stressing)
             watch = _watch(config, step, fault, ops, scope)
             recorder.begin_step(step, watch)

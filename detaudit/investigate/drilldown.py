@@ -16,6 +16,7 @@ import torch
 
 from ..analysis.compare import ORIGIN, Comparison, OpFinding, compare, compare_ops
 from ..analysis.knowledge import lookup
+from ..analysis.stress import stressed_ops
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
 from ..record.difference import tensor_difference
@@ -37,7 +38,7 @@ def drill_down(
     if step is None:
         return None
     config = replace(config, granularity="module")
-    plan = OpPlan(steps=frozenset({step}), last_step=step)
+    plan = OpPlan(steps=frozenset({step}), last_step=step, stress=frozenset({step}))
     if traces is None:
         traces = [run_repeat(factory, config, r, spec, ops=plan)[0]
                   for r in range(config.repeats)]
@@ -49,6 +50,8 @@ def drill_down(
         "step": step,
         "reproduced": bool(findings) or outside is not None,
         "outside_dispatcher": outside,
+        # the risky ops of the step, re-executed in the last repeat's replay
+        "stress": [op.to_dict() for op in stressed_ops(traces)],
         "ops": [_op_row(f) for f in (origins + [f for f in findings if f.role != ORIGIN])
                 [:MAX_OPS_REPORTED]],
         "origin_ops": len(origins),

@@ -33,7 +33,7 @@ def zoom(
     attempts: list[dict[str, Any]] = []
     for _ in range(max(1, tries)):
         at = frozenset({step})
-        plan = OpPlan(steps=at, last_step=step, zoom=at)
+        plan = OpPlan(steps=at, last_step=step, zoom=at, stress=at)
         traces = [run_repeat(factory, config, r, spec, ops=plan)[0]
                   for r in range(config.repeats)]
         zoomed = compare(traces)

@@ -365,8 +365,9 @@ def _stress(s: dict[str, Any]) -> Section | None:
     runs = max(op.get("runs") or 0 for op in stress)
     cost = s.get("stress_seconds")
     blocks: list[Block] = [Text(
-        "At the first step of every epoch the last repeat re-ran each op known to be "
-        f"possibly nondeterministic on this device {runs} times on identical copies of its "
+        "At the first step of every epoch (and at the first divergent step, when it was "
+        "replayed) the last repeat re-ran each op known to be possibly nondeterministic on "
+        f"this device {runs} times on identical copies of its "
         "inputs: two or more distinct results prove the op nondeterministic, whether or not "
         "the repeats happened to agree" + ("" if cost is None else
                                           f" (re-executions: {num(cost, 3)} s)") + "."

@@ -91,9 +91,9 @@ def summarize(
         "env_differences": _env_differences(traces),
         "extra": extra,
         "ops": ops.get("ops") or [],
-        "op_drill_down": {k: v for k, v in ops.items() if k not in ("ops", "knowledge")},
+        "op_drill_down": {k: v for k, v in ops.items() if k not in ("ops", "knowledge", "stress")},
         "knowledge": ops.get("knowledge") or [],
-        "stress": [op.to_dict() for op in c.stress],
+        "stress": _stressed(c, zoom, ops),
         "stress_seconds": _stress_seconds(info),
         "census": _census_ops(census.get("ops") or [], c) if census else [],
         "census_seconds": census.get("seconds"),
@@ -105,6 +105,20 @@ def summarize(
     if ranks is not None:  # a distributed audit: its ranks side by side
         summary["ranks"] = ranks.to_dict()
     return summary
+
+
+def _stressed(c: Comparison, zoom: Comparison | None, ops: dict[str, Any]) -> list[Any]:
+    """Every stressed op: the run's epochs, then the zoomed step and the drill-down replay."""
+    rows = [op.to_dict() for op in c.stress + (zoom.stress if zoom is not None else [])]
+    rows += [op for op in ops.get("stress") or [] if isinstance(op, dict)]
+    seen: set[tuple] = set()
+    out = []
+    for row in sorted(rows, key=lambda r: not r.get("proven")):
+        key = (row.get("phase"), row.get("module"), row.get("op"))
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
 
 
 def _census_ops(ops: list[Any], c: Comparison) -> list[dict[str, Any]]:
