@@ -266,4 +266,6 @@ def test_assert_deterministic_fails_on_duplicate_index_gather(
     with pytest.raises(AssertionError) as info:
         detaudit_check(gather_probe, repeats=3)
     message = str(info.value)
-    assert "DIVERGENT" in message and "gather" in message and "backward" in message
+    # a divergence between the repeats, or (when the race did not fire) its proof by re-execution
+    assert message.lstrip().startswith(("DIVERGENT", "NONDETERMINISTIC OP: aten.index_put in gather"))
+    assert "gather" in message and "backward" in message
