@@ -370,3 +370,28 @@ def test_the_replayed_divergent_step_is_stressed_too(granularity, two_threads):
     assert vote and vote[0]["proven"] and vote[0]["steps"] == [1]
     assert "proven by re-execution: aten.index_put_ in vote_head (forward, step 1)" in (
         result.verdict.headline)
+
+
+class LateRace:
+    """aten.add, except that from its 21st call on it adds 1 ULP more: a race that only shows
+    once the threads are hot."""
+
+    _schema = torch.ops.aten.add.Tensor._schema
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, a, b):
+        self.calls += 1
+        out = torch.ops.aten.add.Tensor(a, b)
+        return torch.nextafter(out, out + 1) if self.calls > 20 else out
+
+
+@pytest.mark.parametrize("limit,distinct,runs", [(16, 1, 16), (64, 2, 21)])
+def test_a_parallel_op_whose_runs_agree_runs_on_until_it_parts(limit, distinct, runs):
+    from detaudit.record.stress import OpStress, _re_execute
+
+    entry = OpStress(0, 0, "forward", "m", "aten.add")
+    _re_execute(entry, LateRace(), ((torch.ones(4), torch.ones(4)), {}), [], [], 16, limit)
+    assert (entry.distinct, entry.runs) == (distinct, runs)
+    assert (entry.differing, entry.max_ulp) == ((4, 1) if distinct > 1 else (0, None))

@@ -4,7 +4,8 @@ A race only shows when it fires, so repeats that agree prove little about an op 
 accumulates in parallel. At a stressed step, :class:`StressMode` (a dispatch mode) keeps
 the inputs of every op the knowledge table marks as nondeterministic on this device (every
 op with ``every_op``), lets the model's own call run untouched, then re-runs the op
-`runs` times on fresh copies of those inputs with this mode off and fingerprints each
+`runs` times (up to ESCALATION times more for a parallel op whose results all agreed) on
+fresh copies of those inputs with this mode off and fingerprints each
 result. More than one distinct result proves the op nondeterministic, whatever the repeats
 did. Every re-run starts from the generator states the op started from (so an op that draws
 random numbers is compared with itself), and the generators are left where the model's own
@@ -33,6 +34,12 @@ from .recorder import Recorder
 from .structure import iter_tensors
 
 CALLS_PER_OP = 4  # stressed calls of one op in one module per step (the rest are counted)
+# A parallel op whose first runs all agreed runs on, up to this many times `runs`: CPU worker
+# threads that slept through the model's serial ops wake late and add after the main thread
+# for the first dozen or so runs (measured: 1 distinct result in the first 16 runs after a
+# pause, 13-16 in the next 16), so a race needs its threads hot to show.
+ESCALATION = 4
+PARALLEL_GRAIN = 32768  # torch's internal GRAIN_SIZE: smaller CPU ops run on one thread
 
 
 @dataclass
@@ -46,7 +53,7 @@ class OpStress:
     op: str
     calls: int = 0  # calls of the op at this step
     stressed: int = 0  # of them, re-executed
-    runs: int = 0  # re-executions per stressed call
+    runs: int = 0  # re-executions of one call (the most any stressed call got)
     distinct: int = 0  # most distinct results seen for one call (1: all agreed)
     elements: int = 0  # of the first differing pair: elements of the differing output
     differing: int = 0  # elements that differ
@@ -109,7 +116,7 @@ class StressMode(TorchDispatchMode):
         entry = self.ops.get((phase, module, label))
         if entry is None:
             entry = self.ops[(phase, module, label)] = OpStress(
-                self.step, self.epoch, phase, module, label, runs=self.runs)
+                self.step, self.epoch, phase, module, label)
         entry.calls += 1
         if self.runs < 2 or entry.stressed >= CALLS_PER_OP or entry.distinct > 1:
             return func(*args, **kwargs)
@@ -122,7 +129,8 @@ class StressMode(TorchDispatchMode):
         with _disable_current_modes():
             after = [g.get_state() for g in generators]
             try:
-                _re_execute(entry, func, pristine, generators, before, self.runs)
+                limit = self.runs * ESCALATION if _parallel(args, kwargs) else self.runs
+                _re_execute(entry, func, pristine, generators, before, self.runs, limit)
             finally:
                 for g, state in zip(generators, after):
                     g.set_state(state)
@@ -133,12 +141,15 @@ class StressMode(TorchDispatchMode):
 
 def _re_execute(
     entry: OpStress, func: Any, pristine: tuple[tuple, dict], generators: list[Any],
-    before: list[torch.Tensor], runs: int,
+    before: list[torch.Tensor], runs: int, limit: int,
 ) -> None:
-    """Run `func` `runs` times on copies of `pristine`; record how many results differ."""
+    """Run `func` `runs` times on copies of `pristine` (on to `limit` while every result
+    agrees); record how many results differ."""
     seen: dict[tuple[str, ...], None] = {}
     first: list[torch.Tensor] | None = None
-    for _ in range(runs):
+    done = 0
+    while done < runs or (done < limit and len(seen) < 2):
+        done += 1
         for g, state in zip(generators, before):
             g.set_state(state)
         args, kwargs = _copies(*pristine)
@@ -150,6 +161,16 @@ def _re_execute(
             _measure(entry, first, outputs, first_prints, prints)  # the first differing pair
         seen[prints] = None
     entry.distinct = max(entry.distinct, len(seen))
+    entry.runs = max(entry.runs, done)
+
+
+def _parallel(args: tuple, kwargs: dict) -> bool:
+    """Whether the op may run on several threads at once: on an accelerator, or on CPU with
+    2+ threads and a tensor past torch's parallel grain."""
+    tensors = [t for _, t in iter_tensors([list(args), kwargs])]
+    if any(not t.is_cpu for t in tensors):
+        return True
+    return torch.get_num_threads() > 1 and any(t.numel() >= PARALLEL_GRAIN for t in tensors)
 
 
 def _results(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
