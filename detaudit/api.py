@@ -329,6 +329,8 @@ def check(
             f"\nnote: the new run is not deterministic by itself (its repeats differ from step "
             f"{result.comparison.first_step}), so it cannot be expected to match any baseline"
         )
+    for op in result.comparison.proven[:3]:
+        gate.message += f"\nnote: proven by re-execution in this run: {op.line()}"
     return CheckResult(result, gate)
 
 

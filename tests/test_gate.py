@@ -269,3 +269,12 @@ def test_assert_deterministic_fails_on_duplicate_index_gather(
     # a divergence between the repeats, or (when the race did not fire) its proof by re-execution
     assert message.lstrip().startswith(("DIVERGENT", "NONDETERMINISTIC OP: aten.index_put in gather"))
     assert "gather" in message and "backward" in message
+
+
+def test_check_notes_an_op_proven_nondeterministic_in_the_new_run(tmp_path, threads):
+    threads(2)
+    path = store_baseline(tmp_path / "gather.json", audit(gather_probe, repeats=1))
+    result = api.check(path, factory=gather_probe)
+    assert result.audit.comparison.proven
+    assert "note: proven by re-execution in this run: aten.index_put in gather" in (
+        result.gate.message)
