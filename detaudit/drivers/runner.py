@@ -38,7 +38,7 @@ class OpPlan:
 
     steps: frozenset[int] | None = None  # None: every step
     last_step: int | None = None  # stop after this global step
-    census: bool = False
+    census: bool = False  # at the first step of every epoch up to last_step
     capture: tuple[str, str, int, str] | None = None  # (op phase, module, call, op prefix)
     zoom: frozenset[int] = frozenset()  # steps of a scanned run recorded at module level
     stress: frozenset[int] = frozenset()  # steps whose risky ops the last repeat re-executes
@@ -298,7 +298,7 @@ def _run_steps(
                 return step
             due = index == 0 if ops is None else step in ops.stress
             stressing = stress.mode(recorder, step, epoch) if stress and due else None
-            scope = _op_scope(recorder, step, fault, ops, stressing)
+            scope = _op_scope(recorder, step, fault, ops, stressing, epoch_start=index == 0)
             watch = _watch(config, step, fault, ops, scope)
             recorder.begin_step(step, watch)
             recorder.watch_host_rng = ops is not None and ops.records(step)
@@ -348,13 +348,13 @@ def _watch(
 
 def _op_scope(
     recorder: Recorder, step: int, fault: Fault | None, ops: OpPlan | None,
-    stressing: StressMode | None = None,
+    stressing: StressMode | None = None, epoch_start: bool = True,
 ) -> contextlib.AbstractContextManager:
     """The op-level modes for this step, or nothing when no op-level work is due. The stress
     mode sits below the op recorder, so it sees each op as it really ran (before a planted
     op fault) and the recorder never records the re-executions."""
     record = ops is not None and ops.records(step)
-    census = ops is not None and ops.census
+    census = ops is not None and ops.census and epoch_start
     capture = ops.capture if ops is not None and ops.last_step == step else None
     if not (record or census or capture or (fault is not None and fault.op and fault.step == step)):
         return stressing if stressing is not None else contextlib.nullcontext()

@@ -136,7 +136,7 @@ def _census_lines(summary: dict[str, Any]) -> list[str]:
     lines = ["", *errors]
     if census or alerts:
         lines.append("census: known-nondeterministic ops this model runs on this device "
-                     "(the census step, and each epoch's first step)")
+                     "(each epoch's first step)")
     if census:
         lines.append(tabulate([(c["module"], c["phase"], c["op"], c["count"],
                                 f"epoch {c.get('epoch', 1)}") for c in census[:12]],

@@ -402,10 +402,10 @@ def _census(s: dict[str, Any]) -> Section | None:
         return None
     seconds = s.get("census_seconds")
     blocks: list[Block] = [Text(
-        "Known-nondeterministic ops your model ran on this device (whether or not the repeats "
-        "happened to agree): in the census's own step, and at the first step of every later "
-        "epoch the stress saw (first seen: that epoch); and the alerts raised under "
-        "torch.use_deterministic_algorithms(True, warn_only=True) in the census's step"
+        "Known-nondeterministic ops your model ran on this device at the first step of every "
+        "epoch (whether or not the repeats happened to agree; first seen: the first epoch "
+        "that ran it), and the alerts raised there under "
+        "torch.use_deterministic_algorithms(True, warn_only=True)"
         + ("" if not isinstance(seconds, (int, float)) else f" (census: {num(seconds, 3)} s)")
         + "."
     )]
@@ -418,9 +418,10 @@ def _census(s: dict[str, Any]) -> Section | None:
                             key="census", fold=len(rows) > 10))
     if alerts:
         rows = [[num(a.get("module")), num(a.get("phase")), num(a.get("op")),
-                 num(a.get("message"))] for a in alerts]
-        blocks.append(Table("deterministic-algorithms alerts", ["module", "phase", "op", "message"],
-                            rows, key="alerts", fold=len(rows) > 10))
+                 f"epoch {num(a.get('epoch', 1))}", num(a.get("message"))] for a in alerts]
+        blocks.append(Table("deterministic-algorithms alerts",
+                            ["module", "phase", "op", "epoch", "message"], rows, key="alerts",
+                            fold=len(rows) > 10))
     return Section("census", "Census", blocks)
 
 

@@ -122,9 +122,9 @@ def _stressed(c: Comparison, zoom: Comparison | None, ops: dict[str, Any]) -> li
 
 
 def _census_ops(ops: list[Any], c: Comparison) -> list[dict[str, Any]]:
-    """The census's risky ops (its one step, epoch 1), and those the stressed steps of later
-    epochs saw first, marked with that epoch."""
-    rows = [{**o, "epoch": 1} for o in ops if isinstance(o, dict)]
+    """The census's risky ops (counted by the census when the audit did not stress), and
+    those the stressed steps saw, each with the first epoch it was seen in."""
+    rows = [{"epoch": 1, **o} for o in ops if isinstance(o, dict)]
     seen = {(o.get("module"), o.get("phase"), o.get("op")) for o in rows}
     for op in c.stress:
         row = op.to_dict()
