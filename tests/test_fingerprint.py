@@ -383,3 +383,68 @@ def test_integers_print_alike_on_every_device_scheme():
     assert fingerprint(x).fp == fingerprint(x, algorithm="xxh3").fp != fingerprint(
         x, algorithm="wsum").fp
     assert scheme("cpu") == "xxh3+wsum2-int" and scheme("cuda:1") == "wsum2"
+
+
+@pytest.mark.parametrize("chunk", [64, None])
+def test_segmented_many_tensor_wsum_equals_the_per_tensor_print(chunk, monkeypatch):
+    """The device path of add_many (run on CPU tensors) packs tensors of one bit width into
+    shared buffers; every print is still exactly the per-tensor print, in every dtype, with
+    buckets split at the chunk size and tensors larger than a chunk reduced alone."""
+    if chunk:
+        monkeypatch.setattr(fpmod, "_WSUM_CHUNK", chunk)
+    g = torch.Generator().manual_seed(11)
+    tensors = [_sample(dtype) for dtype in DTYPES]
+    tensors += [torch.randn(n, generator=g) for n in (1, 63, 64, 65, 200)]
+    tensors += [torch.randint(-(1 << 62), 1 << 62, (30,), generator=g), torch.zeros(0),
+                torch.randn(5, 6, generator=g).t(), tensors[2]]
+    many = Fingerprinter(algorithm="wsum")
+    many.add_many(tensors)
+    assert [p.fp for p in many.collect()] == [fp(t, "wsum") for t in tensors]
+
+
+def test_segmented_wsum_stays_order_aware_and_bit_exact():
+    """Permutation, swap, 1 ULP, shape and dtype each change a print made in a shared buffer,
+    and only the print of the tensor that changed."""
+    g = torch.Generator().manual_seed(3)
+    base = [torch.randn(4, 5, generator=g), torch.randn(7, generator=g), torch.arange(6)]
+
+    def prints(tensors):
+        f = Fingerprinter(algorithm="wsum", stats=False)
+        f.add_many(tensors)
+        return [p.fp for p in f.collect()]
+
+    reference = prints(base)
+    bumped = base[1].clone()
+    bumped[3] = torch.nextafter(bumped[3], torch.tensor(math.inf))
+    swapped = base[2].clone()
+    swapped[[0, 5]] = swapped[[5, 0]]
+    for i, changed in [(0, base[0].flip(0)), (1, bumped), (2, swapped), (0, base[0].reshape(5, 4)),
+                       (2, base[2].to(torch.int32)), (1, base[1][torch.randperm(7, generator=g)])]:
+        tensors = list(base)
+        tensors[i] = changed
+        got = prints(tensors)
+        assert got[i] != reference[i]
+        assert [p for j, p in enumerate(got) if j != i] == [
+            p for j, p in enumerate(reference) if j != i]
+
+
+def test_segmented_wsum_launches_the_same_kernels_for_10_or_200_tensors():
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket.__name__ not in ("detach", "alias"):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for n in (10, 200):
+        tensors = [torch.randn(50) for _ in range(n)]
+        f = Fingerprinter(algorithm="wsum", stats=False)
+        with Kernels() as kernels:
+            f.add_many(tensors)
+            f.collect()
+        counts.append(kernels.count)
+    assert counts[0] == counts[1] < 40

@@ -281,11 +281,7 @@ def _device_flat(t: torch.Tensor) -> torch.Tensor:
 
 def _wsum(flat: torch.Tensor) -> torch.Tensor:
     """Position-weighted int64 sum of the mixed bit patterns of a `_device_flat` tensor."""
-    if flat.dtype.is_complex:
-        flat = torch.view_as_real(flat).reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    bits = flat.view(_BITS_DTYPE[flat.element_size()])
+    bits = _wsum_bits(flat)
     total = None
     for start in range(0, bits.numel(), _WSUM_CHUNK):
         # a copy of our own (`to` alone returns 64-bit bits as they are): mixed in place
@@ -293,6 +289,60 @@ def _wsum(flat: torch.Tensor) -> torch.Tensor:
         part = mixed.mul_(_weights(start, mixed.numel(), flat.device)).sum()
         total = part if total is None else total + part
     return torch.zeros((), dtype=torch.int64, device=flat.device) if total is None else total
+
+
+def _wsum_bits(flat: torch.Tensor) -> torch.Tensor:
+    """The bit-pattern view `_wsum` reduces (complex as pairs, bool as bytes)."""
+    if flat.dtype.is_complex:
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return flat.view(_BITS_DTYPE[flat.element_size()])
+
+
+def _wsum_many(flats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`_wsum` of many `_device_flat` tensors of one device, in a number of kernels that
+    grows with their bytes, not their count: tensors of one bit width are packed into one
+    buffer of at most a chunk, mixed and weighed at their positions within their own tensor,
+    and reduced per tensor with an integer index_add (wrapping integer addition is
+    associative, so the sums are exactly `_wsum`'s, in any order, on any device). A tensor
+    larger than a chunk is reduced alone."""
+    out: list[torch.Tensor | None] = [None] * len(flats)
+    groups: dict[int, list[int]] = {}
+    for i, flat in enumerate(flats):
+        bits = _wsum_bits(flat)
+        if bits.numel() > _WSUM_CHUNK or bits.numel() == 0:
+            out[i] = _wsum(flat)
+        else:
+            groups.setdefault(bits.element_size(), []).append(i)
+    for members in groups.values():
+        bucket: list[int] = []
+        size = 0
+        for i in [*members, None]:
+            n = _wsum_bits(flats[i]).numel() if i is not None else 0
+            if bucket and (i is None or size + n > _WSUM_CHUNK):
+                sums = _segment_wsum([_wsum_bits(flats[j]) for j in bucket])
+                for k, j in enumerate(bucket):
+                    out[j] = sums[k]
+                bucket, size = [], 0
+            if i is not None:
+                bucket.append(i)
+                size += n
+    return out  # type: ignore[return-value]
+
+
+def _segment_wsum(bits: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor weighted sums of bit views of one width, packed into one buffer."""
+    device = bits[0].device
+    sizes = torch.tensor([b.numel() for b in bits], dtype=torch.int64).to(device)
+    packed = torch.cat(bits).to(torch.int64, copy=True).add_(_MIX)
+    segment = torch.repeat_interleave(torch.arange(len(bits), device=device), sizes,
+                                      output_size=packed.numel())
+    starts = torch.cumsum(sizes, 0).sub_(sizes)
+    position = torch.arange(packed.numel(), device=device).sub_(starts[segment])
+    weights = _weights(0, max(b.numel() for b in bits), device)[position]
+    mixed = _splitmix(packed).mul_(weights)
+    return torch.zeros(len(bits), dtype=torch.int64, device=device).index_add_(0, segment, mixed)
 
 
 def wsum_device_value(t: torch.Tensor) -> torch.Tensor:
@@ -425,18 +475,28 @@ class Fingerprinter:
         return slot
 
     def add_many(self, tensors: list[torch.Tensor], stats: bool | None = None) -> None:
-        """Queue tensors in order, the CPU ones hashed together on torch's thread count."""
+        """Queue tensors in order: the CPU ones hashed together on torch's thread count, the
+        device (wsum) ones reduced together per device (see `_wsum_many`)."""
         want_stats = self.stats if stats is None else stats
         batch: list[tuple[int, torch.Tensor]] = []
+        on_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for t in tensors:
+            if self._reuse(t, want_stats, len(self._done)):
+                continue
             if not t.is_cpu or self.algorithm == "wsum" or (
                     self.algorithm is None and _exact_dtype(t)):
-                self.add(t, stats)
-            elif not self._reuse(t, want_stats, len(self._done)):
+                on_device.setdefault(t.device, []).append((len(self._done), t))
+            else:
                 batch.append((len(self._done), t))
-                self._done.append(None)
+            self._done.append(None)
         for (slot, _), print_ in zip(batch, _cpu_prints([t for _, t in batch], want_stats)):
             self._done[slot] = print_
+        for queued in on_device.values():
+            flats = [_device_flat(t) for _, t in queued]
+            for (slot, t), flat, value in zip(queued, flats, _wsum_many(flats)):
+                device_stats = (_device_float_stats(flat)
+                                if want_stats and t.is_floating_point() else None)
+                self._pending.append((slot, value, device_stats, _describe(t)))
 
     def _reuse(self, t: torch.Tensor, stats: bool, slot: int) -> bool:
         """Point at the earlier slot of this very tensor, unchanged since; else remember it."""
