@@ -334,7 +334,11 @@ def _wsum_many(flats: list[torch.Tensor]) -> list[torch.Tensor]:
 def _segment_wsum(bits: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor weighted sums of bit views of one width, packed into one buffer."""
     device = bits[0].device
-    sizes = torch.tensor([b.numel() for b in bits], dtype=torch.int64).to(device)
+    sizes = torch.tensor([b.numel() for b in bits], dtype=torch.int64)
+    if device.type == "cuda":  # from pinned memory, asynchronously: no wait on the stream
+        sizes = sizes.pin_memory().to(device, non_blocking=True)
+    else:
+        sizes = sizes.to(device)
     packed = torch.cat(bits).to(torch.int64, copy=True).add_(_MIX)
     segment = torch.repeat_interleave(torch.arange(len(bits), device=device), sizes,
                                       output_size=packed.numel())
