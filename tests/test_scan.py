@@ -240,3 +240,33 @@ def test_a_zoomed_run_folder_renders_the_same_again(tmp_path):
     again = api.render_folder(tmp_path)
     assert again == first.summary
     assert again["origins"][0]["module"] == "head"
+
+
+def test_scan_map_is_the_modules_whose_parameter_gradients_differ_by_step():
+    """Without a zoom, a scanned run still maps where: the modules whose parameter gradients
+    differ, step by step, with the parameters named (here every batch differs: unseeded)."""
+    from detaudit.report import render_html, render_markdown
+
+    def probe(device):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        rng = np.random.default_rng()  # unseeded: every repeat sees other data
+        batches = [torch.from_numpy(rng.normal(size=(4, 8)).astype("float32")) for _ in range(3)]
+        return Probe(model=model, batches=batches, step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    result = audit(probe, repeats=2, granularity="scan", drill_down=False)
+    assert result.comparison.cause == "data"
+    cells = [(c["step"], c["module"], c["params"]) for c in result.summary["map"]
+             if c["role"] == "gradients differ"]
+    assert cells == [(step, module, ["weight", "bias"]) for step in range(3) for module in "02"]
+    assert "parameter gradients differ at steps (scanned)" in render_markdown(result.summary)
+    assert ">gradients differ</text>" in render_html(result.summary)
+
+
+def test_module_level_map_has_no_scanned_column():
+    from detaudit.report import render_markdown
+
+    result = audit(small_cnn_probe, repeats=2, steps=3, fault=Fault("head", "backward", 1))
+    assert result.summary["map"] and all(
+        c["role"] != "gradients differ" for c in result.summary["map"])
+    assert "(scanned)" not in render_markdown(result.summary)

@@ -30,6 +30,7 @@ from .stress import StressedOp, stressed_ops
 Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot
 
 ORIGIN, CONTAINS, PROPAGATED = "origin", "contains-origin", "propagated"
+GRADIENTS_DIFFER = "gradients differ"  # a scanned step's map cell: no module records there
 DETERMINISTIC, DIVERGENT, FAILED = "deterministic", "divergent", "failed"
 _CAUSE_TEXT = {
     "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not reproducible",
@@ -122,6 +123,9 @@ class Comparison:
     common_steps: int | None = None  # with failures: only the steps every repeat completed
     stress: list[StressedOp] = field(default_factory=list)  # risky ops re-executed (proof)
     rng_gap: RngGap | None = None  # the first step's RNG moved outside any module
+    # (step, owning module, parameter) of every parameter gradient that differs: what a
+    # scanned step can say about where, before any zoom
+    grad_diffs: list[tuple[int, str, str]] = field(default_factory=list)
 
     @property
     def proven(self) -> list[StressedOp]:
@@ -257,6 +261,8 @@ def compare(traces: Iterable[Trace]) -> Comparison:
         common_steps=common,
         stress=stressed_ops(traces),
         rng_gap=gap,
+        grad_diffs=[(k[0], k[2], k[4].removeprefix("param.")) for k in keys
+                    if k[1] == GRAD and k in diffs],
     )
 
 

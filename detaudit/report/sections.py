@@ -6,12 +6,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ..analysis.compare import GRADIENTS_DIFFER
 from ..analysis.verdict import crash_line
 
 SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 120
 CLIP = 2000  # characters kept of one free-text value (failure messages, env values)
 FINDINGS_SHOWN = 20  # rows of one cross-rank check's findings in a report
+MAP_ROLES = {  # a map cell's role -> its column in the table
+    "origin": "origin at steps", "contains-origin": "contains an origin at steps",
+    "propagated": "propagated at steps",
+    GRADIENTS_DIFFER: "parameter gradients differ at steps (scanned)",
+}
 ROLE_TEXT = {
     "origin": "origin: the difference starts in this call (its inputs agree)",
     "contains-origin": "contains an origin further down its calls",
@@ -461,13 +467,14 @@ def _map(s: dict[str, Any]) -> Section | None:
         return None
     rows = []
     for module, steps in grid.items():
-        by_role: dict[str, list[int]] = {"origin": [], "contains-origin": [], "propagated": []}
+        by_role: dict[str, list[int]] = {role: [] for role in MAP_ROLES}
         for step, phases in steps.items():
             for role in set(phases.values()):
                 by_role.setdefault(role, []).append(step)
-        roles = ("origin", "contains-origin", "propagated")
-        rows.append([module, *(_ranges(by_role[r]) for r in roles)])
-    headers = ["module", "origin at steps", "contains an origin at steps", "propagated at steps"]
+        rows.append([module, *(_ranges(by_role[r]) for r in MAP_ROLES)])
+    headers = ["module", *MAP_ROLES.values()]
+    if not any(row[-1] != "–" for row in rows):  # no scanned step differs: no such column
+        headers, rows = headers[:-1], [row[:-1] for row in rows]
     table = Table("divergence map", headers, rows, key="map", fold=True)
     blocks: list[Block] = [Figure("map", [table])]
     if s.get("map_truncated"):

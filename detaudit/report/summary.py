@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..analysis.compare import Comparison, RecordDiff
+from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, one_based
@@ -31,6 +31,9 @@ def summarize(
     extra = {k: v for k, v in (info.extra or {}).items() if k != "ranks"}
     ops = extra.get("ops") or {}
     census = extra.get("census") or {}
+    cells = _map_cells(c, zoom) if info.config.get("granularity") == "scan" else [
+        {"step": f.step, "module": f.module or "(model)", "phase": f.phase, "role": f.role}
+        for f in c.findings]
     summary = {
         "schema": SUMMARY_SCHEMA,
         "verdict": verdict.kind,
@@ -80,11 +83,8 @@ def summarize(
             "missing": c.missing_records,
             "by_step": {str(k): v for k, v in c.differing_by_step.items()},
         },
-        "map": [
-            {"step": f.step, "module": f.module or "(model)", "phase": f.phase, "role": f.role}
-            for f in _map_findings(c, zoom)[:MAP_LIMIT]
-        ],
-        "map_truncated": max(0, len(_map_findings(c, zoom)) - MAP_LIMIT),
+        "map": cells[:MAP_LIMIT],
+        "map_truncated": max(0, len(cells) - MAP_LIMIT),
         "failures": {str(k): v for k, v in c.failures.items()},
         "env": traces[0].env if traces else {},
         "env_risks": risks(traces[0].env) if traces and traces[0].env else {},
@@ -141,9 +141,21 @@ def _stress_seconds(info: RunInfo) -> float | None:
     return sum(numbers) if numbers else None
 
 
-def _map_findings(c: Comparison, zoom: Comparison | None) -> list[Any]:
-    """The differing module calls of every step: a scanned run has them only where zoomed."""
-    return c.findings + [f for f in (zoom.findings if zoom else []) if f.step == zoom.first_step]
+def _map_cells(c: Comparison, zoom: Comparison | None) -> list[dict[str, Any]]:
+    """The divergence map: the differing module calls of every step (a scanned run has them
+    only where zoomed) and, for scanned steps, the modules whose parameter gradients differ."""
+    zoomed = [f for f in (zoom.findings if zoom else []) if f.step == zoom.first_step]
+    cells = [{"step": f.step, "module": f.module or "(model)", "phase": f.phase, "role": f.role}
+             for f in c.findings + zoomed]
+    called = {(f.step, f.module) for f in c.findings + zoomed}
+    grads: dict[tuple[int, str], list[str]] = {}
+    for step, module, name in c.grad_diffs:
+        if (step, module) not in called:
+            grads.setdefault((step, module), []).append(name)
+    cells += [{"step": step, "module": module or "(model)", "phase": "grad",
+               "role": GRADIENTS_DIFFER, "params": names}
+              for (step, module), names in sorted(grads.items())]
+    return cells
 
 
 def _epoch(c: Comparison, step: int | None) -> int | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any, Callable
 
+from ..analysis.compare import GRADIENTS_DIFFER
 from .sections import epoch_starts, map_rows
 
 WIDTH = 1120
@@ -14,8 +15,9 @@ MAX_POINTS = 1500  # points per line before thinning
 MAX_MARKERS = 400  # steps before dots are left out
 MAX_MODULES = 150  # rows of the divergence map
 COLORS = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00", "#1b7c83", "#bf3989", "#6e7781")
-ROLE_COLORS = {"origin": "#cf222e", "contains-origin": "#fb8f44", "propagated": "#9ec5fe"}
-ROLE_RANK = {"propagated": 0, "contains-origin": 1, "origin": 2}
+ROLE_COLORS = {"origin": "#cf222e", "contains-origin": "#fb8f44", "propagated": "#9ec5fe",
+               GRADIENTS_DIFFER: "#8250df"}
+ROLE_RANK = {"propagated": 0, GRADIENTS_DIFFER: 0, "contains-origin": 1, "origin": 2}
 
 
 @dataclass
@@ -132,7 +134,9 @@ def divergence_map(summary: dict[str, Any]) -> str:
     label_w, row_h, top = 300, 16, 40
     cell_w = min(24.0, (WIDTH - label_w - 20) / len(columns))
     col = {step: label_w + i * cell_w for i, step in enumerate(columns)}
-    body = [_legend()]
+    scanned = any(GRADIENTS_DIFFER in phases.values() for m in modules
+                  for phases in grid[m].values())
+    body = [_legend(scanned)]
     every = max(1, math.ceil(len(columns) * 40 / (WIDTH - label_w)))
     for step in columns[::every]:
         x = col[step] + cell_w / 2
@@ -236,9 +240,11 @@ def _drift_marks(f: Frame, summary: dict[str, Any], bottom: float | None = None)
     return "".join(out)
 
 
-def _legend() -> str:
+def _legend(scanned: bool = False) -> str:
+    """The map's colours; the scanned-step colour only where the map has such cells."""
     out = []
-    for i, (role, color) in enumerate(ROLE_COLORS.items()):
+    shown = [(r, c) for r, c in ROLE_COLORS.items() if scanned or r != GRADIENTS_DIFFER]
+    for i, (role, color) in enumerate(shown):
         x = 300 + 170 * i
         out.append(
             f'<rect x="{x}" y="4" width="12" height="12" fill="{color}"/>'
