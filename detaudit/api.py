@@ -405,18 +405,50 @@ def _record(
             traces.append(trace)
             timings.append(timing)
             folder.add_trace(trace, asdict(timing))
-            if repeat == 0 and config.repeats > 1 and trace.env.get("cudnn_benchmark") and (
-                    str(config.device).startswith("cuda")):
-                progress.note(
-                    "cudnn.benchmark is on: repeats in one process share cuDNN's algorithm "
-                    "cache and may agree where separate runs would not; audit with "
-                    "--isolation process for a verdict that holds"
-                )
             if repeat == 0 and trace.failure and not trace.steps:
                 raise ProbeError(trace.failure)
+            if repeat == 0 and config.repeats > 1 and _shares_algorithm_cache(config, trace.env):
+                if spec.kind == "python" or folder.path is None:
+                    progress.note(
+                        "cudnn.benchmark is on: repeats in one process share cuDNN's "
+                        "algorithm cache and may agree where separate runs would not; audit "
+                        "a probe file with --isolation process for a verdict that holds"
+                    )
+                    continue
+                more = _isolate_the_rest(spec, config, folder, progress)
+                return traces + more[0], timings + more[1]
         return traces, timings
     finally:
         progress.close()
+
+
+def _shares_algorithm_cache(config: AuditConfig, env: dict[str, Any]) -> bool:
+    """Whether in-process repeats would share cuDNN's algorithm cache: benchmark mode on CUDA
+    picks algorithms once per process, so later repeats reuse the first one's choices."""
+    return str(config.device).startswith("cuda") and bool(env.get("cudnn_benchmark"))
+
+
+def _isolate_the_rest(
+    spec: ProbeSpec, config: AuditConfig, folder: RunFolder | _Unsaved, progress: Progress,
+) -> tuple[list[Trace], list[RepeatTiming]]:
+    """Repeats 2 to N, each in a fresh interpreter (repeat 1 ran as the first in this one)."""
+    from .drivers.isolation import run_isolated
+
+    why = "process from repeat 2: cudnn.benchmark is on"
+    folder.info.extra["isolation"] = why
+    progress.note(
+        "cudnn.benchmark is on: in-process repeats would share cuDNN's algorithm cache and "
+        f"could agree where separate runs would not, so repeats 2 to {config.repeats} run each "
+        "in a fresh process (as --isolation process)"
+    )
+    progress.close()
+    progress.start(config.repeats - 1, "repeat", "repeats in fresh processes")
+
+    def on_repeat(trace: Trace, timing: RepeatTiming) -> None:
+        folder.add_trace(trace, asdict(timing))
+        progress.advance(f"repeat {trace.repeat + 1}")
+
+    return run_isolated(spec, config, folder.path, folder.info.run_id, on_repeat, first=1)
 
 
 def _zoom(

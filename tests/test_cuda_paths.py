@@ -210,3 +210,48 @@ def test_census_and_fix_verification_run_in_a_child_with_the_workspace_set(monke
     assert there["census"]["alerts"] == here["census"]["alerts"]
     assert there["verify"]["deterministic"] and here["verify"]["deterministic"]
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # the parent is left as it was
+
+
+def test_cudnn_benchmark_on_cuda_runs_the_later_repeats_in_fresh_processes(tmp_path, monkeypatch):
+    """In-process repeats would share cuDNN's algorithm cache: with benchmark mode on CUDA
+    (simulated here), repeat 1 runs in this process and repeats 2..N each in a fresh one."""
+    from detaudit import api
+    from detaudit.config import AuditConfig
+    from detaudit.drivers import isolation
+    from detaudit.drivers.loading import file_spec
+
+    monkeypatch.setattr(api, "_shares_algorithm_cache", lambda config, env: True)
+    isolated: list[int] = []
+    real = isolation.run_isolated
+
+    def spy(spec, config, folder, run_id="", on_repeat=None, first=0):
+        isolated.append(first)
+        return real(spec, config, folder, run_id, on_repeat, first)
+
+    monkeypatch.setattr(isolation, "run_isolated", spy)
+    spec = file_spec(str(Path(__file__).parent / "probe_files" / "tiny_cnn.py"))
+    result = api.run(spec, AuditConfig(repeats=3, steps=1, stress=0), out=tmp_path / "run")
+    assert isolated == [1] and [t.repeat for t in result.traces] == [0, 1, 2]
+    assert result.comparison.deterministic and result.verdict.exit_code == 0
+    assert result.info.extra["isolation"] == "process from repeat 2: cudnn.benchmark is on"
+    assert sorted(p.name for p in (tmp_path / "run").glob("trace-*")) == [
+        "trace-0.json.gz", "trace-1.json.gz", "trace-2.json.gz"]
+
+
+def test_cudnn_benchmark_with_a_python_probe_stays_in_process_and_says_why(monkeypatch):
+    from detaudit import api
+    from detaudit.config import AuditConfig
+
+    class Notes(api.Progress):
+        def __init__(self):
+            self.notes: list[str] = []
+
+        def note(self, message: str) -> None:
+            self.notes.append(message)
+
+    monkeypatch.setattr(api, "_shares_algorithm_cache", lambda config, env: True)
+    notes = Notes()
+    result = api.run(api.describe_callable(small_cnn_probe), AuditConfig(repeats=2, steps=1),
+                     factory=small_cnn_probe, progress=notes)
+    assert len(result.traces) == 2 and "isolation" not in result.info.extra
+    assert any("--isolation process for a verdict that holds" in n for n in notes.notes)

@@ -28,13 +28,14 @@ def run_isolated(
     folder: str | Path,
     run_id: str = "",
     on_repeat: Callable[[Trace, RepeatTiming], None] | None = None,
+    first: int = 0,
 ) -> tuple[list[Trace], list[RepeatTiming]]:
-    """Run every repeat in its own interpreter; a crashed repeat becomes a failed trace.
-    `on_repeat(trace, timing)` is called as each repeat ends."""
+    """Run every repeat from `first` on in its own interpreter; a crashed repeat becomes a
+    failed trace. `on_repeat(trace, timing)` is called as each repeat ends."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     traces, timings = [], []
-    for repeat in range(config.repeats):
+    for repeat in range(first, config.repeats):
         job = folder / f"job-{repeat}.json"
         job.write_text(json.dumps({"spec": spec.to_dict(), "config": config.to_dict(),
                                    "repeat": repeat, "folder": str(folder), "run": run_id}))
