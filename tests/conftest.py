@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -89,6 +90,19 @@ def gather_probe(device: torch.device, steps: int = 3) -> Probe:
 
     return Probe(model=model, batches=batches, step=step,
                  optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+def unseeded_probe(device: torch.device) -> Probe:
+    """Two Linear layers fed by an unseeded numpy generator: every repeat sees other data."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+    rng = np.random.default_rng()  # unseeded: a different stream every repeat
+
+    def batches(epoch: int):
+        for _ in range(3):
+            yield torch.from_numpy(rng.normal(size=(4, 8)).astype("float32")).to(device)
+
+    return Probe(model=model, batches=batches, step=lambda m, b: m(b).pow(2).mean(),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 @pytest.fixture

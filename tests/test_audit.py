@@ -3,10 +3,9 @@ quiet on deterministic runs."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from conftest import gather_probe, small_cnn_probe
+from conftest import gather_probe, small_cnn_probe, unseeded_probe
 from test_recorder import _maskrcnn_probe
 from torch import nn
 
@@ -120,19 +119,7 @@ def test_same_gather_on_one_thread_is_deterministic():
 
 
 def test_unseeded_augmentation_is_a_data_cause():
-    def probe(device):
-        model = nn.Linear(8, 2)
-        rng = np.random.default_rng()  # unseeded: a different stream every repeat
-
-        def batches():
-            for _ in range(2):
-                yield torch.from_numpy(rng.normal(size=(4, 8)).astype("float32"))
-
-        return Probe(model=model, batches=lambda epoch: batches(),
-                     step=lambda m, b: m(b).pow(2).mean(),
-                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-
-    c = audit(probe, repeats=2).comparison
+    c = audit(unseeded_probe, repeats=2).comparison
     assert c.first_step == 0 and c.cause == "data"
     assert c.first_by_phase["state"].slot.startswith("batch")
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
-from conftest import gather_probe, small_cnn_probe
+from conftest import gather_probe, small_cnn_probe, unseeded_probe
 from torch import nn
 
 from detaudit import Fault, Probe, api, audit
@@ -97,19 +96,7 @@ def test_scanning_perturbs_nothing():
 
 
 def test_cause_from_the_scan_alone_data():
-    def probe(device):
-        model = nn.Linear(8, 2)
-        rng = np.random.default_rng()  # unseeded: a different stream every repeat
-
-        def batches():
-            for _ in range(2):
-                yield torch.from_numpy(rng.normal(size=(4, 8)).astype("float32"))
-
-        return Probe(model=model, batches=lambda epoch: batches(),
-                     step=lambda m, b: m(b).pow(2).mean(),
-                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-
-    result = _scan(probe, repeats=2)
+    result = _scan(unseeded_probe, repeats=2)
     assert (result.comparison.first_step, result.comparison.cause) == (0, "data")
     assert "zoom" not in result.investigations  # the step state already says it
 
@@ -247,14 +234,7 @@ def test_scan_map_is_the_modules_whose_parameter_gradients_differ_by_step():
     differ, step by step, with the parameters named (here every batch differs: unseeded)."""
     from detaudit.report import render_html, render_markdown
 
-    def probe(device):
-        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
-        rng = np.random.default_rng()  # unseeded: every repeat sees other data
-        batches = [torch.from_numpy(rng.normal(size=(4, 8)).astype("float32")) for _ in range(3)]
-        return Probe(model=model, batches=batches, step=lambda m, b: m(b).pow(2).mean(),
-                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-
-    result = audit(probe, repeats=2, granularity="scan", drill_down=False)
+    result = audit(unseeded_probe, repeats=2, granularity="scan", drill_down=False)
     assert result.comparison.cause == "data"
     cells = [(c["step"], c["module"], c["params"]) for c in result.summary["map"]
              if c["role"] == "gradients differ"]

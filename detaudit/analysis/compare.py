@@ -261,8 +261,7 @@ def compare(traces: Iterable[Trace]) -> Comparison:
         common_steps=common,
         stress=stressed_ops(traces),
         rng_gap=gap,
-        grad_diffs=[(k[0], k[2], k[4].removeprefix("param.")) for k in keys
-                    if k[1] == GRAD and k in diffs],
+        grad_diffs=[(k[0], k[2], k[4].removeprefix("param.")) for k in diffs if k[1] == GRAD],
     )
 
 

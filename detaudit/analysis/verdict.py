@@ -64,7 +64,8 @@ def judge(
     headline = _headline(kind, located, first, hidden, ops or {})
     if c.proven and kind == DETERMINISTIC:
         kind, headline = PROVEN, _proven_headline(c)
-    elif kind == DIVERGENT and (proofs := proven_ops(c, zoom, ops)):
+    elif kind == DIVERGENT and (proofs := [p for p in stressed_ops(c, zoom, ops)
+                                           if p.get("proven")]):
         headline += f"; proven by re-execution: {_confirming(proofs, first)['line']}"
     if located is zoom:
         headline += f"; zoomed in on step {zoom.first_step} after a scan"
@@ -155,16 +156,17 @@ def _proven_headline(c: Comparison) -> str:
     return f"NONDETERMINISTIC OP: {proven[0].line()} ({agreed}){more}"
 
 
-def proven_ops(
+def stressed_ops(
     c: Comparison, zoom: Comparison | None = None, ops: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """Every op re-execution proved nondeterministic: in the run's stressed steps, at the
-    zoomed step and in the drill-down's replay (as StressedOp.to_dict() gives them)."""
-    found = [p.to_dict() for p in c.proven + (zoom.proven if zoom is not None else [])]
-    found += [p for p in (ops or {}).get("stress") or [] if isinstance(p, dict) and p.get("proven")]
+    """Every stressed op (as StressedOp.to_dict() gives them), once per phase, module and op,
+    the proven ones first: the run's stressed steps, then the zoomed step and the drill-down's
+    replay."""
+    rows = [op.to_dict() for op in c.stress + (zoom.stress if zoom is not None else [])]
+    rows += [op for op in (ops or {}).get("stress") or [] if isinstance(op, dict)]
     unique: dict[tuple, dict[str, Any]] = {}
-    for p in found:
-        unique.setdefault((p.get("phase"), p.get("module"), p.get("op")), p)
+    for row in sorted(rows, key=lambda r: not r.get("proven")):
+        unique.setdefault((row.get("phase"), row.get("module"), row.get("op")), row)
     return list(unique.values())
 
 

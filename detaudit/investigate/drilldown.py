@@ -39,13 +39,15 @@ def drill_down(
         return None
     config = replace(config, granularity="module")
     plan = OpPlan(steps=frozenset({step}), last_step=step, stress=frozenset({step}))
+    replayed = comparison  # given traces are the ones `comparison` compared
     if traces is None:
         traces = [run_repeat(factory, config, r, spec, ops=plan)[0]
                   for r in range(config.repeats)]
+        replayed = compare(traces)
     findings = [f for f in compare_ops(traces) if f.step == step]
     origins = [f for f in findings if f.role == ORIGIN]
     draws = plan.host_draws.get(step, set()) | (host_draws or set())
-    outside = _outside_dispatcher(compare(traces), step, origins, draws)
+    outside = _outside_dispatcher(replayed, step, origins, draws)
     out: dict[str, Any] = {
         "step": step,
         "reproduced": bool(findings) or outside is not None,

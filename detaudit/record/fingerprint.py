@@ -308,27 +308,32 @@ def _wsum_many(flats: list[torch.Tensor]) -> list[torch.Tensor]:
     associative, so the sums are exactly `_wsum`'s, in any order, on any device). A tensor
     larger than a chunk is reduced alone."""
     out: list[torch.Tensor | None] = [None] * len(flats)
-    groups: dict[int, list[int]] = {}
+    buckets: dict[int, list[tuple[int, torch.Tensor]]] = {}  # bit width -> the open bucket
+    filled: dict[int, int] = {}  # bit width -> elements in its open bucket
     for i, flat in enumerate(flats):
         bits = _wsum_bits(flat)
-        if bits.numel() > _WSUM_CHUNK or bits.numel() == 0:
+        n, width = bits.numel(), bits.element_size()
+        if n > _WSUM_CHUNK or n == 0:
             out[i] = _wsum(flat)
-        else:
-            groups.setdefault(bits.element_size(), []).append(i)
-    for members in groups.values():
-        bucket: list[int] = []
-        size = 0
-        for i in [*members, None]:
-            n = _wsum_bits(flats[i]).numel() if i is not None else 0
-            if bucket and (i is None or size + n > _WSUM_CHUNK):
-                sums = _segment_wsum([_wsum_bits(flats[j]) for j in bucket])
-                for k, j in enumerate(bucket):
-                    out[j] = sums[k]
-                bucket, size = [], 0
-            if i is not None:
-                bucket.append(i)
-                size += n
+            continue
+        bucket = buckets.setdefault(width, [])
+        if filled.get(width, 0) + n > _WSUM_CHUNK:
+            _reduce_bucket(bucket, out)
+            bucket.clear()
+            filled[width] = 0
+        bucket.append((i, bits))
+        filled[width] = filled.get(width, 0) + n
+    for bucket in buckets.values():
+        if bucket:
+            _reduce_bucket(bucket, out)
     return out  # type: ignore[return-value]
+
+
+def _reduce_bucket(bucket: list[tuple[int, torch.Tensor]], out: list[Any]) -> None:
+    """The weighted sums of one bucket's bit views, into their places in `out`."""
+    sums = _segment_wsum([bits for _, bits in bucket])
+    for k, (i, _) in enumerate(bucket):
+        out[i] = sums[k]
 
 
 def _segment_wsum(bits: list[torch.Tensor]) -> torch.Tensor:
@@ -471,11 +476,8 @@ class Fingerprinter:
             self._done.append(_cpu_print(t, want_stats))
             return slot
         flat = _device_flat(t)
-        device_stats = (
-            _device_float_stats(flat) if want_stats and t.is_floating_point() else None
-        )
         self._done.append(None)
-        self._pending.append((slot, _wsum(flat), device_stats, _describe(t)))
+        self._queue(slot, t, flat, _wsum(flat), want_stats)
         return slot
 
     def add_many(self, tensors: list[torch.Tensor], stats: bool | None = None) -> None:
@@ -498,9 +500,14 @@ class Fingerprinter:
         for queued in on_device.values():
             flats = [_device_flat(t) for _, t in queued]
             for (slot, t), flat, value in zip(queued, flats, _wsum_many(flats)):
-                device_stats = (_device_float_stats(flat)
-                                if want_stats and t.is_floating_point() else None)
-                self._pending.append((slot, value, device_stats, _describe(t)))
+                self._queue(slot, t, flat, value, want_stats)
+
+    def _queue(
+        self, slot: int, t: torch.Tensor, flat: torch.Tensor, value: torch.Tensor, stats: bool
+    ) -> None:
+        """Keep a device print's value (and stats) on the device until `collect`."""
+        device_stats = _device_float_stats(flat) if stats and t.is_floating_point() else None
+        self._pending.append((slot, value, device_stats, _describe(t)))
 
     def _reuse(self, t: torch.Tensor, stats: bool, slot: int) -> bool:
         """Point at the earlier slot of this very tensor, unchanged since; else remember it."""

@@ -25,13 +25,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..config import Fault
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD
-from .recorder import Recorder
+from .recorder import Call, Recorder
 from .structure import iter_tensors, next_ulp
 
 # Ops that only re-label memory or metadata: their outputs are their inputs.
-_PASSTHROUGH = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}
+PASSTHROUGH_OPS = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}
 # Ops whose outputs are uninitialized memory: their bytes are noise until written.
-_UNINITIALIZED = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
+UNINITIALIZED_OPS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
                   "aten.new_empty_strided", "aten.empty_permuted"}
 ALERT_MARK = "does not have a deterministic implementation"
 
@@ -66,7 +66,7 @@ class Alert:
     message: str
 
 
-class _Unintercepted:
+class Unintercepted:
     """The recorder's fingerprinter, run with this mode switched off (so the auditor's
     own tensor ops are never recorded as the model's)."""
 
@@ -88,7 +88,35 @@ class _Unintercepted:
         return getattr(self._fp, name)
 
 
-class OpRecorder(TorchDispatchMode):
+class ModelOpMode(TorchDispatchMode):
+    """A dispatch mode over the model's ops at one step: the recorder's own tensor ops run
+    unseen (its fingerprinter unintercepted while the mode is on), and each op is located in
+    the module call it runs in (:meth:`where`)."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __enter__(self) -> ModelOpMode:  # noqa: PYI034
+        self._saved_fp = self.recorder.fp
+        if not isinstance(self._saved_fp, Unintercepted):  # another mode already did
+            self.recorder.fp = Unintercepted(self._saved_fp)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.recorder.fp = self._saved_fp
+
+    def where(self) -> tuple[str, Call | None]:
+        """The phase of the op now dispatched and its module call: in forward the innermost
+        call on the hook stack, in backward the call whose forward made the running node."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return FORWARD, self.recorder.current_call()
+        return BACKWARD, self.recorder.call_for_node(node)
+
+
+class OpRecorder(ModelOpMode):
     """Records (or only counts, or only perturbs) every op; enter it around forward and
     backward of one step. Use one instance per step."""
 
@@ -96,8 +124,7 @@ class OpRecorder(TorchDispatchMode):
         self, recorder: Recorder, step: int, *, record: bool = True, fault: Fault | None = None,
         census: bool = False, capture: tuple[str, str, int, str] | None = None,
     ) -> None:
-        super().__init__()
-        self.recorder = recorder
+        super().__init__(recorder)
         self.step = step
         self.record = record
         self.fault = fault if fault is not None and fault.op and fault.step == step else None
@@ -112,8 +139,6 @@ class OpRecorder(TorchDispatchMode):
         self._fresh: dict[int, tuple[weakref.ref, int]] = {}
 
     def __enter__(self) -> OpRecorder:  # noqa: PYI034
-        self._saved_fp = self.recorder.fp
-        self.recorder.fp = _Unintercepted(self._saved_fp)
         if self.census:  # the alerts are collected per op; keep their warnings quiet
             self._warnings = warnings.catch_warnings()
             self._warnings.__enter__()
@@ -122,22 +147,18 @@ class OpRecorder(TorchDispatchMode):
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        self.recorder.fp = self._saved_fp
         if self.census:
             self._warnings.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = op_name(func)
-        node = torch._C._current_autograd_node()
-        if node is None:
-            phase, op_phase, call = FORWARD, OP_FORWARD, self.recorder.current_call()
-        else:
-            phase, op_phase, call = BACKWARD, OP_BACKWARD, self.recorder.call_for_node(node)
+        phase, call = self.where()
+        op_phase = OP_FORWARD if phase == FORWARD else OP_BACKWARD
         module, index = (call.module, call.index) if call is not None else ("", 0)
         if self.census:
-            self.counts[(module, phase, name, _accumulate(func, args, kwargs))] += 1
-        skip = func.is_view or name in _PASSTHROUGH
+            self.counts[(module, phase, name, accumulate_arg(func, args, kwargs))] += 1
+        skip = func.is_view or name in PASSTHROUGH_OPS
         prefix = ""
         if (self.record or self.capture) and not skip:
             k = self._ops[(op_phase, module, index)]
@@ -159,7 +180,7 @@ class OpRecorder(TorchDispatchMode):
         ):
             out = self._perturb(func, args, out)
         if prefix and self.record:
-            if name in _UNINITIALIZED:
+            if name in UNINITIALIZED_OPS:
                 self._remember_uninitialized(out)
             else:
                 self.recorder.record(op_phase, module, index, f"{prefix}/out", out)
@@ -211,7 +232,7 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
-def _accumulate(func: Any, args: tuple, kwargs: dict) -> bool | None:
+def accumulate_arg(func: Any, args: tuple, kwargs: dict) -> bool | None:
     """The op's `accumulate` argument (index_put_, put_), None for ops without one."""
     for i, argument in enumerate(func._schema.arguments):
         if argument.name == "accumulate":

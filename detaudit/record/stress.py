@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.knowledge import applicable
-from ..trace import BACKWARD, FORWARD, STRESS_COLUMNS
+from ..trace import STRESS_COLUMNS
 from .difference import tensor_difference
 from .fingerprint import fingerprint
-from .oprecorder import _PASSTHROUGH, _UNINITIALIZED, _accumulate, _Unintercepted, op_name
+from .oprecorder import PASSTHROUGH_OPS, UNINITIALIZED_OPS, ModelOpMode, accumulate_arg, op_name
 from .recorder import Recorder
 from .structure import iter_tensors
 
@@ -66,30 +66,19 @@ class OpStress:
         return {name: getattr(self, name) for name in STRESS_COLUMNS}
 
 
-class StressMode(TorchDispatchMode):
+class StressMode(ModelOpMode):
     """Counts the risky ops of one step and re-runs each `runs` times (0: count only)."""
 
     def __init__(
         self, recorder: Recorder, step: int, epoch: int, runs: int, *, every_op: bool = False,
         device: str = "cpu", env: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__()
-        self.recorder = recorder
+        super().__init__(recorder)
         self.step, self.epoch, self.runs = step, epoch, runs
         self.every_op = every_op
         self.device = device
         self.env = env
         self.ops: dict[tuple[str, str, str], OpStress] = {}
-
-    def __enter__(self) -> StressMode:  # noqa: PYI034
-        self._saved_fp = self.recorder.fp
-        if not isinstance(self._saved_fp, _Unintercepted):  # the recorder's own ops: not the model's
-            self.recorder.fp = _Unintercepted(self._saved_fp)
-        return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        self.recorder.fp = self._saved_fp
 
     def rows(self) -> list[dict[str, Any]]:
         return [entry.row() for entry in self.ops.values()]
@@ -101,14 +90,10 @@ class StressMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = op_name(func)
-        if func.is_view or name in _PASSTHROUGH or name in _UNINITIALIZED:
+        if func.is_view or name in PASSTHROUGH_OPS or name in UNINITIALIZED_OPS:
             return func(*args, **kwargs)
-        node = torch._C._current_autograd_node()
-        if node is None:
-            phase, call = FORWARD, self.recorder.current_call()
-        else:
-            phase, call = BACKWARD, self.recorder.call_for_node(node)
-        accumulate = _accumulate(func, args, kwargs)
+        phase, call = self.where()
+        accumulate = accumulate_arg(func, args, kwargs)
         if not (self.every_op or applicable(name, phase, self.device, self.env, accumulate)):
             return func(*args, **kwargs)
         module = call.module if call is not None else ""

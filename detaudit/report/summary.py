@@ -12,7 +12,7 @@ from typing import Any
 from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
-from ..analysis.verdict import Verdict, one_based
+from ..analysis.verdict import Verdict, one_based, stressed_ops
 from ..runfolder import RunInfo
 from ..trace import Trace
 
@@ -93,7 +93,7 @@ def summarize(
         "ops": ops.get("ops") or [],
         "op_drill_down": {k: v for k, v in ops.items() if k not in ("ops", "knowledge", "stress")},
         "knowledge": ops.get("knowledge") or [],
-        "stress": _stressed(c, zoom, ops),
+        "stress": stressed_ops(c, zoom, ops),
         "stress_seconds": _stress_seconds(info),
         "census": _census_ops(census.get("ops") or [], c) if census else [],
         "census_seconds": census.get("seconds"),
@@ -105,20 +105,6 @@ def summarize(
     if ranks is not None:  # a distributed audit: its ranks side by side
         summary["ranks"] = ranks.to_dict()
     return summary
-
-
-def _stressed(c: Comparison, zoom: Comparison | None, ops: dict[str, Any]) -> list[Any]:
-    """Every stressed op: the run's epochs, then the zoomed step and the drill-down replay."""
-    rows = [op.to_dict() for op in c.stress + (zoom.stress if zoom is not None else [])]
-    rows += [op for op in ops.get("stress") or [] if isinstance(op, dict)]
-    seen: set[tuple] = set()
-    out = []
-    for row in sorted(rows, key=lambda r: not r.get("proven")):
-        key = (row.get("phase"), row.get("module"), row.get("op"))
-        if key not in seen:
-            seen.add(key)
-            out.append(row)
-    return out
 
 
 def _census_ops(ops: list[Any], c: Comparison) -> list[dict[str, Any]]:
