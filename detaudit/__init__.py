@@ -21,7 +21,9 @@ _PUBLIC = {
     "ProbeSpec": "config",
     "Trace": "trace",
     "audit": "api",
-    "compare": "analysis.compare",
+    "compare": "attached",
+    "exec_command": "attached",
+    "watch": "attached",
     "seed_everything": "seeding",
     "seed_worker": "seeding",
     "seeded_loader_kwargs": "seeding",
@@ -29,12 +31,14 @@ _PUBLIC = {
 
 __all__ = [
     "AuditConfig", "AuditResult", "Comparison", "DetauditError", "Fault", "Probe", "ProbeSpec",
-    "Trace", "audit", "compare", "seed_everything", "seed_worker", "seeded_loader_kwargs",
+    "Trace", "audit", "compare", "exec_command", "seed_everything", "seed_worker",
+    "seeded_loader_kwargs", "watch",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .analysis.compare import Comparison, compare
+    from .analysis.compare import Comparison
     from .api import AuditResult, audit
+    from .attached import compare, exec_command, watch
     from .config import AuditConfig, Fault, ProbeSpec
     from .errors import DetauditError
     from .probe import Probe

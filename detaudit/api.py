@@ -124,10 +124,10 @@ def audit(
     seed: int = 0,
     deterministic: bool = False,
     fault: Fault | None = None,
-    granularity: str = "module",
+    granularity: str = "scan",
     stress: int = 16,
     stress_every_op: bool = False,
-    drill_down: bool = False,
+    drill_down: bool = True,
     census: bool = False,
     verify_fix: bool = False,
     out: str | Path | None = None,
@@ -138,10 +138,15 @@ def audit(
     :class:`ProbeSpec` of a built-in probe or a probe file). With `out`, each trace is
     saved there as it completes, then ``run.json`` and the reports.
 
-    After a divergence, `drill_down` replays the first divergent step op by op to name the
-    op (``result.investigations["ops"]``); `census` lists the known-nondeterministic ops the
-    model runs and the deterministic-mode alerts (``["census"]``); `verify_fix` re-runs with
-    PyTorch's deterministic settings and measures the cost (``["verify"]``). The last
+    `granularity` ``"scan"`` records each step's state (batch, RNGs, losses, gradients,
+    parameters after the update); after a divergence in forward or backward, `drill_down`
+    replays to the first divergent step and records it at module and op level (the zoom),
+    naming the module and the op (``result.investigations["ops"]``). ``"module"`` records
+    every module call of every step, and `drill_down` replays the first divergent step op
+    by op; ``"op"`` records every op of every step. `census` lists the
+    known-nondeterministic ops the model runs and the deterministic-mode alerts
+    (``["census"]``); `verify_fix` re-runs with PyTorch's deterministic settings and
+    measures the cost (``["verify"]``). The last
     repeat re-runs each risky op `stress` times on identical inputs at the first step of
     every epoch (every op with `stress_every_op`; 0: off): see ``result.comparison.proven``.
     """
@@ -196,6 +201,8 @@ def run(
         raise DetauditError("repeats in other processes need a run folder")
     if launch.nproc and config.stress:  # ranks compare each other; no re-execution proof yet
         config = replace(config, stress=0)
+    if launch.nproc and config.granularity == SCAN:  # ranks are not replayed to zoom yet
+        config = replace(config, granularity="module")
     info = RunInfo(probe={**spec.to_dict(), "preset": preset}, config=config.to_dict(),
                    command=command, traces=[], run_id=new_run_id(), state="recording")
     folder = RunFolder(out, info, overwrite) if out is not None else _Unsaved(info)
@@ -289,7 +296,12 @@ def baseline(
     spec: ProbeSpec, config: AuditConfig, path: str | Path, *, out: str | Path,
     launch: Launch | None = None, command: str = "", progress: Progress | None = None,
 ) -> tuple[Path, Trace]:
-    """Run the probe and store repeat 0 as a baseline at `path`; return it and its trace."""
+    """Run the probe and store repeat 0 as a baseline at `path`; return it and its trace.
+
+    A baseline is compared later with code that has changed, so it cannot be replayed to
+    zoom: it keeps every module call of every step (a scan configuration becomes module)."""
+    if config.granularity == SCAN:
+        config = replace(config, granularity="module")
     result = run(spec, config, out=out, investigations=Investigations(drill_down=False),
                  launch=launch, command=command, preset="baseline", progress=progress)
     trace = result.traces[0]
@@ -383,7 +395,8 @@ def _record(
     from .drivers.isolation import run_isolated
     from .drivers.runner import run_repeat
 
-    description = f"{spec.name} on {config.device}, threads={torch.get_num_threads()}"
+    description = (f"{config.granularity}: {spec.name} on {config.device}, "
+                   f"threads={torch.get_num_threads()}")
     try:
         if isolation == "process":
             progress.start(config.repeats, "repeat", description)

@@ -19,6 +19,7 @@ from .api import STAGE_NAMES, Progress
 from .config import AuditConfig, Fault, Investigations, Launch, Preset, ProbeSpec, preset_for
 from .errors import EXIT_CRASH, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DetauditError
 
+ALL_STEPS = "all"  # --steps all: every batch of each epoch
 RECIPE_OPTIONS = ("instances", "num_classes", "data", "weights", "workers", "augment",
                   "accumulate", "clip_grad_norm", "lr", "scheduler")
 RECIPE_FLAGS = ("image_size", "batch_size", "num_images", *RECIPE_OPTIONS, "shuffle", "amp")
@@ -146,6 +147,49 @@ def _parser() -> argparse.ArgumentParser:
     _add_gate_arguments(diff)
     diff.set_defaults(func=cmd_diff)
 
+    execute = sub.add_parser(
+        "exec", help="audit your own training command, unmodified: detaudit exec -- python train.py",
+        description="Run COMMAND --repeats times, each a fresh process tree, with detaudit's "
+        "recording attached before your code starts (nothing in it changes). Every optimizer "
+        "step is recorded at scan level: the batch the top-level model is called with, every "
+        "RNG, the loss backward is called on, the gradients as the optimizer gets them and the "
+        "parameters after the update; then the runs are compared as `run` compares its repeats.",
+        epilog="example: detaudit exec --seed 0 --max-steps 20 -- python train.py --epochs 1",
+    )
+    execute.add_argument("--repeats", type=int, default=2, help="runs to compare (default 2)")
+    execute.add_argument("--seed", type=int,
+                         help="seed python, numpy, torch and CUDA before your code runs, and "
+                         "PYTHONHASHSEED for the process tree (default: leave them as your code "
+                         "sets them)")
+    execute.add_argument("--max-steps", type=int, metavar="K",
+                         help="end each run cleanly after K optimizer steps")
+    execute.add_argument("--max-epochs", type=int, metavar="E",
+                         help="end each run cleanly when its training DataLoader starts pass E+1")
+    execute.add_argument("--out", help="run folder (default: reports/exec-<timestamp>/)")
+    execute.add_argument("--overwrite", action="store_true",
+                         help="replace the run already in --out (refused otherwise)")
+    execute.add_argument("--json", action="store_true",
+                         help="print the summary as JSON on stdout (the command's output goes "
+                         "to stderr)")
+    execute.add_argument("--junit", metavar="FILE", help="also write the verdict as JUnit XML")
+    execute.add_argument("--quiet", action="store_true", help="no progress bar, verdict line only")
+    execute.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                         help="the command to audit, after --")
+    execute.set_defaults(func=cmd_exec)
+
+    compare = sub.add_parser(
+        "compare", help="compare runs recorded by detaudit.watch (or any traces)",
+        description="Compare the traces of separate runs of one training -- trace files, or "
+        "folders of them as detaudit.watch(out=...) writes -- and report like `run`.",
+    )
+    compare.add_argument("runs", nargs="+", help="trace files or folders of traces")
+    compare.add_argument("--out", help="run folder (default: reports/compare-<timestamp>/)")
+    compare.add_argument("--overwrite", action="store_true",
+                         help="replace the run already in --out (refused otherwise)")
+    compare.add_argument("--json", action="store_true", help="print the summary as JSON")
+    compare.add_argument("--junit", metavar="FILE", help="also write the verdict as JUnit XML")
+    compare.set_defaults(func=cmd_compare, quiet=False)
+
     models = sub.add_parser("models", help="list the built-in probes and what each audits")
     models.set_defaults(func=cmd_models)
 
@@ -163,10 +207,20 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("folder", help="a run folder written by `detaudit run`")
     report.add_argument("--json", action="store_true", help="print summary.json to stdout")
     report.set_defaults(func=cmd_report)
-    for p in (run, baseline, check, diff, models, env, report):
+    for p in (run, baseline, check, diff, execute, compare, models, env, report):
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)
     return parser
+
+
+def _steps(text: str) -> int | str:
+    """--steps N, or all (every batch of each epoch)."""
+    if text == ALL_STEPS:
+        return ALL_STEPS
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of steps or all, not {text!r}") from None
 
 
 def _tolerance(text: str) -> float:
@@ -188,6 +242,7 @@ def _add_gate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) -> None:
+    baseline = out_help is not None
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="a built-in probe (see `detaudit models`)")
     what.add_argument("--probe", metavar="FILE.py[:FUNC]",
@@ -197,7 +252,9 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default: auto)")
     p.add_argument("--repeats", type=int, help="runs to compare (CPU preset: 2, CUDA preset: 3)")
     p.add_argument("--epochs", type=int, help="epochs per run (preset: 2)")
-    p.add_argument("--steps", type=int, help="steps per epoch (CPU preset: 2, CUDA preset: 5)")
+    p.add_argument("--steps", type=_steps, metavar="N|all",
+                   help="steps per epoch; all: every batch of each epoch (CPU preset: 2, CUDA "
+                   "preset: 5)")
     p.add_argument("--seed", type=int, default=0, help="seed for every RNG (default: 0)")
     p.add_argument("--deterministic", action="store_true",
                    help="turn PyTorch's deterministic settings on for the run, to compare")
@@ -206,11 +263,17 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
                    "step 0); with /OP (e.g. roi_heads.box_roi_pool/torchvision.roi_align@backward:1, "
                    "or op:torchvision.nms for any module) inside that op: 1 ULP in its first float "
                    "output (its backward op in backward), a swap of two elements in an integer one")
-    p.add_argument("--granularity", choices=("scan", "module", "op"), default="module",
-                   help="scan: every step's state only (batch, RNGs, losses, gradients as the "
-                   "optimizer gets them, parameters after the update), then a zoom into the first "
-                   "divergent step at module and op level; module: hooks per module call on every "
-                   "step (default); op: every aten/torchvision op of every step too (much slower)")
+    if baseline:
+        p.add_argument("--granularity", choices=("module", "op"), default="module",
+                       help="what the baseline keeps of every step: module: every module call "
+                       "(default; a later check names the module); op: every op too (slower)")
+    else:
+        p.add_argument("--granularity", choices=("scan", "module", "op"), default="scan",
+                       help="scan (default): every step's state only (batch, RNGs, losses, "
+                       "gradients as the optimizer gets them, parameters after the update), "
+                       "then a zoom into the first divergent step at module and op level; "
+                       "module: hooks per module call on every step; op: every "
+                       "aten/torchvision op of every step too (much slower)")
     p.add_argument("--no-drill-down", dest="drill_down", action="store_false",
                    help="after a divergence, do not replay the first divergent step op by op "
                    "(at scan granularity: do not zoom)")
@@ -295,6 +358,50 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.junit:
         _write_junit(args.junit, result.junit_case())
     return result.verdict.exit_code
+
+
+def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
+    """`detaudit exec -- COMMAND`."""
+    from .attached import ExecJob, exec_command
+
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not command:
+        raise DetauditError("exec needs the command to audit after --, e.g. "
+                            "detaudit exec --max-steps 10 -- python train.py")
+    _check_output_file(args.junit, "--junit")
+    out = _out_folder(args.out, "exec")
+    job = ExecJob(repeats=args.repeats, seed=args.seed, max_steps=args.max_steps,
+                  max_epochs=args.max_epochs)
+    result = exec_command(command, job, out=out, overwrite=args.overwrite,
+                          progress=_Bar(args.quiet or args.json),
+                          output=sys.stderr if args.json else None)
+    return _report_compared(args, result, out, "detaudit.exec")
+
+
+def cmd_compare(args: argparse.Namespace, argv: list[str]) -> int:
+    """`detaudit compare RUN ...`."""
+    from .attached import compare
+
+    _check_output_file(args.junit, "--junit")
+    out = _out_folder(args.out, "compare")
+    return _report_compared(args, compare(*args.runs, out=out, overwrite=args.overwrite), out,
+                            "detaudit.compare")
+
+
+def _report_compared(args: argparse.Namespace, result: Any, out: Path, classname: str) -> int:
+    """Print a compared run like `run` prints its own; its exit code."""
+    from .report import render_console
+    from .report.junit import junit_case
+
+    _print_summary(args, result.summary, out)
+    if args.junit:
+        verdict = result.verdict
+        _write_junit(args.junit, junit_case(result.summary["probe"].get("name", "run"),
+                                            classname, sum(t.get("seconds", 0.0)
+                                                           for t in result.timings),
+                                            verdict.passed, verdict.headline,
+                                            render_console(result.summary)))
+    return result.exit_code
 
 
 def cmd_baseline(args: argparse.Namespace, argv: list[str]) -> int:
@@ -398,10 +505,12 @@ def _audit_setup(
         return default if default is not None else getattr(preset, name)
 
     for name in ("repeats", "epochs", "steps"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
+        if getattr(args, name) not in (None, ALL_STEPS) and getattr(args, name) < 1:
             raise DetauditError(f"--{name} must be at least 1")
+    steps = pick("steps")
     config = AuditConfig(
-        repeats=pick("repeats", repeats), epochs=pick("epochs"), steps=pick("steps"),
+        repeats=pick("repeats", repeats), epochs=pick("epochs"),
+        steps=None if steps == ALL_STEPS else steps,
         mode=args.mode, device=device, seed=args.seed, deterministic=args.deterministic,
         fault=_fault(args.inject_fault), granularity=args.granularity,
         **_stress(getattr(args, "stress", "0")),

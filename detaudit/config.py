@@ -69,7 +69,7 @@ class AuditConfig:
     deterministic: bool = False  # PyTorch's deterministic settings on for the run
     fault: Fault | None = None  # planted in one repeat only (`fault_repeat`)
     fault_repeat: int = -1  # -1: the last repeat
-    granularity: str = "module"  # "scan": step state only; "op": op by op too (slower)
+    granularity: str = SCAN  # "module": every module call of every step; "op": op by op too
     # The last repeat re-runs each risky op this many times on identical inputs at the first
     # step of every epoch (0: off); `stress_every_op`: every op of those steps, not only risky ones.
     stress: int = 16
@@ -168,7 +168,7 @@ class Preset:
         size = f", {options['image_size']} px, batch {options['batch_size']}" if options else ""
         on_ranks = f", {ranks} ranks" if ranks else ""
         return (f"{self.name} preset: {config.repeats} repeats x {config.epochs} epochs x "
-                f"{config.steps} steps{size}, {config.mode}{on_ranks}")
+                f"{config.steps or 'all'} steps{size}, {config.mode}{on_ranks}")
 
 
 CPU_PRESET = Preset("cpu", repeats=2, epochs=2, steps=2, image_size=128, batch_size=1,

@@ -21,9 +21,9 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("analysis", ("detaudit.analysis",)),
     ("reports", ("detaudit.report",)),
     ("recording", ("detaudit.record",)),
-    ("drivers", ("detaudit.drivers", "detaudit.probes")),
+    ("drivers", ("detaudit.drivers", "detaudit.probes", "detaudit.bootstrap")),
     ("investigations", ("detaudit.investigate",)),
-    ("api", ("detaudit.api", "detaudit.testing")),
+    ("api", ("detaudit.api", "detaudit.testing", "detaudit.attached")),
     ("cli", ("detaudit.cli", "detaudit.__main__", "detaudit")),
 ]
 # What `detaudit report`, `detaudit diff` and the analysis of saved runs need: no torch.

@@ -35,6 +35,9 @@ DETERMINISTIC, DIVERGENT, FAILED = "deterministic", "divergent", "failed"
 _CAUSE_TEXT = {
     "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not reproducible",
     "rng": "an RNG stream differs: something drew a different amount of randomness",
+    "init": "the parameters differ before the first step: the model is initialised from an "
+            "unseeded RNG (fix: seed every RNG before building the model, e.g. "
+            "detaudit.seed_everything(0); `detaudit exec --seed 0` does it for a whole script)",
     "params": "the parameters differ before the step (initialisation or an earlier update)",
     "forward": "a forward computation gave different results from equal inputs",
     "backward": "a backward computation gave different gradients from equal upstream gradients",
@@ -126,6 +129,9 @@ class Comparison:
     # (step, owning module, parameter) of every parameter gradient that differs: what a
     # scanned step can say about where, before any zoom
     grad_diffs: list[tuple[int, str, str]] = field(default_factory=list)
+    # RNG streams whose state differs between the repeats when nothing else does: seeded
+    # differently (or not at all) but never drawn from in a way that changed the run
+    idle_rng: list[str] = field(default_factory=list)
 
     @property
     def proven(self) -> list[StressedOp]:
@@ -227,6 +233,10 @@ def compare(traces: Iterable[Trace]) -> Comparison:
                 ref=ref.stats(key), other=first_other.stats(key) if first_other else {},
             )
 
+    idle = sorted({k[4].removeprefix("rng.") for k in diffs}) if diffs and all(
+        k[1] == STATE and k[4].startswith("rng.") for k in diffs) else []
+    if idle:  # RNG streams that differ but that nothing drew from: the runs agree
+        diffs = {}
     by_step: dict[int, int] = defaultdict(int)
     for key in diffs:
         by_step[key[0]] += 1
@@ -262,6 +272,7 @@ def compare(traces: Iterable[Trace]) -> Comparison:
         stress=stressed_ops(traces),
         rng_gap=gap,
         grad_diffs=[(k[0], k[2], k[4].removeprefix("param.")) for k in diffs if k[1] == GRAD],
+        idle_rng=idle,
     )
 
 
@@ -369,6 +380,8 @@ def _cause(
     if step is None:
         return "none"
     state = [d for d in first if d.phase == STATE]
+    if step == 0 and any(d.slot.startswith("param.") for d in state):
+        return "init"  # before anything ran: the other differences follow from the same cause
     if any(d.slot.startswith("batch") for d in state):
         return "data"
     if any(d.slot.startswith("rng.") for d in state):

@@ -312,7 +312,7 @@ def _run_steps(
                 with torch.no_grad(), scope:
                     outputs = probe.step(probe.model, batch)
                 recorder.record(OUTPUT, "", 0, "detections", outputs)
-            _store(trace, step, recorder.end_step())
+            store_records(trace, step, recorder.end_step())
             trace.steps.append(info)
             if ops is not None and recorder.host_draws:
                 ops.host_draws.setdefault(step, set()).update(recorder.host_draws)
@@ -328,7 +328,7 @@ def _run_steps(
             # a scan keeps optimizer state at epoch ends only (and at zoomed steps)
             recorder.begin_step(step - 1, WATCH_NONE)
             recorder.record_optimizer(probe.optimizer)
-            _store(trace, step - 1, recorder.end_step())
+            store_records(trace, step - 1, recorder.end_step())
     return step
 
 
@@ -456,7 +456,8 @@ def _skipped(scaler: Any, optimizer: Any, scale_before: float) -> bool:
     return float(scaler.get_scale()) < scale_before
 
 
-def _store(trace: Trace, step: int, records: Any) -> None:
+def store_records(trace: Trace, step: int, records: Any) -> None:
+    """Append one step's records and module calls to `trace`."""
     for key, print_ in zip(records.keys, records.prints):
         trace.add_record(step, key, print_)
     for call in records.calls:

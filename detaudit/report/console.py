@@ -44,6 +44,10 @@ def render_console(summary: dict[str, Any]) -> str:
                 f"control flow forked at step {f['step']}: {f['module'] or '(model)'} {f['slot']} "
                 f"is missing in {f['missing']} repeat(s)"
             )
+    if summary.get("idle_rng"):
+        lines.append(f"note: the RNG state of {', '.join(summary['idle_rng'])} differs between "
+                     "the repeats, but nothing that drew from it changed the run (unseeded, "
+                     "unused)")
     flagged = summary.get("env_risks") or {}
     if flagged:
         lines.append("")

@@ -54,6 +54,7 @@ def summarize(
             for f in located.origins
         ],
         "cause": {"kind": located.cause, "text": located.cause_text},
+        "idle_rng": list(c.idle_rng),
         "zoom": (info.extra or {}).get("zoom"),
         "loss": {
             "nonfinite": None if c.loss.nonfinite is None else dict(zip(

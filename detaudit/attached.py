@@ -1,0 +1,344 @@
+"""Audits of training detaudit does not drive.
+
+``exec_command`` runs the user's command N times, each a fresh process tree, with recording
+attached before their code starts (a ``sitecustomize`` on ``PYTHONPATH`` that acts only when
+the job variable is set); ``watch`` records the user's own loop in this process, one trace per
+run; ``compare`` analyses traces either way produced, as ``run`` does its own repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .analysis.compare import Comparison
+from .analysis.compare import compare as compare_traces
+from .analysis.verdict import Verdict, judge
+from .api import Progress, _interrupted, _write_reports
+from .config import SCAN, AuditConfig, ProbeSpec
+from .drivers.attach import JOB_VARIABLE, OWNER_VARIABLE
+from .errors import DetauditError
+from .report import render_html, summarize
+from .runfolder import (
+    COMPLETE,
+    RunFolder,
+    RunInfo,
+    new_run_id,
+    trace_name,
+    trace_probe,
+)
+from .trace import PROBE_CONFIG, PROBE_RUN, PROBE_SPEC, Trace
+
+BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"  # holds the sitecustomize
+STOP_GRACE_S = 10.0  # after Ctrl-C, how long the command has to save its trace
+
+
+@dataclass
+class Compared:
+    """Traces of separate runs of one training, compared: the verdict, the summary, and (in
+    a notebook) the HTML report inline."""
+
+    comparison: Comparison
+    verdict: Verdict
+    summary: dict[str, Any]
+    traces: list[Trace]
+    folder: Path | None = None
+    timings: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return self.verdict.exit_code
+
+    def _repr_html_(self) -> str:
+        return render_html(self.summary)
+
+
+# -- compare -------------------------------------------------------------------------------
+def compare(*runs: str | Path | Trace, out: str | Path | None = None,
+            overwrite: bool = False) -> Compared:
+    """Compare separate runs of one training: trace files, folders of them (every
+    ``trace-*.json.gz`` inside, as ``watch`` writes them) or :class:`Trace` objects. With
+    `out`, a run folder is written there (the traces, ``run.json``, the reports)."""
+    traces = _load_all(runs)
+    if len(traces) < 2:
+        raise DetauditError(f"compare needs at least two runs; found {len(traces)} trace(s)")
+    run_id = new_run_id()
+    traces = [_as_repeat(t, i, run_id) for i, t in enumerate(traces)]
+    info = _info(traces[0], run_id, f"detaudit compare {' '.join(str(r) for r in runs if not isinstance(r, Trace))}",
+                 f"{len(traces)} runs compared")
+    if out is None:
+        return _conclude(traces, info, None)
+    with RunFolder(out, info, overwrite) as folder:
+        for trace in traces:
+            folder.add_trace(trace, None)
+        return _conclude(traces, info, folder)
+
+
+def _load_all(runs: tuple[str | Path | Trace, ...]) -> list[Trace]:
+    traces = []
+    for run in runs:
+        if isinstance(run, Trace):
+            traces.append(run)
+            continue
+        path = Path(run)
+        if path.is_dir():
+            found = sorted(path.glob("trace-*.json.gz"))
+            if not found:
+                raise DetauditError(f"{path} holds no trace-*.json.gz")
+            traces += [Trace.load(p) for p in found]
+        elif path.exists():
+            traces.append(Trace.load(path))
+        else:
+            raise DetauditError(f"no trace or folder at {path}")
+    return traces
+
+
+def _as_repeat(trace: Trace, repeat: int, run_id: str) -> Trace:
+    """The trace as repeat `repeat` of a new run (a run folder's traces carry its id)."""
+    return replace(trace, repeat=repeat, probe={**trace.probe, PROBE_RUN: run_id})
+
+
+def _info(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:
+    return RunInfo(probe={**first.probe.get(PROBE_SPEC, {}), "preset": preset},
+                   config=dict(first.probe.get(PROBE_CONFIG, {})), command=command,
+                   traces=[], run_id=run_id, state="comparing")
+
+
+def _conclude(traces: list[Trace], info: RunInfo, folder: RunFolder | None,
+              timings: list[dict[str, Any]] | None = None) -> Compared:
+    comparison = compare_traces(traces)
+    info.state = COMPLETE
+    if folder is not None:
+        folder.save()
+    verdict = judge(comparison)
+    summary = summarize(info, comparison, traces, verdict)
+    if folder is not None:
+        _write_reports(folder, summary)
+    return Compared(comparison, verdict, summary, traces, folder.path if folder else None,
+                    timings or [])
+
+
+# -- watch ---------------------------------------------------------------------------------
+class WatchLimit(BaseException):
+    """Raised inside the watched loop when `max_steps` is reached; ``watch`` swallows it."""
+
+
+class watch:
+    """Record the training loop inside the ``with`` block, at scan level, into one trace in
+    `out` (the next free ``trace-<n>.json.gz``; `name` names the run in the reports).
+
+    Steps are optimizer steps (found through torch's optimizer hooks); ``w.step(losses)``
+    names the loss terms of the current step and ends it, ``w.epoch(i)`` says which epoch
+    the next steps belong to. After `max_steps` steps the loop is ended cleanly. Run the
+    same loop twice (two processes, or twice in one), then ``detaudit.compare(out)``.
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, *, out: str | Path = "reports/watch",
+                 max_steps: int | None = None, name: str | None = None) -> None:
+        from torch import nn
+
+        if not isinstance(model, nn.Module):
+            raise DetauditError(f"watch needs the nn.Module being trained, not {type(model).__name__}")
+        if max_steps is not None and max_steps < 1:
+            raise DetauditError("max_steps must be at least 1")
+        self.model, self.optimizer = model, optimizer
+        self.out, self.max_steps = Path(out), max_steps
+        self.name = name or type(model).__name__
+        self.path: Path | None = None
+        self._attachment: Any = None
+
+    def __enter__(self) -> watch:  # noqa: PYI034
+        from .drivers.attach import Attachment
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = _free_trace_path(self.out)
+        config = AuditConfig(repeats=1, steps=self.max_steps, granularity=SCAN, stress=0)
+        probe = trace_probe(ProbeSpec("watch", self.name), config, new_run_id())
+        self._attachment = Attachment(self.path, probe, model=self.model,
+                                      optimizer=self.optimizer, max_steps=self.max_steps,
+                                      on_limit=self._limit).install()
+        return self
+
+    def step(self, losses: dict[str, Any] | Any = None) -> None:
+        """Name the current step's loss terms (a dict, or one tensor) and end the step."""
+        if losses is not None:
+            self._attachment.name_losses(losses if isinstance(losses, dict) else {"loss": losses})
+        self._attachment.end_step()
+        if self.max_steps is not None and len(self._attachment.trace.steps) >= self.max_steps:
+            self._attachment.stop()
+
+    def epoch(self, index: int) -> None:
+        """The next steps belong to epoch `index` (0-based)."""
+        self._attachment.set_epoch(index)
+
+    @property
+    def trace(self) -> Trace:
+        return self._attachment.trace
+
+    def _limit(self) -> None:
+        raise WatchLimit
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> bool:
+        from .drivers.runner import describe_user_error
+
+        failure = None
+        if exc is not None and not isinstance(exc, WatchLimit):
+            failure = describe_user_error(exc, f"step {len(self.trace.steps)}")
+        try:
+            self._attachment.finish(failure)
+        finally:
+            self._attachment.uninstall()
+            if self.path is not None and self.path.stat().st_size == 0:
+                self.path.unlink()  # nothing was recorded: no trace, not an empty file
+        return isinstance(exc, WatchLimit)
+
+
+def _free_trace_path(folder: Path) -> Path:
+    """The first unused `trace-<n>.json.gz` in `folder`, claimed at once (an empty file)."""
+    for n in range(100000):
+        path = folder / trace_name(n)
+        try:
+            path.touch(exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise DetauditError(f"{folder} has no free trace name")
+
+
+# -- exec ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExecJob:
+    """What each run of the command records, as the bootstrap reads it from the job
+    variable."""
+
+    repeats: int = 2
+    seed: int | None = None  # seed every RNG before the user's code (None: leave unseeded)
+    max_steps: int | None = None
+    max_epochs: int | None = None
+
+
+def exec_command(
+    command: list[str], job: ExecJob, *, out: str | Path, overwrite: bool = False,
+    progress: Progress | None = None, output: Any = None,
+) -> Compared:
+    """Run `command` ``job.repeats`` times with recording attached, compare the runs, write
+    the run folder. The command's own output goes to `output` (default: inherited)."""
+    progress = progress or Progress()
+    if not command:
+        raise DetauditError("exec needs a command after --, e.g. detaudit exec -- python train.py")
+    if job.repeats < 1 or (job.max_steps or 1) < 1 or (job.max_epochs or 1) < 1:
+        raise DetauditError("--repeats, --max-steps and --max-epochs must be at least 1")
+    run_id = new_run_id()
+    config = AuditConfig(repeats=job.repeats, epochs=job.max_epochs or 1, steps=job.max_steps,
+                         seed=job.seed or 0, granularity=SCAN, stress=0)
+    spec = ProbeSpec("command", Path(command[0]).name if len(command) == 1 else
+                     _script_name(command), source=_shell_line(command))
+    limits = ", ".join(f"{flag} {v}" for flag, v in (("--max-steps", job.max_steps),
+                       ("--max-epochs", job.max_epochs)) if v) or "to its end"
+    seeded = f"seed {job.seed}" if job.seed is not None else "unseeded"
+    info = RunInfo(probe={**spec.to_dict(), "preset": f"exec: {job.repeats} runs, {limits}, "
+                          f"{seeded}"}, config=config.to_dict(),
+                   command=f"detaudit exec -- {_shell_line(command)}", traces=[],
+                   run_id=run_id, state="recording")
+    with RunFolder(out, info, overwrite) as folder:
+        try:
+            traces, timings = [], []
+            progress.start(job.repeats, "run", f"exec: {spec.source}")
+            for repeat in range(job.repeats):
+                trace, timing = _run_once(command, job, folder.path, repeat,
+                                          trace_probe(spec, config, run_id), output)
+                traces.append(trace)
+                timings.append(timing)
+                folder.add_trace(trace, timing)
+                (folder.path / _attach_name(repeat)).unlink(missing_ok=True)
+                progress.advance(f"run {repeat + 1}/{job.repeats}: {len(trace.steps)} steps")
+            progress.close()
+        except KeyboardInterrupt:
+            _interrupted(folder)
+            raise
+        except BaseException as exc:
+            folder.set_state(f"failed during {folder.info.state}: {type(exc).__name__}")
+            raise
+        return _conclude(traces, info, folder, timings)
+
+
+def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
+              probe: dict[str, Any], output: Any) -> tuple[Trace, dict[str, Any]]:
+    """One run of the command in its own process group; its trace."""
+    path = folder / _attach_name(repeat)
+    env = dict(os.environ)
+    env.pop(OWNER_VARIABLE, None)
+    env[JOB_VARIABLE] = json.dumps({"trace": str(path), "probe": probe, "repeat": repeat,
+                                    "seed": job.seed, "max_steps": job.max_steps,
+                                    "max_epochs": job.max_epochs})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
+    if job.seed is not None:
+        env.setdefault("PYTHONHASHSEED", str(job.seed % 2**32))
+    started = time.perf_counter()
+    try:
+        child = subprocess.Popen(command, env=env, start_new_session=True, stdout=output)
+    except (FileNotFoundError, PermissionError) as exc:
+        raise DetauditError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
+    try:
+        code = child.wait()
+    except KeyboardInterrupt:
+        _end_group(child, signal.SIGINT)
+        raise
+    finally:
+        _end_group(child, signal.SIGKILL, wait=False)
+    seconds = time.perf_counter() - started
+    if not path.exists():
+        how = "ended" if code == 0 else f"exited with code {code}"
+        raise DetauditError(
+            f"run {repeat + 1}: {_shell_line(command)!r} {how} before its first training step "
+            "(no optimizer step and no training-mode call of a module was seen)"
+        )
+    trace = Trace.load(path)
+    at_limit = (job.max_steps is not None and len(trace.steps) >= job.max_steps) or (
+        job.max_epochs is not None and trace.steps and trace.steps[-1].epoch + 1 >= job.max_epochs)
+    if code != 0 and not at_limit and trace.failure is None:
+        trace.failure = f"the command exited with code {code} after step {len(trace.steps) - 1}"
+    timing = {"repeat": repeat, "seconds": seconds, "steps": len(trace.steps),
+              "exit_code": code}
+    return trace, timing
+
+
+def _end_group(child: subprocess.Popen, sig: int, wait: bool = True) -> None:
+    """Send `sig` to the command's process group (workers included); with `wait`, give it
+    time to save, then kill what is left."""
+    try:
+        os.killpg(child.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return
+    if not wait:
+        return
+    try:
+        child.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _end_group(child, signal.SIGKILL, wait=False)
+
+
+def _attach_name(repeat: int) -> str:
+    return f"attach-{repeat}.json.gz"
+
+
+def _script_name(command: list[str]) -> str:
+    """A short name for the command: its script or module (``train.py``, ``pkg.train``)."""
+    for i, part in enumerate(command[1:], 1):
+        if command[i - 1] == "-m":
+            return part
+        if part.endswith(".py"):
+            return Path(part).name
+    return Path(command[0]).name
+
+
+def _shell_line(command: list[str]) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(c) for c in command)

@@ -1,0 +1,27 @@
+"""Put on PYTHONPATH by ``detaudit exec``: attaches detaudit's recording before the user's
+code runs, in the process the job names (nothing happens without the job variable), then
+runs the ``sitecustomize`` this one hides, if there is one."""
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+if os.environ.get("DETAUDIT_ATTACH"):
+    from detaudit.drivers.attach import activate_from_environment
+
+    activate_from_environment()
+
+
+def _chain() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["_detaudit_chained_sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+_chain()

@@ -1,0 +1,386 @@
+"""Recording a training loop detaudit does not drive: the user's own script (``detaudit
+exec``, through a bootstrap that runs before their code) or their own loop
+(``detaudit.watch``).
+
+Torch's global hooks stand in for what the runner otherwise knows. A step is one optimizer
+step: its pre-hook sees the gradients as the optimizer gets them (after unscaling and
+clipping), its post-hook the parameters after the update. The model is the top-level module,
+called in training mode, whose parameters the optimizer updates; the batch is what it is
+called with (each call of an accumulated step); the loss is what backward is called on. An
+epoch is a new pass over the training DataLoader (the loader whose batches precede the first
+step); evaluation passes are not steps. Every step is recorded at scan level (see
+:mod:`detaudit.trace`): batch, RNGs, losses, gradients, parameters after the update.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..record.environment import capture_environment
+from ..record.recorder import WATCH_NONE, Recorder
+from ..seeding import seed_everything
+from ..trace import OPTIMIZER, OUTPUT, STATE, StepInfo, Trace
+from .runner import describe_user_error, store_records
+
+JOB_VARIABLE = "DETAUDIT_ATTACH"  # the job a process started by `detaudit exec` records (JSON)
+OWNER_VARIABLE = "DETAUDIT_ATTACH_PID"  # the process that records; its children do not
+SAVE_EVERY_S = 30.0  # a long run's trace is also saved this often, so a hard kill loses little
+
+
+class Attachment:
+    """Records the steps of a loop it does not run, into one trace saved at `path`.
+
+    `model` and `optimizer`, when given, are the ones recorded; otherwise the first top-level
+    module called in training mode is taken, and changed at the first optimizer step for the
+    one whose parameters that optimizer updates. After `max_steps` steps (or at the start of
+    epoch `max_epochs`) the trace is saved and `on_limit` is called to end the loop.
+    """
+
+    def __init__(
+        self, path: str | Path, probe: dict[str, Any], repeat: int = 0, *,
+        model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+        max_steps: int | None = None, max_epochs: int | None = None,
+        on_limit: Callable[[], None] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.trace = Trace(probe=probe, repeat=repeat, env={})
+        self.model = model
+        self.optimizer = optimizer
+        self.max_steps, self.max_epochs = max_steps, max_epochs
+        self.on_limit = on_limit
+        self.recorder: Recorder | None = None
+        self.info: StepInfo | None = None  # the open step
+        self.epoch = 0
+        self.explicit_epoch: int | None = None
+        self.index = 0  # step within its epoch
+        self._updated = False  # the open step's optimizer has stepped
+        self._batches = 0  # top-level training calls in the open step
+        self._losses = 0
+        self._depth = 0
+        self._candidates: list[nn.Module] = []
+        self._train_loader: int | None = None
+        self._latest_loader: int | None = None
+        self._passes: dict[int, int] = {}
+        self._handles: list[Any] = []
+        self._global_handles: list[Any] = []  # until the model is known
+        self._patches: list[tuple[Any, str, Any]] = []
+        self._saved_at = time.monotonic()
+        self.stopped = False
+        self.installed = False
+        self.in_backward = False
+
+    # -- installing ----------------------------------------------------------------------
+    def install(self) -> Attachment:
+        """Hook torch: module calls, backward, optimizer steps, DataLoader passes."""
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        if self.model is None:
+            self._global_handles = [
+                nn.modules.module.register_module_forward_pre_hook(self._global_pre),
+                nn.modules.module.register_module_forward_hook(self._global_post, always_call=True),
+            ]
+        else:
+            self._hook_model(self.model)
+        self._handles += [register_optimizer_step_pre_hook(self._before_update),
+                          register_optimizer_step_post_hook(self._after_update)]
+        self._patch(torch.Tensor, "backward", _wrap_backward(self))
+        self._patch(torch.autograd, "backward", _wrap_autograd_backward(self))
+        self._patch(torch.utils.data.DataLoader, "__iter__", _wrap_loader_iter(self))
+        self.installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Remove every hook and patch (what was recorded stays in the trace)."""
+        for handle in self._handles + self._global_handles:
+            handle.remove()
+        self._handles, self._global_handles = [], []
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+        self._patches = []
+        self.installed = False
+
+    def _patch(self, owner: Any, name: str, replacement: Any) -> None:
+        self._patches.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+    def _hook_model(self, model: nn.Module) -> None:
+        self._handles.append(model.register_forward_pre_hook(self._model_call, with_kwargs=True))
+
+    # -- what the hooks see ----------------------------------------------------------------
+    def _global_pre(self, module: nn.Module, args: tuple) -> None:
+        if self._depth == 0 and module.training and not self.stopped:
+            if module not in self._candidates and any(True for _ in module.parameters()):
+                self._candidates.append(module)
+            if self._candidates and module is self._candidates[0]:
+                self._on_batch(module, args, {})
+        self._depth += 1
+
+    def _global_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def _model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and not self.stopped:
+            self._on_batch(module, args, kwargs)
+
+    def _on_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A top-level training call: a new step begins if the last one has updated."""
+        if self._updated:
+            self.end_step()
+            if self.stopped:
+                return
+        if self.info is None and not self._begin_step(module):
+            return
+        assert self.recorder is not None
+        batch = {"args": list(args), "kwargs": kwargs} if kwargs else list(args)
+        if self._batches == 0:
+            self.recorder.record_state(batch)
+        else:
+            self.recorder.record(STATE, "", self._batches, "batch", batch)
+        self._batches += 1
+
+    def on_backward(self, tensor: Any) -> None:
+        """backward is called on `tensor`: the loss (each one of an accumulated step)."""
+        if self.stopped or not isinstance(tensor, torch.Tensor) or tensor.numel() != 1:
+            return
+        if self._updated:
+            self.end_step()
+        if self.info is None and not self._begin_step(self._current_model()):
+            return
+        assert self.recorder is not None
+        name = "loss" if self._losses == 0 else f"loss.{self._losses}"
+        self._losses += 1
+        self.recorder.record(OUTPUT, "", 0, name, tensor.detach())
+        self.info.losses[name] = float(tensor.detach().double()).hex()
+
+    def name_losses(self, losses: dict[str, torch.Tensor]) -> None:
+        """The user named the loss terms of the open step (``watch``'s ``w.step(losses)``)."""
+        if self.info is None or self.recorder is None:
+            return
+        for name, value in losses.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                self.recorder.record(OUTPUT, "", 0, f"loss.{name}", value.detach())
+                self.info.losses[name] = float(value.detach().double()).hex()
+
+    def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.stopped or (self.optimizer is not None and optimizer is not self.optimizer):
+            return
+        self._choose_model(optimizer)
+        if self.info is None and not self._begin_step(self._current_model()):
+            return
+        assert self.recorder is not None
+        self.recorder.record_param_grads()
+
+    def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.stopped or self.info is None or self.recorder is None or (
+                self.optimizer is not None and optimizer is not self.optimizer):
+            return
+        self.recorder.record_parameters(OPTIMIZER)
+        self.info.optimizer_stepped = True
+        self.info.lr = [_finite(group.get("lr")) for group in optimizer.param_groups]
+        self._updated = True
+        if self.max_steps is not None and self.info.step + 1 >= self.max_steps:
+            self.end_step()
+            self.stop()
+
+    def on_loader_pass(self, loader: Any) -> None:
+        """A DataLoader starts a pass over its data."""
+        key = id(loader)
+        self._passes[key] = self._passes.get(key, 0) + 1
+        self._latest_loader = key
+        if (key == self._train_loader and self.max_epochs is not None
+                and self._passes[key] > self.max_epochs and not self.stopped):
+            self.end_step()
+            self.stop()
+
+    def set_epoch(self, epoch: int) -> None:
+        """The user said which epoch the next steps belong to (``w.epoch(i)``)."""
+        self.explicit_epoch = epoch
+
+    # -- steps -----------------------------------------------------------------------------
+    def _current_model(self) -> nn.Module | None:
+        return self.model or (self._candidates[0] if self._candidates else None)
+
+    def _choose_model(self, optimizer: torch.optim.Optimizer) -> None:
+        """At the first optimizer step, the model is the candidate that owns its parameters;
+        the global hooks give way to one hook on it."""
+        if self.model is not None:
+            return
+        updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owners = [m for m in self._candidates if any(id(p) in updated for p in m.parameters())]
+        if not owners:
+            return
+        self.model = owners[0]
+        for handle in self._global_handles:
+            handle.remove()
+        self._global_handles = []
+        self._hook_model(self.model)
+        if self.recorder is not None and self.recorder.model is not self.model:
+            self.recorder = _step_recorder(self.model)
+
+    def _begin_step(self, model: nn.Module | None) -> bool:
+        if model is None:
+            return False
+        if self.recorder is None:
+            self.recorder = _step_recorder(model)
+            self.trace.env = capture_environment(_device_of(model))
+        if self._train_loader is None:
+            self._train_loader = self._latest_loader
+        epoch = (self.explicit_epoch if self.explicit_epoch is not None
+                 else self._passes.get(self._train_loader, 1) - 1 if self._train_loader else 0)
+        if epoch != self.epoch:
+            self.epoch, self.index = epoch, 0
+        step = len(self.trace.steps)
+        self.info = StepInfo(step=step, epoch=self.epoch, index=self.index)
+        self.recorder.begin_step(step, WATCH_NONE)
+        if step == 0:
+            self.recorder.record_parameters(STATE)
+        return True
+
+    def end_step(self) -> None:
+        """Close the open step and keep its records."""
+        if self.info is None or self.recorder is None:
+            return
+        store_records(self.trace, self.info.step, self.recorder.end_step())
+        self.trace.steps.append(self.info)
+        self.info, self._updated, self._batches, self._losses = None, False, 0, 0
+        self.index += 1
+        if time.monotonic() - self._saved_at > SAVE_EVERY_S:
+            self.save()
+
+    def stop(self) -> None:
+        """The step or epoch limit is reached: save, stop recording, end the loop."""
+        self.stopped = True
+        self.save()
+        if self.on_limit is not None:
+            self.on_limit()
+
+    def finish(self, failure: str | None = None) -> None:
+        """The loop is over (or failed): close the open step, save the trace."""
+        if self.stopped:
+            self.save()
+            return
+        self.trace.failure = failure or self.trace.failure
+        if (self.trace.failure and self.info is not None and self.recorder is not None
+                and not self._updated):
+            self.recorder.end_step()  # the step that failed is not kept half-recorded
+            self.info = None
+        self.end_step()
+        self.save()
+
+    def save(self) -> None:
+        """Write the trace (nothing before the first step: a process that never trained,
+        such as a data-preparation script in the same command, leaves no trace)."""
+        if not self.trace.steps and not self.trace.failure:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.trace.save(self.path)
+        self._saved_at = time.monotonic()
+
+
+def _step_recorder(model: nn.Module) -> Recorder:
+    """A recorder of step state only (no module hooks)."""
+    return Recorder(model, watch=WATCH_NONE)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _wrap_backward(attachment: Attachment) -> Callable[..., Any]:
+    original = torch.Tensor.backward
+
+    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        attachment.on_backward(self)
+        attachment.in_backward = True  # Tensor.backward calls torch.autograd.backward
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            attachment.in_backward = False
+
+    return backward
+
+
+def _wrap_autograd_backward(attachment: Attachment) -> Callable[..., Any]:
+    original = torch.autograd.backward
+
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(tensors, torch.Tensor) and not attachment.in_backward:
+            attachment.on_backward(tensors)
+        return original(tensors, *args, **kwargs)
+
+    return backward
+
+
+def _wrap_loader_iter(attachment: Attachment) -> Callable[..., Any]:
+    original = torch.utils.data.DataLoader.__iter__
+
+    def __iter__(self: Any) -> Any:
+        attachment.on_loader_pass(self)
+        return original(self)
+
+    return __iter__
+
+
+def failure_hook(attachment: Attachment) -> Callable[..., None]:
+    """A ``sys.excepthook`` that keeps the user's uncaught error in the trace."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        with contextlib.suppress(Exception):
+            attachment.trace.failure = describe_user_error(exc.with_traceback(tb), "running")
+        previous(kind, exc, tb)
+
+    return hook
+
+
+def activate_from_environment() -> Attachment | None:
+    """In a process started by ``detaudit exec`` (the bootstrap calls this before the user's
+    code runs): seed if asked, attach, and save the trace at exit. Not in a child of the
+    recording process (a DataLoader worker, a subprocess), which inherits the job."""
+    text = os.environ.get(JOB_VARIABLE)
+    if not text:
+        return None
+    os.environ.setdefault(OWNER_VARIABLE, str(os.getpid()))
+    if os.environ[OWNER_VARIABLE] != str(os.getpid()):
+        return None
+    job = json.loads(text)
+    if job.get("seed") is not None:
+        seed_everything(int(job["seed"]))
+    attachment = Attachment(job["trace"], job["probe"], int(job.get("repeat", 0)),
+                            max_steps=job.get("max_steps"), max_epochs=job.get("max_epochs"),
+                            on_limit=_end_process)
+    attachment.install()
+    sys.excepthook = failure_hook(attachment)
+    atexit.register(attachment.finish)
+    return attachment
+
+
+def _end_process() -> None:
+    """The limit is reached and the trace saved: end the process now, whatever the script
+    would catch (``detaudit exec`` then ends the rest of its process group)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)

@@ -1,0 +1,72 @@
+"""A plain training script, as users write them: its own argparse, Dataset, DataLoader with
+workers, loop, gradient accumulation 2 and a scheduler. Seeds nothing unless --seed-self."""
+
+import argparse
+
+import torch
+from torch import nn
+
+
+class Shapes(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 3, 16, 16, generator=g)
+        self.y = torch.randint(0, 4, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.stem(x)).mean((2, 3)))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--seed-self", action="store_true")
+    p.add_argument("--forever", action="store_true", help="loop until stopped, catching exits")
+    p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
+    args = p.parse_args()
+    if args.seed_self:
+        torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    loader = torch.utils.data.DataLoader(Shapes(16), batch_size=4, num_workers=args.workers)
+    steps = 0
+    epoch = 0
+    while epoch < args.epochs or args.forever:
+        model.train()
+        for i, (x, y) in enumerate(loader):
+            try:
+                loss = nn.functional.cross_entropy(model(x), y) / 2
+                loss.backward()
+                if i % 2 == 1:
+                    if steps == args.crash_at:
+                        raise RuntimeError("the script's own bug")
+                    opt.step()
+                    opt.zero_grad()
+                    steps += 1
+            except (SystemExit, KeyboardInterrupt):
+                pass  # a script that swallows every way out
+        sched.step()
+        model.eval()
+        with torch.no_grad():  # evaluation between epochs: not a training step
+            model(torch.zeros(2, 3, 16, 16))
+        epoch += 1
+    print(f"trained {steps} steps")
+
+
+if __name__ == "__main__":
+    main()

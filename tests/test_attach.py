@@ -1,0 +1,181 @@
+"""Auditing training detaudit does not drive: `detaudit exec -- python train.py` (the user's
+script, unmodified) and `detaudit.watch(...)` around the user's own loop."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_cli import run_cli
+from torch import nn
+
+import detaudit
+from detaudit.trace import Trace
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_plain.py"
+
+
+def _exec(tmp_path, *options, script_args=()):
+    return run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", *options, "--",
+                   sys.executable, str(SCRIPT), *script_args)
+
+
+# -- exec ------------------------------------------------------------------------------------
+def test_exec_of_a_seeded_script_is_deterministic_with_steps_and_epochs_as_the_script_runs(tmp_path):
+    done = _exec(tmp_path, "--seed", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "DETERMINISTIC" in done.stdout
+    assert done.stdout.count("trained 4 steps") == 2  # the script ran to its end, twice
+    traces = [Trace.load(tmp_path / "run" / f"trace-{r}.json.gz") for r in (0, 1)]
+    # 4 batches per epoch, accumulation 2: 2 optimizer steps per epoch; the evaluation call
+    # between epochs is not a step; the DataLoader's 2 workers recorded nothing
+    assert [(s.step, s.epoch, s.index) for s in traces[0].steps] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert all(s.optimizer_stepped for s in traces[0].steps)
+    records = traces[0].frame()
+    step0 = records[records.step == 0]
+    assert {"loss", "loss.1"} <= set(traces[0].steps[0].losses)  # both accumulated backwards
+    batches = step0[(step0.phase == "state") & step0.slot.str.startswith("batch")]
+    assert set(batches.call) == {0, 1}  # each accumulated call's batch
+    assert {"param.weight", "param.bias"} <= set(step0[step0.phase == "grad"].slot)
+    assert set(step0[step0.phase == "optimizer"].module) == {"stem", "head"}
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["verdict"] == "deterministic"
+
+
+def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
+    done = _exec(tmp_path, "--max-steps", "1", "--json")
+    assert done.returncode == 1, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["cause"]["kind"] == "init"
+    assert summary["first_divergence"]["step"] == 0
+    assert "seed" in summary["cause"]["text"]
+
+
+def test_exec_of_a_script_that_seeds_itself_needs_no_seed(tmp_path):
+    done = _exec(tmp_path, "--max-steps", "2", script_args=("--seed-self", "--workers", "0"))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_path):
+    started = time.monotonic()
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--repeats", "1",
+                 script_args=("--forever", "--workers", "2"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert time.monotonic() - started < 60
+    trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
+    assert len(trace.steps) == 3 and trace.failure is None
+
+
+def test_max_epochs_stops_at_the_start_of_the_next_pass(tmp_path):
+    done = _exec(tmp_path, "--seed", "0", "--max-epochs", "1", "--repeats", "1",
+                 script_args=("--epochs", "5", "--workers", "0"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
+    assert [s.epoch for s in trace.steps] == [0, 0]
+
+
+def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):
+    done = _exec(tmp_path, "--seed", "0", "--json", script_args=("--crash-at", "2",
+                                                                 "--workers", "0"))
+    assert done.returncode == 3, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["verdict"] == "failed"
+    trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
+    assert len(trace.steps) == 2  # the steps before the crash are kept
+    assert "RuntimeError" in trace.failure and "the script's own bug" in trace.failure
+    assert "train_plain.py" in trace.failure
+
+
+@pytest.mark.parametrize(("command", "message"), [
+    (["no-such-command-here"], "cannot run 'no-such-command-here'"),
+    ([sys.executable, "-c", "print('no training here')"], "before its first training step"),
+    ([], "needs the command to audit"),
+])
+def test_exec_refuses_clearly(tmp_path, command, message):
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--", *command)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 2
+
+
+# -- watch -----------------------------------------------------------------------------------
+def _train(out: Path, *, nudge_at: int | None = None, steps: int = 6,
+           max_steps: int | None = None) -> detaudit.watch:
+    """A hand-written loop under watch: 2 epochs over a DataLoader of 3 batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(12, 6, generator=g),
+                                       torch.randn(12, 2, generator=g)), batch_size=4)
+    with detaudit.watch(model, opt, out=out, max_steps=max_steps) as w:
+        for _ in range(steps // 3 if max_steps is None else 1000):
+            for x, y in data:
+                loss = (model(x) - y).pow(2).mean()
+                if len(w.trace.steps) == nudge_at:
+                    loss = loss + loss.detach() * torch.finfo(loss.dtype).eps  # 1 ULP
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                w.step({"mse": loss})
+    return w
+
+
+def test_watch_twice_in_one_process_compares_deterministic(tmp_path):
+    first, second = _train(tmp_path), _train(tmp_path)
+    assert first.path != second.path
+    assert [(s.epoch, s.index) for s in first.trace.steps] == [
+        (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert first.trace.steps[0].losses.keys() == {"loss", "mse"}
+    result = detaudit.compare(tmp_path)
+    assert result.exit_code == 0 and result.verdict.kind == "deterministic"
+    assert "DETERMINISTIC" in result._repr_html_()
+
+
+def test_watch_finds_a_planted_difference_at_its_step(tmp_path):
+    _train(tmp_path)
+    _train(tmp_path, nudge_at=4)
+    result = detaudit.compare(tmp_path, out=tmp_path / "report")
+    assert result.exit_code == 1
+    assert (result.comparison.first_step, result.comparison.first_epoch) == (4, 1)
+    html = result._repr_html_()
+    assert "DIVERGENT" in html and "step 4" in html
+    assert (tmp_path / "report" / "report.html").exists()
+    # and the CLI says the same of the same traces
+    done = run_cli("compare", str(tmp_path / "trace-0.json.gz"), str(tmp_path / "trace-1.json.gz"),
+                   "--out", str(tmp_path / "cli"), "--json")
+    assert done.returncode == 1, done.stderr
+    assert json.loads(done.stdout)["first_divergence"]["step"] == 4
+
+
+def test_watch_max_steps_ends_the_loop_and_leaves_torch_as_it_was(tmp_path):
+    backward = torch.Tensor.backward
+    w = _train(tmp_path, max_steps=2)
+    assert len(w.trace.steps) == 2
+    assert torch.Tensor.backward is backward  # every patch undone
+    assert Trace.load(w.path).steps[-1].step == 1
+
+
+def test_watch_keeps_the_steps_before_an_error_in_the_loop(tmp_path):
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError), detaudit.watch(model, opt, out=tmp_path) as w:
+        for step in range(5):
+            model(torch.ones(2, 3)).sum().backward()
+            opt.step()
+            if step == 2:
+                raise ValueError("the loop's own bug")
+    trace = Trace.load(w.path)
+    assert len(trace.steps) == 3 and "ValueError" in trace.failure
+
+
+def test_compare_needs_two_runs(tmp_path):
+    _train(tmp_path, steps=3)
+    with pytest.raises(detaudit.DetauditError, match="at least two runs"):
+        detaudit.compare(tmp_path)
