@@ -124,3 +124,12 @@ def no_hooks_left_behind():
     assert not module_mod._global_forward_hooks
     assert not module_mod._global_forward_pre_hooks
     assert _get_current_dispatch_mode() is None
+
+
+def module_audit(probe, **kwargs):
+    """An audit that records every module call of every step (``granularity="module"``),
+    without the op drill-down unless asked: what tests of module-level recording and
+    localisation need, whatever the default granularity."""
+    from detaudit import audit
+
+    return audit(probe, **{"granularity": "module", "drill_down": False, **kwargs})

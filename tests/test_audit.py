@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gather_probe, small_cnn_probe, unseeded_probe
+from conftest import gather_probe, module_audit, small_cnn_probe, unseeded_probe
 from test_recorder import _maskrcnn_probe
 from torch import nn
 
-from detaudit import Fault, Probe, audit
+from detaudit import Fault, Probe
 from detaudit.analysis.compare import CONTAINS, ORIGIN, PROPAGATED
 from detaudit.report import render_console
 
@@ -23,7 +23,7 @@ def _summary(result):
 
 
 def test_no_false_alarm_over_five_repeats():
-    result = audit(small_cnn_probe, repeats=5, epochs=2)
+    result = module_audit(small_cnn_probe, repeats=5, epochs=2)
     c = result.comparison
     assert c.deterministic
     assert c.differing_records == 0 and c.first_step is None and c.cause == "none"
@@ -32,7 +32,7 @@ def test_no_false_alarm_over_five_repeats():
 
 
 def test_planted_forward_fault_is_localised():
-    result = audit(small_cnn_probe, repeats=3, epochs=1, fault=Fault("block1.conv", "forward", 2))
+    result = module_audit(small_cnn_probe, repeats=3, epochs=1, fault=Fault("block1.conv", "forward", 2))
     c = result.comparison
     assert c.first_step == 2 and c.cause == "forward"
     assert c.first_by_phase["forward"].module == "block1.conv"
@@ -49,7 +49,7 @@ def test_planted_forward_fault_is_localised():
 
 
 def test_planted_backward_fault_is_localised():
-    result = audit(small_cnn_probe, repeats=2, epochs=1, fault=Fault("block2.conv", "backward", 1))
+    result = module_audit(small_cnn_probe, repeats=2, epochs=1, fault=Fault("block2.conv", "backward", 1))
     c = result.comparison
     assert c.first_step == 1 and c.cause == "backward"
     assert "forward" not in c.first_by_phase
@@ -65,7 +65,7 @@ def test_planted_backward_fault_is_localised():
 
 
 def test_fault_in_module_without_input_gradient_uses_its_parameter_gradient():
-    result = audit(small_cnn_probe, repeats=2, epochs=1, fault=Fault("stem", "backward", 0))
+    result = module_audit(small_cnn_probe, repeats=2, epochs=1, fault=Fault("stem", "backward", 0))
     c = result.comparison
     assert c.first_step == 0 and c.cause == "backward"
     assert [(o.module, o.phase) for o in c.origins] == [("stem", "backward")]
@@ -78,7 +78,7 @@ def test_fault_in_module_without_input_gradient_uses_its_parameter_gradient():
     ("roi_heads.box_roi_pool", "forward"),
 ])
 def test_planted_fault_in_maskrcnn(module, phase):
-    result = audit(_maskrcnn_probe, repeats=2, epochs=1, steps=2, fault=Fault(module, phase, 1))
+    result = module_audit(_maskrcnn_probe, repeats=2, epochs=1, steps=2, fault=Fault(module, phase, 1))
     c = result.comparison
     assert c.first_step == 1 and c.cause == phase
     origin = c.origins[0]
@@ -89,7 +89,7 @@ def test_planted_fault_in_maskrcnn(module, phase):
 
 
 def test_real_cpu_nondeterminism_in_duplicate_index_gather(two_threads):
-    result = audit(gather_probe, repeats=3, epochs=1)
+    result = module_audit(gather_probe, repeats=3, epochs=1)
     c = result.comparison
     # The race is proven by re-execution whether or not it fired between the repeats.
     assert result.verdict.exit_code == 1
@@ -113,13 +113,13 @@ def test_same_gather_on_one_thread_is_deterministic():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert audit(gather_probe, repeats=2).comparison.deterministic
+        assert module_audit(gather_probe, repeats=2).comparison.deterministic
     finally:
         torch.set_num_threads(before)
 
 
 def test_unseeded_augmentation_is_a_data_cause():
-    c = audit(unseeded_probe, repeats=2).comparison
+    c = module_audit(unseeded_probe, repeats=2).comparison
     assert c.first_step == 0 and c.cause == "data"
     assert c.first_by_phase["state"].slot.startswith("batch")
 
@@ -147,7 +147,7 @@ def test_module_drawing_a_varying_amount_of_randomness_is_an_rng_cause():
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
     _DRAWS["calls"] = 0
-    c = audit(probe, repeats=2).comparison
+    c = module_audit(probe, repeats=2).comparison
     assert c.first_step == 0 and c.cause == "rng"
     origin = c.origins[0]
     assert origin.module == "1" and origin.rng and origin.phase == "forward"
@@ -169,7 +169,7 @@ def test_forked_control_flow_is_aligned_by_key():
                      step=lambda m, b: sum(t.sum() for t in m(b)), optimizer=None)
 
     _DRAWS["calls"] = 0
-    c = audit(probe, repeats=2).comparison
+    c = module_audit(probe, repeats=2).comparison
     assert c.fork is not None and c.fork.module == "1" and c.fork.missing == 1
     # what can be paired still is: the Linear before the fork agrees
     assert ("0", "forward") not in {(f.module, f.phase) for f in c.findings}

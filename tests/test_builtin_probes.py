@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import module_audit
 
-from detaudit import audit, probes
+from detaudit import probes
 from detaudit.drivers.loading import builtin_spec, make_factory
 
 NAMES = [name for name, _ in probes.available()]
@@ -25,7 +26,7 @@ def one_thread():
 def test_probe_audits_deterministic(name, mode):
     options = {"image_size": 64, "num_images": 2, "batch_size": 2 if name == "ssdlite" else 1}
     factory = make_factory(builtin_spec(name, options))
-    result = audit(factory, repeats=2, epochs=1, steps=1, mode=mode)
+    result = module_audit(factory, repeats=2, epochs=1, steps=1, mode=mode)
     assert not result.traces[0].failure, result.traces[0].failure
     assert result.deterministic, result.comparison.first_by_phase
     phases = set(result.traces[0].records["phase"])
@@ -37,6 +38,6 @@ def test_probe_audits_deterministic(name, mode):
 def test_dense_single_image_case_runs():
     factory = make_factory(builtin_spec(
         "maskrcnn_v1", {"image_size": 128, "instances": 1000, "num_images": 1, "num_classes": 2}))
-    result = audit(factory, repeats=1, epochs=1, steps=1)
+    result = module_audit(factory, repeats=1, epochs=1, steps=1)
     assert not result.traces[0].failure
     assert result.traces[0].steps[0].losses

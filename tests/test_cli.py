@@ -25,25 +25,25 @@ def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("phase", ["backward", "forward"])
 def test_maskrcnn_planted_fault_is_named(phase, tmp_path):
     """The default run scans every step, then zooms into the one where the runs part."""
+    module = {"forward": "roi_heads.box_roi_pool", "backward": "roi_heads.box_predictor"}[phase]
     done = run_cli("run", "--model", "maskrcnn", "--image-size", "96", "--inject-fault",
-                   f"roi_heads.box_roi_pool@{phase}:2", "--out", str(tmp_path), "--json",
+                   f"{module}@{phase}:2", "--out", str(tmp_path), "--json",
                    "--no-census", "--stress", "0")  # both: tested on their own
     assert done.returncode == 1, done.stderr
     summary = json.loads(done.stdout)
     first = summary["first_divergence"]
     assert (first["module"], first["phase"], first["step"], first["epoch"]) == (
-        "roi_heads.box_roi_pool", phase, 2, 2)
+        module, phase, 2, 2)
     assert first["role"] == "origin"
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["config"]["granularity"] == "scan"
     assert (run["extra"]["zoom"]["status"], run["extra"]["zoom"]["step"]) == ("found", 2)
     assert (tmp_path / "run.json").exists() and (tmp_path / "trace-1.json.gz").exists()
     headline = f"first at step 2 (epoch 2), {phase}"
-    for name, module in (("report.html", "roi_heads.box_roi_pool"),
-                         ("report.github.html", "roi_heads.box_roi_pool"),
-                         ("report.md", r"roi\_heads.box\_roi\_pool")):
+    for name, shown in (("report.html", module), ("report.github.html", module),
+                        ("report.md", module.replace("_", r"\_"))):
         text = (tmp_path / name).read_text()
-        assert headline in text and module in text, name
+        assert headline in text and shown in text, name
 
 
 @pytest.mark.slow

@@ -11,9 +11,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import module_audit
 from torch import nn
 
-from detaudit import Probe, api, audit
+from detaudit import Probe, api
 from detaudit.analysis.diff import GateResult, diff_traces, env_differences
 from detaudit.errors import TraceError
 from detaudit.report.junit import JUnitCase, junit_case, junit_xml, write_junit
@@ -106,7 +107,7 @@ def threads() -> Iterator[Callable[[int], None]]:
 @pytest.fixture(scope="module")
 def conv_baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gate") / "conv.baseline.json"
-    store_baseline(path, audit(conv_probe, repeats=1, steps=2))
+    store_baseline(path, module_audit(conv_probe, repeats=1, steps=2))
     return path
 
 
@@ -159,9 +160,9 @@ def test_thread_count_diff_names_the_module_and_tolerance_passes(
     threads: Callable[[int], None],
 ) -> None:
     threads(1)
-    one = audit(energy_probe, repeats=1, steps=2).traces
+    one = module_audit(energy_probe, repeats=1, steps=2).traces
     threads(2)
-    two = audit(energy_probe, repeats=1, steps=2).traces
+    two = module_audit(energy_probe, repeats=1, steps=2).traces
     result = diff_traces(one, two)
     assert result.exit_code == 1
     assert result.env_differences == {"threads": (1, 2)}
@@ -246,7 +247,7 @@ def test_bad_baselines_are_one_clear_error(conv_baseline: Path, tmp_path: Path) 
 
 
 def test_gzip_baseline(tmp_path: Path) -> None:
-    result = audit(conv_probe, repeats=1, steps=1)
+    result = module_audit(conv_probe, repeats=1, steps=1)
     path = store_baseline(tmp_path / "b.json.gz", result)
     assert gzip.decompress(path.read_bytes()).startswith(b"{")
     assert check_conv(path).ok
@@ -273,7 +274,7 @@ def test_assert_deterministic_fails_on_duplicate_index_gather(
 
 def test_check_notes_an_op_proven_nondeterministic_in_the_new_run(tmp_path, threads):
     threads(2)
-    path = store_baseline(tmp_path / "gather.json", audit(gather_probe, repeats=1))
+    path = store_baseline(tmp_path / "gather.json", module_audit(gather_probe, repeats=1))
     result = api.check(path, factory=gather_probe)
     assert result.audit.comparison.proven
     assert "note: proven by re-execution in this run: aten.index_put in gather" in (

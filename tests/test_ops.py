@@ -72,9 +72,10 @@ def test_gather_on_cli_with_census_and_verified_fix(tmp_path):
 
 @pytest.mark.slow
 def test_planted_roi_align_backward_fault_is_named_inside_mask_roi_pool():
-    module = "roi_heads.mask_roi_pool"  # box_roi_pool: on the CLI, below
+    module = "roi_heads.mask_roi_pool"
     fault = Fault(module, "backward", 0, op="torchvision.roi_align")
-    result = audit(_maskrcnn_probe, repeats=2, steps=1, fault=fault, drill_down=True)
+    result = audit(_maskrcnn_probe, repeats=2, steps=1, fault=fault, drill_down=True,
+                   granularity="module")  # every module recorded; the scan: on the CLI, below
     c = result.comparison
     assert (c.first_step, c.cause, c.origins[0].module) == (0, "backward", module)
     origin = result.investigations["ops"]["ops"][0]
@@ -87,13 +88,14 @@ def test_planted_roi_align_backward_fault_is_named_inside_mask_roi_pool():
 @pytest.mark.slow
 def test_planted_roi_align_fault_on_the_cli(tmp_path):
     done = run_cli("run", "--model", "maskrcnn", "--image-size", "96", "--epochs", "1",
-                   "--steps", "2", "--inject-fault", "roi_heads.box_roi_pool/torchvision.roi_align"
+                   "--steps", "2", "--inject-fault", "roi_heads.mask_roi_pool/torchvision.roi_align"
                    "@backward:1", "--out", str(tmp_path), "--no-census",
                    "--stress", "0")
     assert done.returncode == 1, done.stderr
-    assert ("op: torchvision._roi_align_backward in roi_heads.box_roi_pool (backward)"
+    assert ("op: torchvision._roi_align_backward in roi_heads.mask_roi_pool (backward)"
             in done.stdout)
-    assert "first at step 1 (epoch 1), backward, roi_heads.box_roi_pool" in done.stdout
+    assert "first at step 1 (epoch 1), backward, roi_heads.mask_roi_pool" in done.stdout
+    assert "zoomed in on step 1 after a scan" in done.stdout
 
 
 @pytest.mark.slow

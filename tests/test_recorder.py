@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torchvision
-from conftest import SmallCNN, small_cnn_probe
+from conftest import SmallCNN, module_audit, small_cnn_probe
 
-from detaudit import Probe, audit
+from detaudit import Probe
 from detaudit.record.recorder import Recorder
 from detaudit.seeding import seed_everything
 
@@ -45,7 +45,7 @@ def _train_plain(factory, steps=3):
 @pytest.mark.slow
 def test_recording_does_not_perturb_maskrcnn():
     plain_losses, plain_params = _train_plain(_maskrcnn_probe)
-    result = audit(_maskrcnn_probe, repeats=1, epochs=1, steps=3)
+    result = module_audit(_maskrcnn_probe, repeats=1, epochs=1, steps=3)
     recorded = [s.losses for s in result.traces[0].steps]
     assert recorded == plain_losses
     # and the parameters after 3 steps: rebuild with recording on and compare bit for bit
@@ -88,7 +88,7 @@ def test_records_are_keyed_and_called_modules_get_call_indices():
         return Probe(model=m, batches=[torch.randn(2, 4)], step=lambda m, b: m(b).sum(),
                      optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
 
-    trace = audit(probe, repeats=1).traces[0]
+    trace = module_audit(probe, repeats=1).traces[0]
     keys = list(zip(trace.records["phase"], trace.records["module"], trace.records["call"],
                     trace.records["slot"]))
     assert ("forward", "lin", 0, "out") in keys and ("forward", "lin", 1, "out") in keys
@@ -106,13 +106,13 @@ def test_rng_use_is_recorded_per_module_call():
         return Probe(model=m, batches=[torch.randn(2, 4)], step=lambda m, b: m(b).sum(),
                      optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
 
-    trace = audit(probe, repeats=1).traces[0]
+    trace = module_audit(probe, repeats=1).traces[0]
     rng = {(m, s) for m, s in zip(trace.records["module"], trace.records["slot"]) if "rng" in s}
     assert ("1", "rng.out") in rng and ("0", "rng.out") not in rng
 
 
 def test_small_cnn_records_every_phase():
-    trace = audit(small_cnn_probe, repeats=1, steps=1).traces[0]
+    trace = module_audit(small_cnn_probe, repeats=1, steps=1).traces[0]
     phases = set(trace.records["phase"])
     assert {"state", "forward", "backward", "grad", "optimizer", "output"} <= phases
     slots = set(trace.records["slot"])

@@ -49,10 +49,11 @@ def probe(device: str) -> Probe:
 
 
 def _run(folder: Path, fault: Fault | None) -> dict[str, Any]:
-    """The orchestrator's run, as `detaudit run` makes it, with the command it would show."""
+    """The orchestrator's run, as `detaudit run` makes it (a scan, then a zoom into the
+    first divergent step), with the command it would show."""
     config = AuditConfig(repeats=2, epochs=2, fault=fault)
     result = api.run(api.describe_callable(probe), config, factory=probe, out=folder,
-                     investigations=Investigations(drill_down=False),
+                     investigations=Investigations(),
                      command="detaudit run --probe demo.py")
     return result.summary
 

@@ -26,7 +26,7 @@ def _scan(probe, **kwargs):
 
 @pytest.mark.parametrize("fault", PLANTED, ids=lambda f: f"{f.module}/{f.op}@{f.phase}")
 def test_scan_and_zoom_name_what_full_recording_names(fault):
-    full = audit(small_cnn_probe, repeats=2, steps=4, fault=fault, drill_down=True)
+    full = audit(small_cnn_probe, repeats=2, steps=4, fault=fault, granularity="module")
     scan = _scan(small_cnn_probe, repeats=2, steps=4, fault=fault)
     want = full.verdict.first
     got = scan.verdict.first
@@ -45,7 +45,7 @@ def test_scan_and_zoom_name_what_full_recording_names(fault):
 
 def test_a_scan_records_step_state_only_and_few_records():
     scan = _scan(small_cnn_probe, repeats=2, steps=4).traces[0]
-    full = audit(small_cnn_probe, repeats=2, steps=4).traces[0]
+    full = audit(small_cnn_probe, repeats=2, steps=4, granularity="module").traces[0]
     phases = set(scan.records["phase"])
     assert phases == {"state", "output", "grad", "optimizer"}
     assert not scan.calls["step"]  # no module calls at scanned steps

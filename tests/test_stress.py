@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import gather_probe, small_cnn_probe
+from conftest import gather_probe, module_audit, small_cnn_probe
 from torch import nn
 
 from detaudit import Fault, Probe, audit
@@ -130,7 +130,7 @@ def test_stress_does_not_perturb_the_run_random_ops_included():
 def test_planted_op_fault_is_not_mistaken_for_a_racy_op():
     """The stress sees the op as it really ran, below the planted 1-ULP change."""
     fault = Fault("stem", "forward", 0, op="aten.convolution")
-    result = audit(small_cnn_probe, repeats=2, steps=2, fault=fault, stress_every_op=True,
+    result = module_audit(small_cnn_probe, repeats=2, steps=2, fault=fault, stress_every_op=True,
                    stress=4)
     assert result.comparison.first_step == 0 and not result.comparison.proven
     conv = [s for s in result.comparison.stress if s.module == "stem"]
@@ -234,7 +234,7 @@ def timing_draw_probe(device: torch.device) -> Probe:
 
 
 def test_rng_draw_outside_any_module_is_located_between_modules():
-    result = audit(timing_draw_probe, repeats=2)
+    result = module_audit(timing_draw_probe, repeats=2)
     c = result.comparison
     assert c.first_step == 1 and c.cause == "rng"
     assert c.rng_gap is not None and c.rng_gap.after == ("", 0)
@@ -263,7 +263,7 @@ def test_rng_draw_between_two_submodules_names_both_and_the_enclosing_module():
         return Probe(model=model, batches=[torch.randn(4, 8)],
                      step=lambda m, b: m(b).pow(2).mean())
 
-    result = audit(probe, repeats=2)
+    result = module_audit(probe, repeats=2)
     assert result.comparison.cause == "rng"
     assert result.verdict.first["outside"] == (
         "in (model)'s own code, outside its submodules, between the start of (model) and drop")
@@ -314,7 +314,7 @@ def test_difference_outside_the_dispatcher_is_named_in_its_module(inner):
                      step=lambda m, b: m(b).pow(2).mean(),
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
-    result = audit(probe, repeats=2, drill_down=True)
+    result = module_audit(probe, repeats=2, drill_down=True)
     assert [(o.module, o.phase) for o in result.comparison.origins][:1] == [("1", "forward")]
     drill = result.investigations["ops"]
     outside = drill["outside_dispatcher"]
@@ -326,7 +326,7 @@ def test_difference_outside_the_dispatcher_is_named_in_its_module(inner):
 
 def test_an_op_origin_is_not_called_outside_the_dispatcher():
     fault = Fault("block1.conv", "forward", 1, op="aten.convolution")
-    result = audit(small_cnn_probe, repeats=2, steps=2, fault=fault, drill_down=True)
+    result = module_audit(small_cnn_probe, repeats=2, steps=2, fault=fault, drill_down=True)
     assert result.investigations["ops"]["outside_dispatcher"] is None
     assert "op: aten.convolution in block1.conv" in result.verdict.headline
 

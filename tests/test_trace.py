@@ -4,16 +4,15 @@ import gzip
 import json
 
 import pytest
-from conftest import small_cnn_probe
+from conftest import module_audit, small_cnn_probe
 
-from detaudit import audit
 from detaudit.errors import TraceError
 from detaudit.trace import Trace
 
 
 @pytest.fixture(scope="module")
 def traces():
-    return audit(small_cnn_probe, repeats=2, epochs=1).traces
+    return module_audit(small_cnn_probe, repeats=2, epochs=1).traces
 
 
 def test_save_load_round_trip_and_same_bytes(traces, tmp_path):

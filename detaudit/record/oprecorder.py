@@ -218,10 +218,11 @@ class OpRecorder(ModelOpMode):
         return tensor is not None and tensor._version == entry[1]
 
     def _perturb(self, func: Any, args: tuple, out: Any) -> Any:
-        """Plant the fault in the op's first output: 1 ULP for floats, a swap of two
-        different elements for integers (a reordering, as a nondeterministic sort makes)."""
+        """Plant the fault in the op's first output that is not all zero: 1 ULP for floats
+        (a gradient's largest element in backward), a swap of two different elements for
+        integers (a reordering, as a nondeterministic sort makes)."""
         for path, tensor in iter_tensors(out):
-            changed = _perturbed(tensor)
+            changed = _perturbed(tensor, largest=self.fault.phase == BACKWARD)
             if changed is None:
                 continue
             self.recorder.fault_fired = True
@@ -241,11 +242,11 @@ def accumulate_arg(func: Any, args: tuple, kwargs: dict) -> bool | None:
     return None
 
 
-def _perturbed(t: torch.Tensor) -> torch.Tensor | None:
+def _perturbed(t: torch.Tensor, largest: bool = False) -> torch.Tensor | None:
     if not t.numel():
         return None
-    if t.is_floating_point():
-        return next_ulp(t)
+    if t.is_floating_point():  # an all-zero output (a gradient nothing reached) is skipped:
+        return next_ulp(t, largest) if bool((t != 0).any()) else None  # 1 ULP of 0 vanishes
     flat = t.reshape(-1)
     different = (flat != flat[0]).nonzero()
     if not len(different):

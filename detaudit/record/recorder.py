@@ -409,9 +409,9 @@ class Recorder:
                 if (
                     fault is not None and fault.phase == BACKWARD and fault.step == self._step
                     and fault.module == call.module and call.index == 0 and not self.fault_fired
-                    and grad.is_floating_point() and grad.numel()
-                ):
-                    grads[k], changed, self.fault_fired = next_ulp(grad), True, True
+                    and grad.is_floating_point() and bool((grad != 0).any())
+                ):  # an all-zero gradient (nothing reached that input) cannot carry 1 ULP
+                    grads[k], changed, self.fault_fired = next_ulp(grad, largest=True), True, True
                 if slot is not None and self._records_modules:
                     with self._lock:
                         self._keys.append((BACKWARD, call.module, call.index, slot))

@@ -53,12 +53,17 @@ def replace_first_float(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) ->
     return obj, False
 
 
-def next_ulp(t: torch.Tensor) -> torch.Tensor:
-    """`t` with its first element moved up by one ULP, as a graph-preserving new tensor."""
+def next_ulp(t: torch.Tensor, largest: bool = False) -> torch.Tensor:
+    """`t` with one element moved up by one ULP, as a graph-preserving new tensor: the
+    first element, or with `largest` the one of largest magnitude (the first of them) --
+    for gradients, which are often zero where nothing reached, and 1 ULP of zero vanishes
+    in the next sum."""
     flat = t.detach().reshape(-1)
-    bumped = torch.nextafter(flat[:1], torch.full_like(flat[:1], float("inf")))
+    i = int(torch.nan_to_num(flat.abs().float(), nan=0.0, posinf=0.0).argmax()) if (
+        largest and flat.numel() > 1) else 0
+    x = flat[i:i + 1]
     delta = torch.full_like(flat, -0.0)
-    delta[:1] = bumped - flat[:1]
+    delta[i:i + 1] = torch.nextafter(x, torch.full_like(x, float("inf"))) - x
     # x + (-0.0) is exactly x (signed zeros included) and x0 + (next(x0) - x0) == next(x0),
     # so exactly one element changes.
     return t + delta.reshape(t.shape)
