@@ -13,16 +13,23 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .analysis.compare import Comparison
 from .analysis.compare import compare as compare_traces
 from .analysis.verdict import Verdict, judge
-from .api import Progress, _interrupted, _write_reports
-from .config import SCAN, AuditConfig, ProbeSpec
-from .drivers.attach import JOB_VARIABLE, OWNER_VARIABLE
+from .api import STAGE_NAMES, ZOOMED_CAUSES, Progress, _interrupted, _write_reports
+from .config import (
+    FAULT_FIRED,
+    JOB_VARIABLE,
+    OWNER_VARIABLE,
+    SCAN,
+    AuditConfig,
+    ExecJob,
+    ProbeSpec,
+)
 from .errors import DetauditError
 from .report import render_html, summarize
 from .runfolder import (
@@ -32,6 +39,7 @@ from .runfolder import (
     new_run_id,
     trace_name,
     trace_probe,
+    zoom_name,
 )
 from .trace import PROBE_CONFIG, PROBE_RUN, PROBE_SPEC, Trace
 
@@ -111,13 +119,14 @@ def _info(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:
 
 
 def _conclude(traces: list[Trace], info: RunInfo, folder: RunFolder | None,
-              timings: list[dict[str, Any]] | None = None) -> Compared:
+              timings: list[dict[str, Any]] | None = None,
+              zoom: Comparison | None = None) -> Compared:
     comparison = compare_traces(traces)
     info.state = COMPLETE
     if folder is not None:
         folder.save()
-    verdict = judge(comparison)
-    summary = summarize(info, comparison, traces, verdict)
+    verdict = judge(comparison, info.extra.get("ops"), zoom=zoom)
+    summary = summarize(info, comparison, traces, verdict, zoom=zoom)
     if folder is not None:
         _write_reports(folder, summary)
     return Compared(comparison, verdict, summary, traces, folder.path if folder else None,
@@ -212,17 +221,6 @@ def _free_trace_path(folder: Path) -> Path:
 
 
 # -- exec ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ExecJob:
-    """What each run of the command records, as the bootstrap reads it from the job
-    variable."""
-
-    repeats: int = 2
-    seed: int | None = None  # seed every RNG before the user's code (None: leave unseeded)
-    max_steps: int | None = None
-    max_epochs: int | None = None
-
-
 def exec_command(
     command: list[str], job: ExecJob, *, out: str | Path, overwrite: bool = False,
     progress: Progress | None = None, output: Any = None,
@@ -236,7 +234,7 @@ def exec_command(
         raise DetauditError("--repeats, --max-steps and --max-epochs must be at least 1")
     run_id = new_run_id()
     config = AuditConfig(repeats=job.repeats, epochs=job.max_epochs or 1, steps=job.max_steps,
-                         seed=job.seed or 0, granularity=SCAN, stress=0)
+                         seed=job.seed or 0, granularity=SCAN, stress=0, fault=job.fault)
     spec = ProbeSpec("command", Path(command[0]).name if len(command) == 1 else
                      _script_name(command), source=_shell_line(command))
     limits = ", ".join(f"{flag} {v}" for flag, v in (("--max-steps", job.max_steps),
@@ -250,33 +248,89 @@ def exec_command(
         try:
             traces, timings = [], []
             progress.start(job.repeats, "run", f"exec: {spec.source}")
+            probe = trace_probe(spec, config, run_id)
             for repeat in range(job.repeats):
-                trace, timing = _run_once(command, job, folder.path, repeat,
-                                          trace_probe(spec, config, run_id), output)
+                trace, timing = _run_once(command, job, folder.path, repeat, probe, output)
                 traces.append(trace)
                 timings.append(timing)
                 folder.add_trace(trace, timing)
                 (folder.path / _attach_name(repeat)).unlink(missing_ok=True)
                 progress.advance(f"run {repeat + 1}/{job.repeats}: {len(trace.steps)} steps")
             progress.close()
+            comparison = compare_traces(traces)
+            zoomed = None
+            if (job.zoom and comparison.first_step is not None and not comparison.failures
+                    and comparison.cause in ZOOMED_CAUSES):
+                folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
+                progress.stage("zoom")
+                zoomed = _zoom_command(command, job, folder, probe, comparison, config, spec,
+                                       output)
         except KeyboardInterrupt:
             _interrupted(folder)
             raise
         except BaseException as exc:
             folder.set_state(f"failed during {folder.info.state}: {type(exc).__name__}")
             raise
-        return _conclude(traces, info, folder, timings)
+        return _conclude(traces, info, folder, timings, zoomed)
+
+
+def _zoom_command(
+    command: list[str], job: ExecJob, folder: RunFolder, probe: dict[str, Any],
+    comparison: Comparison, config: AuditConfig, spec: ProbeSpec, output: Any,
+) -> Comparison | None:
+    """Run the command again, each run recording the first divergent step at module and op
+    level (the scan runs before it must agree again: if a run parts earlier, the zoom moves
+    there; a step that does not part again is retried, then called intermittent)."""
+    from .investigate.drilldown import drill_down
+    from .investigate.zoom import FOUND, INTERMITTENT
+
+    step = comparison.first_step
+    assert step is not None
+    attempts: list[dict[str, Any]] = []
+    found: dict[str, Any] = {"status": INTERMITTENT, "step": step, "attempts": attempts}
+    zoomed = None
+    for _ in range(max(1, job.zoom_tries)):
+        traces = [_run_once(command, replace(job, max_steps=step + 1), folder.path, r, probe,
+                            output, zoom=step)[0] for r in range(job.repeats)]
+        for r in range(job.repeats):
+            (folder.path / _attach_name(r)).unlink(missing_ok=True)
+        replay = compare_traces(traces)
+        if replay.first_step is not None and replay.first_step < step:
+            attempts.append({"step": step, "outcome": f"parted earlier, at step "
+                             f"{replay.first_step}: zooming there"})
+            step = replay.first_step
+            continue
+        if replay.first_step == step:
+            attempts.append({"step": step, "outcome": "parted again"})
+            found.update(status=FOUND, step=step)
+            ops = drill_down(None, replace(config, granularity="module"), replay, spec, traces)
+            if ops is not None:
+                folder.info.extra["ops"] = ops
+            zoomed = replay
+            for trace in traces:
+                folder.add_zoom_trace(trace)
+            found["traces"] = [zoom_name(t.repeat) for t in traces]
+            break
+        attempts.append({"step": step, "outcome": "did not part this time"})
+    found["step"] = step
+    folder.info.extra["zoom"] = found
+    folder.save()
+    return zoomed
 
 
 def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
-              probe: dict[str, Any], output: Any) -> tuple[Trace, dict[str, Any]]:
+              probe: dict[str, Any], output: Any, zoom: int | None = None,
+              ) -> tuple[Trace, dict[str, Any]]:
     """One run of the command in its own process group; its trace."""
     path = folder / _attach_name(repeat)
+    fault = job.fault if job.fault is not None and repeat == job.repeats - 1 else None
     env = dict(os.environ)
     env.pop(OWNER_VARIABLE, None)
-    env[JOB_VARIABLE] = json.dumps({"trace": str(path), "probe": probe, "repeat": repeat,
-                                    "seed": job.seed, "max_steps": job.max_steps,
-                                    "max_epochs": job.max_epochs})
+    env[JOB_VARIABLE] = json.dumps({
+        "trace": str(path), "probe": probe, "repeat": repeat, "seed": job.seed,
+        "max_steps": job.max_steps, "max_epochs": job.max_epochs, "zoom": zoom,
+        "fault": asdict(fault) if fault is not None else None,
+    })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:
         env.setdefault("PYTHONHASHSEED", str(job.seed % 2**32))
@@ -304,6 +358,12 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         job.max_epochs is not None and trace.steps and trace.steps[-1].epoch + 1 >= job.max_epochs)
     if code != 0 and not at_limit and trace.failure is None:
         trace.failure = f"the command exited with code {code} after step {len(trace.steps) - 1}"
+    if fault is not None and not trace.probe.get(FAULT_FIRED) and trace.failure is None:
+        raise DetauditError(
+            f"the planted fault never fired: module {fault.module!r}"
+            f"{f' (op {fault.op})' if fault.op else ''} did not run {fault.phase} at step "
+            f"{fault.step} of {len(trace.steps)} recorded steps"
+        )
     timing = {"repeat": repeat, "seconds": seconds, "steps": len(trace.steps),
               "exit_code": code}
     return trace, timing

@@ -165,6 +165,15 @@ def _parser() -> argparse.ArgumentParser:
                          help="end each run cleanly after K optimizer steps")
     execute.add_argument("--max-epochs", type=int, metavar="E",
                          help="end each run cleanly when its training DataLoader starts pass E+1")
+    execute.add_argument("--inject-fault", metavar="MODULE[/OP][@forward|@backward][:STEP]",
+                         help="plant a 1-ULP change in the last run, as `run --inject-fault` "
+                         "does (modules are named inside the top-level model)")
+    execute.add_argument("--no-zoom", dest="zoom", action="store_false",
+                         help="after a divergence in forward or backward, do not re-run the "
+                         "command to record that step at module and op level")
+    execute.add_argument("--zoom-tries", type=int, default=3, metavar="N",
+                         help="re-runs of the divergent step before it is reported as "
+                         "intermittent (default 3)")
     execute.add_argument("--out", help="run folder (default: reports/exec-<timestamp>/)")
     execute.add_argument("--overwrite", action="store_true",
                          help="replace the run already in --out (refused otherwise)")
@@ -362,7 +371,8 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
 
 def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit exec -- COMMAND`."""
-    from .attached import ExecJob, exec_command
+    from .attached import exec_command
+    from .config import ExecJob
 
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
@@ -370,8 +380,11 @@ def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
                             "detaudit exec --max-steps 10 -- python train.py")
     _check_output_file(args.junit, "--junit")
     out = _out_folder(args.out, "exec")
+    if args.zoom_tries < 1:
+        raise DetauditError("--zoom-tries must be at least 1")
     job = ExecJob(repeats=args.repeats, seed=args.seed, max_steps=args.max_steps,
-                  max_epochs=args.max_epochs)
+                  max_epochs=args.max_epochs, fault=_fault(args.inject_fault), zoom=args.zoom,
+                  zoom_tries=args.zoom_tries)
     result = exec_command(command, job, out=out, overwrite=args.overwrite,
                           progress=_Bar(args.quiet or args.json),
                           output=sys.stderr if args.json else None)

@@ -205,3 +205,25 @@ class Launch:
             raise DetauditError(f"isolation must be inprocess or process, not {self.isolation!r}")
         if self.nproc is not None and self.nproc < 1:
             raise DetauditError("the number of ranks must be at least 1")
+
+
+# `detaudit exec`: the job variable a bootstrapped process reads (JSON), the variable that
+# names the process that records (its children, which inherit the job, do not), and the key
+# of the trace's probe that says whether a planted fault fired.
+JOB_VARIABLE = "DETAUDIT_ATTACH"
+OWNER_VARIABLE = "DETAUDIT_ATTACH_PID"
+FAULT_FIRED = "fault_fired"
+
+
+@dataclass(frozen=True)
+class ExecJob:
+    """What each run of the command records, as the bootstrap reads it from the job
+    variable."""
+
+    repeats: int = 2
+    seed: int | None = None  # seed every RNG before the user's code (None: leave unseeded)
+    max_steps: int | None = None
+    max_epochs: int | None = None
+    fault: Fault | None = None  # planted in the last run (and in the last run of each replay)
+    zoom: bool = True  # after a forward or backward divergence, re-run to record that step
+    zoom_tries: int = 3

@@ -47,6 +47,48 @@ def test_exec_of_a_seeded_script_is_deterministic_with_steps_and_epochs_as_the_s
     assert summary["verdict"] == "deterministic"
 
 
+@pytest.mark.parametrize(("fault", "op"), [
+    ("head@backward:2", None),
+    ("head/aten.mm@backward:1", "aten.mm"),
+])
+def test_exec_names_a_planted_fault_by_module_phase_step_and_op(tmp_path, fault, op):
+    # without accumulation: 1 ULP in one of two accumulated gradients can round away
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", "--inject-fault", fault,
+                 script_args=("--workers", "0", "--accumulate", "1"))
+    assert done.returncode == 1, done.stderr
+    summary = json.loads(done.stdout)
+    module, step = fault.split("/")[0].split("@")[0], int(fault[-1])
+    phase = fault.split("@")[1].split(":")[0]
+    first = summary["first_divergence"]
+    assert (first["module"], first["phase"], first["step"], first["role"]) == (
+        module, phase, step, "origin")
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert (run["extra"]["zoom"]["status"], run["extra"]["zoom"]["step"]) == ("found", step)
+    origin = run["extra"]["ops"]["ops"][0] if op else None
+    if op:
+        assert (origin["op"], origin["module"], origin["role"]) == (op, module, "origin")
+    else:  # a module's planted change is no op's doing
+        assert run["extra"]["ops"]["outside_dispatcher"]["module"] == module
+
+
+def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path):
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "2", "--repeats", "3", "--json",
+                 script_args=("--workers", "0", "--race"))
+    summary = json.loads(done.stdout)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    if done.returncode == 0:  # the race did not fire in any run: nothing to name
+        assert summary["verdict"] == "deterministic"
+        return
+    assert done.returncode == 1, done.stderr
+    zoom = run["extra"]["zoom"]
+    if zoom["status"] == "intermittent":  # it did not fire again in the replays: said so
+        assert len(zoom["attempts"]) == 3
+        return
+    origin = run["extra"]["ops"]["ops"][0]
+    assert (origin["module"], origin["op"]) == ("gather", "aten.index_put")
+    assert summary["first_divergence"]["module"] == "gather"
+
+
 def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     done = _exec(tmp_path, "--max-steps", "1", "--json")
     assert done.returncode == 1, done.stderr

@@ -27,14 +27,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..config import FAULT_FIRED, JOB_VARIABLE, OWNER_VARIABLE, Fault
 from ..record.environment import capture_environment
-from ..record.recorder import WATCH_NONE, Recorder
+from ..record.oprecorder import OpRecorder
+from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
 from ..seeding import seed_everything
 from ..trace import OPTIMIZER, OUTPUT, STATE, StepInfo, Trace
 from .runner import describe_user_error, store_records
 
-JOB_VARIABLE = "DETAUDIT_ATTACH"  # the job a process started by `detaudit exec` records (JSON)
-OWNER_VARIABLE = "DETAUDIT_ATTACH_PID"  # the process that records; its children do not
 SAVE_EVERY_S = 30.0  # a long run's trace is also saved this often, so a hard kill loses little
 
 
@@ -44,14 +44,16 @@ class Attachment:
     `model` and `optimizer`, when given, are the ones recorded; otherwise the first top-level
     module called in training mode is taken, and changed at the first optimizer step for the
     one whose parameters that optimizer updates. After `max_steps` steps (or at the start of
-    epoch `max_epochs`) the trace is saved and `on_limit` is called to end the loop.
+    epoch `max_epochs`) the trace is saved and `on_limit` is called to end the loop. Step
+    `zoom` is recorded at module and op level (a zoom replay); `fault` is planted at its step.
     """
 
     def __init__(
         self, path: str | Path, probe: dict[str, Any], repeat: int = 0, *,
         model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
         max_steps: int | None = None, max_epochs: int | None = None,
-        on_limit: Callable[[], None] | None = None,
+        on_limit: Callable[[], None] | None = None, zoom: int | None = None,
+        fault: Fault | None = None,
     ) -> None:
         self.path = Path(path)
         self.trace = Trace(probe=probe, repeat=repeat, env={})
@@ -59,7 +61,9 @@ class Attachment:
         self.optimizer = optimizer
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.on_limit = on_limit
+        self.zoom, self.fault = zoom, fault
         self.recorder: Recorder | None = None
+        self._ops: OpRecorder | None = None  # the op-level mode of a zoomed or faulted step
         self.info: StepInfo | None = None  # the open step
         self.epoch = 0
         self.explicit_epoch: int | None = None
@@ -73,7 +77,6 @@ class Attachment:
         self._latest_loader: int | None = None
         self._passes: dict[int, int] = {}
         self._handles: list[Any] = []
-        self._global_handles: list[Any] = []  # until the model is known
         self._patches: list[tuple[Any, str, Any]] = []
         self._saved_at = time.monotonic()
         self.stopped = False
@@ -88,13 +91,13 @@ class Attachment:
             register_optimizer_step_pre_hook,
         )
 
-        if self.model is None:
-            self._global_handles = [
-                nn.modules.module.register_module_forward_pre_hook(self._global_pre),
-                nn.modules.module.register_module_forward_hook(self._global_post, always_call=True),
-            ]
-        else:
-            self._hook_model(self.model)
+        # Global module hooks find the top-level calls; the recorder may hook the model's
+        # modules from inside one of them (a zoomed step), which the model's own hooks
+        # could not do while they are being run.
+        self._handles += [
+            nn.modules.module.register_module_forward_pre_hook(self._global_pre),
+            nn.modules.module.register_module_forward_hook(self._global_post, always_call=True),
+        ]
         self._handles += [register_optimizer_step_pre_hook(self._before_update),
                           register_optimizer_step_post_hook(self._after_update)]
         self._patch(torch.Tensor, "backward", _wrap_backward(self))
@@ -105,9 +108,12 @@ class Attachment:
 
     def uninstall(self) -> None:
         """Remove every hook and patch (what was recorded stays in the trace)."""
-        for handle in self._handles + self._global_handles:
+        self._end_ops()
+        if self.recorder is not None:
+            self.recorder.__exit__(None, None, None)  # its module hooks, if a step had any
+        for handle in self._handles:
             handle.remove()
-        self._handles, self._global_handles = [], []
+        self._handles = []
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches = []
@@ -117,24 +123,17 @@ class Attachment:
         self._patches.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
 
-    def _hook_model(self, model: nn.Module) -> None:
-        self._handles.append(model.register_forward_pre_hook(self._model_call, with_kwargs=True))
-
     # -- what the hooks see ----------------------------------------------------------------
     def _global_pre(self, module: nn.Module, args: tuple) -> None:
         if self._depth == 0 and module.training and not self.stopped:
             if module not in self._candidates and any(True for _ in module.parameters()):
                 self._candidates.append(module)
-            if self._candidates and module is self._candidates[0]:
+            if module is self._current_model():
                 self._on_batch(module, args, {})
         self._depth += 1
 
     def _global_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
-
-    def _model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and not self.stopped:
-            self._on_batch(module, args, kwargs)
 
     def _on_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A top-level training call: a new step begins if the last one has updated."""
@@ -165,6 +164,8 @@ class Attachment:
         self._losses += 1
         self.recorder.record(OUTPUT, "", 0, name, tensor.detach())
         self.info.losses[name] = float(tensor.detach().double()).hex()
+        if self._watch(self.info.step) != WATCH_NONE:
+            self.recorder.before_backward(tensor)  # module-level backward records, faults
 
     def name_losses(self, losses: dict[str, torch.Tensor]) -> None:
         """The user named the loss terms of the open step (``watch``'s ``w.step(losses)``)."""
@@ -182,6 +183,7 @@ class Attachment:
         if self.info is None and not self._begin_step(self._current_model()):
             return
         assert self.recorder is not None
+        self._end_ops()  # the update is not the model's ops
         self.recorder.record_param_grads()
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -189,6 +191,7 @@ class Attachment:
                 self.optimizer is not None and optimizer is not self.optimizer):
             return
         self.recorder.record_parameters(OPTIMIZER)
+        self.recorder.hook_for(self._watch(self.info.step + 1))  # between calls: safe
         self.info.optimizer_stepped = True
         self.info.lr = [_finite(group.get("lr")) for group in optimizer.param_groups]
         self._updated = True
@@ -224,18 +227,16 @@ class Attachment:
         if not owners:
             return
         self.model = owners[0]
-        for handle in self._global_handles:
-            handle.remove()
-        self._global_handles = []
-        self._hook_model(self.model)
         if self.recorder is not None and self.recorder.model is not self.model:
-            self.recorder = _step_recorder(self.model)
+            self.recorder.__exit__(None, None, None)
+            self.recorder = self._new_recorder(self.model)
+            self.recorder.begin_step(len(self.trace.steps), self._watch(len(self.trace.steps)))
 
     def _begin_step(self, model: nn.Module | None) -> bool:
         if model is None:
             return False
         if self.recorder is None:
-            self.recorder = _step_recorder(model)
+            self.recorder = self._new_recorder(model)
             self.trace.env = capture_environment(_device_of(model))
         if self._train_loader is None:
             self._train_loader = self._latest_loader
@@ -245,15 +246,45 @@ class Attachment:
             self.epoch, self.index = epoch, 0
         step = len(self.trace.steps)
         self.info = StepInfo(step=step, epoch=self.epoch, index=self.index)
-        self.recorder.begin_step(step, WATCH_NONE)
+        watch = self._watch(step)
+        # inside the model's call: hooks may be added (its own run from the next call on)
+        # but never removed here (see Recorder.hook_for); they go after the update
+        self.recorder.begin_step(step, watch, rehook=False)
+        if watch != WATCH_NONE:
+            self.recorder.hook_for(watch)
+        if step == self.zoom or (self.fault is not None and self.fault.op
+                                 and self.fault.step == step):
+            self._ops = OpRecorder(self.recorder, step, record=step == self.zoom,
+                                   fault=self.fault)
+            self._ops.__enter__()
         if step == 0:
             self.recorder.record_parameters(STATE)
         return True
+
+    def _new_recorder(self, model: nn.Module) -> Recorder:
+        return Recorder(model, fault=self.fault, watch=WATCH_NONE)
+
+    def _watch(self, step: int) -> str:
+        """Every module call at the zoomed step; the calls only where a fault is planted
+        (to find its module); step state only elsewhere."""
+        if step == self.zoom:
+            return WATCH_MODULE
+        return WATCH_CALLS if self.fault is not None and self.fault.step == step else WATCH_NONE
+
+    def _end_ops(self) -> None:
+        if self._ops is not None:
+            ops, self._ops = self._ops, None
+            ops.__exit__(None, None, None)
+
+    @property
+    def fault_fired(self) -> bool:
+        return self.recorder is not None and self.recorder.fault_fired
 
     def end_step(self) -> None:
         """Close the open step and keep its records."""
         if self.info is None or self.recorder is None:
             return
+        self._end_ops()
         store_records(self.trace, self.info.step, self.recorder.end_step())
         self.trace.steps.append(self.info)
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
@@ -282,6 +313,11 @@ class Attachment:
         self.save()
 
     def save(self) -> None:
+        if self.fault is not None:
+            self.trace.probe[FAULT_FIRED] = self.fault_fired
+        self._write()
+
+    def _write(self) -> None:
         """Write the trace (nothing before the first step: a process that never trained,
         such as a data-preparation script in the same command, leaves no trace)."""
         if not self.trace.steps and not self.trace.failure:
@@ -289,11 +325,6 @@ class Attachment:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.trace.save(self.path)
         self._saved_at = time.monotonic()
-
-
-def _step_recorder(model: nn.Module) -> Recorder:
-    """A recorder of step state only (no module hooks)."""
-    return Recorder(model, watch=WATCH_NONE)
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -368,9 +399,10 @@ def activate_from_environment() -> Attachment | None:
     job = json.loads(text)
     if job.get("seed") is not None:
         seed_everything(int(job["seed"]))
+    fault = Fault(**job["fault"]) if job.get("fault") else None
     attachment = Attachment(job["trace"], job["probe"], int(job.get("repeat", 0)),
                             max_steps=job.get("max_steps"), max_epochs=job.get("max_epochs"),
-                            on_limit=_end_process)
+                            on_limit=_end_process, zoom=job.get("zoom"), fault=fault)
     attachment.install()
     sys.excepthook = failure_hook(attachment)
     atexit.register(attachment.finish)

@@ -26,14 +26,16 @@ MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
 
 
 def drill_down(
-    factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
+    factory: ProbeFactory | None, config: AuditConfig, comparison: Comparison,
     spec: ProbeSpec | None = None, traces: list[Trace] | None = None,
     host_draws: set[tuple[str, int]] | None = None,
 ) -> dict[str, Any] | None:
     """Plain data for the report: the differing ops of the first divergent step, the
     measured difference of the first origin op, and what is known about it. `traces`
     that already hold op-level records (``granularity="op"``, a zoom) spare the replay;
-    `host_draws` are the module calls of their step where Python's or numpy's RNG advanced."""
+    `host_draws` are the module calls of their step where Python's or numpy's RNG advanced.
+    Without a `factory` (a command's runs, which cannot be rebuilt here) the op is named from
+    `traces` and its difference is not captured."""
     step = comparison.first_step
     if step is None:
         return None
@@ -41,6 +43,7 @@ def drill_down(
     plan = OpPlan(steps=frozenset({step}), last_step=step, stress=frozenset({step}))
     replayed = comparison  # given traces are the ones `comparison` compared
     if traces is None:
+        assert factory is not None, "a drill-down without traces replays the probe"
         traces = [run_repeat(factory, config, r, spec, ops=plan)[0]
                   for r in range(config.repeats)]
         replayed = compare(traces)
@@ -63,7 +66,8 @@ def drill_down(
     }
     if origins:
         first = origins[0]
-        out["difference"] = _capture_difference(factory, config, first, spec)
+        out["difference"] = (_capture_difference(factory, config, first, spec)
+                             if factory is not None else None)
         device = str(torch.device(config.device))
         out["knowledge"] = [
             {"op": first.op, **k.to_dict()} for k in lookup(first.op, first.phase, device)

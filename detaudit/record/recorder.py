@@ -147,19 +147,27 @@ class Recorder:
         self._counts: dict[str, int] = {}
         self._seq_index: tuple[int, list[int], list[list[int]]] | None = None
 
-    def begin_step(self, step: int, watch: str | None = None) -> None:
+    def begin_step(self, step: int, watch: str | None = None, rehook: bool = True) -> None:
         """Start recording global step `step`, watching its modules as `watch` says (default:
         as the recorder was made): ``module`` records every module call; ``calls`` follows the
         calls without recording them (for op attribution and planted faults); ``none``
-        leaves the model without hooks (a scanned step: step state only)."""
+        leaves the model without hooks (a scanned step: step state only). Without `rehook`
+        the hooks stay as they are (see :meth:`hook_for`)."""
         self._step = step
         self._reset_step()
         self._watch = watch or self._default_watch
-        if self._watch == WATCH_NONE and self._handles:
+        if rehook:
+            self.hook_for(self._watch)
+
+    def hook_for(self, watch: str) -> None:
+        """Install the module hooks `watch` needs, or remove them for ``none``. Torch runs
+        the hooks of a module call as they were when the call began: a hook removed inside
+        a call would still be run, without its state; change them between calls."""
+        if watch == WATCH_NONE and self._handles:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
-        elif self._watch != WATCH_NONE and not self._handles:
+        elif watch != WATCH_NONE and not self._handles:
             self._install()
 
     def end_step(self) -> StepRecords:

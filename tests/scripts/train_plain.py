@@ -1,5 +1,5 @@
 """A plain training script, as users write them: its own argparse, Dataset, DataLoader with
-workers, loop, gradient accumulation 2 and a scheduler. Seeds nothing unless --seed-self."""
+workers, loop, gradient accumulation (2 by default) and a scheduler. Seeds nothing unless --seed-self."""
 
 import argparse
 
@@ -20,27 +20,48 @@ class Shapes(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+class CentreGather(nn.Module):
+    """Features gathered at many duplicate positions: the backward accumulates with
+    index_put_, which differs run to run on 2+ CPU threads."""
+
+    def forward(self, features):
+        n, c, h, w = features.shape
+        rows = torch.arange(6000) * 7 % (n * h * w)
+        weights = torch.linspace(-1, 1, 6000 * c).reshape(6000, c)
+        gathered = features.permute(0, 2, 3, 1).reshape(n * h * w, c)[rows]
+        return (gathered * weights).mean(0, keepdim=True)
+
+
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, race=False):
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.gather = CentreGather() if race else None
         self.head = nn.Linear(8, 4)
 
     def forward(self, x):
-        return self.head(torch.relu(self.stem(x)).mean((2, 3)))
+        features = torch.relu(self.stem(x))
+        pooled = features.mean((2, 3))
+        if self.gather is not None:
+            pooled = pooled + self.gather(features)
+        return self.head(pooled)
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--accumulate", type=int, default=2, help="batches per optimizer step")
     p.add_argument("--seed-self", action="store_true")
     p.add_argument("--forever", action="store_true", help="loop until stopped, catching exits")
     p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
+    p.add_argument("--race", action="store_true", help="a duplicate-index gather (2 threads)")
     args = p.parse_args()
     if args.seed_self:
         torch.manual_seed(0)
-    model = Net()
+    if args.race:
+        torch.set_num_threads(2)
+    model = Net(args.race)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     loader = torch.utils.data.DataLoader(Shapes(16), batch_size=4, num_workers=args.workers)
@@ -50,9 +71,9 @@ def main():
         model.train()
         for i, (x, y) in enumerate(loader):
             try:
-                loss = nn.functional.cross_entropy(model(x), y) / 2
+                loss = nn.functional.cross_entropy(model(x), y) / args.accumulate
                 loss.backward()
-                if i % 2 == 1:
+                if i % args.accumulate == args.accumulate - 1:
                     if steps == args.crash_at:
                         raise RuntimeError("the script's own bug")
                     opt.step()
