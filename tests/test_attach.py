@@ -217,6 +217,33 @@ def test_watch_keeps_the_steps_before_an_error_in_the_loop(tmp_path):
     assert len(trace.steps) == 3 and "ValueError" in trace.failure
 
 
+def test_watch_records_an_optimizer_that_steps_with_a_closure(tmp_path):
+    """step(closure) runs forward and backward inside the optimizer step (LBFGS, Lightning):
+    the gradients are recorded as the update used them, each closure call's loss kept."""
+    def train() -> detaudit.watch:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+        with detaudit.watch(model, out=tmp_path) as w:  # the optimizer found by its hooks
+            for _ in range(3):
+                def closure():
+                    opt.zero_grad()
+                    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+                    loss.backward()
+                    return loss
+                opt.step(closure)
+        return w
+
+    w = train()
+    records = w.trace.frame()
+    assert len(w.trace.steps) == 3
+    assert set(w.trace.steps[0].losses) == {"loss", "loss.1"}  # two closure calls
+    assert set(records[records.phase == "grad"].step) == {0, 1, 2}
+    train()
+    assert detaudit.compare(tmp_path).verdict.kind == "deterministic"
+
+
 def test_compare_needs_two_runs(tmp_path):
     _train(tmp_path, steps=3)
     with pytest.raises(detaudit.DetauditError, match="at least two runs"):

@@ -69,6 +69,7 @@ class Attachment:
         self.explicit_epoch: int | None = None
         self.index = 0  # step within its epoch
         self._updated = False  # the open step's optimizer has stepped
+        self._grads_pending = False  # step(closure): gradients recorded after the update
         self._batches = 0  # top-level training calls in the open step
         self._losses = 0
         self._depth = 0
@@ -180,9 +181,15 @@ class Attachment:
         if self.stopped or (self.optimizer is not None and optimizer is not self.optimizer):
             return
         self._choose_model(optimizer)
+        if self._updated:
+            self.end_step()  # a second update: the step before it is over
         if self.info is None and not self._begin_step(self._current_model()):
             return
         assert self.recorder is not None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: self
+        if callable(closure):
+            self._grads_pending = True  # step(closure): the closure computes them inside step
+            return
         self._end_ops()  # the update is not the model's ops
         self.recorder.record_param_grads()
 
@@ -190,6 +197,10 @@ class Attachment:
         if self.stopped or self.info is None or self.recorder is None or (
                 self.optimizer is not None and optimizer is not self.optimizer):
             return
+        if self._grads_pending:  # the gradients the closure made, as the update used them
+            self._grads_pending = False
+            self._end_ops()
+            self.recorder.record_param_grads()
         self.recorder.record_parameters(OPTIMIZER)
         self.recorder.hook_for(self._watch(self.info.step + 1))  # between calls: safe
         self.info.optimizer_stepped = True
