@@ -244,6 +244,23 @@ def test_watch_records_an_optimizer_that_steps_with_a_closure(tmp_path):
     assert detaudit.compare(tmp_path).verdict.kind == "deterministic"
 
 
+def test_watch_records_a_step_the_grad_scaler_skipped_as_a_step_without_update(tmp_path):
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with detaudit.watch(model, opt, out=tmp_path) as w:
+        for step in range(3):
+            x = torch.full((2, 3), float("inf") if step == 1 else 1.0)  # step 1: inf gradients
+            scaler.scale(model(x).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    steps = w.trace.steps
+    assert [s.optimizer_stepped for s in steps] == [True, False, True]
+    assert [s.scale for s in steps] == [4.0, 2.0, 2.0]  # halved after the skipped step
+    assert [len(s.losses) for s in steps] == [1, 1, 1]  # three steps, not two merged
+
+
 def test_compare_needs_two_runs(tmp_path):
     _train(tmp_path, steps=3)
     with pytest.raises(detaudit.DetauditError, match="at least two runs"):

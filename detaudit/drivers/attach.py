@@ -104,6 +104,7 @@ class Attachment:
         self._patch(torch.Tensor, "backward", _wrap_backward(self))
         self._patch(torch.autograd, "backward", _wrap_autograd_backward(self))
         self._patch(torch.utils.data.DataLoader, "__iter__", _wrap_loader_iter(self))
+        self._patch(torch.amp.GradScaler, "update", _wrap_scaler_update(self))
         self.installed = True
         return self
 
@@ -202,9 +203,26 @@ class Attachment:
             self._end_ops()
             self.recorder.record_param_grads()
         self.recorder.record_parameters(OPTIMIZER)
-        self.recorder.hook_for(self._watch(self.info.step + 1))  # between calls: safe
         self.info.optimizer_stepped = True
         self.info.lr = [_finite(group.get("lr")) for group in optimizer.param_groups]
+        self._step_done()
+
+    def on_scaler_update(self, scaler: Any) -> None:
+        """A GradScaler updated its scale: recorded; when it skipped the optimizer step
+        (inf or NaN gradients), the step ends here, without an update."""
+        if self.stopped or self.info is None or self.recorder is None:
+            return
+        scale = float(scaler.get_scale())
+        self.info.scale = _finite(scale)
+        self.recorder.record(OPTIMIZER, "", 0, "scale", torch.tensor(scale, dtype=torch.float64))
+        if not self._updated and self._losses:
+            self._step_done()
+
+    def _step_done(self) -> None:
+        """The open step has updated (or its update was skipped): the next training call
+        begins a new one; the module hooks are set for it now, between calls."""
+        assert self.info is not None and self.recorder is not None
+        self.recorder.hook_for(self._watch(self.info.step + 1))
         self._updated = True
         if self.max_steps is not None and self.info.step + 1 >= self.max_steps:
             self.end_step()
@@ -383,6 +401,17 @@ def _wrap_loader_iter(attachment: Attachment) -> Callable[..., Any]:
         return original(self)
 
     return __iter__
+
+
+def _wrap_scaler_update(attachment: Attachment) -> Callable[..., Any]:
+    original = torch.amp.GradScaler.update
+
+    def update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        attachment.on_scaler_update(self)
+        return result
+
+    return update
 
 
 def failure_hook(attachment: Attachment) -> Callable[..., None]:

@@ -1,0 +1,35 @@
+"""A heavier plain training script for the exec benchmark: ResNet-18 on seeded synthetic
+64 px images, SGD with momentum, a DataLoader with workers."""
+
+import argparse
+
+import torch
+import torchvision
+from torch import nn
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--workers", type=int, default=2)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(args.steps * args.batch_size, 3, 64, 64, generator=g)
+    labels = torch.randint(0, 10, (len(images),), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels),
+                                         batch_size=args.batch_size, num_workers=args.workers)
+    model = torchvision.models.resnet18(num_classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model.train()
+    for x, y in loader:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print(f"final loss {float(loss):.4f}")
+
+
+if __name__ == "__main__":
+    main()
