@@ -266,12 +266,24 @@ def exec_command(
                 zoomed = _zoom_command(command, job, folder, probe, comparison, config, spec,
                                        output)
         except KeyboardInterrupt:
+            _keep_partial(folder, len(traces))
             _interrupted(folder)
             raise
         except BaseException as exc:
             folder.set_state(f"failed during {folder.info.state}: {type(exc).__name__}")
             raise
         return _conclude(traces, info, folder, timings, zoomed)
+
+
+def _keep_partial(folder: RunFolder, repeat: int) -> None:
+    """The run that was interrupted joins the folder with what it recorded."""
+    partial = folder.path / _attach_name(repeat)
+    if not partial.exists() or folder.info.state.startswith("investigating"):
+        return
+    trace = Trace.load(partial)
+    trace.failure = trace.failure or "interrupted (Ctrl-C or SIGTERM)"
+    folder.add_trace(trace, None)
+    partial.unlink()
 
 
 def _zoom_command(
@@ -341,8 +353,8 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         raise DetauditError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
     try:
         code = child.wait()
-    except KeyboardInterrupt:
-        _end_group(child, signal.SIGINT)
+    except KeyboardInterrupt:  # the command saves its trace on SIGTERM, then ends
+        _end_group(child, signal.SIGTERM)
         raise
     finally:
         _end_group(child, signal.SIGKILL, wait=False)

@@ -4,6 +4,8 @@ script, unmodified) and `detaudit.watch(...)` around the user's own loop."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -111,6 +113,38 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
     assert time.monotonic() - started < 60
     trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
     assert len(trace.steps) == 3 and trace.failure is None
+
+
+def test_ctrl_c_ends_the_process_tree_and_keeps_what_was_recorded(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "detaudit", "exec", "--out", str(out), "--quiet", "--seed",
+               "0", "--", sys.executable, str(SCRIPT), "--forever", "--workers", "2"]
+    audit = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(out.glob("attach-*")) and time.monotonic() < deadline:
+        time.sleep(0.5)  # the command's recording has begun (its first save)
+    time.sleep(2)
+    audit.send_signal(signal.SIGINT)
+    _, err = audit.communicate(timeout=60)
+    assert audit.returncode == 130, err
+    run = json.loads((out / "run.json").read_text())
+    assert run["state"].startswith("interrupted during recording")
+    trace = Trace.load(out / "trace-0.json.gz")
+    assert trace.steps and "interrupted" in trace.failure
+    assert not _running(str(SCRIPT), "--forever")  # the script and its DataLoader workers
+
+
+def _running(*words: str) -> list[str]:
+    """Processes whose command line holds every word (read from /proc, where there is one)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(w in text for w in words):
+            found.append(text)
+    return found
 
 
 def test_max_epochs_stops_at_the_start_of_the_next_pass(tmp_path):

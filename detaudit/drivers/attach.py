@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from ..seeding import seed_everything
 from ..trace import OPTIMIZER, OUTPUT, STATE, StepInfo, Trace
 from .runner import describe_user_error, store_records
 
-SAVE_EVERY_S = 30.0  # a long run's trace is also saved this often, so a hard kill loses little
+SAVE_EVERY_S = 30.0  # a long run's trace is saved this often, so a hard kill loses little
 
 
 class Attachment:
@@ -79,7 +80,7 @@ class Attachment:
         self._passes: dict[int, int] = {}
         self._handles: list[Any] = []
         self._patches: list[tuple[Any, str, Any]] = []
-        self._saved_at = time.monotonic()
+        self._saved_at = -math.inf  # the first step is saved at once, then every SAVE_EVERY_S
         self.stopped = False
         self.installed = False
         self.in_backward = False
@@ -446,7 +447,19 @@ def activate_from_environment() -> Attachment | None:
     attachment.install()
     sys.excepthook = failure_hook(attachment)
     atexit.register(attachment.finish)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_terminate(attachment))
     return attachment
+
+
+def _on_terminate(attachment: Attachment) -> Callable[..., None]:
+    """SIGTERM (detaudit exec after Ctrl-C): save what was recorded and end now, whatever
+    the script would catch."""
+    def handler(signum: int, frame: Any) -> None:
+        attachment.finish("interrupted (Ctrl-C or SIGTERM)")
+        _end_process()
+
+    return handler
 
 
 def _end_process() -> None:
