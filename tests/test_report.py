@@ -178,8 +178,9 @@ def test_render_folder_reproduces_summary(
     shutil.copytree(planted[0], folder)
     again = render_folder(folder)
     assert _plain(json.dumps(again, default=str)) == _plain(json.dumps(planted[1], default=str))
-    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("trace-"))
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith(("trace-", "zoom-")))
     assert names == ["report.github.html", "report.html", "report.md", "run.json", "summary.json"]
+    assert sorted(p.name for p in folder.glob("zoom-*")) == ["zoom-0.json.gz", "zoom-1.json.gz"]
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])

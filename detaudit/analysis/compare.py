@@ -461,6 +461,9 @@ class OpFinding:
         return (self.step, phase, self.module, self.call, f"op{self.index}/{self.op}")
 
 
+_RANDOM_OPS = ("rand", "normal", "bernoulli", "multinomial", "poisson", "uniform", "dropout")
+
+
 def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
     """Every op whose outputs differ across the traces' op-level records, in execution
     order of repeat 0: `origin` when all its inputs agree, else `propagated`."""
@@ -480,11 +483,15 @@ def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
         if not outputs:
             continue
         inputs_differ = any(k[4].startswith(f"{prefix}/in") for k in differing_keys)
-        differ = [idx for idx in others if any(idx.fp.get(k) != ref.fp[k] for k in outputs)]
         op_index, _, op = prefix.partition("/")
+        # An op without tensor inputs that draws no random numbers (arange, zeros, full)
+        # takes its arguments from host values made of earlier results: not an origin.
+        made_from_host = not any(k[4].startswith(f"{prefix}/in") for k in keys) and not any(
+            word in op for word in _RANDOM_OPS)
+        differ = [idx for idx in others if any(idx.fp.get(k) != ref.fp[k] for k in outputs)]
         findings.append(OpFinding(
-            step, FORWARD if phase == OP_FORWARD else BACKWARD, module, call,
-            int(op_index[2:]), op, PROPAGATED if inputs_differ else ORIGIN, len(differ),
+            step, FORWARD if phase == OP_FORWARD else BACKWARD, module, call, int(op_index[2:]),
+            op, PROPAGATED if inputs_differ or made_from_host else ORIGIN, len(differ),
             len(traces), [k[4][len(prefix) + 1:] for k in outputs], differ[0].trace.repeat,
             ref.stats(outputs[0]),
         ))
