@@ -24,10 +24,11 @@ FAULT_GRAMMAR = "MODULE[/OP][@forward|@backward][:STEP] or op:OP[@phase][:STEP]"
 
 @dataclass(frozen=True)
 class Fault:
-    """A planted change in one run: 1 ULP at `module`'s output (forward) or input gradient
-    (backward); with `op`, in the first output of the first such op run inside `module`
-    (any module when `module` is empty) -- 1 ULP for floats, two elements swapped for
-    integers (e.g. nms's kept indices)."""
+    """A planted change in one run: 1 ULP at `module`'s output (forward: its first element)
+    or input gradient (backward: the largest element of the first gradient that is not all
+    zero); with `op`, in the first output of the first such op run inside `module` (any
+    module when `module` is empty) that is not all zero -- 1 ULP for floats, two elements
+    swapped for integers (e.g. nms's kept indices)."""
 
     module: str
     phase: str = FORWARD

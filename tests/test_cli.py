@@ -25,8 +25,8 @@ def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("phase", ["backward", "forward"])
 def test_maskrcnn_planted_fault_is_named(phase, tmp_path):
     """The default run scans every step, then zooms into the one where the runs part."""
-    module = {"forward": "roi_heads.box_roi_pool", "backward": "roi_heads.box_predictor"}[phase]
-    done = run_cli("run", "--model", "maskrcnn", "--image-size", "96", "--inject-fault",
+    module = {"forward": "roi_heads.box_roi_pool", "backward": "roi_heads.box_head"}[phase]
+    done = run_cli("run", "--model", "maskrcnn", "--image-size", "64", "--inject-fault",
                    f"{module}@{phase}:2", "--out", str(tmp_path), "--json",
                    "--no-census", "--stress", "0")  # both: tested on their own
     assert done.returncode == 1, done.stderr
@@ -48,7 +48,7 @@ def test_maskrcnn_planted_fault_is_named(phase, tmp_path):
 
 @pytest.mark.slow
 def test_maskrcnn_without_fault_is_deterministic(tmp_path):
-    done = run_cli("run", "--model", "maskrcnn", "--image-size", "96", "--out", str(tmp_path))
+    done = run_cli("run", "--model", "maskrcnn", "--image-size", "64", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DETERMINISTIC" in done.stdout
     census = json.loads((tmp_path / "summary.json").read_text())["census"]

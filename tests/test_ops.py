@@ -87,7 +87,7 @@ def test_planted_roi_align_backward_fault_is_named_inside_mask_roi_pool():
 
 @pytest.mark.slow
 def test_planted_roi_align_fault_on_the_cli(tmp_path):
-    done = run_cli("run", "--model", "maskrcnn", "--image-size", "96", "--epochs", "1",
+    done = run_cli("run", "--model", "maskrcnn", "--image-size", "64", "--epochs", "1",
                    "--steps", "2", "--inject-fault", "roi_heads.mask_roi_pool/torchvision.roi_align"
                    "@backward:1", "--out", str(tmp_path), "--no-census",
                    "--stress", "0")
