@@ -193,7 +193,7 @@ class Attachment:
             self._grads_pending = True  # step(closure): the closure computes them inside step
             return
         self._end_ops()  # the update is not the model's ops
-        self.recorder.record_param_grads()
+        self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.stopped or self.info is None or self.recorder is None or (
@@ -202,7 +202,7 @@ class Attachment:
         if self._grads_pending:  # the gradients the closure made, as the update used them
             self._grads_pending = False
             self._end_ops()
-            self.recorder.record_param_grads()
+            self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE)
         self.recorder.record_parameters(OPTIMIZER)
         self.info.optimizer_stepped = True
         self.info.lr = [_finite(group.get("lr")) for group in optimizer.param_groups]

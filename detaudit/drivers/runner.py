@@ -422,7 +422,7 @@ def _train_step(
         params = [p for group in optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(params, probe.clip_grad_norm)
     if not modules:
-        recorder.record_param_grads()
+        recorder.record_param_grads(stats=False)
     stepped = True
     if scaler is not None:
         scale_before = float(scaler.get_scale())

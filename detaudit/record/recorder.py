@@ -217,10 +217,11 @@ class Recorder:
             (name, p) for name, p in self._params.items() if phase == STATE or p.requires_grad
         ])
 
-    def record_param_grads(self) -> None:
-        """Every parameter's accumulated ``.grad`` after backward, with stats: across machines
-        (`diff --rtol`) they are what a gradient difference is measured by."""
-        self._record_per_parameter(GRAD, True, [
+    def record_param_grads(self, stats: bool = True) -> None:
+        """Every parameter's accumulated ``.grad`` after backward, with stats unless told
+        not to: across machines (`diff --rtol`) they are what a gradient difference is
+        measured by; a scan compares bitwise and skips their passes over every gradient."""
+        self._record_per_parameter(GRAD, stats, [
             (name, p.grad) for name, p in self._params.items() if p.grad is not None
         ])
 

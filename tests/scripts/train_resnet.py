@@ -28,7 +28,7 @@ def main():
         loss.backward()
         opt.step()
         opt.zero_grad()
-    print(f"final loss {float(loss):.4f}")
+    print(f"final loss {float(loss.detach()):.4f}")
 
 
 if __name__ == "__main__":
