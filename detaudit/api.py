@@ -212,7 +212,7 @@ def run(
                 return _run_distributed(spec, config, folder, launch, progress)
             return _run_here(spec, config, factory, folder, launch, investigations, progress)
         except KeyboardInterrupt:
-            _interrupted(folder)
+            mark_interrupted(folder)
             raise
         except BaseException as exc:
             folder.set_state(f"failed during {folder.info.state}: {type(exc).__name__}")
@@ -235,7 +235,7 @@ def _run_here(
     folder.save()
     verdict = judge(comparison, found.get("ops"), zoom=zoomed)
     summary = summarize(folder.info, comparison, traces, verdict, zoom=zoomed)
-    _write_reports(folder, summary)
+    write_run_reports(folder, summary)
     return AuditResult(spec, config, traces, comparison, verdict, summary, folder.info,
                        timings, found, folder=folder.path)
 
@@ -270,7 +270,7 @@ class _Unsaved:
         pass
 
 
-def _write_reports(folder: RunFolder | _Unsaved, summary: dict[str, Any]) -> None:
+def write_run_reports(folder: RunFolder | _Unsaved, summary: dict[str, Any]) -> None:
     """Every report of the run into its folder, if it has one."""
     if folder.path is None:
         return
@@ -281,7 +281,7 @@ def _write_reports(folder: RunFolder | _Unsaved, summary: dict[str, Any]) -> Non
                             f"{exc.strerror or exc}") from None
 
 
-def _interrupted(folder: RunFolder | _Unsaved) -> None:
+def mark_interrupted(folder: RunFolder | _Unsaved) -> None:
     """Mark the run interrupted and leave reports of what was recorded."""
     folder.set_state(f"interrupted during {folder.info.state}")
     if folder.path is None or not folder.info.traces:
@@ -551,6 +551,6 @@ def _run_distributed(
     folder.save()
     verdict = judge(comparisons[primary], None, ranks)
     summary = summarize(info, comparisons[primary], compared, verdict, ranks)
-    _write_reports(folder, summary)
+    write_run_reports(folder, summary)
     return AuditResult(spec, config, compared, comparisons[primary], verdict, summary, info,
                        ranks=ranks, folder=folder.path)

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 from .analysis.compare import Comparison
 from .analysis.compare import compare as compare_traces
 from .analysis.verdict import Verdict, judge
-from .api import STAGE_NAMES, ZOOMED_CAUSES, Progress, _interrupted, _write_reports
+from .api import STAGE_NAMES, ZOOMED_CAUSES, Progress, mark_interrupted, write_run_reports
 from .config import (
     FAULT_FIRED,
     JOB_VARIABLE,
@@ -128,7 +129,7 @@ def _conclude(traces: list[Trace], info: RunInfo, folder: RunFolder | None,
     verdict = judge(comparison, info.extra.get("ops"), zoom=zoom)
     summary = summarize(info, comparison, traces, verdict, zoom=zoom)
     if folder is not None:
-        _write_reports(folder, summary)
+        write_run_reports(folder, summary)
     return Compared(comparison, verdict, summary, traces, folder.path if folder else None,
                     timings or [])
 
@@ -267,7 +268,7 @@ def exec_command(
                                        output)
         except KeyboardInterrupt:
             _keep_partial(folder, len(traces))
-            _interrupted(folder)
+            mark_interrupted(folder)
             raise
         except BaseException as exc:
             folder.set_state(f"failed during {folder.info.state}: {type(exc).__name__}")
@@ -363,7 +364,8 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         how = "ended" if code == 0 else f"exited with code {code}"
         raise DetauditError(
             f"run {repeat + 1}: {_shell_line(command)!r} {how} before its first training step "
-            "(no optimizer step and no training-mode call of a module was seen)"
+            "(no optimizer step and no training-mode call of a module was seen; the Python "
+            f"that runs it must have detaudit installed, as {sys.executable} does)"
         )
     trace = Trace.load(path)
     at_limit = (job.max_steps is not None and len(trace.steps) >= job.max_steps) or (

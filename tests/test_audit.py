@@ -73,7 +73,6 @@ def test_fault_in_module_without_input_gradient_uses_its_parameter_gradient():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module,phase", [
-    ("rpn.head", "backward"),
     ("roi_heads.box_roi_pool", "backward"),
     ("roi_heads.box_roi_pool", "forward"),
 ])
