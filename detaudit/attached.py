@@ -79,8 +79,8 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
         raise DetauditError(f"compare needs at least two runs; found {len(traces)} trace(s)")
     run_id = new_run_id()
     traces = [_as_repeat(t, i, run_id) for i, t in enumerate(traces)]
-    info = _info(traces[0], run_id, f"detaudit compare {' '.join(str(r) for r in runs if not isinstance(r, Trace))}",
-                 f"{len(traces)} runs compared")
+    named = " ".join(str(r) for r in runs if not isinstance(r, Trace))
+    info = _info(traces[0], run_id, f"detaudit compare {named}", f"{len(traces)} runs compared")
     if out is None:
         return _conclude(traces, info, None)
     with RunFolder(out, info, overwrite) as folder:
@@ -97,7 +97,7 @@ def _load_all(runs: tuple[str | Path | Trace, ...]) -> list[Trace]:
             continue
         path = Path(run)
         if path.is_dir():
-            found = sorted(path.glob("trace-*.json.gz"))
+            found = sorted(path.glob("trace-*.json.gz"), key=_run_order)
             if not found:
                 raise DetauditError(f"{path} holds no trace-*.json.gz")
             traces += [Trace.load(p) for p in found]
@@ -106,6 +106,12 @@ def _load_all(runs: tuple[str | Path | Trace, ...]) -> list[Trace]:
         else:
             raise DetauditError(f"no trace or folder at {path}")
     return traces
+
+
+def _run_order(path: Path) -> tuple[int, str]:
+    """trace-2 before trace-10 (the order watch wrote them), other names after, by name."""
+    number = path.name[len("trace-"):-len(".json.gz")]
+    return (int(number), "") if number.isdigit() else (1 << 62, path.name)
 
 
 def _as_repeat(trace: Trace, repeat: int, run_id: str) -> Trace:
@@ -355,10 +361,10 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     try:
         code = child.wait()
     except KeyboardInterrupt:  # the command saves its trace on SIGTERM, then ends
-        _end_group(child, signal.SIGTERM)
+        _stop(child)
         raise
     finally:
-        _end_group(child, signal.SIGKILL, wait=False)
+        _kill_group(child)
     seconds = time.perf_counter() - started
     if not path.exists():
         how = "ended" if code == 0 else f"exited with code {code}"
@@ -383,19 +389,23 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     return trace, timing
 
 
-def _end_group(child: subprocess.Popen, sig: int, wait: bool = True) -> None:
-    """Send `sig` to the command's process group (workers included); with `wait`, give it
-    time to save, then kill what is left."""
+def _stop(child: subprocess.Popen) -> None:
+    """Ctrl-C: SIGTERM to the command alone (it saves what it recorded, then ends; its
+    DataLoader workers are not signalled first, which it would report as a crash); what is
+    still running after the grace time is killed with its group."""
     try:
-        os.killpg(child.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        return
-    if not wait:
-        return
-    try:
+        child.send_signal(signal.SIGTERM)
         child.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        _end_group(child, signal.SIGKILL, wait=False)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    """Whatever the command left running in its process group (workers, subprocesses)."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _attach_name(repeat: int) -> str:
