@@ -301,40 +301,29 @@ def _zoom_command(
     level (the scan runs before it must agree again: if a run parts earlier, the zoom moves
     there; a step that does not part again is retried, then called intermittent)."""
     from .investigate.drilldown import drill_down
-    from .investigate.zoom import FOUND, INTERMITTENT
+    from .investigate.zoom import zoom_by_replay
 
-    step = comparison.first_step
-    assert step is not None
-    attempts: list[dict[str, Any]] = []
-    found: dict[str, Any] = {"status": INTERMITTENT, "step": step, "attempts": attempts}
-    zoomed = None
-    for _ in range(max(1, job.zoom_tries)):
+    def replay(step: int) -> list[Trace]:
         traces = [_run_once(command, replace(job, max_steps=step + 1), folder.path, r, probe,
                             output, zoom=step)[0] for r in range(job.repeats)]
         for r in range(job.repeats):
             (folder.path / _attach_name(r)).unlink(missing_ok=True)
-        replay = compare_traces(traces)
-        if replay.first_step is not None and replay.first_step < step:
-            attempts.append({"step": step, "outcome": f"parted earlier, at step "
-                             f"{replay.first_step}: zooming there"})
-            step = replay.first_step
-            continue
-        if replay.first_step == step:
-            attempts.append({"step": step, "outcome": "parted again"})
-            found.update(status=FOUND, step=step)
-            ops = drill_down(None, replace(config, granularity="module"), replay, spec, traces)
-            if ops is not None:
-                folder.info.extra["ops"] = ops
-            zoomed = replay
-            for trace in traces:
-                folder.add_zoom_trace(trace)
-            found["traces"] = [zoom_name(t.repeat) for t in traces]
-            break
-        attempts.append({"step": step, "outcome": "did not part this time"})
-    found["step"] = step
+        return traces
+
+    def drill(zoomed: Comparison, traces: list[Trace]) -> dict[str, Any] | None:
+        return drill_down(None, replace(config, granularity="module"), zoomed, spec, traces)
+
+    found, traces = zoom_by_replay(comparison, replay, drill, job.zoom_tries)
+    ops = found.pop("ops")
+    if ops is not None:
+        folder.info.extra["ops"] = ops
+    for trace in traces:
+        folder.add_zoom_trace(trace)
+    if traces:
+        found["traces"] = [zoom_name(t.repeat) for t in traces]
     folder.info.extra["zoom"] = found
     folder.save()
-    return zoomed
+    return compare_traces(traces) if traces else None
 
 
 def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,

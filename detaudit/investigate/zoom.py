@@ -11,7 +11,7 @@ reported as intermittent, with what the scan found.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from ..analysis.compare import Comparison, compare
 from ..config import AuditConfig, ProbeSpec
@@ -28,14 +28,33 @@ def zoom(
 ) -> tuple[dict[str, Any], list[Trace]]:
     """Plain data for the report (status, zoomed step, attempts, and the op drill-down under
     ``ops``) and the zoomed traces (module and op records at the zoomed step)."""
+    plans: dict[int, OpPlan] = {}
+
+    def replay(step: int) -> list[Trace]:
+        at = frozenset({step})
+        plans[step] = OpPlan(steps=at, last_step=step, zoom=at, stress=at)
+        return [run_repeat(factory, config, r, spec, ops=plans[step])[0]
+                for r in range(config.repeats)]
+
+    def drill(zoomed: Comparison, traces: list[Trace]) -> dict[str, Any] | None:
+        step = zoomed.first_step
+        return drill_down(factory, replace(config, granularity="module"), zoomed, spec, traces,
+                          plans[step].host_draws.get(step, set()))
+
+    return zoom_by_replay(comparison, replay, drill, tries)
+
+
+def zoom_by_replay(
+    comparison: Comparison, replay: Callable[[int], list[Trace]],
+    drill: Callable[[Comparison, list[Trace]], dict[str, Any] | None], tries: int = 3,
+) -> tuple[dict[str, Any], list[Trace]]:
+    """The zoom, whatever replays the runs: `replay(step)` returns every repeat's trace with
+    `step` recorded at module and op level; `drill` names the op from them."""
     step = comparison.first_step
     assert step is not None, "zoom needs a divergent step"
     attempts: list[dict[str, Any]] = []
     for _ in range(max(1, tries)):
-        at = frozenset({step})
-        plan = OpPlan(steps=at, last_step=step, zoom=at, stress=at)
-        traces = [run_repeat(factory, config, r, spec, ops=plan)[0]
-                  for r in range(config.repeats)]
+        traces = replay(step)
         zoomed = compare(traces)
         if zoomed.first_step is not None and zoomed.first_step < step:
             attempts.append({"step": step, "outcome": f"parted earlier, at step "
@@ -44,8 +63,7 @@ def zoom(
             continue
         if zoomed.first_step == step:
             attempts.append({"step": step, "outcome": "parted again"})
-            ops = drill_down(factory, replace(config, granularity="module"), zoomed, spec, traces,
-                             plan.host_draws.get(step, set()))
-            return {"status": FOUND, "step": step, "attempts": attempts, "ops": ops}, traces
+            return {"status": FOUND, "step": step, "attempts": attempts,
+                    "ops": drill(zoomed, traces)}, traces
         attempts.append({"step": step, "outcome": "did not part this time"})
     return {"status": INTERMITTENT, "step": step, "attempts": attempts, "ops": None}, []
