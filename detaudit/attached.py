@@ -16,16 +16,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .analysis.compare import Comparison
 from .analysis.compare import compare as compare_traces
+from .analysis.ranks import RankAnalysis
 from .analysis.verdict import Verdict, judge
 from .api import STAGE_NAMES, ZOOMED_CAUSES, Progress, mark_interrupted, write_run_reports
 from .config import (
     FAULT_FIRED,
     JOB_VARIABLE,
     OWNER_VARIABLE,
+    RANK_OWNER_VARIABLE,
     SCAN,
     AuditConfig,
     ExecJob,
@@ -127,13 +129,14 @@ def _info(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:
 
 def _conclude(traces: list[Trace], info: RunInfo, folder: RunFolder | None,
               timings: list[dict[str, Any]] | None = None,
-              zoom: Comparison | None = None) -> Compared:
-    comparison = compare_traces(traces)
+              zoom: Comparison | None = None, ranks: RankAnalysis | None = None,
+              comparison: Comparison | None = None) -> Compared:
+    comparison = comparison or compare_traces(traces)
     info.state = COMPLETE
     if folder is not None:
         folder.save()
-    verdict = judge(comparison, info.extra.get("ops"), zoom=zoom)
-    summary = summarize(info, comparison, traces, verdict, zoom=zoom)
+    verdict = judge(comparison, info.extra.get("ops"), ranks, zoom=zoom)
+    summary = summarize(info, comparison, traces, verdict, ranks, zoom=zoom)
     if folder is not None:
         write_run_reports(folder, summary)
     return Compared(comparison, verdict, summary, traces, folder.path if folder else None,
@@ -252,50 +255,119 @@ def exec_command(
                    command=f"detaudit exec -- {_shell_line(command)}", traces=[],
                    run_id=run_id, state="recording")
     with RunFolder(out, info, overwrite) as folder:
+        runs: list[Recorded] = []
         try:
-            traces, timings = [], []
+            timings = []
             progress.start(job.repeats, "run", f"exec: {spec.source}")
             probe = trace_probe(spec, config, run_id)
             for repeat in range(job.repeats):
-                trace, timing = _run_once(command, job, folder.path, repeat, probe, output)
-                traces.append(trace)
+                recorded, timing = _run_once(command, job, folder.path, repeat, probe, output)
+                if runs and (None in recorded) != (None in runs[0]):
+                    raise DetauditError(
+                        f"run {repeat + 1} recorded {_what(recorded)} and run 1 "
+                        f"{_what(runs[0])}: the command must start its ranks the same way "
+                        "every time")
+                runs.append(recorded)
                 timings.append(timing)
-                folder.add_trace(trace, timing)
-                (folder.path / _attach_name(repeat)).unlink(missing_ok=True)
-                progress.advance(f"run {repeat + 1}/{job.repeats}: {len(trace.steps)} steps")
+                for rank, trace in recorded.items():
+                    folder.add_trace(trace, timing if rank == min(recorded, key=_rank_order)
+                                     else None, rank)
+                _clear_attached(folder.path, repeat)
+                steps = len(next(iter(recorded.values())).steps)
+                progress.advance(f"run {repeat + 1}/{job.repeats}: {steps} steps"
+                                 f"{f' on {len(recorded)} ranks' if None not in recorded else ''}")
             progress.close()
+            ranks = _rank_analysis(runs, command) if None not in runs[0] else None
+            primary = None if ranks is None else ranks.primary_rank
+            traces = _of_rank(runs, primary)
             comparison = compare_traces(traces)
+            if ranks is not None:  # the primary rank's repeats, as compared across ranks
+                comparison.failures.update({t.repeat: t.failure for t in traces if t.failure})
+                folder.info.extra["ranks"] = ranks.to_dict()
+                folder.info.traces = [trace_name(t.repeat, primary) for t in traces]
             zoomed = None
             if (job.zoom and comparison.first_step is not None and not comparison.failures
                     and comparison.cause in ZOOMED_CAUSES):
                 folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
                 progress.stage("zoom")
                 zoomed = _zoom_command(command, job, folder, probe, comparison, config, spec,
-                                       output)
+                                       output, primary)
         except KeyboardInterrupt:
-            _keep_partial(folder, len(traces))
+            _keep_partial(folder, len(runs))
             mark_interrupted(folder)
             raise
         except BaseException as exc:
             folder.set_state(f"failed during {folder.info.state}: {type(exc).__name__}")
             raise
-        return _conclude(traces, info, folder, timings, zoomed)
+        return _conclude(traces, info, folder, timings, zoomed, ranks, comparison)
+
+
+Recorded = dict[Optional[int], Trace]  # rank (None: the command's own process) -> its trace
+
+
+def _rank_order(rank: int | None) -> int:
+    return -1 if rank is None else rank
+
+
+def _what(recorded: Recorded) -> str:
+    return "one process" if None in recorded else f"{len(recorded)} ranks"
+
+
+def _of_rank(runs: list[Recorded], rank: int | None) -> list[Trace]:
+    """Each run's trace of `rank` (None: of the command's own process)."""
+    return [run[rank] for run in runs if rank in run]
+
+
+def _rank_analysis(runs: list[Recorded], command: list[str]) -> RankAnalysis:
+    """Every rank's repeats compared run to run, and every repeat's ranks with each other
+    (the checks of ``run --nproc``)."""
+    from .analysis.ranks import analyse, compare_ranks
+
+    by_rank: dict[int, list[Trace]] = {}
+    for run in runs:
+        for rank, trace in sorted(run.items()):
+            by_rank.setdefault(rank, []).append(trace)
+    analysis = analyse(by_rank, compare_ranks(by_rank))
+    analysis.launch = _shell_line(command)
+    analysis.traces = {str(r): [trace_name(t.repeat, r) for t in ts] for r, ts in by_rank.items()}
+    return analysis
 
 
 def _keep_partial(folder: RunFolder, repeat: int) -> None:
-    """The run that was interrupted joins the folder with what it recorded."""
-    partial = folder.path / _attach_name(repeat)
-    if not partial.exists() or folder.info.state.startswith("investigating"):
+    """The run that was interrupted joins the folder with what it (or each rank) recorded."""
+    if folder.info.state.startswith("investigating"):
         return
-    trace = Trace.load(partial)
-    trace.failure = trace.failure or "interrupted (Ctrl-C or SIGTERM)"
-    folder.add_trace(trace, None)
-    partial.unlink()
+    for rank, trace in _recorded(folder.path / _attach_name(repeat)).items():
+        trace.failure = trace.failure or "interrupted (Ctrl-C or SIGTERM)"
+        folder.add_trace(trace, None, rank)
+    _clear_attached(folder.path, repeat)
+
+
+def _recorded(path: Path) -> Recorded:
+    """What one run of the command left: the traces of its ranks (see
+    :func:`detaudit.config.rank_trace_path`) or, when it started none, its own."""
+    stem = path.name.removesuffix(".json.gz")
+    ranks = {}
+    for found in path.parent.glob(f"{stem}-r*.json.gz"):
+        rank = found.name[len(stem) + 2:-len(".json.gz")]
+        if rank.isdigit():
+            ranks[int(rank)] = Trace.load(found)
+    if ranks:
+        return dict(sorted(ranks.items()))
+    return {None: Trace.load(path)} if path.exists() else {}
+
+
+def _clear_attached(folder: Path, repeat: int) -> None:
+    """The command's own trace files of one run, once the folder holds them."""
+    stem = _attach_name(repeat).removesuffix(".json.gz")
+    for path in [folder / _attach_name(repeat), *folder.glob(f"{stem}-r*.json.gz")]:
+        path.unlink(missing_ok=True)
 
 
 def _zoom_command(
     command: list[str], job: ExecJob, folder: RunFolder, probe: dict[str, Any],
     comparison: Comparison, config: AuditConfig, spec: ProbeSpec, output: Any,
+    rank: int | None = None,
 ) -> Comparison | None:
     """Run the command again, each run recording the first divergent step at module and op
     level (the scan runs before it must agree again: if a run parts earlier, the zoom moves
@@ -304,11 +376,11 @@ def _zoom_command(
     from .investigate.zoom import zoom_by_replay
 
     def replay(step: int) -> list[Trace]:
-        traces = [_run_once(command, replace(job, max_steps=step + 1), folder.path, r, probe,
-                            output, zoom=step)[0] for r in range(job.repeats)]
+        runs = [_run_once(command, replace(job, max_steps=step + 1), folder.path, r, probe,
+                          output, zoom=step)[0] for r in range(job.repeats)]
         for r in range(job.repeats):
-            (folder.path / _attach_name(r)).unlink(missing_ok=True)
-        return traces
+            _clear_attached(folder.path, r)
+        return _of_rank(runs, rank)
 
     def drill(zoomed: Comparison, traces: list[Trace]) -> dict[str, Any] | None:
         return drill_down(None, replace(config, granularity="module"), zoomed, spec, traces)
@@ -328,12 +400,13 @@ def _zoom_command(
 
 def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
               probe: dict[str, Any], output: Any, zoom: int | None = None,
-              ) -> tuple[Trace, dict[str, Any]]:
-    """One run of the command in its own process group; its trace."""
+              ) -> tuple[Recorded, dict[str, Any]]:
+    """One run of the command in its own process group; its trace, or each rank's."""
     path = folder / _attach_name(repeat)
     fault = job.fault if job.fault is not None and repeat == job.repeats - 1 else None
     env = dict(os.environ)
     env.pop(OWNER_VARIABLE, None)
+    env.pop(RANK_OWNER_VARIABLE, None)
     env[JOB_VARIABLE] = json.dumps({
         "trace": str(path), "probe": probe, "repeat": repeat, "seed": job.seed,
         "max_steps": job.max_steps, "max_epochs": job.max_epochs, "zoom": zoom,
@@ -355,27 +428,32 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     finally:
         _kill_group(child)
     seconds = time.perf_counter() - started
-    if not path.exists():
+    recorded = _recorded(path)
+    if not recorded:
         how = "ended" if code == 0 else f"exited with code {code}"
         raise DetauditError(
             f"run {repeat + 1}: {_shell_line(command)!r} {how} before its first training step "
             "(no optimizer step and no training-mode call of a module was seen; the Python "
             f"that runs it must have detaudit installed, as {sys.executable} does)"
         )
-    trace = Trace.load(path)
-    at_limit = (job.max_steps is not None and len(trace.steps) >= job.max_steps) or (
-        job.max_epochs is not None and trace.steps and trace.steps[-1].epoch + 1 >= job.max_epochs)
-    if code != 0 and not at_limit and trace.failure is None:
-        trace.failure = f"the command exited with code {code} after step {len(trace.steps) - 1}"
-    if fault is not None and not trace.probe.get(FAULT_FIRED) and trace.failure is None:
+    for trace in recorded.values():
+        at_limit = (job.max_steps is not None and len(trace.steps) >= job.max_steps) or (
+            job.max_epochs is not None and trace.steps
+            and trace.steps[-1].epoch + 1 >= job.max_epochs)
+        if code != 0 and not at_limit and trace.failure is None:
+            trace.failure = (f"the command exited with code {code} after step "
+                             f"{len(trace.steps) - 1}")
+    if fault is not None and not any(t.probe.get(FAULT_FIRED) for t in recorded.values()) \
+            and not any(t.failure for t in recorded.values()):
+        steps = max(len(t.steps) for t in recorded.values())
         raise DetauditError(
             f"the planted fault never fired: module {fault.module!r}"
             f"{f' (op {fault.op})' if fault.op else ''} did not run {fault.phase} at step "
-            f"{fault.step} of {len(trace.steps)} recorded steps"
+            f"{fault.step} of {steps} recorded steps"
         )
-    timing = {"repeat": repeat, "seconds": seconds, "steps": len(trace.steps),
-              "exit_code": code}
-    return trace, timing
+    timing = {"repeat": repeat, "seconds": seconds,
+              "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}
+    return recorded, timing
 
 
 def _stop(child: subprocess.Popen) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from .errors import DetauditError
@@ -213,7 +214,14 @@ class Launch:
 # of the trace's probe that says whether a planted fault fired.
 JOB_VARIABLE = "DETAUDIT_ATTACH"
 OWNER_VARIABLE = "DETAUDIT_ATTACH_PID"
+RANK_OWNER_VARIABLE = "DETAUDIT_ATTACH_RANK"  # the rank whose first process records
 FAULT_FIRED = "fault_fired"
+
+
+def rank_trace_path(path: str | Path, rank: int) -> Path:
+    """Where rank `rank` of a distributed command writes the trace the job names `path`."""
+    path = Path(path)
+    return path.with_name(path.name.removesuffix(".json.gz") + f"-r{rank}.json.gz")
 
 
 @dataclass(frozen=True)

@@ -299,3 +299,47 @@ def test_compare_needs_two_runs(tmp_path):
     _train(tmp_path, steps=3)
     with pytest.raises(detaudit.DetauditError, match="at least two runs"):
         detaudit.compare(tmp_path)
+
+
+# -- ranks: torchrun and torch.multiprocessing.spawn ----------------------------------------
+DDP_SCRIPT = Path(__file__).parent / "scripts" / "train_ddp.py"
+
+
+def _exec_ddp(tmp_path, *options, script_args=()):
+    return run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0", *options,
+                   "--", sys.executable, str(DDP_SCRIPT), *script_args)
+
+
+def _checks(run: Path) -> dict[str, str]:
+    summary = json.loads((run / "summary.json").read_text())
+    return {c["key"]: c["status"] for c in summary["ranks"]["checks"]}
+
+
+def test_exec_of_a_script_that_starts_torchrun_records_each_rank_in_sync(tmp_path):
+    done = _exec_ddp(tmp_path, "--max-steps", "3", script_args=("--launch", "torchrun"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "DETERMINISTIC" in done.stdout and "2 ranks in sync" in done.stdout
+    run = tmp_path / "run"
+    for rank in (0, 1):
+        traces = [Trace.load(run / f"trace-r{rank}-{r}.json.gz") for r in (0, 1)]
+        assert all(len(t.steps) == 3 for t in traces)
+        assert {t.probe["distributed"]["rank"] for t in traces} == {rank}
+        assert traces[0].probe["distributed"]["backend"] == "gloo"
+        assert len(traces[0].probe["distributed"]["init"]) == 4  # parameters before DDP
+    assert not list(run.glob("attach-*"))  # the launcher recorded nothing of its own
+    checks = _checks(run)
+    assert checks["params"] == checks["grads"] == checks["init"] == checks["shards"] == "ok"
+
+
+def test_exec_of_a_script_that_spawns_its_ranks_finds_unsharded_data(tmp_path):
+    # torch.multiprocessing.spawn; every rank shuffles all the data with the same seed
+    done = _exec_ddp(tmp_path, "--max-steps", "3",
+                     script_args=("--launch", "spawn", "--shared-data"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "DIVERGENT ACROSS RANKS" in done.stdout
+    assert "not sharded per rank" in done.stdout
+    checks = _checks(tmp_path / "run")
+    assert checks["shards"] == "flagged"
+    assert checks["params"] == checks["grads"] == "ok"  # DDP keeps them in sync regardless
+    assert sorted(p.name for p in (tmp_path / "run").glob("trace-r*")) == [
+        "trace-r0-0.json.gz", "trace-r0-1.json.gz", "trace-r1-0.json.gz", "trace-r1-1.json.gz"]

@@ -341,6 +341,12 @@ def _check_rng(items: RankTraces) -> CheckResult:
     drew = any(f["drew"] for _, t in items for f in _distributed(t).get("fetches", [])) or any(
         slot == "rng.in" for _, t in items for slot in t.records["slot"]
     )
+    observed = any(_distributed(t).get("fetches") for _, t in items) or any(
+        phase == FORWARD for _, t in items for phase in t.records["phase"])
+    if not findings and not observed:
+        return NOT_CHECKED, (
+            "the draws of data loading and modules were not recorded (a scan records the "
+            "RNG states at each step only)"), []
     if not findings:
         if not drew:
             return OK, "no rank drew randomness while loading data or in a module", []
@@ -406,8 +412,8 @@ def _check_init(items: RankTraces) -> CheckResult:
     inits = [_distributed(trace).get("init") for _, trace in items]
     if any(init is None for init in inits):
         return NOT_CHECKED, (
-            "the probe wrapped its model in DDP itself, which had already broadcast rank 0's "
-            "weights"
+            "the parameters as built were not recorded on every rank (the probe wrapped its "
+            "model in DDP itself, or no DistributedDataParallel was built)"
         ), []
     names = [n for n in inits[0] if all(n in init for init in inits)]
     ranks = [rank for rank, _ in items]

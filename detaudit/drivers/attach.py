@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -28,12 +29,20 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..config import FAULT_FIRED, JOB_VARIABLE, OWNER_VARIABLE, Fault
+from ..config import (
+    FAULT_FIRED,
+    JOB_VARIABLE,
+    OWNER_VARIABLE,
+    RANK_OWNER_VARIABLE,
+    Fault,
+    rank_trace_path,
+)
 from ..record.environment import capture_environment
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
 from ..seeding import seed_everything
-from ..trace import OPTIMIZER, OUTPUT, STATE, StepInfo, Trace
+from ..trace import OPTIMIZER, OUTPUT, PROBE_DISTRIBUTED, STATE, StepInfo, Trace
+from .rankprobe import RankWatch, sampler_snapshot
 from .runner import describe_user_error, store_records
 
 SAVE_EVERY_S = 30.0  # a long run's trace is saved this often, so a hard kill loses little
@@ -47,6 +56,8 @@ class Attachment:
     one whose parameters that optimizer updates. After `max_steps` steps (or at the start of
     epoch `max_epochs`) the trace is saved and `on_limit` is called to end the loop. Step
     `zoom` is recorded at module and op level (a zoom replay); `fault` is planted at its step.
+    `rank`, in one rank of a distributed command, notes what the cross-rank checks need: the
+    parameters as built (before DDP broadcasts rank 0's) and the training sampler's order.
     """
 
     def __init__(
@@ -54,7 +65,7 @@ class Attachment:
         model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
         max_steps: int | None = None, max_epochs: int | None = None,
         on_limit: Callable[[], None] | None = None, zoom: int | None = None,
-        fault: Fault | None = None,
+        fault: Fault | None = None, rank: RankWatch | None = None,
     ) -> None:
         self.path = Path(path)
         self.trace = Trace(probe=probe, repeat=repeat, env={})
@@ -78,6 +89,8 @@ class Attachment:
         self._train_loader: int | None = None
         self._latest_loader: int | None = None
         self._passes: dict[int, int] = {}
+        self.rank = rank
+        self._samplers: dict[int, list[dict[str, Any]]] = {}  # loader -> its passes' orders
         self._handles: list[Any] = []
         self._patches: list[tuple[Any, str, Any]] = []
         self._saved_at = -math.inf  # the first step is saved at once, then every SAVE_EVERY_S
@@ -106,6 +119,9 @@ class Attachment:
         self._patch(torch.autograd, "backward", _wrap_autograd_backward(self))
         self._patch(torch.utils.data.DataLoader, "__iter__", _wrap_loader_iter(self))
         self._patch(torch.amp.GradScaler, "update", _wrap_scaler_update(self))
+        if self.rank is not None:
+            ddp = torch.nn.parallel.DistributedDataParallel
+            self._patch(ddp, "__init__", _wrap_ddp_init(self.rank))
         self.installed = True
         return self
 
@@ -234,6 +250,9 @@ class Attachment:
         key = id(loader)
         self._passes[key] = self._passes.get(key, 0) + 1
         self._latest_loader = key
+        if self.rank is not None:
+            self._samplers.setdefault(key, []).append(
+                {"epoch": self._passes[key] - 1, "sampler": sampler_snapshot(loader)})
         if (key == self._train_loader and self.max_epochs is not None
                 and self._passes[key] > self.max_epochs and not self.stopped):
             self.end_step()
@@ -345,6 +364,10 @@ class Attachment:
     def save(self) -> None:
         if self.fault is not None:
             self.trace.probe[FAULT_FIRED] = self.fault_fired
+        if self.rank is not None:
+            _note_group(self.rank)
+            self.rank.epochs = self._samplers.get(self._train_loader or -1, [])
+            self.trace.probe[PROBE_DISTRIBUTED] = self.rank.to_dict()
         self._write()
 
     def _write(self) -> None:
@@ -355,6 +378,15 @@ class Attachment:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.trace.save(self.path)
         self._saved_at = time.monotonic()
+
+
+def _note_group(rank: RankWatch) -> None:
+    """The backend and world size of the process group the rank joined, while it exists."""
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        if dist.is_available() and dist.is_initialized():
+            rank.backend, rank.world_size = str(dist.get_backend()), dist.get_world_size()
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -404,6 +436,18 @@ def _wrap_loader_iter(attachment: Attachment) -> Callable[..., Any]:
     return __iter__
 
 
+def _wrap_ddp_init(rank: RankWatch) -> Callable[..., Any]:
+    """DDP's constructor broadcasts rank 0's parameters: note this rank's as built first."""
+    original = torch.nn.parallel.DistributedDataParallel.__init__
+
+    def __init__(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if rank.init is None and isinstance(module, nn.Module):
+            rank.record_init(module)
+        original(self, module, *args, **kwargs)
+
+    return __init__
+
+
 def _wrap_scaler_update(attachment: Attachment) -> Callable[..., Any]:
     original = torch.amp.GradScaler.update
 
@@ -429,27 +473,90 @@ def failure_hook(attachment: Attachment) -> Callable[..., None]:
 
 def activate_from_environment() -> Attachment | None:
     """In a process started by ``detaudit exec`` (the bootstrap calls this before the user's
-    code runs): seed if asked, attach, and save the trace at exit. Not in a child of the
-    recording process (a DataLoader worker, a subprocess), which inherits the job."""
+    code runs): seed if asked, attach, and save the trace at exit.
+
+    The command's own process records, and so does the first process of each rank a
+    launcher such as torchrun starts (``RANK`` and ``WORLD_SIZE`` set), into a trace of its
+    own; ``torch.multiprocessing.spawn`` children record from their entry point (see
+    :func:`_spawned_rank`). Other children, which inherit the job (DataLoader workers,
+    subprocesses), do not record.
+    """
     text = os.environ.get(JOB_VARIABLE)
     if not text:
         return None
-    os.environ.setdefault(OWNER_VARIABLE, str(os.getpid()))
-    if os.environ[OWNER_VARIABLE] != str(os.getpid()):
-        return None
     job = json.loads(text)
+    if os.environ.get(OWNER_VARIABLE) in (None, str(os.getpid())):  # execv keeps the pid
+        _claim(None)
+        attachment = _attach(job)
+        _spawn_ranks_through(_spawned_rank)
+        return attachment
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if (rank is not None and rank.isdigit() and world is not None and world.isdigit()
+            and os.environ.get(RANK_OWNER_VARIABLE) != rank):
+        _claim(rank)
+        return _attach(job, RankWatch(int(rank), int(world), "unknown"))
+    if job.get("seed") is not None:  # a spawned child: seeded before its code runs, too
+        seed_everything(int(job["seed"]))
+    return None
+
+
+def _claim(rank: str | None) -> None:
+    """This process records (for `rank`); its children inherit that and do not."""
+    os.environ[OWNER_VARIABLE] = str(os.getpid())
+    if rank is not None:
+        os.environ[RANK_OWNER_VARIABLE] = rank
+
+
+def _attach(job: dict[str, Any], rank: RankWatch | None = None) -> Attachment:
     if job.get("seed") is not None:
         seed_everything(int(job["seed"]))
     fault = Fault(**job["fault"]) if job.get("fault") else None
-    attachment = Attachment(job["trace"], job["probe"], int(job.get("repeat", 0)),
+    path = job["trace"] if rank is None else rank_trace_path(job["trace"], rank.rank)
+    if rank is not None:
+        rank.wrapped_by = "script"  # the user's code builds its DDP model
+    attachment = Attachment(path, job["probe"], int(job.get("repeat", 0)),
                             max_steps=job.get("max_steps"), max_epochs=job.get("max_epochs"),
-                            on_limit=_end_process, zoom=job.get("zoom"), fault=fault)
+                            on_limit=_end_process, zoom=job.get("zoom"), fault=fault,
+                            rank=rank)
     attachment.install()
     sys.excepthook = failure_hook(attachment)
     atexit.register(attachment.finish)
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_terminate(attachment))
     return attachment
+
+
+def _spawn_ranks_through(entry: Callable[..., Any]) -> None:
+    """``torch.multiprocessing.spawn`` starts each rank at `entry` instead of torch's own
+    wrapper (the child unpickles it by name), so that the rank records from its start."""
+    spawning = importlib.import_module("torch.multiprocessing.spawn")  # the module, not
+    global _TORCH_SPAWN_ENTRY  # torch.multiprocessing.spawn, the function
+    if _TORCH_SPAWN_ENTRY is None:
+        _TORCH_SPAWN_ENTRY = spawning._wrap
+        spawning._wrap = entry
+
+
+_TORCH_SPAWN_ENTRY: Callable[..., Any] | None = None
+
+
+def _spawned_rank(fn: Callable[..., Any], i: int, args: tuple, error_file: str) -> None:
+    """A ``torch.multiprocessing.spawn`` child: process `i` records as rank `i` (the world
+    size is the number of processes spawned, unknown here until it joins a group)."""
+    spawning = importlib.import_module("torch.multiprocessing.spawn")
+    job = json.loads(os.environ.get(JOB_VARIABLE) or "null")
+    attachment = None
+    if job is not None and os.environ.get(RANK_OWNER_VARIABLE) != str(i):
+        _claim(str(i))
+        attachment = _attach(job, RankWatch(i, 0, "unknown"))
+    failure = None
+    try:
+        (_TORCH_SPAWN_ENTRY or spawning._wrap)(fn, i, args, error_file)
+    except SystemExit as exc:  # torch's wrapper exits 1 when the rank's function raised
+        failure = f"rank {i} failed (exit code {exc.code})" if exc.code else None
+        raise
+    finally:
+        if attachment is not None:
+            attachment.finish(failure)
 
 
 def _on_terminate(attachment: Attachment) -> Callable[..., None]:

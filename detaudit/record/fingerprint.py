@@ -123,7 +123,8 @@ def _hash_piece(
     if not stats:
         return digest, None
     wide = part.astype(np.float32) if part.dtype == np.float16 else part
-    sq = float(wide.dot(wide))
+    with np.errstate(over="ignore", invalid="ignore"):  # inf or NaN is the answer then
+        sq = float(wide.dot(wide))
     if alone and part.size >= _TORCH_MINMAX:
         lo, hi = torch.aminmax(torch.from_numpy(part))
         return digest, (sq, float(hi), float(lo))

@@ -1,0 +1,65 @@
+"""A DDP training script that starts its own ranks, as users write them: with torchrun
+(``--launch torchrun``: it runs ``python -m torch.distributed.run --nproc-per-node 2`` on
+itself) or with ``torch.multiprocessing.spawn`` (``--launch spawn``). gloo on CPU, a
+DistributedSampler (unless --shared-data), seeded by the script itself."""
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def train(rank, world, args):
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    sampler = (None if args.shared_data else
+               torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, seed=0))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler,
+                                         shuffle=False if sampler else True)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    print(f"rank {rank} trained {args.epochs} epochs", flush=True)
+
+
+def spawned(rank, world, port, args):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    train(rank, world, args)
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--launch", choices=("torchrun", "spawn"), default="torchrun")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--shared-data", action="store_true", help="no sampler: every rank, all data")
+    args = p.parse_args()
+    if args.launch == "spawn":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.multiprocessing.spawn(spawned, args=(2, port, args), nprocs=2)
+    elif "LOCAL_RANK" not in os.environ:  # not yet launched: start the ranks
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", *sys.argv], check=True)
+    else:
+        dist.init_process_group("gloo")
+        train(dist.get_rank(), dist.get_world_size(), args)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
