@@ -189,7 +189,7 @@ class watch:
         if losses is not None:
             self._attachment.name_losses(losses if isinstance(losses, dict) else {"loss": losses})
         self._attachment.end_step()
-        if self.max_steps is not None and len(self._attachment.trace.steps) >= self.max_steps:
+        if self.max_steps is not None and self.steps >= self.max_steps:
             self._attachment.stop()
 
     def epoch(self, index: int) -> None:
@@ -197,8 +197,17 @@ class watch:
         self._attachment.set_epoch(index)
 
     @property
+    def steps(self) -> int:
+        """The steps recorded so far."""
+        return self._attachment.stream.steps
+
+    @property
     def trace(self) -> Trace:
-        return self._attachment.trace
+        """The trace as recorded so far (read back from its file: a long run holds only its
+        newest records in memory)."""
+        if self._attachment.installed:
+            self._attachment.save()
+        return Trace.load(self._attachment.path)
 
     def _limit(self) -> None:
         raise WatchLimit
@@ -208,7 +217,7 @@ class watch:
 
         failure = None
         if exc is not None and not isinstance(exc, WatchLimit):
-            failure = describe_user_error(exc, f"step {len(self.trace.steps)}")
+            failure = describe_user_error(exc, f"step {self.steps}")
         try:
             self._attachment.finish(failure)
         finally:

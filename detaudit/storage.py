@@ -58,15 +58,21 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-def read_json(path: str | Path, what: str) -> Any:
-    """Parse a JSON file, gzip-compressed or not; one clear error naming it otherwise."""
+def read_bytes(path: str | Path, what: str) -> bytes:
+    """A file's bytes; one clear error naming it otherwise."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        return path.read_bytes()
     except OSError as exc:
         raise TraceError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     except MemoryError:
         raise TraceError(f"cannot read {what} {path}: it is too large to read") from None
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """Parse a JSON file, gzip-compressed or not; one clear error naming it otherwise."""
+    path = Path(path)
+    raw = read_bytes(path, what)
     try:
         return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
     # zlib.error: a damaged deflate stream; EOFError: a cut one; OSError: a bad gzip header

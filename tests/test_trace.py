@@ -7,7 +7,7 @@ import pytest
 from conftest import module_audit, small_cnn_probe
 
 from detaudit.errors import TraceError
-from detaudit.trace import Trace
+from detaudit.trace import Trace, TraceStream
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +63,88 @@ def test_unknown_version_is_rejected(traces, tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(TraceError, match="version 99"):
         Trace.load(path)
+
+
+# -- the streamed form (version 2): written while recording, memory flat --------------------
+def _stream(trace: Trace, path, every: int = 1) -> TraceStream:
+    """Write `trace` as a recorder would: its steps one at a time, flushed every `every`."""
+    live = Trace(probe=trace.probe, repeat=trace.repeat, env=trace.env)
+    stream = TraceStream(live, path)
+    for n, info in enumerate(trace.steps):
+        for table, into in ((trace.records, live.records), (trace.calls, live.calls)):
+            rows = [i for i, s in enumerate(table["step"]) if s == info.step]
+            for name, column in into.items():
+                column += [table[name][i] for i in rows]
+        live.steps.append(info)
+        if (n + 1) % every == 0:
+            stream.flush()
+            assert len(live) == 0 and not live.steps  # nothing flushed is held
+    stream.flush()
+    return stream
+
+
+def test_a_streamed_trace_reads_back_as_the_trace(traces, tmp_path):
+    path = _stream(traces[0], tmp_path / "s.json.gz").path
+    loaded = Trace.load(path)
+    assert loaded.records == traces[0].records
+    assert loaded.calls == traces[0].calls
+    assert loaded.steps == traces[0].steps
+    assert loaded.probe == json.loads(json.dumps(traces[0].probe))
+    assert loaded.env == traces[0].env
+
+
+def test_a_streamed_trace_cut_while_writing_keeps_every_flush_before_the_cut(traces, tmp_path):
+    stream = _stream(traces[0], tmp_path / "s.json.gz")
+    raw = stream.path.read_bytes()
+    whole = len(traces[0].steps)
+    members = _member_ends(raw)
+    assert len(members) == whole + 1  # one per step, and the last flush's end line
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(raw[: members[1] + (members[2] - members[1]) // 2])  # in the 3rd member
+    loaded = Trace.load(cut)
+    assert [s.step for s in loaded.steps] == [0, 1]
+    assert set(loaded.records["step"]) == {0, 1}
+    # a damaged member with whole ones after it is not a cut: one clear error
+    broken = bytearray(raw)
+    broken[members[0] + 20] ^= 0xFF
+    (tmp_path / "broken.json.gz").write_bytes(bytes(broken))
+    with pytest.raises(TraceError, match="corrupt"):
+        Trace.load(tmp_path / "broken.json.gz")
+
+
+def _member_ends(raw: bytes) -> list[int]:
+    import zlib
+
+    ends, at = [], 0
+    while at < len(raw):
+        member = zlib.decompressobj(31)
+        member.decompress(raw[at:])
+        at = len(raw) - len(member.unused_data)
+        ends.append(at)
+    return ends
+
+
+def test_watch_over_many_steps_holds_only_what_is_new(tmp_path, monkeypatch):
+    import torch
+    from torch import nn
+
+    import detaudit
+    from detaudit.drivers import attach
+
+    monkeypatch.setattr(attach, "FLUSH_ROWS", 200)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    held = []
+    with detaudit.watch(model, opt, out=tmp_path) as w:
+        for _ in range(300):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+            held.append(len(w._attachment.trace))
+    per_step = 1 + 3 + 4 + 4  # batch, rng streams, loss, 4 gradients, 4 parameters
+    assert max(held) < 200 + 2 * per_step  # flushed whenever 200 records are held
+    trace = Trace.load(w.path)
+    assert [s.step for s in trace.steps] == list(range(300))
+    assert len(trace) >= 300 * (per_step - 3) and trace.records["step"][-1] == 299

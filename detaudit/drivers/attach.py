@@ -41,11 +41,12 @@ from ..record.environment import capture_environment
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
 from ..seeding import seed_everything
-from ..trace import OPTIMIZER, OUTPUT, PROBE_DISTRIBUTED, STATE, StepInfo, Trace
+from ..trace import OPTIMIZER, OUTPUT, PROBE_DISTRIBUTED, STATE, StepInfo, Trace, TraceStream
 from .rankprobe import RankWatch, sampler_snapshot
 from .runner import describe_user_error, store_records
 
-SAVE_EVERY_S = 30.0  # a long run's trace is saved this often, so a hard kill loses little
+SAVE_EVERY_S = 30.0  # a long run's trace is flushed this often, so a hard kill loses little
+FLUSH_ROWS = 20_000  # and whenever this many records are held: its memory stays flat
 
 
 class Attachment:
@@ -68,7 +69,8 @@ class Attachment:
         fault: Fault | None = None, rank: RankWatch | None = None,
     ) -> None:
         self.path = Path(path)
-        self.trace = Trace(probe=probe, repeat=repeat, env={})
+        self.trace = Trace(probe=probe, repeat=repeat, env={})  # what is not yet flushed
+        self.stream = TraceStream(self.trace, self.path)
         self.model = model
         self.optimizer = optimizer
         self.max_steps, self.max_epochs = max_steps, max_epochs
@@ -279,7 +281,7 @@ class Attachment:
         if self.recorder is not None and self.recorder.model is not self.model:
             self.recorder.__exit__(None, None, None)
             self.recorder = self._new_recorder(self.model)
-            self.recorder.begin_step(len(self.trace.steps), self._watch(len(self.trace.steps)))
+            self.recorder.begin_step(self.stream.steps, self._watch(self.stream.steps))
 
     def _begin_step(self, model: nn.Module | None) -> bool:
         if model is None:
@@ -293,7 +295,7 @@ class Attachment:
                  else self._passes.get(self._train_loader, 1) - 1 if self._train_loader else 0)
         if epoch != self.epoch:
             self.epoch, self.index = epoch, 0
-        step = len(self.trace.steps)
+        step = self.stream.steps
         self.info = StepInfo(step=step, epoch=self.epoch, index=self.index)
         watch = self._watch(step)
         # inside the model's call: hooks may be added (its own run from the next call on)
@@ -338,7 +340,7 @@ class Attachment:
         self.trace.steps.append(self.info)
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
         self.index += 1
-        if time.monotonic() - self._saved_at > SAVE_EVERY_S:
+        if time.monotonic() - self._saved_at > SAVE_EVERY_S or len(self.trace) >= FLUSH_ROWS:
             self.save()
 
     def stop(self) -> None:
@@ -371,12 +373,11 @@ class Attachment:
         self._write()
 
     def _write(self) -> None:
-        """Write the trace (nothing before the first step: a process that never trained,
-        such as a data-preparation script in the same command, leaves no trace)."""
-        if not self.trace.steps and not self.trace.failure:
+        """Flush the trace to its file (nothing before the first step: a process that never
+        trained, such as a data-preparation script in the same command, leaves no trace)."""
+        if not self.stream.steps and not self.trace.failure:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.trace.save(self.path)
+        self.stream.flush()
         self._saved_at = time.monotonic()
 
 

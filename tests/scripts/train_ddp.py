@@ -21,7 +21,7 @@ def train(rank, world, args):
     sampler = (None if args.shared_data else
                torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, seed=0))
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler,
-                                         shuffle=False if sampler else True)
+                                         shuffle=sampler is None)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for epoch in range(args.epochs):
