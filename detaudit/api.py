@@ -346,11 +346,43 @@ def check(
     return CheckResult(result, gate)
 
 
-def diff(run_a: str | Path, run_b: str | Path, rtol: float = 0.0, atol: float = 0.0) -> GateResult:
-    """Compare repeat 0 of two saved run folders, bitwise or within rtol/atol."""
-    _, traces_a = load_run(run_a)
-    _, traces_b = load_run(run_b)
-    return diff_traces(traces_a, traces_b, rtol, atol, labels=(str(run_a), str(run_b)))
+def diff(run_a: str | Path, run_b: str | Path, rtol: float = 0.0, atol: float = 0.0,
+         zoom: bool = False) -> GateResult:
+    """Compare repeat 0 of two saved run folders, bitwise or within rtol/atol. With `zoom`,
+    when they part at a step, replay both here to that step at module and op level (see
+    :func:`detaudit.investigate.zoom.zoom_between`)."""
+    info_a, traces_a = load_run(run_a)
+    info_b, traces_b = load_run(run_b)
+    def replay_both(step: int) -> dict[str, Any]:
+        from .investigate.zoom import NOT_POSSIBLE, zoom_between
+
+        runs = [_replayable(info, traces[0], label)
+                for info, traces, label in ((info_a, traces_a, "A"), (info_b, traces_b, "B"))]
+        refused = next((r for r in runs if isinstance(r, str)), None)
+        if refused:
+            return {"status": NOT_POSSIBLE, "step": step, "why": refused}
+        return zoom_between(runs, step)  # type: ignore[arg-type]
+
+    return diff_traces(traces_a, traces_b, rtol, atol, labels=(str(run_a), str(run_b)),
+                       zoom=replay_both if zoom else None)
+
+
+def _replayable(info: RunInfo, trace: Trace, label: str) -> tuple | str:
+    """(spec, config, factory, trace) to replay a saved run here, or why it cannot be."""
+    from .drivers.loading import make_factory
+
+    spec = ProbeSpec.from_dict({k: v for k, v in info.probe.items() if k != "preset"})
+    if spec.kind not in ("builtin", "file"):
+        return (f"{label} was recorded from {spec.kind} {spec.name!r}, which detaudit cannot "
+                "replay (re-run it with the zoom: `detaudit exec` and `run` zoom by default)")
+    if spec.kind == "file" and not Path(spec.source or "").exists():
+        return f"{label}'s probe file {spec.source} is not on this machine"
+    try:
+        config = AuditConfig.from_dict(info.config)
+        resolve_device(config.device)
+    except (DetauditError, TypeError, ValueError) as exc:
+        return f"{label} cannot be replayed here: {exc}"
+    return spec, config, make_factory(spec), trace
 
 
 def render_folder(folder: str | Path) -> dict[str, Any]:

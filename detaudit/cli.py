@@ -144,6 +144,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     diff.add_argument("run_a", help="run folder A")
     diff.add_argument("run_b", help="run folder B")
+    diff.add_argument("--zoom", action="store_true",
+                      help="when they part at a step, replay both runs here (repeat 0, each from "
+                      "its own configuration) to that step at module and op level, and name "
+                      "the module and op where they part")
     _add_gate_arguments(diff)
     diff.set_defaults(func=cmd_diff)
 
@@ -459,7 +463,7 @@ def cmd_diff(args: argparse.Namespace, argv: list[str]) -> int:
     from . import api
 
     _check_output_file(args.junit, "--junit")
-    gate = api.diff(args.run_a, args.run_b, args.rtol, args.atol)
+    gate = api.diff(args.run_a, args.run_b, args.rtol, args.atol, zoom=args.zoom)
     print(_safe(gate.message))
     if args.junit:
         name = f"{Path(args.run_a).name}-vs-{Path(args.run_b).name}"

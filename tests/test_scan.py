@@ -250,3 +250,29 @@ def test_module_level_map_has_no_scanned_column():
     assert result.summary["map"] and all(
         c["role"] != "gradients differ" for c in result.summary["map"])
     assert "(scanned)" not in render_markdown(result.summary)
+
+
+def test_diff_zoom_replays_two_scanned_runs_and_names_the_module_and_op(tmp_path):
+    """diff of two scan-level runs names the step; --zoom replays both to it and names the
+    module and op where they part (B differs from A by a 1-ULP fault in one conv's backward)."""
+    from test_cli import PROBES, run_cli
+
+    common = ["--probe", str(PROBES / "tiny_cnn.py"), "--repeats", "1", "--epochs", "2",
+              "--steps", "2", "--no-census", "--stress", "0", "--quiet"]
+    assert run_cli("run", *common, "--out", str(tmp_path / "a")).returncode == 0
+    planted = run_cli("run", *common, "--out", str(tmp_path / "b"),
+                      "--inject-fault", "2/aten.convolution_backward@backward:2")
+    assert planted.returncode == 0, planted.stderr  # one repeat: nothing to compare it with
+    plain = run_cli("diff", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert plain.returncode == 1
+    assert "at step 2" in plain.stdout and "diff --zoom" in plain.stdout
+    zoomed = run_cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
+    assert zoomed.returncode == 1, zoomed.stderr
+    assert ("replayed to step 2: origin 2 (backward); op aten.convolution_backward in 2 "
+            "(backward)") in zoomed.stdout
+    # a run this machine cannot replay (recorded by watch, exec or a Python callable) is said so
+    (tmp_path / "b" / "run.json").write_text(
+        (tmp_path / "b" / "run.json").read_text().replace('"kind": "file"', '"kind": "command"'))
+    refused = run_cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
+    assert refused.returncode == 1
+    assert "zoom (not possible): B was recorded from command" in refused.stdout

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from ..trace import Trace
 from .compare import Comparison, compare
@@ -60,6 +60,7 @@ class GateResult:
     labels: tuple[str, str] = ("A", "B")
     failures: list[str] = field(default_factory=list)
     not_comparable: int = 0  # differing records tolerance cannot judge: never a match
+    zoom: dict[str, Any] | None = None  # diff --zoom: both runs replayed to the first step
 
     @property
     def verdict(self) -> str:
@@ -98,8 +99,10 @@ def diff_traces(
     rtol: float = 0.0,
     atol: float = 0.0,
     labels: tuple[str, str] = ("A", "B"),
+    zoom: Callable[[int], dict[str, Any]] | None = None,
 ) -> GateResult:
-    """Compare run B against run A (repeat 0 of each), bitwise or within rtol/atol."""
+    """Compare run B against run A (repeat 0 of each), bitwise or within rtol/atol. `zoom`,
+    given the first step where they part, returns what a replay of both at that step found."""
     ta, tb = (t[0] if isinstance(t, list) else t for t in (a, b))
     algorithms = fingerprint_algorithm(ta.env), fingerprint_algorithm(tb.env)
     mixed = None not in algorithms and algorithms[0] != algorithms[1]
@@ -121,6 +124,8 @@ def diff_traces(
         tolerance=tolerance, within_tolerance=accepted, headline="", message="", labels=labels,
         failures=failures, not_comparable=unjudged,
     )
+    if zoom is not None and first is not None:
+        result.zoom = zoom(first.step)
     result.headline = _headline(result, len(comparison.steps), rtol, atol)
     result.message = _message(result, algorithms if mixed else None)
     return result
@@ -208,7 +213,24 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
             lines.append(f"  {name}: {la} {x:.9g}  {lb} {y:.9g}  (abs. diff {abs(x - y):.3g})")
     if result.origin_module is not None:
         lines.append(f"origin: {result.origin_module or '(model)'} ({result.origin_phase})")
+    elif result.zoom is None and first.phase not in ("forward", "backward"):
+        lines.append("(recorded at scan level: `detaudit diff --zoom` replays both runs to that "
+                     "step at module and op level, where this machine can run them)")
+    if result.zoom is not None:
+        lines.append(zoom_line(result.zoom, la, lb))
     return "\n".join(lines)
+
+
+def zoom_line(zoom: dict[str, Any], la: str, lb: str) -> str:
+    """What ``diff --zoom`` found, in one line."""
+    step = zoom.get("step")
+    if zoom.get("status") != "found":
+        return f"zoom ({zoom.get('status')}): {zoom.get('why')}"
+    where = f"{zoom.get('module') or '(model)'} ({zoom.get('phase')})" if zoom.get(
+        "phase") else "no module call (the step state or the optimizer)"
+    op = (f"; op {zoom['op']} in {zoom.get('op_module') or '(model)'} ({zoom.get('op_phase')})"
+          if zoom.get("op") else "")
+    return f"zoom: {la} and {lb} replayed to step {step}: origin {where}{op}"
 
 
 def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:

@@ -13,13 +13,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from ..analysis.compare import Comparison, compare
+from ..analysis.compare import ORIGIN, Comparison, compare, compare_ops
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
-from ..trace import Trace
+from ..trace import OP_PHASES, Trace
 from .drilldown import drill_down
 
 FOUND, INTERMITTENT = "found", "intermittent"
+NOT_REPRODUCED, NOT_POSSIBLE = "not reproduced", "not possible"
 
 
 def zoom(
@@ -67,3 +68,50 @@ def zoom_by_replay(
                     "ops": drill(zoomed, traces)}, traces
         attempts.append({"step": step, "outcome": "did not part this time"})
     return {"status": INTERMITTENT, "step": step, "attempts": attempts, "ops": None}, []
+
+
+def zoom_between(
+    runs: list[tuple[ProbeSpec, AuditConfig, ProbeFactory, Trace]], step: int,
+) -> dict[str, Any]:
+    """``detaudit diff --zoom``: two runs of different configurations (or code) part at
+    `step`. Each is replayed here from its own configuration, repeat 0, to that step, which is
+    recorded at module and op level; the replays must reproduce the steps each run recorded
+    before it (else this machine does not replay them and nothing is concluded); then where
+    the two replays part is the origin. `runs` holds (spec, config, factory, recorded trace)."""
+    at = frozenset({step})
+    replays = []
+    for label, (spec, config, factory, recorded) in zip("AB", runs):
+        trace, _ = run_repeat(factory, config, 0, spec,
+                              ops=OpPlan(steps=at, last_step=step, zoom=at))
+        if trace.failure:
+            return {"status": NOT_POSSIBLE, "step": step,
+                    "why": f"the replay of {label} failed: {trace.failure}"}
+        if not _agree_before(recorded, trace, step):
+            return {"status": NOT_REPRODUCED, "step": step,
+                    "why": f"the replay of {label} on this machine does not reproduce the steps "
+                           f"{label} recorded before step {step}"}
+        replays.append(trace)
+    zoomed = compare(replays)
+    if zoomed.first_step is None:
+        return {"status": NOT_REPRODUCED, "step": step,
+                "why": "the replays agree at that step: the difference did not recur"}
+    origin = next(iter(zoomed.origins), None)
+    ops = [f for f in compare_ops(replays) if f.role == ORIGIN and f.step == zoomed.first_step]
+    return {
+        "status": FOUND, "step": zoomed.first_step,
+        "module": origin.module if origin else None, "phase": origin.phase if origin else None,
+        "op": ops[0].op if ops else None, "op_module": ops[0].module if ops else None,
+        "op_phase": ops[0].phase if ops else None,
+    }
+
+
+def _agree_before(recorded: Trace, replay: Trace, step: int) -> bool:
+    """Whether the replay's scan records of the steps before `step` equal the recorded run's."""
+    def scan(trace: Trace) -> dict[tuple, str]:
+        r = trace.records
+        return {tuple(key): fp for *key, fp in zip(r["step"], r["phase"], r["module"], r["call"],
+                                            r["slot"], r["fp"])
+                if key[0] < step and key[1] not in OP_PHASES}
+
+    mine = scan(replay)
+    return all(mine.get(key) == fp for key, fp in scan(recorded).items())
