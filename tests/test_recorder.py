@@ -160,3 +160,31 @@ def _hooks_from_threads(model, grads):
         for t in threads:
             t.join()
         return recorder.end_step()
+
+
+def test_the_order_threads_deliver_gradients_in_is_not_a_divergence():
+    """Two repeats whose backward hooks ran in opposite orders (as autograd threads on two
+    devices may) record the same keys and prints: the comparison finds nothing."""
+    from detaudit.analysis.compare import compare
+    from detaudit.drivers.runner import store_records
+    from detaudit.record.recorder import Call
+    from detaudit.trace import Trace
+
+    model = torch.nn.Linear(2, 2)
+    grads = [(f"grad_out.{i}", torch.full((8,), float(i))) for i in range(32)]
+    traces = []
+    for repeat, order in enumerate((grads, grads[::-1])):
+        with Recorder(model) as recorder:
+            recorder.begin_step(0)
+            call = Call("worker", 0, -1)
+            for slot, grad in order:
+                recorder._grad_out_hook(call, slot)(grad)
+            trace = Trace(probe={}, repeat=repeat, env={})
+            store_records(trace, 0, recorder.end_step())
+        traces.append(trace)
+    assert traces[0].records["slot"] != traces[1].records["slot"]  # delivered differently
+    comparison = compare(traces)
+    assert comparison.deterministic and comparison.total_records == 32
+    # and a real difference among them is still found, by key
+    traces[1].records["fp"][5] = "0" * 16
+    assert compare(traces).first_diffs[0].slot == traces[1].records["slot"][5]
