@@ -242,10 +242,11 @@ def _free_trace_path(folder: Path) -> Path:
 # -- exec ----------------------------------------------------------------------------------
 def exec_command(
     command: list[str], job: ExecJob, *, out: str | Path, overwrite: bool = False,
-    progress: Progress | None = None, output: Any = None,
+    progress: Progress | None = None, output: Any = None, reproduce: str | None = None,
 ) -> Compared:
     """Run `command` ``job.repeats`` times with recording attached, compare the runs, write
-    the run folder. The command's own output goes to `output` (default: inherited)."""
+    the run folder. The command's own output goes to `output` (default: inherited);
+    `reproduce` is the detaudit command line the reports give to run it again."""
     progress = progress or Progress()
     if not command:
         raise DetauditError("exec needs a command after --, e.g. detaudit exec -- python train.py")
@@ -261,7 +262,7 @@ def exec_command(
     seeded = f"seed {job.seed}" if job.seed is not None else "unseeded"
     info = RunInfo(probe={**spec.to_dict(), "preset": f"exec: {job.repeats} runs, {limits}, "
                           f"{seeded}"}, config=config.to_dict(),
-                   command=f"detaudit exec -- {_shell_line(command)}", traces=[],
+                   command=reproduce or f"detaudit exec -- {_shell_line(command)}", traces=[],
                    run_id=run_id, state="recording")
     with RunFolder(out, info, overwrite) as folder:
         runs: list[Recorded] = []
@@ -420,6 +421,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         "trace": str(path), "probe": probe, "repeat": repeat, "seed": job.seed,
         "max_steps": job.max_steps, "max_epochs": job.max_epochs, "zoom": zoom,
         "fault": asdict(fault) if fault is not None else None,
+        "planted_step": job.fault.step if job.fault is not None else None,
     })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:

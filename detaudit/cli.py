@@ -394,7 +394,8 @@ def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
                   zoom_tries=args.zoom_tries)
     result = exec_command(command, job, out=out, overwrite=args.overwrite,
                           progress=_Bar(args.quiet or args.json),
-                          output=sys.stderr if args.json else None)
+                          output=sys.stderr if args.json else None,
+                          reproduce=_reproduce_command(argv))
     return _report_compared(args, result, out, "detaudit.exec")
 
 
@@ -620,15 +621,17 @@ def _stdout_kept_for(json_output: bool) -> Iterator[None]:
 
 
 def _reproduce_command(argv: list[str]) -> str:
-    """The command line as given, minus --out (a rerun should write a new folder)."""
+    """The command line as given, minus detaudit's --out (a rerun should write a new folder);
+    what follows ``--`` is the user's command, kept whole."""
+    end = argv.index("--") if "--" in argv else len(argv)
     kept, skip = [], False
-    for arg in argv:
+    for arg in argv[:end]:
         if skip or arg == "--out":
             skip = not skip
             continue
         if not arg.startswith("--out="):
             kept.append(arg)
-    return "detaudit " + shlex.join(kept)
+    return "detaudit " + shlex.join(kept + argv[end:])
 
 
 # -- output --------------------------------------------------------------------------------

@@ -69,8 +69,13 @@ def test_exec_names_a_planted_fault_by_module_phase_step_and_op(tmp_path, fault,
     origin = run["extra"]["ops"]["ops"][0] if op else None
     if op:
         assert (origin["op"], origin["module"], origin["role"]) == (op, module, "origin")
-    else:  # a module's planted change is no op's doing
+    else:  # a module's planted change is no op's doing: it is the planted one, and said so
         assert run["extra"]["ops"]["outside_dispatcher"]["module"] == module
+        assert run["extra"]["ops"]["outside_dispatcher"]["planted"] is True
+    # the reports' command runs the same audit again: detaudit's options, the whole command
+    ours, theirs = run["command"].split(" -- ")
+    assert f"--inject-fault {fault}" in ours and "--seed 0" in ours and "--out" not in ours
+    assert theirs.endswith("--workers 0 --accumulate 1")
 
 
 def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path):

@@ -276,3 +276,39 @@ def test_diff_zoom_replays_two_scanned_runs_and_names_the_module_and_op(tmp_path
     refused = run_cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
     assert refused.returncode == 1
     assert "zoom (not possible): B was recorded from command" in refused.stdout
+
+
+class _Tiny(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1e-8
+
+
+class _Absorbing(nn.Module):
+    """`tiny`'s input gradient is 1e-8 of the main path's, with which it is summed: 1 ULP
+    planted there rounds away before any parameter gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.tiny, self.head = nn.Linear(4, 4), _Tiny(), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.head(h + self.tiny(h))
+
+
+def test_a_planted_fault_that_rounding_absorbs_is_still_found_where_it_was_planted():
+    def probe(device):
+        torch.manual_seed(0)
+        model = _Absorbing()
+        return Probe(model=model, batches=[torch.randn(8, 4), torch.randn(8, 4)],
+                     step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    result = _scan(probe, repeats=2, epochs=2, steps=2, stress=0,
+                   fault=Fault("tiny", "backward", 2))
+    c = result.comparison
+    # every repeat records the fault's step at module level: the planted change is seen there
+    assert [(o.module, o.phase, o.step) for o in c.origins] == [("tiny", "backward", 2)]
+    # ... though nothing the training keeps changed: no loss, gradient or parameter differs
+    assert c.loss.first_step is None and c.param_drift_step is None
+    assert "the planted fault, found where it was planted" in result.verdict.headline

@@ -39,7 +39,7 @@ from ..config import (
 )
 from ..record.environment import capture_environment
 from ..record.oprecorder import OpRecorder
-from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
+from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder
 from ..seeding import seed_everything
 from ..trace import OPTIMIZER, OUTPUT, PROBE_DISTRIBUTED, STATE, StepInfo, Trace, TraceStream
 from .rankprobe import RankWatch, sampler_snapshot
@@ -67,6 +67,7 @@ class Attachment:
         max_steps: int | None = None, max_epochs: int | None = None,
         on_limit: Callable[[], None] | None = None, zoom: int | None = None,
         fault: Fault | None = None, rank: RankWatch | None = None,
+        planted_step: int | None = None,
     ) -> None:
         self.path = Path(path)
         self.trace = Trace(probe=probe, repeat=repeat, env={})  # what is not yet flushed
@@ -76,6 +77,8 @@ class Attachment:
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.on_limit = on_limit
         self.zoom, self.fault = zoom, fault
+        # the step a fault is planted at, in whichever run: recorded at module level in all
+        self.planted_step = fault.step if fault is not None else planted_step
         self.recorder: Recorder | None = None
         self._ops: OpRecorder | None = None  # the op-level mode of a zoomed or faulted step
         self.info: StepInfo | None = None  # the open step
@@ -316,11 +319,10 @@ class Attachment:
         return Recorder(model, fault=self.fault, watch=WATCH_NONE)
 
     def _watch(self, step: int) -> str:
-        """Every module call at the zoomed step; the calls only where a fault is planted
-        (to find its module); step state only elsewhere."""
-        if step == self.zoom:
-            return WATCH_MODULE
-        return WATCH_CALLS if self.fault is not None and self.fault.step == step else WATCH_NONE
+        """Every module call at the zoomed step and at the step a fault is planted at (in
+        every run, so that the planted change is compared where it is planted even when
+        rounding absorbs it further on); step state only elsewhere."""
+        return WATCH_MODULE if step in (self.zoom, self.planted_step) else WATCH_NONE
 
     def _end_ops(self) -> None:
         if self._ops is not None:
@@ -518,7 +520,7 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None) -> Attachment:
     attachment = Attachment(path, job["probe"], int(job.get("repeat", 0)),
                             max_steps=job.get("max_steps"), max_epochs=job.get("max_epochs"),
                             on_limit=_end_process, zoom=job.get("zoom"), fault=fault,
-                            rank=rank)
+                            rank=rank, planted_step=job.get("planted_step"))
     attachment.install()
     sys.excepthook = failure_hook(attachment)
     atexit.register(attachment.finish)

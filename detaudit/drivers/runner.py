@@ -299,7 +299,7 @@ def _run_steps(
             due = index == 0 if ops is None else step in ops.stress
             stressing = stress.mode(recorder, step, epoch) if stress and due else None
             scope = _op_scope(recorder, step, fault, ops, stressing, epoch_start=index == 0)
-            watch = _watch(config, step, fault, ops, scope)
+            watch = _watch(config, step, ops, scope)
             recorder.begin_step(step, watch)
             recorder.watch_host_rng = ops is not None and ops.records(step)
             info = StepInfo(step=step, epoch=epoch, index=index)
@@ -333,17 +333,17 @@ def _run_steps(
 
 
 def _watch(
-    config: AuditConfig, step: int, fault: Fault | None, ops: OpPlan | None,
-    scope: contextlib.AbstractContextManager,
+    config: AuditConfig, step: int, ops: OpPlan | None, scope: contextlib.AbstractContextManager,
 ) -> str:
     """How the recorder watches the modules at `step`: every call recorded (module and op
-    granularity, and a scanned run's zoomed steps); calls followed but not recorded (a
-    scanned step where a fault is planted or the op level runs, which need to know the
-    call); or not at all (a scanned step: step state only)."""
-    if config.granularity != SCAN or (ops is not None and step in ops.zoom):
+    granularity, a scanned run's zoomed steps, and the step of a planted fault in every
+    repeat, so that the planted change is compared where it is planted even when rounding
+    absorbs it further on); calls followed but not recorded (a scanned step where the op
+    level runs, which needs to know the call); or not at all (step state only)."""
+    planted = config.fault is not None and config.fault.step == step
+    if config.granularity != SCAN or planted or (ops is not None and step in ops.zoom):
         return WATCH_MODULE
-    op_level = not isinstance(scope, contextlib.nullcontext)
-    return WATCH_CALLS if op_level or (fault is not None and fault.step == step) else WATCH_NONE
+    return WATCH_CALLS if not isinstance(scope, contextlib.nullcontext) else WATCH_NONE
 
 
 def _op_scope(

@@ -17,7 +17,7 @@ import torch
 from ..analysis.compare import ORIGIN, Comparison, OpFinding, compare, compare_ops
 from ..analysis.knowledge import lookup
 from ..analysis.stress import stressed_ops
-from ..config import AuditConfig, ProbeSpec
+from ..config import AuditConfig, Fault, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
 from ..record.difference import tensor_difference
 from ..trace import Trace
@@ -50,7 +50,7 @@ def drill_down(
     findings = [f for f in compare_ops(traces) if f.step == step]
     origins = [f for f in findings if f.role == ORIGIN]
     draws = plan.host_draws.get(step, set()) | (host_draws or set())
-    outside = _outside_dispatcher(replayed, step, origins, draws)
+    outside = _outside_dispatcher(replayed, step, origins, draws, config.fault)
     out: dict[str, Any] = {
         "step": step,
         "reproduced": bool(findings) or outside is not None,
@@ -78,15 +78,24 @@ def drill_down(
 
 def _outside_dispatcher(
     modules: Comparison, step: int, op_origins: list[OpFinding],
-    host_draws: set[tuple[str, int]],
+    host_draws: set[tuple[str, int]], fault: Fault | None = None,
 ) -> dict[str, Any] | None:
     """A module the replay shows as an origin again, with no op inside it differing on equal
     inputs: its difference comes from code the dispatcher does not see. With the module
-    calls in which Python's or numpy's RNG advanced, the detectable such code."""
+    calls in which Python's or numpy's RNG advanced, the detectable such code; a module
+    fault planted there (``--inject-fault`` without an op) is that code, and said so."""
     origin = next((o for o in modules.origins if o.step == step), None)
     if origin is None or any(_within(op.module, origin.module) for op in op_origins):
         return None
     draws = sorted({m or "(model)" for m, _ in host_draws if _within(m, origin.module)})
+    if fault is not None and not fault.op and (fault.module, fault.phase, fault.step) == (
+            origin.module, origin.phase, step):
+        return {
+            "module": origin.module or "(model)", "phase": origin.phase, "host_rng_draws": draws,
+            "planted": True,
+            "text": f"the planted 1-ULP fault, added to {origin.module or '(model)'}'s "
+            f"{origin.phase} result by a hook (outside any op), found where it was planted",
+        }
     return {
         "module": origin.module or "(model)", "phase": origin.phase,
         "host_rng_draws": draws,

@@ -93,8 +93,10 @@ def _op_lines(summary: dict[str, Any]) -> list[str]:
         return ["", f"op-level replay failed: {drill['error']}"]
     if drill and not drill.get("reproduced"):
         return ["", "op-level replay did not reproduce the divergence (intermittent)"]
-    if drill.get("outside_dispatcher"):
-        return ["", f"outside the dispatcher: {drill['outside_dispatcher']['text']}"]
+    outside = drill.get("outside_dispatcher")
+    if outside:
+        return ["", outside["text"] if outside.get("planted") else
+                f"outside the dispatcher: {outside['text']}"]
     if not ops or ops[0].get("role") != "origin":
         return []
     o = ops[0]

@@ -248,7 +248,10 @@ def _first(s: dict[str, Any]) -> Section | None:
             "it is intermittent; run again, or with more --repeats."
         ))
     elif isinstance(drill.get("outside_dispatcher"), dict):
-        blocks.append(Text(f"Outside the dispatcher: {drill['outside_dispatcher'].get('text')}."))
+        outside = drill["outside_dispatcher"]
+        text = str(outside.get("text"))
+        blocks.append(Text(f"{text[0].upper()}{text[1:]}." if outside.get("planted") else
+                           f"Outside the dispatcher: {text}."))
     return Section("first", "First divergence", blocks)
 
 
