@@ -28,13 +28,17 @@ def _exec(tmp_path, *options, script_args=()):
 
 # -- exec ------------------------------------------------------------------------------------
 def test_exec_of_a_seeded_script_is_deterministic_with_steps_and_epochs_as_the_script_runs(tmp_path):
-    done = _exec(tmp_path, "--seed", "0")
+    # DataLoader workers started by spawn run the bootstrap again: they must neither record
+    # nor disturb the run (forked ones, the default, are in the other tests)
+    done = _exec(tmp_path, "--seed", "0", script_args=("--spawn",))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DETERMINISTIC" in done.stdout
     assert done.stdout.count("trained 4 steps") == 2  # the script ran to its end, twice
     traces = [Trace.load(tmp_path / "run" / f"trace-{r}.json.gz") for r in (0, 1)]
     # 4 batches per epoch, accumulation 2: 2 optimizer steps per epoch; the evaluation call
     # between epochs is not a step; the DataLoader's 2 workers recorded nothing
+    assert sorted(p.name for p in (tmp_path / "run").glob("*.json.gz")) == [
+        "trace-0.json.gz", "trace-1.json.gz"]
     assert [(s.step, s.epoch, s.index) for s in traces[0].steps] == [
         (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     assert all(s.optimizer_stepped for s in traces[0].steps)

@@ -56,6 +56,7 @@ def main():
     p.add_argument("--forever", action="store_true", help="loop until stopped, catching exits")
     p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
     p.add_argument("--race", action="store_true", help="a duplicate-index gather (2 threads)")
+    p.add_argument("--spawn", action="store_true", help="DataLoader workers started by spawn")
     args = p.parse_args()
     if args.seed_self:
         torch.manual_seed(0)
@@ -64,7 +65,9 @@ def main():
     model = Net(args.race)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-    loader = torch.utils.data.DataLoader(Shapes(16), batch_size=4, num_workers=args.workers)
+    loader = torch.utils.data.DataLoader(
+        Shapes(16), batch_size=4, num_workers=args.workers,
+        multiprocessing_context="spawn" if args.spawn and args.workers else None)
     steps = 0
     epoch = 0
     while epoch < args.epochs or args.forever:
