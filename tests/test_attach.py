@@ -352,3 +352,29 @@ def test_exec_of_a_script_that_spawns_its_ranks_finds_unsharded_data(tmp_path):
     assert checks["params"] == checks["grads"] == "ok"  # DDP keeps them in sync regardless
     assert sorted(p.name for p in (tmp_path / "run").glob("trace-r*")) == [
         "trace-r0-0.json.gz", "trace-r0-1.json.gz", "trace-r1-0.json.gz", "trace-r1-1.json.gz"]
+
+
+def test_a_first_step_whose_forward_runs_inside_the_closure_records_its_gradients(tmp_path):
+    """Lightning calls optimizer.step(closure) before the model was ever called: the step
+    begins inside the closure, and its gradients are still recorded."""
+    from detaudit.drivers.attach import Attachment
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    attachment = Attachment(tmp_path / "t.json.gz", {}).install()  # no model given: found
+    try:
+        for _ in range(2):
+            def closure():
+                opt.zero_grad()
+                loss = model(torch.ones(2, 3)).sum()
+                loss.backward()
+                return loss
+            opt.step(closure)
+        attachment.finish()
+    finally:
+        attachment.uninstall()
+    records = Trace.load(tmp_path / "t.json.gz").frame()
+    grads = records[records.phase == "grad"]
+    assert sorted(set(grads.step)) == [0, 1]
+    assert set(grads[grads.step == 0].module) == {"0", "1"}

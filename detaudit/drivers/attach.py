@@ -206,13 +206,17 @@ class Attachment:
         self._choose_model(optimizer)
         if self._updated:
             self.end_step()  # a second update: the step before it is over
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: self
+        if callable(closure):
+            # step(closure): the closure computes the gradients inside step; its forward
+            # begins the step if no model was called yet (Lightning's first step)
+            self._grads_pending = True
+            if self.info is None:
+                self._begin_step(self._current_model())
+            return
         if self.info is None and not self._begin_step(self._current_model()):
             return
         assert self.recorder is not None
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: self
-        if callable(closure):
-            self._grads_pending = True  # step(closure): the closure computes them inside step
-            return
         self._end_ops()  # the update is not the model's ops
         self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE)
 
@@ -222,6 +226,7 @@ class Attachment:
             return
         if self._grads_pending:  # the gradients the closure made, as the update used them
             self._grads_pending = False
+            self._choose_model(optimizer)  # the closure's forward named the candidates
             self._end_ops()
             self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE)
         self.recorder.record_parameters(OPTIMIZER)
