@@ -239,6 +239,24 @@ def test_watch_finds_a_planted_difference_at_its_step(tmp_path):
     assert json.loads(done.stdout)["first_divergence"]["step"] == 4
 
 
+def test_rng_streams_that_nothing_draws_from_are_a_note_never_the_divergence(tmp_path):
+    import random
+
+    import numpy as np
+
+    _train(tmp_path / "same")
+    random.random(), np.random.rand()  # python and numpy never seeded: their states differ
+    _train(tmp_path / "same")
+    same = detaudit.compare(tmp_path / "same").comparison
+    assert same.deterministic and same.idle_rng == ["numpy", "python"]
+    _train(tmp_path / "nudged")
+    random.random(), np.random.rand()
+    _train(tmp_path / "nudged", nudge_at=4)  # and a real difference at step 4
+    nudged = detaudit.compare(tmp_path / "nudged").comparison
+    assert (nudged.first_step, nudged.cause) == (4, "forward")  # not "rng" at step 0
+    assert nudged.idle_rng == ["numpy", "python"]
+
+
 def test_watch_max_steps_ends_the_loop_and_leaves_torch_as_it_was(tmp_path):
     backward = torch.Tensor.backward
     w = _train(tmp_path, max_steps=2)

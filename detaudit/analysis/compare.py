@@ -233,10 +233,14 @@ def compare(traces: Iterable[Trace]) -> Comparison:
                 ref=ref.stats(key), other=first_other.stats(key) if first_other else {},
             )
 
-    idle = sorted({k[4].removeprefix("rng.") for k in diffs}) if diffs and all(
-        k[1] == STATE and k[4].startswith("rng.") for k in diffs) else []
-    if idle:  # RNG streams that differ but that nothing drew from: the runs agree
-        diffs = {}
+    # RNG streams whose state differs but that nothing drew from: the runs agree on them.
+    # Known when a stream's state never moved over the steps of any repeat, or when the RNG
+    # states are all that differs.
+    never = _never_drawn(traces, common)
+    idle = {k[4] for k in diffs if k[1] == STATE and k[4] in never}
+    if diffs and all(k[1] == STATE and k[4].startswith("rng.") for k in diffs):
+        idle |= {k[4] for k in diffs}
+    diffs = {k: d for k, d in diffs.items() if not (k[1] == STATE and k[4] in idle)}
     by_step: dict[int, int] = defaultdict(int)
     for key in diffs:
         by_step[key[0]] += 1
@@ -272,8 +276,30 @@ def compare(traces: Iterable[Trace]) -> Comparison:
         stress=stressed_ops(traces),
         rng_gap=gap,
         grad_diffs=[(k[0], k[2], k[4].removeprefix("param.")) for k in diffs if k[1] == GRAD],
-        idle_rng=idle,
+        idle_rng=sorted(slot.removeprefix("rng.") for slot in idle),
     )
+
+
+def _never_drawn(traces: list[Trace], common: int | None) -> set[str]:
+    """The RNG state slots (``rng.<stream>``) whose state is the same at the start of every
+    step of every repeat, over two steps or more: nothing in the process drew from them."""
+    states: dict[str, list[set[str]]] = {}
+    for trace in traces:
+        r = trace.records
+        seen: dict[str, set[str]] = {}
+        steps = set()
+        for step, phase, module, slot, fp in zip(r["step"], r["phase"], r["module"], r["slot"],
+                                                 r["fp"]):
+            if phase == STATE and not module and slot.startswith("rng.") and (
+                    common is None or step < common):
+                seen.setdefault(slot, set()).add(fp)
+                steps.add(step)
+        if len(steps) < 2:
+            return set()
+        for slot, fps in seen.items():
+            states.setdefault(slot, []).append(fps)
+    return {slot for slot, per_trace in states.items()
+            if len(per_trace) == len(traces) and all(len(fps) == 1 for fps in per_trace)}
 
 
 def _findings(ref: Trace, diffs: dict[Key, RecordDiff], n: int) -> list[CallFinding]:
