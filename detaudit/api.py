@@ -229,6 +229,7 @@ def _run_here(
     factory = factory or make_factory(spec)
     traces, timings = _record(spec, factory, config, folder, launch.isolation, progress)
     comparison = compare(traces)
+    check_fault_seen(config.fault, comparison)
     zoomed = _zoom(spec, factory, config, comparison, wanted, folder, progress)
     found = _investigate(spec, factory, config, comparison, traces, wanted, folder, progress)
     folder.info.state = COMPLETE
@@ -238,6 +239,21 @@ def _run_here(
     write_run_reports(folder, summary)
     return AuditResult(spec, config, traces, comparison, verdict, summary, folder.info,
                        timings, found, folder=folder.path)
+
+
+def check_fault_seen(fault: Fault | None, comparison: Comparison) -> None:
+    """A planted fault is a self-test: when it fired (the recorder checks that) and yet no
+    repeat differs from another, the test did not test anything; that is an error, never a
+    pass. (Its step is recorded at module level in every repeat, so this takes a change that
+    rounded away inside the module it was planted in.)"""
+    if fault is None or comparison.repeats < 2 or not comparison.deterministic:
+        return
+    where = f"op {fault.op} in " if fault.op else ""
+    raise DetauditError(
+        f"the planted fault fired ({where}{fault.module or '(model)'}, {fault.phase}, step "
+        f"{fault.step}) but no recorded value differs: the 1-ULP change rounded away before "
+        "anything detaudit records; plant it elsewhere (a module's own output, or one nearer "
+        "the parameters)")
 
 
 class _Unsaved:

@@ -22,7 +22,14 @@ from .analysis.compare import Comparison
 from .analysis.compare import compare as compare_traces
 from .analysis.ranks import RankAnalysis
 from .analysis.verdict import Verdict, judge
-from .api import STAGE_NAMES, ZOOMED_CAUSES, Progress, mark_interrupted, write_run_reports
+from .api import (
+    STAGE_NAMES,
+    ZOOMED_CAUSES,
+    Progress,
+    check_fault_seen,
+    mark_interrupted,
+    write_run_reports,
+)
 from .config import (
     FAULT_FIRED,
     JOB_VARIABLE,
@@ -291,6 +298,10 @@ def exec_command(
             primary = None if ranks is None else ranks.primary_rank
             traces = _of_rank(runs, primary)
             comparison = compare_traces(traces)
+            check_fault_seen(job.fault, comparison)
+            # what the command did, not the stand-ins its traces' configuration holds
+            folder.info.config.update(seed=job.seed, deterministic=bool(
+                traces[0].env.get("deterministic_algorithms")))
             if ranks is not None:  # the primary rank's repeats, as compared across ranks
                 comparison.failures.update({t.repeat: t.failure for t in traces if t.failure})
                 folder.info.extra["ranks"] = ranks.to_dict()

@@ -312,3 +312,22 @@ def test_a_planted_fault_that_rounding_absorbs_is_still_found_where_it_was_plant
     # ... though nothing the training keeps changed: no loss, gradient or parameter differs
     assert c.loss.first_step is None and c.param_drift_step is None
     assert "the planted fault, found where it was planted" in result.verdict.headline
+
+
+class _AbsorbsInside(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x * 1e-8  # 1 ULP of the small product vanishes in the sum
+
+
+def test_a_planted_fault_that_changes_nothing_recorded_is_an_error_never_a_pass():
+    def probe(device):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), _AbsorbsInside(), nn.Linear(4, 1))
+        return Probe(model=model, batches=[torch.randn(8, 4), torch.randn(8, 4)],
+                     step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    with pytest.raises(api.DetauditError, match="fired .op aten.mul in 1, forward, step 2. but "
+                       "no recorded value differs"):
+        _scan(probe, repeats=2, epochs=2, steps=2, stress=0,
+              fault=Fault("1", "forward", 2, op="aten.mul"))

@@ -175,7 +175,7 @@ def _run_line(s: dict[str, Any]) -> str:
     parts.append(f"{s.get('repeats', '?')} repeats, {epochs} epochs, {len(steps)} steps each")
     for key in ("mode", "device", "seed"):
         if key in config:
-            parts.append(f"{key} {config[key]}")
+            parts.append("unseeded" if config[key] is None else f"{key} {config[key]}")
     if "deterministic" in config:
         parts.append(f"deterministic algorithms {'on' if config['deterministic'] else 'off'}")
     fault = config.get("fault")
