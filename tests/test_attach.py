@@ -108,7 +108,7 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     assert summary["first_divergence"]["step"] == 0
     assert "seed" in summary["cause"]["text"]
     report = (tmp_path / "run" / "report.md").read_text()
-    assert "device cpu; unseeded;" in report and "seed 0" not in report
+    assert "device cpu; unseeded;" in report and "cpu; seed 0" not in report
 
 
 def test_exec_of_a_script_that_seeds_itself_needs_no_seed(tmp_path):
