@@ -9,8 +9,9 @@ from conftest import gather_probe, module_audit, small_cnn_probe, unseeded_probe
 from test_recorder import _maskrcnn_probe
 from torch import nn
 
-from detaudit import Fault, Probe
+from detaudit import Fault, Probe, audit
 from detaudit.analysis.compare import CONTAINS, ORIGIN, PROPAGATED
+from detaudit.drivers.loading import builtin_spec, make_factory
 from detaudit.report import render_console
 
 
@@ -72,19 +73,32 @@ def test_fault_in_module_without_input_gradient_uses_its_parameter_gradient():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module,phase", [
-    ("roi_heads.box_roi_pool", "backward"),
-    ("roi_heads.box_roi_pool", "forward"),
-])
-def test_planted_fault_in_maskrcnn(module, phase):
+def test_planted_backward_fault_in_maskrcnn_at_module_level():
+    """Every step recorded at module level (backward by scan + zoom: tests/test_cli.py)."""
+    module, phase = "roi_heads.box_roi_pool", "backward"
     result = module_audit(_maskrcnn_probe, repeats=2, epochs=1, steps=2, fault=Fault(module, phase, 1))
     c = result.comparison
     assert c.first_step == 1 and c.cause == phase
     origin = c.origins[0]
     assert (origin.module, origin.phase) == (module, phase)
-    parent = module.rpartition(".")[0]
-    assert _roles(c, 1, phase).get(parent) in (None, CONTAINS)
+    assert _roles(c, 1, phase).get("roi_heads") in (None, CONTAINS)
     assert not any(f.role == ORIGIN and f.module != module for f in c.findings if f.step == 1)
+
+
+@pytest.mark.slow
+def test_planted_forward_fault_in_maskrcnn_by_scan_and_zoom():
+    """The default scan, then the zoom into step 2; roi_heads' backward, which reuses the
+    changed activations of the pool inside it, is not a second origin."""
+    module, phase = "roi_heads.box_roi_pool", "forward"
+    small = make_factory(builtin_spec("maskrcnn", {"image_size": 64, "num_images": 3,
+                                                   "batch_size": 1}))
+    result = audit(small, repeats=2, epochs=1, steps=3, stress=0, fault=Fault(module, phase, 2))
+    assert result.config.granularity == "scan"
+    assert result.investigations["zoom"]["status"] == "found"
+    c = result.comparison
+    assert (c.first_step, c.cause) == (2, phase)
+    assert [(o.module, o.phase, o.step) for o in c.origins] == [(module, phase, 2)]
+    assert _roles(c, 2, "backward").get("roi_heads") in (None, PROPAGATED)
 
 
 def test_real_cpu_nondeterminism_in_duplicate_index_gather(two_threads):

@@ -252,30 +252,36 @@ def test_module_level_map_has_no_scanned_column():
     assert "(scanned)" not in render_markdown(result.summary)
 
 
-def test_diff_zoom_replays_two_scanned_runs_and_names_the_module_and_op(tmp_path):
+def test_diff_zoom_replays_two_scanned_runs_and_names_the_module_and_op(tmp_path, capsys):
     """diff of two scan-level runs names the step; --zoom replays both to it and names the
     module and op where they part (B differs from A by a 1-ULP fault in one conv's backward)."""
-    from test_cli import PROBES, run_cli
+    from test_cli import PROBES
+
+    from detaudit.cli import main
+
+    def cli(*args: str) -> tuple[int, str]:
+        code = main(list(args))
+        return code, capsys.readouterr().out
 
     common = ["--probe", str(PROBES / "tiny_cnn.py"), "--repeats", "1", "--epochs", "2",
               "--steps", "2", "--no-census", "--stress", "0", "--quiet"]
-    assert run_cli("run", *common, "--out", str(tmp_path / "a")).returncode == 0
-    planted = run_cli("run", *common, "--out", str(tmp_path / "b"),
-                      "--inject-fault", "2/aten.convolution_backward@backward:2")
-    assert planted.returncode == 0, planted.stderr  # one repeat: nothing to compare it with
-    plain = run_cli("diff", str(tmp_path / "a"), str(tmp_path / "b"))
-    assert plain.returncode == 1
-    assert "at step 2" in plain.stdout and "diff --zoom" in plain.stdout
-    zoomed = run_cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
-    assert zoomed.returncode == 1, zoomed.stderr
+    assert cli("run", *common, "--out", str(tmp_path / "a"))[0] == 0
+    # one repeat: nothing to compare the fault with, so it is no error here
+    assert cli("run", *common, "--out", str(tmp_path / "b"),
+               "--inject-fault", "2/aten.convolution_backward@backward:2")[0] == 0
+    code, plain = cli("diff", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert code == 1
+    assert "at step 2" in plain and "diff --zoom" in plain
+    code, zoomed = cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
+    assert code == 1
     assert ("replayed to step 2: origin 2 (backward); op aten.convolution_backward in 2 "
-            "(backward)") in zoomed.stdout
+            "(backward)") in zoomed
     # a run this machine cannot replay (recorded by watch, exec or a Python callable) is said so
     (tmp_path / "b" / "run.json").write_text(
         (tmp_path / "b" / "run.json").read_text().replace('"kind": "file"', '"kind": "command"'))
-    refused = run_cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
-    assert refused.returncode == 1
-    assert "zoom (not possible): B was recorded from command" in refused.stdout
+    code, refused = cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
+    assert code == 1
+    assert "zoom (not possible): B was recorded from command" in refused
 
 
 class _Tiny(nn.Module):

@@ -324,6 +324,7 @@ def _findings(ref: Trace, diffs: dict[Key, RecordDiff], n: int) -> list[CallFind
     findings: list[CallFinding] = []
     for step in sorted({d.step for d in diffs.values()}):
         calls = parents.get(step, {})
+        forward_calls = [(m, c) for (s, p, m, c) in slots if s == step and p == FORWARD]
         candidates: dict[str, list[tuple[str, int]]] = {FORWARD: [], BACKWARD: []}
         pending: list[tuple[str, str, int, list[RecordDiff], bool]] = []
         for (s, phase, module, call), ds in slots.items():
@@ -336,7 +337,10 @@ def _findings(ref: Trace, diffs: dict[Key, RecordDiff], n: int) -> list[CallFind
             if phase == FORWARD:
                 propagated = forward_in
             else:
-                forward_changed = bool(slots.get((step, FORWARD, module, call)))
+                # its forward changed, in its own records or in a call inside it (whose
+                # saved activations its backward reuses, even where its outputs agree)
+                forward_changed = bool(slots.get((step, FORWARD, module, call))) or any(
+                    _is_ancestor((module, call), inner, calls) for inner in forward_calls)
                 propagated = differs(step, BACKWARD, module, call, "grad_out") or forward_changed
             pending.append((phase, module, call, ds, propagated))
             if not propagated:

@@ -67,7 +67,8 @@ def main():
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     loader = torch.utils.data.DataLoader(
         Shapes(16), batch_size=4, num_workers=args.workers,
-        multiprocessing_context="spawn" if args.spawn and args.workers else None)
+        multiprocessing_context="spawn" if args.spawn and args.workers else None,
+        persistent_workers=args.spawn and args.workers > 0)
     steps = 0
     epoch = 0
     while epoch < args.epochs or args.forever:
