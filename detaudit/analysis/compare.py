@@ -196,6 +196,11 @@ class _Index:
         return {c: r[c][i] for c in ("shape", "dtype", "norm", "absmax", "nonfinite")}
 
 
+def fingerprints_before(trace: Trace, step: int) -> dict[Key, str]:
+    """Key -> print of a trace's module-granularity records (no op level) before `step`."""
+    return _Index(trace, steps=step).fp
+
+
 def compare(traces: Iterable[Trace]) -> Comparison:
     """Align the traces of N repeats and analyse their differences. When a repeat stopped
     early (its trace names a failure), only the steps every repeat completed are compared:

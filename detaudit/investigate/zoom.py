@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from ..analysis.compare import ORIGIN, Comparison, compare, compare_ops
+from ..analysis.compare import ORIGIN, Comparison, compare, compare_ops, fingerprints_before
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
-from ..trace import OP_PHASES, Trace
+from ..trace import Trace
 from .drilldown import drill_down
 
 FOUND, INTERMITTENT = "found", "intermittent"
@@ -86,7 +86,7 @@ def zoom_between(
         if trace.failure:
             return {"status": NOT_POSSIBLE, "step": step,
                     "why": f"the replay of {label} failed: {trace.failure}"}
-        if not _agree_before(recorded, trace, step):
+        if fingerprints_before(trace, step) != fingerprints_before(recorded, step):
             return {"status": NOT_REPRODUCED, "step": step,
                     "why": f"the replay of {label} on this machine does not reproduce the steps "
                            f"{label} recorded before step {step}"}
@@ -103,15 +103,3 @@ def zoom_between(
         "op": ops[0].op if ops else None, "op_module": ops[0].module if ops else None,
         "op_phase": ops[0].phase if ops else None,
     }
-
-
-def _agree_before(recorded: Trace, replay: Trace, step: int) -> bool:
-    """Whether the replay's scan records of the steps before `step` equal the recorded run's."""
-    def scan(trace: Trace) -> dict[tuple, str]:
-        r = trace.records
-        return {tuple(key): fp for *key, fp in zip(r["step"], r["phase"], r["module"], r["call"],
-                                            r["slot"], r["fp"])
-                if key[0] < step and key[1] not in OP_PHASES}
-
-    mine = scan(replay)
-    return all(mine.get(key) == fp for key, fp in scan(recorded).items())
