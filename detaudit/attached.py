@@ -8,6 +8,7 @@ run; ``compare`` analyses traces either way produced, as ``run`` does its own re
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -51,7 +52,7 @@ from .runfolder import (
     trace_probe,
     zoom_name,
 )
-from .trace import PROBE_CONFIG, PROBE_RUN, PROBE_SPEC, Trace
+from .trace import PROBE_CONFIG, PROBE_RUN, PROBE_SPEC, AnyTrace, Trace, TraceFile, open_trace
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"  # holds the sitecustomize
 STOP_GRACE_S = 10.0  # after Ctrl-C, how long the command has to save its trace
@@ -88,7 +89,7 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
         raise DetauditError(f"compare needs at least two runs; found {len(traces)} trace(s)")
     run_id = new_run_id()
     traces = [_as_repeat(t, i, run_id) for i, t in enumerate(traces)]
-    named = " ".join(str(r) for r in runs if not isinstance(r, Trace))
+    named = " ".join(str(r) for r in runs if not isinstance(r, (Trace, TraceFile)))
     info = _info(traces[0], run_id, f"detaudit compare {named}", f"{len(traces)} runs compared")
     if out is None:
         return _conclude(traces, info, None)
@@ -98,10 +99,10 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
         return _conclude(traces, info, folder)
 
 
-def _load_all(runs: tuple[str | Path | Trace, ...]) -> list[Trace]:
+def _load_all(runs: tuple[str | Path | AnyTrace, ...]) -> list[AnyTrace]:
     traces = []
     for run in runs:
-        if isinstance(run, Trace):
+        if isinstance(run, (Trace, TraceFile)):
             traces.append(run)
             continue
         path = Path(run)
@@ -109,9 +110,9 @@ def _load_all(runs: tuple[str | Path | Trace, ...]) -> list[Trace]:
             found = sorted(path.glob("trace-*.json.gz"), key=_run_order)
             if not found:
                 raise DetauditError(f"{path} holds no trace-*.json.gz")
-            traces += [Trace.load(p) for p in found]
+            traces += [open_trace(p) for p in found]
         elif path.exists():
-            traces.append(Trace.load(path))
+            traces.append(open_trace(path))
         else:
             raise DetauditError(f"no trace or folder at {path}")
     return traces
@@ -123,9 +124,11 @@ def _run_order(path: Path) -> tuple[int, str]:
     return (int(number), "") if number.isdigit() else (1 << 62, path.name)
 
 
-def _as_repeat(trace: Trace, repeat: int, run_id: str) -> Trace:
+def _as_repeat(trace: AnyTrace, repeat: int, run_id: str) -> AnyTrace:
     """The trace as repeat `repeat` of a new run (a run folder's traces carry its id)."""
-    return replace(trace, repeat=repeat, probe={**trace.probe, PROBE_RUN: run_id})
+    renamed = copy.copy(trace)
+    renamed.repeat, renamed.probe = repeat, {**trace.probe, PROBE_RUN: run_id}
+    return renamed
 
 
 def _info(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:
@@ -323,7 +326,7 @@ def exec_command(
         return _conclude(traces, info, folder, timings, zoomed, ranks, comparison)
 
 
-Recorded = dict[Optional[int], Trace]  # rank (None: the command's own process) -> its trace
+Recorded = dict[Optional[int], AnyTrace]  # rank (None: the command's own process) -> its trace
 
 
 def _rank_order(rank: int | None) -> int:
@@ -372,10 +375,10 @@ def _recorded(path: Path) -> Recorded:
     for found in path.parent.glob(f"{stem}-r*.json.gz"):
         rank = found.name[len(stem) + 2:-len(".json.gz")]
         if rank.isdigit():
-            ranks[int(rank)] = Trace.load(found)
+            ranks[int(rank)] = open_trace(found)
     if ranks:
         return dict(sorted(ranks.items()))
-    return {None: Trace.load(path)} if path.exists() else {}
+    return {None: open_trace(path)} if path.exists() else {}
 
 
 def _clear_attached(folder: Path, repeat: int) -> None:
@@ -396,12 +399,15 @@ def _zoom_command(
     from .investigate.drilldown import drill_down
     from .investigate.zoom import zoom_by_replay
 
-    def replay(step: int) -> list[Trace]:
+    def replay(step: int) -> list[AnyTrace]:
         runs = [_run_once(command, replace(job, max_steps=step + 1), folder.path, r, probe,
                           output, zoom=step)[0] for r in range(job.repeats)]
+        replayed = _of_rank(runs, rank)
+        for trace in replayed:
+            folder.add_zoom_trace(trace)  # moved out of the command's own files, cleared next
         for r in range(job.repeats):
             _clear_attached(folder.path, r)
-        return _of_rank(runs, rank)
+        return replayed
 
     def drill(zoomed: Comparison, traces: list[Trace]) -> dict[str, Any] | None:
         return drill_down(None, replace(config, granularity="module"), zoomed, spec, traces)

@@ -20,7 +20,7 @@ from typing import Any
 from .config import AuditConfig, ProbeSpec
 from .errors import TraceError
 from .storage import atomic_write, check_format, describe, dump_json, jsonable, read_json
-from .trace import PROBE_CONFIG, PROBE_RUN, PROBE_SPEC, Trace
+from .trace import PROBE_CONFIG, PROBE_RUN, PROBE_SPEC, AnyTrace, Trace, TraceFile, open_trace
 
 # History:
 #   1: first format.
@@ -70,7 +70,7 @@ def failed_trace(
     return Trace(probe=trace_probe(spec, config, run_id), repeat=repeat, env={}, failure=why)
 
 
-def save_trace(folder: str | Path, trace: Trace, rank: int | None = None) -> Path:
+def save_trace(folder: str | Path, trace: AnyTrace, rank: int | None = None) -> Path:
     """Write `trace` into `folder` under its repeat's (and rank's) name."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -109,7 +109,7 @@ def save_run(folder: str | Path, info: RunInfo) -> Path:
     return atomic_write(folder / RUN_FILE, dump_json(info.to_dict(), indent=1))
 
 
-def load_run(folder: str | Path) -> tuple[RunInfo, list[Trace]]:
+def load_run(folder: str | Path) -> tuple[RunInfo, list[AnyTrace]]:
     """Read a run folder; any missing or damaged file is one clear error naming it."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -120,7 +120,7 @@ def load_run(folder: str | Path) -> tuple[RunInfo, list[Trace]]:
     data = check_format(read_json(path, "run file"), RUN_FORMAT, RUN_FORMAT_VERSION, str(path),
                         "upgrade detaudit or re-run the audit")
     info = _run_info(data, path)
-    traces = [Trace.load(folder / name) for name in info.traces]
+    traces = [open_trace(folder / name) for name in info.traces]
     if not traces:
         raise TraceError(f"{path} lists no traces (the run ended before its first repeat did)")
     mixed = [name for name, t in zip(info.traces, traces)
@@ -190,11 +190,12 @@ class RunFolder:
         """Write ``run.json`` as the run stands now."""
         _writable(save_run, self.path / RUN_FILE, self.path, self.info)
 
-    def add_trace(self, trace: Trace, timing: dict[str, Any] | None, rank: int | None = None
+    def add_trace(self, trace: AnyTrace, timing: dict[str, Any] | None, rank: int | None = None
                   ) -> None:
         """Record a finished repeat's trace and timing, then update ``run.json``."""
         name = trace_name(trace.repeat, rank)
-        if not (self.path / name).exists():
+        # a trace read from a file elsewhere is read from the folder's copy from now on
+        if not (self.path / name).exists() or isinstance(trace, TraceFile):
             save_trace(self.path, trace, rank)
         if name not in self.info.traces:
             self.info.traces.append(name)
@@ -202,8 +203,9 @@ class RunFolder:
             self.info.timings.append(timing)
         self.save()
 
-    def add_zoom_trace(self, trace: Trace) -> None:
-        """Keep a zoomed trace in the folder (run.json's zoom entry lists them)."""
+    def add_zoom_trace(self, trace: AnyTrace) -> None:
+        """Keep a zoomed trace in the folder (run.json's zoom entry lists them); a trace read
+        from a file elsewhere is read from the folder's copy from now on."""
         _writable(trace.save, self.path, self.path / zoom_name(trace.repeat))
 
     def set_state(self, state: str) -> None:

@@ -7,13 +7,15 @@ every JSON file it reads goes through :func:`read_json` and :func:`check_format`
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import math
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .errors import TraceError
 
@@ -67,6 +69,17 @@ def read_bytes(path: str | Path, what: str) -> bytes:
         raise TraceError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     except MemoryError:
         raise TraceError(f"cannot read {what} {path}: it is too large to read") from None
+
+
+@contextlib.contextmanager
+def open_file(path: str | Path, what: str) -> Iterator[BinaryIO]:
+    """A file open for reading in binary; one clear error naming it if it cannot be."""
+    try:
+        file = open(path, "rb")  # noqa: SIM115 -- closed below
+    except OSError as exc:
+        raise TraceError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    with file:
+        yield file
 
 
 def read_json(path: str | Path, what: str) -> Any:

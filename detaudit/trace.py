@@ -12,11 +12,13 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import zlib
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from .errors import TraceError
 from .storage import (
@@ -25,6 +27,7 @@ from .storage import (
     describe,
     dump_json,
     jsonable,
+    open_file,
     read_bytes,
     read_json,
 )
@@ -160,6 +163,24 @@ class Trace:
     def __len__(self) -> int:
         return len(self.records["fp"])
 
+    def by_step(self) -> Iterator[tuple[int, Trace]]:
+        """(step, the trace cut to that step's records and calls), in step order."""
+        rows: dict[int, list[int]] = {}
+        for i, step in enumerate(self.records["step"]):
+            rows.setdefault(step, []).append(i)
+        calls: dict[int, list[int]] = {}
+        for i, step in enumerate(self.calls["step"]):
+            calls.setdefault(step, []).append(i)
+        for step in sorted(rows.keys() | calls.keys()):
+            yield step, self._cut(rows.get(step, []), calls.get(step, []))
+
+    def _cut(self, rows: list[int], calls: list[int]) -> Trace:
+        r, c = self.records, self.calls
+        return Trace(probe=self.probe, repeat=self.repeat, env=self.env,
+                     records={k: [r[k][i] for i in rows] for k in RECORD_COLUMNS},
+                     calls={k: [c[k][i] for i in calls] for k in CALL_COLUMNS},
+                     failure=self.failure)
+
     def frame(self):
         """The records as a pandas DataFrame (one row per record, in execution order)."""
         import pandas as pd
@@ -200,7 +221,7 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
-        """Read a trace written by :meth:`save` or by a :class:`TraceStream`."""
+        """Read a trace written by :meth:`save` or by a :class:`TraceStream`, whole."""
         path = Path(path)
         raw = read_bytes(path, "trace")
         if not _is_stream(raw):
@@ -210,6 +231,171 @@ class Trace:
             return cls(**_validated(_stream_data(raw, source)))
         except _Damaged as exc:
             raise TraceError(f"{source} is damaged: {exc}") from None
+
+
+def open_trace(path: str | Path) -> AnyTrace:
+    """A trace to analyse: a streamed one (however long its run) as a :class:`TraceFile`,
+    read a step at a time; one saved whole, loaded whole."""
+    path = Path(path)
+    with open_file(path, "trace") as file:
+        head = file.read(4096)
+    return TraceFile(path) if _is_stream(head) else Trace.load(path)
+
+
+class TraceFile:
+    """A streamed trace read from its file as it is needed, so that comparing runs of
+    thousands of steps holds one step of each in memory, not the runs: the steps, probe,
+    environment, failure and stress are read when it opens; :meth:`by_step` yields one step's
+    records and calls at a time; :attr:`records` and :attr:`calls` load them whole, for the
+    analyses that need every step at once (across ranks, across machines). Changes to
+    `repeat`, `probe` and `failure` are kept in memory and written by :meth:`save`."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.source = f"trace {self.path}"
+        end, steps = None, []
+        for n, item in self._items():
+            if "end" in item:
+                end = item["end"]
+            else:
+                steps += _listed(item, "steps", n)
+        if not isinstance(end, dict):
+            raise TraceError(f"{self.source} is truncated: it was cut before its first flush ended")
+        data = self._checked(lambda: _validated({**end, "steps": steps, "records": {
+            c: [] for c in RECORD_COLUMNS}}))
+        self.probe, self.repeat, self.env = data["probe"], data["repeat"], data["env"]
+        self.steps, self.failure, self.stress = data["steps"], data["failure"], data["stress"]
+        self._saved = (self.repeat, self.probe, self.failure)  # as the file says
+        self._whole: Trace | None = None
+
+    def _checked(self, read):
+        try:
+            return read()
+        except _Damaged as exc:
+            raise TraceError(f"{self.source} is damaged: {exc}") from None
+
+    def _items(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(line number, item) of every line after the header, one gzip member in memory."""
+        n = 0
+        for text in _members(self.path, self.source):
+            lines = text.split(b"\n")
+            if lines[-1]:
+                raise TraceError(f"{self.source} is corrupt: a member does not end with a whole line")
+            for line in lines[:-1]:
+                n += 1
+                if n == 1:
+                    continue  # the header, checked when the file was opened
+                try:
+                    item = json.loads(line)
+                except (ValueError, RecursionError):
+                    raise TraceError(f"{self.source} is corrupt: line {n} is not JSON") from None
+                if not isinstance(item, dict):
+                    raise self._damaged(f"line {n} is {describe(item)}, not a dict")
+                yield n - 1, item
+
+    def _damaged(self, why: str) -> TraceError:
+        return TraceError(f"{self.source} is damaged: {why}")
+
+    def by_step(self) -> Iterator[tuple[int, Trace]]:
+        """(step, a Trace of that step's records and calls), in step order, reading one flush
+        of the file at a time. A streamed trace holds its steps in order (a step is flushed
+        whole, at its end); records of an earlier step after a later one are damage."""
+        pending: dict[int, tuple[dict[str, list], dict[str, list]]] = {}
+        done = -1
+        for n, item in self._items():
+            if "end" in item:
+                continue
+            part = self._checked(lambda item=item, n=n: (
+                _columns(f"line {n + 1}: records", item.get("records", {}), _RECORD_CHECKS,
+                         required=False),
+                _columns(f"line {n + 1}: calls", item.get("calls", {}), _CALL_CHECKS,
+                         required=False)))
+            self._checked(lambda part=part: _check_records(part[0]))
+            for table, columns in enumerate(part):
+                names = RECORD_COLUMNS if table == 0 else CALL_COLUMNS
+                for i, step in enumerate(columns["step"]):
+                    if step <= done:
+                        raise self._damaged(f"line {n + 1} holds records of step {step}, which "
+                                            "ended before it (steps are written in order)")
+                    into = pending.setdefault(step, ({c: [] for c in RECORD_COLUMNS},
+                                                     {c: [] for c in CALL_COLUMNS}))[table]
+                    for name in names:
+                        into[name].append(columns[name][i])
+            newest = max(pending, default=done)
+            for step in sorted(k for k in pending if k < newest):
+                yield step, self._step_trace(pending.pop(step))
+                done = step
+        for step in sorted(pending):
+            yield step, self._step_trace(pending.pop(step))
+
+    def _step_trace(self, tables: tuple[dict[str, list], dict[str, list]]) -> Trace:
+        records, calls = tables
+        self._checked(lambda: _check_calls(calls))
+        return Trace(probe=self.probe, repeat=self.repeat, env=self.env, records=records,
+                     calls=calls, failure=self.failure)
+
+    def whole(self) -> Trace:
+        """The whole trace in memory (read once, then kept)."""
+        if self._whole is None:
+            self._whole = Trace.load(self.path)
+        return replace(self._whole, repeat=self.repeat, probe=self.probe, failure=self.failure)
+
+    @property
+    def records(self) -> dict[str, list[Any]]:
+        return self.whole().records
+
+    @property
+    def calls(self) -> dict[str, list[Any]]:
+        return self.whole().calls
+
+    def __len__(self) -> int:
+        return sum(len(t.records["step"]) for _, t in self.by_step())
+
+    def stress_rows(self) -> list[dict[str, Any]]:
+        return Trace(probe={}, repeat=0, env={}, stress=self.stress).stress_rows()
+
+    def save(self, path: str | Path) -> Path:
+        """Write the trace at `path` (streamed, as it is): the file copied a member at a time,
+        with a last end line for what was changed since it was read. It is read from there
+        on (the file it came from may go)."""
+        path = Path(path)
+        if path.resolve() == self.path.resolve() and self._saved == (
+                self.repeat, self.probe, self.failure):
+            return path
+        tmp = path.with_name(path.name + ".part")
+        with open(self.path, "rb") as source, open(tmp, "wb") as target:
+            shutil.copyfileobj(source, target, 1 << 20)
+            if self._saved != (self.repeat, self.probe, self.failure):
+                end = {"end": {"probe": jsonable(self.probe), "repeat": self.repeat,
+                               "env": jsonable(self.env), "failure": self.failure,
+                               **({"stress": self.stress} if self.stress["step"] else {})}}
+                target.write(gzip.compress(dump_json(end) + b"\n", mtime=0))
+            target.flush()
+            os.fsync(target.fileno())
+        os.replace(tmp, path)
+        self.path, self.source = path, f"trace {path}"
+        self._saved = (self.repeat, self.probe, self.failure)
+        return path
+
+
+AnyTrace = Union[Trace, TraceFile]  # what the analysis reads: either, the same way
+
+
+def _members(path: Path, source: str) -> Iterator[bytes]:
+    """The text of each complete gzip member of the file, read 1 MiB at a time; a last
+    member cut short (the process was killed while appending) is left out."""
+    with open_file(path, "trace") as file:
+        member, out = zlib.decompressobj(31), []
+        while chunk := file.read(1 << 20):
+            while chunk:
+                try:
+                    out.append(member.decompress(chunk))
+                except zlib.error:
+                    raise TraceError(f"{source} is corrupt") from None
+                if not member.eof:
+                    break
+                yield b"".join(out)
+                chunk, member, out = member.unused_data, zlib.decompressobj(31), []
 
 
 class TraceStream:

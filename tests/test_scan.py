@@ -337,3 +337,32 @@ def test_a_planted_fault_that_changes_nothing_recorded_is_an_error_never_a_pass(
                        "no recorded value differs"):
         _scan(probe, repeats=2, epochs=2, steps=2, stress=0,
               fault=Fault("1", "forward", 2, op="aten.mul"))
+
+
+def test_a_long_divergence_keeps_its_first_steps_in_detail_and_counts_the_rest(monkeypatch):
+    import copy
+
+    from detaudit.analysis import compare as compare_module
+
+    traces = audit(small_cnn_probe, repeats=2, epochs=2, steps=4, granularity="module",
+                   drill_down=False).traces
+    parted = copy.deepcopy(traces[1])  # head's output differs from step 1 to the end
+    r = parted.records
+    for i, (step, phase, module, slot) in enumerate(zip(r["step"], r["phase"], r["module"], r["slot"])):
+        if step >= 1 and phase == "forward" and module == "head" and slot.startswith("out"):
+            r["fp"][i] = "0" * 16
+    whole = compare_module.compare([traces[0], parted])
+    monkeypatch.setattr(compare_module, "DETAIL_STEPS", 3)
+    windowed = compare_module.compare([traces[0], parted])
+    assert whole.detailed_steps is None and windowed.detailed_steps == 3
+    assert windowed.first_step == whole.first_step == 1
+    assert [(f.step, f.phase, f.module, f.role) for f in windowed.origins] == [
+        (1, "forward", "head", "origin")]
+    assert windowed.cause == whole.cause == "forward"
+    assert windowed.first_diffs == whole.first_diffs
+    # the first 3 divergent steps in detail, every later one still counted
+    assert {f.step for f in whole.findings} == set(range(1, 8))
+    assert windowed.findings == [f for f in whole.findings if f.step <= 3]
+    assert windowed.differing_by_step == whole.differing_by_step
+    assert list(windowed.differing_by_step) == list(range(1, 8))
+    assert windowed.differing_records == whole.differing_records

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 
@@ -7,7 +8,8 @@ import pytest
 from conftest import module_audit, small_cnn_probe
 
 from detaudit.errors import TraceError
-from detaudit.trace import Trace, TraceStream
+from detaudit.storage import dump_json
+from detaudit.trace import Trace, TraceFile, TraceStream, open_trace
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +150,55 @@ def test_watch_over_many_steps_holds_only_what_is_new(tmp_path, monkeypatch):
     trace = Trace.load(w.path)
     assert [s.step for s in trace.steps] == list(range(300))
     assert len(trace) >= 300 * (per_step - 3) and trace.records["step"][-1] == 299
+
+
+def test_a_streamed_trace_opens_to_be_read_a_step_at_a_time(traces, tmp_path):
+    stream = _stream(traces[0], tmp_path / "s.json.gz")
+    opened = open_trace(stream.path)
+    assert isinstance(opened, TraceFile)
+    assert opened.steps == traces[0].steps and opened.env == traces[0].env
+    cuts = list(opened.by_step())
+    expected = list(traces[0].by_step())
+    assert [s for s, _ in cuts] == [s for s, _ in expected] == [s.step for s in traces[0].steps]
+    for (_, got), (_, want) in zip(cuts, expected):
+        assert got.records == want.records and got.calls == want.calls
+    assert opened.records == traces[0].records  # whole, for the analyses that need it
+    # a trace saved whole (not streamed) is loaded whole
+    assert isinstance(open_trace(traces[1].save(tmp_path / "whole.json.gz")), Trace)
+
+
+def test_comparing_streamed_traces_gives_what_comparing_them_in_memory_gives(traces, tmp_path):
+    from detaudit.analysis.compare import compare
+
+    changed = copy.deepcopy(traces[1])
+    changed.records["fp"][len(changed) // 2] = "0" * 16  # one record of a middle step
+    files = [open_trace(_stream(t, tmp_path / f"{i}.json.gz").path)
+             for i, t in enumerate((traces[0], changed))]
+    in_memory, streamed = compare([traces[0], changed]), compare(files)
+    assert streamed.first_step == in_memory.first_step == changed.records["step"][len(changed) // 2]
+    assert streamed == in_memory
+    assert compare([traces[0], traces[1]]).deterministic
+
+
+def test_a_streamed_trace_with_a_step_out_of_order_is_damaged(traces, tmp_path):
+    path = tmp_path / "s.json.gz"
+    lines = [{"format": "detaudit-trace", "version": 2}]
+    for step in (0, 1, 0):
+        rows = [i for i, s in enumerate(traces[0].records["step"]) if s == step]
+        lines.append({"steps": [], "calls": {}, "records": {
+            c: [traces[0].records[c][i] for i in rows] for c in traces[0].records}})
+    lines.append({"end": {"probe": {}, "repeat": 0, "env": {}, "failure": None}})
+    path.write_bytes(gzip.compress(b"".join(dump_json(x) + b"\n" for x in lines)))
+    with pytest.raises(TraceError, match="damaged: line 4 holds records of step 0, which ended"):
+        list(open_trace(path).by_step())
+
+
+def test_a_streamed_trace_saved_elsewhere_keeps_what_was_changed(traces, tmp_path):
+    opened = open_trace(_stream(traces[0], tmp_path / "s.json.gz").path)
+    opened.repeat, opened.failure = 3, "interrupted"
+    saved = opened.save(tmp_path / "moved.json.gz")
+    (tmp_path / "s.json.gz").unlink()  # the file it came from may go
+    again = open_trace(saved)
+    assert (again.repeat, again.failure, again.steps) == (3, "interrupted", traces[0].steps)
+    assert again.records == traces[0].records
+    assert opened.records == traces[0].records  # read from where it was saved

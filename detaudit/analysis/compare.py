@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from ..trace import (
     OPTIMIZER,
     OUTPUT,
     STATE,
+    AnyTrace,
     Trace,
 )
 from .rnggap import RngGap, rng_gap
@@ -32,6 +33,7 @@ Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot
 ORIGIN, CONTAINS, PROPAGATED = "origin", "contains-origin", "propagated"
 GRADIENTS_DIFFER = "gradients differ"  # a scanned step's map cell: no module records there
 DETERMINISTIC, DIVERGENT, FAILED = "deterministic", "divergent", "failed"
+DETAIL_STEPS = 100  # divergent steps whose differing records are all kept and classified
 _CAUSE_TEXT = {
     "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not reproducible",
     "rng": "an RNG stream differs: something drew a different amount of randomness",
@@ -132,6 +134,9 @@ class Comparison:
     # RNG streams whose state differs between the repeats when nothing else does: seeded
     # differently (or not at all) but never drawn from in a way that changed the run
     idle_rng: list[str] = field(default_factory=list)
+    # with more divergent steps than DETAIL_STEPS: how many were kept in detail (findings,
+    # gradients that differ); the later ones are in differing_by_step only
+    detailed_steps: int | None = None
 
     @property
     def proven(self) -> list[StressedOp]:
@@ -201,25 +206,122 @@ def fingerprints_before(trace: Trace, step: int) -> dict[Key, str]:
     return _Index(trace, steps=step).fp
 
 
-def compare(traces: Iterable[Trace]) -> Comparison:
-    """Align the traces of N repeats and analyse their differences. When a repeat stopped
-    early (its trace names a failure), only the steps every repeat completed are compared:
-    a crash is a failure, not a divergence."""
+def compare(traces: Iterable[AnyTrace]) -> Comparison:
+    """Align the traces of N repeats and analyse their differences, a step at a time (a
+    streamed trace is read one step at a time, so runs of any length compare in flat
+    memory). Every differing record of the first DETAIL_STEPS divergent steps is kept and
+    classified; later steps are counted. When a repeat stopped early (its trace names a
+    failure), only the steps every repeat completed are compared: a crash is a failure,
+    not a divergence."""
     traces = list(traces)
     if not traces:
         raise ValueError("compare() needs at least one trace")
     common = min(len(t.steps) for t in traces) if any(t.failure for t in traces) else None
-    indexes = [_Index(t, steps=common) for t in traces]
-    ref, others = indexes[0], indexes[1:]
-    n = len(traces)
+    seen = _StepDiffs(len(traces))
+    for step, cuts in _aligned_steps(traces, common):
+        seen.add(step, cuts)
+    return seen.comparison(traces, common)
 
-    keys = list(ref.order)
-    known = set(ref.fp)
-    for idx in others:
-        keys.extend(k for k in idx.order if k not in known and not known.add(k))  # type: ignore[func-returns-value]
 
-    diffs: dict[Key, RecordDiff] = {}
-    for key in keys:
+def _aligned_steps(traces: list[AnyTrace], common: int | None
+                   ) -> Iterator[tuple[int, list[Trace]]]:
+    """(step, each trace cut to that step), in step order; a trace without the step gives
+    an empty cut. Steps from `common` on are left out."""
+    streams = [t.by_step() for t in traces]
+    heads = [next(s, None) for s in streams]
+    while any(heads):
+        step = min(h[0] for h in heads if h)
+        if common is not None and step >= common:
+            return
+        cuts = []
+        for i, head in enumerate(heads):
+            if head and head[0] == step:
+                cuts.append(head[1])
+                heads[i] = next(streams[i], None)
+            else:
+                cuts.append(Trace(probe={}, repeat=traces[i].repeat, env={}))
+        yield step, cuts
+
+
+class _StepDiffs:
+    """What the steps compared so far differ in: every differing record of the first
+    DETAIL_STEPS divergent steps, and counts beyond them.
+
+    RNG state records are held apart until the end: a stream that differs between repeats
+    but that nothing drew from is no divergence (see :func:`_never_drawn`), which only all
+    the steps can tell. Of those, the first step each stream differs in is kept whole.
+    """
+
+    def __init__(self, repeats: int) -> None:
+        self.n = repeats
+        self.kept: list[RecordDiff] = []  # execution order
+        self.findings: list[CallFinding] = []
+        self.total = 0
+        self.counts: dict[int, int] = {}  # step -> differing records, RNG states aside
+        self.missing = 0  # the same, missing in some repeat
+        self.rng: dict[int, set[str]] = {}  # step -> RNG state slots that differ
+        self.rng_missing: dict[int, set[str]] = {}
+        self.rng_first: dict[str, int] = {}  # slot -> first step it differs in
+        self.fork: RecordDiff | None = None  # the first record missing somewhere, RNGs aside
+        self.rng_forks: list[RecordDiff] = []
+        self.param_drift: int | None = None
+        self.detailed = 0  # divergent steps kept in detail
+        self.more = False  # divergent steps beyond them
+        self.first_cut: tuple[int, Trace, set[Key]] | None = None  # for the RNG gap
+        self.previous: dict[tuple[int, str, str, int], list[RecordDiff]] = {}
+        self.rng_states: list[dict[str, tuple[str, bool]]] = [{} for _ in range(repeats)]
+        self.rng_steps: list[set[int]] = [set() for _ in range(repeats)]
+
+    def add(self, step: int, cuts: list[Trace]) -> None:
+        """Compare one step's records across the repeats."""
+        self._note_rng_states(step, cuts)
+        indexes = [_Index(c) for c in cuts]
+        ref, others = indexes[0], indexes[1:]
+        keys = list(ref.order)
+        known = set(ref.fp)
+        for idx in others:
+            keys.extend(k for k in idx.order if k not in known and not known.add(k))  # type: ignore[func-returns-value]
+        self.total += len(keys)
+        diffs = [d for d in (self._diff(key, ref, others) for key in keys) if d]
+        rng = [d for d in diffs if _rng_state(d)]
+        rest = [d for d in diffs if not _rng_state(d)]
+        for d in rng:
+            self.rng.setdefault(step, set()).add(d.slot)
+            if d.missing:
+                self.rng_missing.setdefault(step, set()).add(d.slot)
+        if rest:
+            self.counts[step] = len(rest)
+            self.missing += sum(1 for d in rest if d.missing)
+            self.fork = self.fork or next((d for d in rest if d.missing), None)
+            if any(d.phase in (GRAD, OPTIMIZER) or (d.phase == STATE and "param" in d.slot)
+                   for d in rest) and self.param_drift is None:
+                self.param_drift = step
+        detail = bool(rest) and self.detailed < DETAIL_STEPS
+        if rest and not detail:
+            self.more = True
+        for d in diffs:
+            if not _rng_state(d):
+                if detail:
+                    self.kept.append(d)
+            elif d.slot not in self.rng_first or detail:
+                self.kept.append(d)
+                if d.missing:
+                    self.rng_forks.append(d)
+        for d in rng:
+            self.rng_first.setdefault(d.slot, step)
+        if not detail:
+            self.previous = {}
+            return
+        self.detailed += 1
+        if self.first_cut is None:
+            self.first_cut = (step, cuts[0], {d.key for d in diffs})
+        slots: dict[tuple[int, str, str, int], list[RecordDiff]] = defaultdict(list)
+        for d in rest:
+            slots[(d.step, d.phase, d.module, d.call)].append(d)
+        self.findings += _step_findings(cuts[0], step, {**self.previous, **slots}, self.n)
+        self.previous = slots
+
+    def _diff(self, key: Key, ref: _Index, others: list[_Index]) -> RecordDiff | None:
         ref_fp = ref.fp.get(key)
         differing = missing = 0
         first_other = None
@@ -232,86 +334,95 @@ def compare(traces: Iterable[Trace]) -> Comparison:
                 first_other = first_other or idx
         if ref_fp is None:
             missing += 1
-        if differing:
-            diffs[key] = RecordDiff(
-                *key, differing=differing, missing=missing, repeats=n,
-                ref=ref.stats(key), other=first_other.stats(key) if first_other else {},
-            )
+        if not differing:
+            return None
+        return RecordDiff(*key, differing=differing, missing=missing, repeats=self.n,
+                          ref=ref.stats(key), other=first_other.stats(key) if first_other else {})
 
-    # RNG streams whose state differs but that nothing drew from: the runs agree on them.
-    # Known when a stream's state never moved over the steps of any repeat, or when the RNG
-    # states are all that differs.
-    never = _never_drawn(traces, common)
-    idle = {k[4] for k in diffs if k[1] == STATE and k[4] in never}
-    if diffs and all(k[1] == STATE and k[4].startswith("rng.") for k in diffs):
-        idle |= {k[4] for k in diffs}
-    diffs = {k: d for k, d in diffs.items() if not (k[1] == STATE and k[4] in idle)}
-    by_step: dict[int, int] = defaultdict(int)
-    for key in diffs:
-        by_step[key[0]] += 1
-    first_step = min(by_step) if by_step else None
-    first_diffs = [diffs[k] for k in keys if k in diffs and k[0] == first_step]
-    first_by_phase: dict[str, RecordDiff] = {}
-    for d in first_diffs:
-        first_by_phase.setdefault(d.phase, d)
+    def _note_rng_states(self, step: int, cuts: list[Trace]) -> None:
+        """Per repeat and stream: its first state, and whether it ever moved."""
+        for states, steps, cut in zip(self.rng_states, self.rng_steps, cuts):
+            r = cut.records
+            for phase, module, slot, fp in zip(r["phase"], r["module"], r["slot"], r["fp"]):
+                if phase == STATE and not module and slot.startswith("rng."):
+                    first, moved = states.get(slot, (fp, False))
+                    states[slot] = (first, moved or fp != first)
+                    steps.add(step)
 
-    findings = _findings(traces[0], diffs, n)
-    steps = [(s.step, s.epoch, s.index) for s in traces[0].steps[:common]]
-    gap = rng_gap(traces[0], diffs, first_step) if first_step is not None else None
-    return Comparison(
-        repeats=n,
-        steps=steps,
-        total_records=len(keys),
-        differing_records=len(diffs),
-        missing_records=sum(1 for d in diffs.values() if d.missing),
-        first_step=first_step,
-        first_by_phase=first_by_phase,
-        findings=findings,
-        cause=_cause(first_diffs, findings, first_step, gap),
-        loss=_loss_drift(traces, common),
-        param_drift_step=min(
-            (k[0] for k in diffs if k[1] in (GRAD, OPTIMIZER) or (k[1] == STATE and "param" in k[4])),
-            default=None,
-        ),
-        fork=next((diffs[k] for k in keys if k in diffs and diffs[k].missing), None),
-        differing_by_step=dict(sorted(by_step.items())),
-        failures={t.repeat: t.failure for t in traces if t.failure},
-        first_diffs=first_diffs,
-        common_steps=common,
-        stress=stressed_ops(traces),
-        rng_gap=gap,
-        grad_diffs=[(k[0], k[2], k[4].removeprefix("param.")) for k in diffs if k[1] == GRAD],
-        idle_rng=sorted(slot.removeprefix("rng.") for slot in idle),
-    )
-
-
-def _never_drawn(traces: list[Trace], common: int | None) -> set[str]:
-    """The RNG state slots (``rng.<stream>``) whose state is the same at the start of every
-    step of every repeat, over two steps or more: nothing in the process drew from them."""
-    states: dict[str, list[set[str]]] = {}
-    for trace in traces:
-        r = trace.records
-        seen: dict[str, set[str]] = {}
-        steps = set()
-        for step, phase, module, slot, fp in zip(r["step"], r["phase"], r["module"], r["slot"],
-                                                 r["fp"]):
-            if phase == STATE and not module and slot.startswith("rng.") and (
-                    common is None or step < common):
-                seen.setdefault(slot, set()).add(fp)
-                steps.add(step)
-        if len(steps) < 2:
+    def _never_drawn(self) -> set[str]:
+        """The RNG state slots (``rng.<stream>``) whose state is the same at the start of
+        every step of every repeat, over two steps or more: nothing in the process drew
+        from them."""
+        if any(len(steps) < 2 for steps in self.rng_steps):
             return set()
-        for slot, fps in seen.items():
-            states.setdefault(slot, []).append(fps)
-    return {slot for slot, per_trace in states.items()
-            if len(per_trace) == len(traces) and all(len(fps) == 1 for fps in per_trace)}
+        slots = set().union(*self.rng_states)
+        return {slot for slot in slots
+                if all(slot in states and not states[slot][1] for states in self.rng_states)}
+
+    def comparison(self, traces: list[AnyTrace], common: int | None) -> Comparison:
+        """The comparison of every step added."""
+        # RNG streams whose state differs but that nothing drew from: the runs agree on
+        # them. Known when a stream's state never moved over the steps of any repeat, or
+        # when the RNG states are all that differs.
+        idle = set(self.rng_first) & self._never_drawn()
+        if not self.counts:
+            idle |= set(self.rng_first)
+        by_step = dict(self.counts)
+        for step, slots in self.rng.items():
+            if slots - idle:
+                by_step[step] = by_step.get(step, 0) + len(slots - idle)
+        kept = [d for d in self.kept if not (_rng_state(d) and d.slot in idle)]
+        first_step = min(by_step) if by_step else None
+        first_diffs = [d for d in kept if d.step == first_step]
+        first_by_phase: dict[str, RecordDiff] = {}
+        for d in first_diffs:
+            first_by_phase.setdefault(d.phase, d)
+        forks = [d for d in self.rng_forks if d.slot not in idle]
+        if self.fork:
+            forks.append(self.fork)
+        gap = None
+        if self.first_cut is not None and self.first_cut[0] == first_step:
+            step, cut, keys = self.first_cut
+            gap = rng_gap(cut, {k for k in keys if not (k[1] == STATE and k[4] in idle)}, step)
+        order = {FORWARD: 0, BACKWARD: 1}
+        findings = sorted(self.findings, key=lambda f: (f.step, order[f.phase], f.role != ORIGIN))
+        return Comparison(
+            repeats=self.n,
+            steps=[(s.step, s.epoch, s.index) for s in traces[0].steps[:common]],
+            total_records=self.total,
+            differing_records=sum(by_step.values()),
+            missing_records=self.missing + sum(
+                len(slots - idle) for slots in self.rng_missing.values()),
+            first_step=first_step,
+            first_by_phase=first_by_phase,
+            findings=findings,
+            cause=_cause(first_diffs, findings, first_step, gap),
+            loss=_loss_drift(traces, common),
+            param_drift_step=self.param_drift,
+            fork=min(forks, key=lambda d: (d.step, _rng_state(d) is False), default=None),
+            differing_by_step=dict(sorted(by_step.items())),
+            failures={t.repeat: t.failure for t in traces if t.failure},
+            first_diffs=first_diffs,
+            common_steps=common,
+            stress=stressed_ops(traces),
+            rng_gap=gap,
+            grad_diffs=[(d.step, d.module, d.slot.removeprefix("param.")) for d in kept
+                        if d.phase == GRAD],
+            idle_rng=sorted(slot.removeprefix("rng.") for slot in idle),
+            detailed_steps=self.detailed if self.more else None,
+        )
 
 
-def _findings(ref: Trace, diffs: dict[Key, RecordDiff], n: int) -> list[CallFinding]:
-    """Classify every differing module call as origin, contains-origin or propagated."""
-    slots: dict[tuple[int, str, str, int], list[RecordDiff]] = defaultdict(list)
-    for d in diffs.values():
-        slots[(d.step, d.phase, d.module, d.call)].append(d)
+def _rng_state(d: RecordDiff) -> bool:
+    return d.phase == STATE and d.slot.startswith("rng.")
+
+
+def _step_findings(
+    ref: Trace, step: int, slots: dict[tuple[int, str, str, int], list[RecordDiff]], n: int
+) -> list[CallFinding]:
+    """Classify every differing module call of `step` as origin, contains-origin or
+    propagated. `ref` is repeat 0 cut to the step; `slots` holds the step's differing
+    records by call, and the step before's (whose parameter updates the step starts from)."""
 
     def differs(step: int, phase: str, module: str, call: int, prefix: str) -> bool:
         return any(d.slot.startswith(prefix) for d in slots.get((step, phase, module, call), ()))
@@ -322,62 +433,58 @@ def _findings(ref: Trace, diffs: dict[Key, RecordDiff], n: int) -> list[CallFind
             return differs(0, STATE, module, 0, "param.")
         return differs(step - 1, OPTIMIZER, module, 0, "param.")
 
-    parents = _call_parents(ref)
-    # Steps recorded at module level (a scanned step has no forward records, and its
-    # parameter gradients alone cannot say which module a backward difference started in).
-    module_steps = {s for s, p in zip(ref.records["step"], ref.records["phase"]) if p == FORWARD}
-    findings: list[CallFinding] = []
-    for step in sorted({d.step for d in diffs.values()}):
-        calls = parents.get(step, {})
-        forward_calls = [(m, c) for (s, p, m, c) in slots if s == step and p == FORWARD]
-        candidates: dict[str, list[tuple[str, int]]] = {FORWARD: [], BACKWARD: []}
-        pending: list[tuple[str, str, int, list[RecordDiff], bool]] = []
-        for (s, phase, module, call), ds in slots.items():
-            if s != step or phase not in (FORWARD, BACKWARD):
-                continue
-            forward_in = (
-                differs(step, FORWARD, module, call, "in") or differs(step, FORWARD, module, call, "rng.in")
-                or params_differ(step, module)
+    calls = _call_parents(ref).get(step, {})
+    # A scanned step has no forward records, and its parameter gradients alone cannot say
+    # which module a backward difference started in.
+    module_level = FORWARD in ref.records["phase"]
+    forward_calls = [(m, c) for (s, p, m, c) in slots if s == step and p == FORWARD]
+    candidates: dict[str, list[tuple[str, int]]] = {FORWARD: [], BACKWARD: []}
+    pending: list[tuple[str, str, int, list[RecordDiff], bool]] = []
+    for (s, phase, module, call), ds in slots.items():
+        if s != step or phase not in (FORWARD, BACKWARD):
+            continue
+        forward_in = (
+            differs(step, FORWARD, module, call, "in") or differs(step, FORWARD, module, call, "rng.in")
+            or params_differ(step, module)
+        )
+        if phase == FORWARD:
+            propagated = forward_in
+        else:
+            # its forward changed, in its own records or in a call inside it (whose saved
+            # activations its backward reuses, even where its outputs agree)
+            forward_changed = bool(slots.get((step, FORWARD, module, call))) or any(
+                _is_ancestor((module, call), inner, calls) for inner in forward_calls)
+            propagated = differs(step, BACKWARD, module, call, "grad_out") or forward_changed
+        pending.append((phase, module, call, ds, propagated))
+        if not propagated:
+            candidates[phase].append((module, call))
+    # Backward: a module whose own parameter gradients differ, with nothing upstream.
+    for (s, phase, module, call), ds in slots.items():
+        if s != step or phase != GRAD or not module_level:
+            continue
+        upstream = differs(step, BACKWARD, module, 0, "grad_out") or bool(
+            slots.get((step, FORWARD, module, 0))
+        ) or params_differ(step, module)
+        if not upstream and (module, 0) not in candidates[BACKWARD]:
+            candidates[BACKWARD].append((module, 0))
+            pending.append((BACKWARD, module, 0, ds, False))
+    findings = []
+    for phase, module, call, ds, propagated in pending:
+        if propagated:
+            role = PROPAGATED
+        else:
+            inner = [
+                c for c in candidates[phase]
+                if c != (module, call) and _is_ancestor((module, call), c, calls)
+            ]
+            role = CONTAINS if inner else ORIGIN
+        findings.append(
+            CallFinding(
+                step, phase, module, call, role, sorted(d.slot for d in ds),
+                max(d.differing for d in ds), n,
+                rng=any(d.slot == "rng.out" for d in ds),
             )
-            if phase == FORWARD:
-                propagated = forward_in
-            else:
-                # its forward changed, in its own records or in a call inside it (whose
-                # saved activations its backward reuses, even where its outputs agree)
-                forward_changed = bool(slots.get((step, FORWARD, module, call))) or any(
-                    _is_ancestor((module, call), inner, calls) for inner in forward_calls)
-                propagated = differs(step, BACKWARD, module, call, "grad_out") or forward_changed
-            pending.append((phase, module, call, ds, propagated))
-            if not propagated:
-                candidates[phase].append((module, call))
-        # Backward: a module whose own parameter gradients differ, with nothing upstream.
-        for (s, phase, module, call), ds in slots.items():
-            if s != step or phase != GRAD or step not in module_steps:
-                continue
-            upstream = differs(step, BACKWARD, module, 0, "grad_out") or bool(
-                slots.get((step, FORWARD, module, 0))
-            ) or params_differ(step, module)
-            if not upstream and (module, 0) not in candidates[BACKWARD]:
-                candidates[BACKWARD].append((module, 0))
-                pending.append((BACKWARD, module, 0, ds, False))
-        for phase, module, call, ds, propagated in pending:
-            if propagated:
-                role = PROPAGATED
-            else:
-                inner = [
-                    c for c in candidates[phase]
-                    if c != (module, call) and _is_ancestor((module, call), c, calls)
-                ]
-                role = CONTAINS if inner else ORIGIN
-            findings.append(
-                CallFinding(
-                    step, phase, module, call, role, sorted(d.slot for d in ds),
-                    max(d.differing for d in ds), n,
-                    rng=any(d.slot == "rng.out" for d in ds),
-                )
-            )
-    order = {(FORWARD): 0, (BACKWARD): 1}
-    findings.sort(key=lambda f: (f.step, order[f.phase], f.role != ORIGIN))
+        )
     return findings
 
 

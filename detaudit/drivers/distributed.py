@@ -20,7 +20,7 @@ from typing import Any, Callable
 from ..config import AuditConfig, ProbeSpec
 from ..errors import DetauditError
 from ..runfolder import failed_trace, save_trace, timing_name, trace_name
-from ..trace import Trace
+from ..trace import Trace, open_trace
 from .distributed_worker import PROGRESS, status_path
 
 LAUNCH_LOG = "launch.log"
@@ -183,7 +183,7 @@ def _rank_traces(
     for repeat in range(last + 1):
         path = folder / trace_name(repeat, rank)
         if path.exists():
-            traces.append(Trace.load(path))
+            traces.append(open_trace(path))
             continue
         failed = failed_trace(spec, config, repeat, (
             f"repeat {repeat} did not finish on rank {rank}: {_crash_text(crash)}" if crash

@@ -17,7 +17,7 @@ from typing import Callable
 from ..config import AuditConfig, ProbeSpec
 from ..errors import DetauditError
 from ..runfolder import failed_trace, save_trace, timing_name, trace_name
-from ..trace import Trace
+from ..trace import Trace, open_trace
 from .loading import make_factory
 from .runner import RepeatTiming, run_repeat
 
@@ -49,7 +49,7 @@ def run_isolated(
         trace_path = folder / trace_name(repeat)
         timing_path = folder / timing_name(repeat)
         if done.returncode == 0 and trace_path.exists():
-            traces.append(Trace.load(trace_path))
+            traces.append(open_trace(trace_path))
             timings.append(RepeatTiming(**json.loads(timing_path.read_text())))
             timing_path.unlink()
         else:

@@ -83,6 +83,7 @@ def summarize(
             "differing": c.differing_records,
             "missing": c.missing_records,
             "by_step": {str(k): v for k, v in c.differing_by_step.items()},
+            "detailed_steps": c.detailed_steps,
         },
         "map": cells[:MAP_LIMIT],
         "map_truncated": max(0, len(cells) - MAP_LIMIT),
