@@ -461,8 +461,9 @@ def _record(
                 progress.advance(f"repeat {repeat + 1}/{config.repeats} "
                                  f"epoch {epoch + 1}/{config.epochs}")
 
-            trace, timing = run_repeat(factory, config, repeat, spec, on_step,
-                                       run_id=folder.info.run_id)
+            trace, timing = run_repeat(
+                factory, config, repeat, spec, on_step, run_id=folder.info.run_id,
+                stream_to=folder.path / trace_name(repeat) if folder.path else None)
             traces.append(trace)
             timings.append(timing)
             folder.add_trace(trace, asdict(timing))

@@ -31,7 +31,7 @@ LOCK_FILE = ".detaudit.lock"
 # What a run leaves in its folder (removed by --overwrite before a new run starts).
 RUN_FILES = ("run.json", "summary.json", "report.md", "report.html", "report.github.html",
              "launch.log", "trace-*.json.gz", "zoom-*.json.gz", "timing-*.json", "job-*.json",
-             "rank-*.json", "attach-*.json.gz",
+             "rank-*.json", "attach-*.json.gz", "partial-*.json.gz",
              "*.part")
 COMPLETE = "complete"  # the state of a run that ran to its end
 # History:
@@ -68,6 +68,13 @@ def failed_trace(
 ) -> Trace:
     """The trace of a repeat that left none (its process crashed): no records, a failure."""
     return Trace(probe=trace_probe(spec, config, run_id), repeat=repeat, env={}, failure=why)
+
+
+def partial_trace_path(folder: str | Path, repeat: int, rank: int | None = None) -> Path:
+    """Where a repeat run in another process streams its trace while it runs: the trace is
+    saved under its own name only once the repeat has ended (a crash leaves no trace that
+    reads as complete)."""
+    return Path(folder) / f"partial-{trace_name(repeat, rank)}"
 
 
 def save_trace(folder: str | Path, trace: AnyTrace, rank: int | None = None) -> Path:

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,11 @@ from .storage import (
 FORMAT_VERSION = 1
 STREAM_VERSION = 2
 FORMAT_NAME = "detaudit-trace"
+# A streamed trace is flushed at the end of its first step, then of any step after
+# FLUSH_EVERY_S seconds (a hard kill loses little) or with FLUSH_ROWS records held (its
+# memory stays flat), whichever comes first.
+FLUSH_EVERY_S = 30.0
+FLUSH_ROWS = 20_000
 
 # The format, version 1 (gzip-compressed JSON, keys sorted):
 #
@@ -265,7 +271,7 @@ class TraceFile:
             c: [] for c in RECORD_COLUMNS}}))
         self.probe, self.repeat, self.env = data["probe"], data["repeat"], data["env"]
         self.steps, self.failure, self.stress = data["steps"], data["failure"], data["stress"]
-        self._saved = (self.repeat, self.probe, self.failure)  # as the file says
+        self._saved = self._end()  # as the file says
         self._whole: Trace | None = None
 
     def _checked(self, read):
@@ -359,23 +365,27 @@ class TraceFile:
         with a last end line for what was changed since it was read. It is read from there
         on (the file it came from may go)."""
         path = Path(path)
-        if path.resolve() == self.path.resolve() and self._saved == (
-                self.repeat, self.probe, self.failure):
+        changed = self._end() != self._saved
+        if path.resolve() == self.path.resolve() and not changed:
             return path
         tmp = path.with_name(path.name + ".part")
         with open(self.path, "rb") as source, open(tmp, "wb") as target:
             shutil.copyfileobj(source, target, 1 << 20)
-            if self._saved != (self.repeat, self.probe, self.failure):
-                end = {"end": {"probe": jsonable(self.probe), "repeat": self.repeat,
-                               "env": jsonable(self.env), "failure": self.failure,
-                               **({"stress": self.stress} if self.stress["step"] else {})}}
-                target.write(gzip.compress(dump_json(end) + b"\n", mtime=0))
+            if changed:
+                target.write(gzip.compress(self._end() + b"\n", mtime=0))
             target.flush()
             os.fsync(target.fileno())
         os.replace(tmp, path)
         self.path, self.source = path, f"trace {path}"
-        self._saved = (self.repeat, self.probe, self.failure)
+        self._saved = self._end()
         return path
+
+    def _end(self) -> bytes:
+        """The end line for the trace as it stands."""
+        return dump_json({"end": {
+            "probe": jsonable(self.probe), "repeat": self.repeat, "env": jsonable(self.env),
+            "failure": self.failure, **({"stress": self.stress} if self.stress["step"] else {}),
+        }})
 
 
 AnyTrace = Union[Trace, TraceFile]  # what the analysis reads: either, the same way
@@ -408,6 +418,12 @@ class TraceStream:
         self.trace, self.path = trace, Path(path)
         self.flushed_steps = 0
         self._started = False
+        self._flushed_at = -math.inf
+
+    def due(self) -> bool:
+        """Whether to flush at the end of this step (see FLUSH_EVERY_S)."""
+        return (not self._started or len(self.trace) >= FLUSH_ROWS
+                or time.monotonic() - self._flushed_at > FLUSH_EVERY_S)
 
     @property
     def steps(self) -> int:
@@ -431,6 +447,7 @@ class TraceStream:
             file.flush()
             os.fsync(file.fileno())
         self._started = True
+        self._flushed_at = time.monotonic()
         self.flushed_steps += len(t.steps)
         t.steps = []
         t.records = {c: [] for c in RECORD_COLUMNS}

@@ -374,3 +374,39 @@ def test_run_json_is_checked_field_by_field(tmp_path, field, value, message):
     with pytest.raises(TraceError, match=message):
         api.render_folder(folder)
     assert main(["report", str(folder)]) == 2
+
+
+def test_a_repeat_killed_in_its_own_process_keeps_what_it_flushed(tmp_path):
+    marker = tmp_path / "built"
+    probe = _probe_file(tmp_path, f"""
+import os
+from pathlib import Path
+from conftest import small_cnn_probe
+
+def probe(device):
+    second = Path({str(marker)!r}).exists()
+    Path({str(marker)!r}).touch()
+    base = small_cnn_probe(device)
+
+    def step(model, batch):
+        step.calls += 1
+        if second and step.calls == 3:
+            os._exit(9)  # killed hard, as by the OOM killer: no exception, no clean-up
+        return base.step(model, batch)
+
+    step.calls = 0
+    return detaudit.Probe(model=base.model, batches=base.batches, step=step,
+                          optimizer=base.optimizer)
+""")
+    out = tmp_path / "run"
+    done = run_cli("run", "--probe", str(probe), "--out", str(out), "--isolation", "process",
+                   "--steps", "4", "--no-census", "--quiet",
+                   env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "repeat 1 crashed (exit code 9)" in done.stdout
+    _, traces = load_run(out)
+    assert traces[1].failure.startswith("repeat 1 crashed (exit code 9)")
+    # its first step was flushed as it ended: kept, and compared with repeat 0's
+    assert [s.step for s in traces[1].steps] == [0] and traces[1].records["step"]
+    assert "agree over the 1 step(s) every repeat completed" in done.stdout
+    assert not list(out.glob("partial-*"))

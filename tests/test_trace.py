@@ -131,9 +131,9 @@ def test_watch_over_many_steps_holds_only_what_is_new(tmp_path, monkeypatch):
     from torch import nn
 
     import detaudit
-    from detaudit.drivers import attach
+    from detaudit import trace as trace_module
 
-    monkeypatch.setattr(attach, "FLUSH_ROWS", 200)
+    monkeypatch.setattr(trace_module, "FLUSH_ROWS", 200)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -202,3 +202,21 @@ def test_a_streamed_trace_saved_elsewhere_keeps_what_was_changed(traces, tmp_pat
     assert (again.repeat, again.failure, again.steps) == (3, "interrupted", traces[0].steps)
     assert again.records == traces[0].records
     assert opened.records == traces[0].records  # read from where it was saved
+
+
+def test_a_run_into_a_folder_streams_its_repeats_and_compares_as_if_held(tmp_path, monkeypatch):
+    from conftest import small_cnn_probe
+
+    from detaudit import Fault, audit
+    from detaudit import trace as trace_module
+
+    monkeypatch.setattr(trace_module, "FLUSH_ROWS", 50)  # several flushes per repeat
+    kwargs = {"repeats": 2, "steps": 4, "granularity": "module", "drill_down": False,
+              "fault": Fault("head", "backward", 2)}
+    held, streamed = audit(small_cnn_probe, **kwargs), audit(small_cnn_probe, out=tmp_path, **kwargs)
+    assert all(isinstance(t, Trace) for t in held.traces)
+    assert all(isinstance(t, TraceFile) for t in streamed.traces)
+    assert len(_member_ends((tmp_path / "trace-0.json.gz").read_bytes())) > 2
+    assert streamed.comparison == held.comparison and streamed.comparison.first_step == 2
+    assert [(f.module, f.role) for f in streamed.comparison.origins] == [("head", "origin")]
+    assert Trace.load(tmp_path / "trace-1.json.gz").records == held.traces[1].records

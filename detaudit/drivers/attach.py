@@ -22,7 +22,6 @@ import math
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,12 +40,17 @@ from ..record.environment import capture_environment
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder
 from ..seeding import seed_everything
-from ..trace import OPTIMIZER, OUTPUT, PROBE_DISTRIBUTED, STATE, StepInfo, Trace, TraceStream
+from ..trace import (
+    OPTIMIZER,
+    OUTPUT,
+    PROBE_DISTRIBUTED,
+    STATE,
+    StepInfo,
+    Trace,
+    TraceStream,
+)
 from .rankprobe import RankWatch, sampler_snapshot
 from .runner import describe_user_error, store_records
-
-SAVE_EVERY_S = 30.0  # a long run's trace is flushed this often, so a hard kill loses little
-FLUSH_ROWS = 20_000  # and whenever this many records are held: its memory stays flat
 
 
 class Attachment:
@@ -98,7 +102,6 @@ class Attachment:
         self._samplers: dict[int, list[dict[str, Any]]] = {}  # loader -> its passes' orders
         self._handles: list[Any] = []
         self._patches: list[tuple[Any, str, Any]] = []
-        self._saved_at = -math.inf  # the first step is saved at once, then every SAVE_EVERY_S
         self.stopped = False
         self.installed = False
         self.in_backward = False
@@ -347,7 +350,7 @@ class Attachment:
         self.trace.steps.append(self.info)
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
         self.index += 1
-        if time.monotonic() - self._saved_at > SAVE_EVERY_S or len(self.trace) >= FLUSH_ROWS:
+        if self.stream.due():
             self.save()
 
     def stop(self) -> None:
@@ -385,7 +388,6 @@ class Attachment:
         if not self.stream.steps and not self.trace.failure:
             return
         self.stream.flush()
-        self._saved_at = time.monotonic()
 
 
 def _note_group(rank: RankWatch) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import AuditConfig, ProbeSpec
-from ..errors import DetauditError
-from ..runfolder import failed_trace, save_trace, timing_name, trace_name
-from ..trace import Trace, open_trace
+from ..errors import DetauditError, TraceError
+from ..runfolder import failed_trace, partial_trace_path, save_trace, timing_name, trace_name
+from ..trace import AnyTrace, Trace, open_trace
 from .loading import make_factory
 from .runner import RepeatTiming, run_repeat
 
@@ -54,16 +54,26 @@ def run_isolated(
             timing_path.unlink()
         else:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            failed = failed_trace(
-                spec, config, repeat,
-                f"repeat {repeat} crashed (exit code {done.returncode}): {last}", run_id,
-            )
+            why = f"repeat {repeat} crashed (exit code {done.returncode}): {last}"
+            failed = _recorded_until_crash(folder, repeat, why) or failed_trace(
+                spec, config, repeat, why, run_id)
             save_trace(folder, failed)
+            partial_trace_path(folder, repeat).unlink(missing_ok=True)
             traces.append(failed)
             timings.append(RepeatTiming(repeat, 0.0, 0))
         if on_repeat:
             on_repeat(traces[-1], timings[-1])
     return traces, timings
+
+
+def _recorded_until_crash(folder: Path, repeat: int, why: str) -> AnyTrace | None:
+    """What a crashed repeat streamed before it crashed, named as failed; None if nothing."""
+    try:
+        trace = open_trace(partial_trace_path(folder, repeat))
+    except TraceError:  # nothing flushed yet (or not even that much written)
+        return None
+    trace.failure = why
+    return trace
 
 
 def _child(job_path: str) -> int:
@@ -74,12 +84,13 @@ def _child(job_path: str) -> int:
         spec = ProbeSpec.from_dict(job["spec"])
         trace, timing = run_repeat(
             make_factory(spec), AuditConfig.from_dict(job["config"]), job["repeat"], spec,
-            run_id=job.get("run", ""),
+            run_id=job.get("run", ""), stream_to=partial_trace_path(folder, job["repeat"]),
         )
     except DetauditError as exc:
         print(f"detaudit: {exc}", file=sys.stderr)
         return 2
     save_trace(folder, trace)
+    partial_trace_path(folder, job["repeat"]).unlink()
     (folder / timing_name(job["repeat"])).write_text(json.dumps(asdict(timing)))
     return 0
 

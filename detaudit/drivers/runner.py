@@ -9,6 +9,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -23,7 +24,16 @@ from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
 from ..record.stress import StressMode
 from ..runfolder import trace_probe
 from ..seeding import seed_everything
-from ..trace import OPTIMIZER, OUTPUT, STATE, StepInfo, Trace
+from ..trace import (
+    OPTIMIZER,
+    OUTPUT,
+    STATE,
+    AnyTrace,
+    StepInfo,
+    Trace,
+    TraceStream,
+    open_trace,
+)
 from .memory import PeakMemory
 
 ProbeFactory = Callable[[torch.device], Probe]
@@ -195,8 +205,11 @@ def run_repeat(
     on_step: Callable[[int, int, int], None] | None = None,
     ops: OpPlan | None = None,
     run_id: str = "",
-) -> tuple[Trace, RepeatTiming]:
-    """Run one repeat from freshly seeded RNGs and return its trace.
+    stream_to: Path | None = None,
+) -> tuple[AnyTrace, RepeatTiming]:
+    """Run one repeat from freshly seeded RNGs and return its trace: held in memory, or with
+    `stream_to`, written to that file as the steps complete (a long repeat's memory stays
+    flat) and returned as the :class:`~detaudit.trace.TraceFile` that reads it.
 
     `ops` adds op-level work (see :class:`OpPlan`); without it, ``config.granularity``
     decides whether every step is recorded op by op.
@@ -216,6 +229,7 @@ def run_repeat(
     fault_repeat = config.fault_repeat % config.repeats
     fault = config.fault if repeat == fault_repeat else None
     trace = Trace(probe=trace_probe(spec, config, run_id), repeat=repeat, env={})
+    stream = TraceStream(trace, stream_to) if stream_to is not None else None
     if ops is None and config.granularity == "op":
         ops = OpPlan()
     started = time.perf_counter()
@@ -259,11 +273,12 @@ def run_repeat(
         with Recorder(probe.model, fingerprinter, fault=fault, watch=watch) as recorder:
             try:
                 steps_done = _run_steps(probe, config, recorder, trace, train, step_ended, fault,
-                                        ops, stress)
+                                        ops, stress, stream)
             except DetauditError:
                 raise
             except (Exception, SystemExit) as exc:  # noqa: BLE001 -- the user's step
-                trace.failure = describe_user_error(exc, f"step {len(trace.steps)}")
+                done = stream.steps if stream is not None else len(trace.steps)
+                trace.failure = describe_user_error(exc, f"step {done}")
         if (fault is not None and not recorder.fault_fired and trace.failure is None
                 and not _replay_stops_before(ops, fault.step)):
             where = f"op {fault.op!r} in " if fault.op else ""
@@ -275,6 +290,8 @@ def run_repeat(
     steady = ends[-1] - ends[0] if len(ends) >= 2 else None
     timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes,
                           steady, stress.seconds if stress is not None else 0.0)
+    if stream is not None:
+        return open_trace(stream.flush()), timing
     return trace, timing
 
 
@@ -288,6 +305,7 @@ def _run_steps(
     fault: Fault | None,
     ops: OpPlan | None,
     stress: StressPlan | None = None,
+    stream: TraceStream | None = None,
 ) -> int:
     step = 0
     for epoch in range(config.epochs):
@@ -321,6 +339,8 @@ def _run_steps(
                 for row in stressing.rows():
                     trace.add_stress(row)
                 stress.seconds += stressing.seconds
+            if stream is not None and stream.due():
+                stream.flush()
             step += 1
             if on_step:
                 on_step(epoch, index, step)
