@@ -71,10 +71,14 @@ def failed_trace(
 
 
 def partial_trace_path(folder: str | Path, repeat: int, rank: int | None = None) -> Path:
-    """Where a repeat run in another process streams its trace while it runs: the trace is
-    saved under its own name only once the repeat has ended (a crash leaves no trace that
-    reads as complete)."""
-    return Path(folder) / f"partial-{trace_name(repeat, rank)}"
+    """Where a repeat streams its trace while it runs (see :func:`partial_path`)."""
+    return partial_path(Path(folder) / trace_name(repeat, rank))
+
+
+def partial_path(path: Path) -> Path:
+    """The name a trace file has while its repeat runs: it takes its own name only once the
+    repeat has ended, so a trace under its own name is never one a crash or Ctrl-C cut."""
+    return path.with_name(f"partial-{path.name}")
 
 
 def save_trace(folder: str | Path, trace: AnyTrace, rank: int | None = None) -> Path:

@@ -350,6 +350,14 @@ class TraceFile:
     def records(self) -> dict[str, list[Any]]:
         return self.whole().records
 
+    def to_dict(self) -> dict[str, Any]:
+        """The whole trace as plain data (see :meth:`Trace.to_dict`)."""
+        return self.whole().to_dict()
+
+    def frame(self):
+        """The whole trace's records as a pandas DataFrame (see :meth:`Trace.frame`)."""
+        return self.whole().frame()
+
     @property
     def calls(self) -> dict[str, list[Any]]:
         return self.whole().calls

@@ -12,6 +12,9 @@
 4. The cost of the proof by re-execution (--stress): the `detaudit run --model maskrcnn`
    CPU-preset audit (no investigations) with --stress 0 and --stress 16, alternating, and
    the re-executions' own time as the audit counts it.
+5. A whole audit, `detaudit run --model maskrcnn` (CPU preset), at scan level (the default)
+   and at module level, deterministic and with a planted fault: wall time and peak memory.
+   The recorded variants of 1. include the zoomed step (module and op level in one pass).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from detaudit.config import CPU_PRESET, AuditConfig, Investigations
 from detaudit.drivers.loading import builtin_spec, make_factory
 from detaudit.record import fingerprint as fingerprint_module
 from detaudit.record.fingerprint import CHUNK_BYTES, Fingerprinter, fingerprint
+from detaudit.record.oprecorder import OpRecorder
 from detaudit.record.recorder import Recorder
 from detaudit.seeding import seed_everything
 from detaudit.trace import OPTIMIZER
@@ -92,13 +96,20 @@ def _maskrcnn_warmed_up():
 
 # Each recorded variant and what it swaps out: the real recorder, then two floors under it,
 # with the xxh3 kernel replaced.
+ZOOMED = "zoomed step: module + op level in one pass"
 VARIANTS = {
     "recorded (xxh3 + stats)": {},
     "floor: same bytes read once, no hash": {(fingerprint_module, "_hash_piece"): _read_once},
     "floor: bookkeeping only, no byte read": {(fingerprint_module, "_hash_piece"): _read_nothing},
     "scan: step state only (xxh3)": {},
     "scan floor: same bytes read once": {(fingerprint_module, "_hash_piece"): _read_once},
+    ZOOMED: {},
 }
+
+
+def _scope(name: str | None, recorder: Recorder | None, step: int):
+    """The op level of a zoomed step (the recorder's module hooks record the same step)."""
+    return (lambda: OpRecorder(recorder, step, record=True)) if name == ZOOMED else None
 
 
 def _recorder(name: str, model) -> Recorder:
@@ -128,7 +139,7 @@ def recording_overhead(pairs: int) -> list[tuple]:
             recording = _recorder(name, probe.model) if name else contextlib.nullcontext()
             with _swapped(VARIANTS.get(name, {})), recording as recorder:
                 t0 = time.perf_counter()
-                train_step(probe, batch, recorder, i)  # recorder None: the plain step
+                train_step(probe, batch, recorder, i, _scope(name, recorder, i))  # None: plain
                 samples.append(time.perf_counter() - t0)
     plain = times.pop(None)
     rows = [("plain step", f"{statistics.median(plain):.3f}", "", pairs)]
@@ -174,7 +185,7 @@ def time_inside_recorder(steps: int) -> tuple[list[str], list[tuple]]:
         with _swapped(patches), recorder:
             for i in range(steps):
                 torch.manual_seed(i)
-                train_step(probe, batch, recorder, i)
+                train_step(probe, batch, recorder, i, _scope(variant, recorder, i))
         columns.append(totals)
     order = sorted(columns[0], key=lambda name: -columns[0][name][0])
     rows = [(name, *(f"{c.get(name, [0.0])[0] / steps * 1e3:.1f}" for c in columns),
@@ -305,6 +316,39 @@ def stress_cost(pairs: int) -> list[tuple]:
     ]
 
 
+WHOLE_AUDIT = r"""
+import json, resource, sys, time
+from detaudit.cli import main
+started = time.perf_counter()
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "seconds": time.perf_counter() - started,
+                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def whole_audit() -> list[tuple]:
+    """`detaudit run --model maskrcnn` (CPU preset) at scan level (the default) against
+    module level, deterministic and with a planted fault (a scan then zooms into its step):
+    wall time and peak RSS, each in a fresh process."""
+    import subprocess
+    import tempfile
+
+    rows = []
+    fault = ["--inject-fault", "roi_heads.box_head@backward:2"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, options in (("scan (default)", []), ("module level", ["--granularity", "module"]),
+                               ("scan + zoom, planted fault", fault),
+                               ("module level, planted fault", ["--granularity", "module", *fault])):
+            out = Path(tmp) / str(len(rows))
+            done = subprocess.run([sys.executable, "-c", WHOLE_AUDIT, "run", "--model", "maskrcnn",
+                                   "--quiet", "--out", str(out), *options],
+                                  capture_output=True, text=True, check=False)
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append((label, result["code"], f"{result['seconds']:.1f}",
+                         f"{result['peak_mib']:.0f}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=6, help="paired steps for the overhead")
@@ -326,6 +370,9 @@ def main() -> None:
     print(tabulate(small, headers=["per call", "µs"]))
     print()
     print(tabulate(trace_size(), headers=["trace of 1 step", "records", "JSON MB", "gzip MB"]))
+    print()
+    print(tabulate(whole_audit(), headers=["detaudit run --model maskrcnn (CPU preset)",
+                                           "exit code", "wall s", "peak RSS MiB"]))
     print()
     print(tabulate(stress_cost(max(1, args.pairs // 3)),
                    headers=["detaudit run --model maskrcnn (CPU preset)", "s (median)",

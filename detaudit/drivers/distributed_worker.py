@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..config import AuditConfig, ProbeSpec
 from ..errors import DetauditError
-from ..runfolder import partial_trace_path, save_trace, timing_name
+from ..runfolder import save_trace, timing_name, trace_name
 from ..trace import PROBE_DISTRIBUTED
 from .loading import make_factory
 from .rankprobe import RankWatch, is_rank_aware, prepare_rank_probe
@@ -90,7 +90,7 @@ def main(job_path: str) -> int:
         try:
             trace, timing = run_repeat(factory, config, repeat, spec, on_step,
                                        run_id=job.get("run", ""),
-                                       stream_to=partial_trace_path(folder, repeat, rank))
+                                       stream_to=folder / trace_name(repeat, rank))
         except DetauditError as exc:
             write_status(folder, rank, "error", repeat, str(exc))
             return 2
@@ -98,7 +98,6 @@ def main(job_path: str) -> int:
             write_status(folder, rank, "failed", repeat, trace.failure)
         trace.probe[PROBE_DISTRIBUTED] = watch.to_dict()
         save_trace(folder, trace, rank)
-        partial_trace_path(folder, repeat, rank).unlink()
         timing_file = folder / timing_name(repeat, rank)
         timing_file.write_text(json.dumps({**dataclasses.asdict(timing), "rank": rank}))
         if trace.failure:

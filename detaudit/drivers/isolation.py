@@ -82,15 +82,13 @@ def _child(job_path: str) -> int:
     folder = Path(job["folder"])
     try:
         spec = ProbeSpec.from_dict(job["spec"])
-        trace, timing = run_repeat(
+        _, timing = run_repeat(  # the trace is in the folder, under its own name
             make_factory(spec), AuditConfig.from_dict(job["config"]), job["repeat"], spec,
-            run_id=job.get("run", ""), stream_to=partial_trace_path(folder, job["repeat"]),
+            run_id=job.get("run", ""), stream_to=folder / trace_name(job["repeat"]),
         )
     except DetauditError as exc:
         print(f"detaudit: {exc}", file=sys.stderr)
         return 2
-    save_trace(folder, trace)
-    partial_trace_path(folder, job["repeat"]).unlink()
     (folder / timing_name(job["repeat"])).write_text(json.dumps(asdict(timing)))
     return 0
 

@@ -22,7 +22,7 @@ from ..record.fingerprint import Fingerprinter
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
 from ..record.stress import StressMode
-from ..runfolder import trace_probe
+from ..runfolder import partial_path, trace_probe
 from ..seeding import seed_everything
 from ..trace import (
     OPTIMIZER,
@@ -208,8 +208,9 @@ def run_repeat(
     stream_to: Path | None = None,
 ) -> tuple[AnyTrace, RepeatTiming]:
     """Run one repeat from freshly seeded RNGs and return its trace: held in memory, or with
-    `stream_to`, written to that file as the steps complete (a long repeat's memory stays
-    flat) and returned as the :class:`~detaudit.trace.TraceFile` that reads it.
+    `stream_to`, written as the steps complete (a long repeat's memory stays flat) to its
+    partial name (:func:`~detaudit.runfolder.partial_path`), renamed to `stream_to` when the
+    repeat ends, and returned as the :class:`~detaudit.trace.TraceFile` that reads it.
 
     `ops` adds op-level work (see :class:`OpPlan`); without it, ``config.granularity``
     decides whether every step is recorded op by op.
@@ -229,7 +230,7 @@ def run_repeat(
     fault_repeat = config.fault_repeat % config.repeats
     fault = config.fault if repeat == fault_repeat else None
     trace = Trace(probe=trace_probe(spec, config, run_id), repeat=repeat, env={})
-    stream = TraceStream(trace, stream_to) if stream_to is not None else None
+    stream = TraceStream(trace, partial_path(stream_to)) if stream_to is not None else None
     if ops is None and config.granularity == "op":
         ops = OpPlan()
     started = time.perf_counter()
@@ -291,7 +292,8 @@ def run_repeat(
     timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes,
                           steady, stress.seconds if stress is not None else 0.0)
     if stream is not None:
-        return open_trace(stream.flush()), timing
+        os.replace(stream.flush(), stream_to)
+        return open_trace(stream_to), timing
     return trace, timing
 
 
