@@ -73,6 +73,9 @@ FLUSH_ROWS = 20_000
 # the last flush, then {"end": {"probe", "repeat", "env", "failure", "stress"}}. The trace is
 # every data line with the last end line; a member cut short at the end of the file (the
 # process was killed while writing) is left out, so what was flushed before it is kept.
+# Steps are written in order: a data line may add records to the newest step of the line
+# before it (a scan's epoch-end optimizer state), never to an older one, so a reader can
+# hand out one step at a time (TraceFile.by_step).
 #
 # A record's phase is one of PHASES:
 #   state      at the start of a step: the batch (``batch.<path>``), every RNG

@@ -1,5 +1,7 @@
 """`detaudit exec` overhead: the same training script run plain and under `exec` (scan only,
-one run), in alternating pairs on this machine, and the cost of one zoom re-run.
+one run), in alternating pairs on this machine, and the cost of one zoom re-run. Then the low-
+noise view: the time spent inside detaudit's hooks per step of the same model, in one process,
+against the plain step; and exec's fixed cost (its start, the comparison, the reports).
 
     python tests/benchmark_exec.py [--pairs 3] [--steps 200]
 
@@ -12,6 +14,7 @@ machine stretch wall time far more than the work a command does.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import subprocess
@@ -36,10 +39,85 @@ def _timed(command: list[str]) -> tuple[float, float]:
     return time.perf_counter() - started, cpu() - cpu_before
 
 
+INSIDE = r"""
+import json, sys, tempfile, time
+import torch, torchvision
+from torch import nn
+from detaudit.drivers.attach import Attachment
+
+steps = int(sys.argv[1])
+torch.manual_seed(0)
+model = torchvision.models.resnet18(num_classes=10)
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+x, y = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+
+def loop(n):
+    for _ in range(n):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+loop(3)  # warm-up
+started = time.perf_counter()
+loop(steps)
+plain = (time.perf_counter() - started) / steps
+inside = {}
+with tempfile.TemporaryDirectory() as tmp:
+    attachment = Attachment(f"{tmp}/trace.json.gz", {}, model=model, optimizer=opt)
+    for name in ("_global_pre", "_global_post", "on_backward", "_before_update",
+                 "_after_update"):
+        def timed(*args, _real=getattr(attachment, name), _name=name, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                inside[_name] = inside.get(_name, 0.0) + time.perf_counter() - t0
+        setattr(attachment, name, timed)
+    attachment.install()
+    started = time.perf_counter()
+    loop(steps)
+    recorded = (time.perf_counter() - started) / steps
+    attachment.finish()
+    attachment.uninstall()
+print(json.dumps({"plain": plain, "recorded": recorded,
+                  "inside": {k: v / steps for k, v in inside.items()}}))
+"""
+
+
+def time_inside(steps: int) -> list[list[str]]:
+    """Per step of ResNet-18 (64 px, batch 16) in one process: the plain step, and the time
+    spent inside detaudit's hooks (each top-level entry point: what they call is theirs)."""
+    done = subprocess.run([sys.executable, "-c", INSIDE, str(steps)], check=True,
+                          capture_output=True, text=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = [[name, f"{1e3 * seconds:.1f}"] for name, seconds in
+            sorted(result["inside"].items(), key=lambda item: -item[1])]
+    total = sum(result["inside"].values())
+    rows.append(["inside detaudit, total", f"{1e3 * total:.1f}",
+                 f"{100 * total / result['plain']:.1f} % of the plain step"])
+    rows.append(["plain step", f"{1e3 * result['plain']:.1f}", ""])
+    rows.append(["recorded step (wall)", f"{1e3 * result['recorded']:.1f}",
+                 f"{100 * (result['recorded'] / result['plain'] - 1):+.1f} %"])
+    return rows
+
+
+def fixed_cost(tmp: str) -> float:
+    """Wall time of exec around a command that trains one tiny step: exec's start, its
+    bootstrap in the command, the comparison and the reports, with almost no training."""
+    tiny = ("import torch; m = torch.nn.Linear(2, 1); o = torch.optim.SGD(m.parameters(), 0.1); "
+            "m(torch.ones(1, 2)).sum().backward(); o.step()")
+    plain = _timed([sys.executable, "-c", tiny])[0]
+    audited = _timed([sys.executable, "-m", "detaudit", "exec", "--repeats", "1", "--quiet",
+                      "--out", str(Path(tmp) / "fixed"), "--", sys.executable, "-c", tiny])[0]
+    return audited - plain
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--inside-steps", type=int, default=30,
+                        help="steps of the in-process view of detaudit's own time")
     args = parser.parse_args()
     script = [sys.executable, str(SCRIPT), "--steps", str(args.steps)]
     rows, ratios, cpu_ratios = [], [], []
@@ -73,6 +151,7 @@ def main() -> None:
                                str(step + 1), "--inject-fault", f"fc@backward:{step}",
                                "--no-zoom"), capture_output=True, check=False)
         without = time.perf_counter() - started
+        fixed = fixed_cost(tmp)
     print(tabulate(rows, headers=["pair", "order", "plain wall s", "exec wall s", "wall",
                                   "plain CPU s", "exec CPU s", "CPU"]))
     print(f"\nmedian overhead of exec (scan, 1 run, {args.steps} steps of ResNet-18 at 64 px, "
@@ -80,6 +159,9 @@ def main() -> None:
           f"CPU time {100 * statistics.median(cpu_ratios):+.1f} %")
     print(f"zoom into step {step} (2 runs re-run to it, that step at module and op level): "
           f"{with_zoom - without:.1f} s on top of the {without:.1f} s scan")
+    print(f"exec's fixed cost (start, bootstrap, comparison, reports): {fixed:.2f} s\n")
+    print(tabulate(time_inside(args.inside_steps),
+                   headers=["per step, one process", "ms", ""]))
 
 
 if __name__ == "__main__":
