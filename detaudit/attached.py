@@ -93,6 +93,11 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
     info = _info(traces[0], run_id, f"detaudit compare {named}", f"{len(traces)} runs compared")
     if out is None:
         return _conclude(traces, info, None)
+    inside = [t.path for t in traces if isinstance(t, TraceFile)
+              and t.path.resolve().parent == Path(out).resolve()]
+    if inside:
+        raise DetauditError(f"--out {out} holds {inside[0].name}, one of the traces compared: "
+                            "the run folder would write over it; choose another --out")
     with RunFolder(out, info, overwrite) as folder:
         for trace in traces:
             folder.add_trace(trace, None)
@@ -413,6 +418,9 @@ def _zoom_command(
         return drill_down(None, replace(config, granularity="module"), zoomed, spec, traces)
 
     found, traces = zoom_by_replay(comparison, replay, drill, job.zoom_tries)
+    if not traces:  # intermittent: the replays kept nothing to list
+        for path in folder.path.glob(zoom_name("*")):
+            path.unlink()
     ops = found.pop("ops")
     if ops is not None:
         folder.info.extra["ops"] = ops

@@ -81,6 +81,18 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f"partial-{path.name}")
 
 
+def recorded_until_crash(folder: str | Path, repeat: int, why: str, rank: int | None = None
+                         ) -> AnyTrace | None:
+    """What a repeat that crashed in another process streamed before it crashed (see
+    :func:`partial_path`), its failure set to `why`; None if it flushed nothing readable."""
+    try:
+        trace = open_trace(partial_trace_path(folder, repeat, rank))
+    except TraceError:  # nothing flushed yet (or not even that much written)
+        return None
+    trace.failure = why
+    return trace
+
+
 def save_trace(folder: str | Path, trace: AnyTrace, rank: int | None = None) -> Path:
     """Write `trace` into `folder` under its repeat's (and rank's) name."""
     folder = Path(folder)

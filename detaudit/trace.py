@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 import zlib
@@ -267,7 +266,7 @@ class TraceFile:
             if "end" in item:
                 end = item["end"]
             else:
-                steps += _listed(item, "steps", n)
+                steps += self._checked(lambda item=item, n=n: _listed(item, "steps", n))
         if not isinstance(end, dict):
             raise TraceError(f"{self.source} is truncated: it was cut before its first flush ended")
         data = self._checked(lambda: _validated({**end, "steps": steps, "records": {
@@ -380,8 +379,11 @@ class TraceFile:
         if path.resolve() == self.path.resolve() and not changed:
             return path
         tmp = path.with_name(path.name + ".part")
+        whole = _complete_length(self.path, self.source)  # a member cut short is left behind
         with open(self.path, "rb") as source, open(tmp, "wb") as target:
-            shutil.copyfileobj(source, target, 1 << 20)
+            while whole > 0 and (chunk := source.read(min(whole, 1 << 20))):
+                target.write(chunk)
+                whole -= len(chunk)
             if changed:
                 target.write(gzip.compress(self._end() + b"\n", mtime=0))
             target.flush()
@@ -400,6 +402,26 @@ class TraceFile:
 
 
 AnyTrace = Union[Trace, TraceFile]  # what the analysis reads: either, the same way
+
+
+def _complete_length(path: Path, source: str) -> int:
+    """The bytes of the file's complete gzip members (what :func:`_members` reads)."""
+    with open_file(path, "trace") as file:
+        length, member = 0, zlib.decompressobj(31)
+        read = 0
+        while chunk := file.read(1 << 20):
+            while chunk:
+                try:
+                    member.decompress(chunk)
+                except zlib.error:
+                    raise TraceError(f"{source} is corrupt") from None
+                if not member.eof:
+                    read += len(chunk)
+                    break
+                read += len(chunk) - len(member.unused_data)
+                length = read
+                chunk, member = member.unused_data, zlib.decompressobj(31)
+    return length
 
 
 def _members(path: Path, source: str) -> Iterator[bytes]:
@@ -452,11 +474,14 @@ class TraceStream:
             "failure": t.failure, **({"stress": t.stress} if t.stress["step"] else {}),
         }})
         text = b"".join(dump_json(line) + b"\n" for line in lines)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "ab" if self._started else "wb") as file:
-            file.write(gzip.compress(text, compresslevel=6, mtime=0))  # 1/3 the time of 9
-            file.flush()
-            os.fsync(file.fileno())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "ab" if self._started else "wb") as file:
+                file.write(gzip.compress(text, compresslevel=6, mtime=0))  # 1/3 the time of 9
+                file.flush()
+                os.fsync(file.fileno())
+        except OSError as exc:  # detaudit's own failure, never the audited code's
+            raise TraceError(f"cannot write trace {self.path}: {exc.strerror or exc}") from None
         self._started = True
         self._flushed_at = time.monotonic()
         self.flushed_steps += len(t.steps)

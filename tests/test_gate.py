@@ -19,6 +19,7 @@ from detaudit.analysis.diff import GateResult, diff_traces, env_differences
 from detaudit.errors import TraceError
 from detaudit.report.junit import JUnitCase, junit_case, junit_xml, write_junit
 from detaudit.runfolder import load_baseline, save_baseline
+from detaudit.trace import TraceFile
 
 pytest_plugins = ["detaudit.testing"]  # the detaudit_check fixture, as users get it
 
@@ -157,12 +158,14 @@ def energy_probe(device: torch.device) -> Probe:
 
 
 def test_thread_count_diff_names_the_module_and_tolerance_passes(
-    threads: Callable[[int], None],
+    threads: Callable[[int], None], tmp_path: Path,
 ) -> None:
+    # run folders, as `detaudit diff` reads them: traces streamed, read back lazily
     threads(1)
-    one = module_audit(energy_probe, repeats=1, steps=2).traces
+    one = module_audit(energy_probe, repeats=1, steps=2, out=tmp_path / "one").traces
     threads(2)
-    two = module_audit(energy_probe, repeats=1, steps=2).traces
+    two = module_audit(energy_probe, repeats=1, steps=2, out=tmp_path / "two").traces
+    assert isinstance(one[0], TraceFile) and isinstance(two[0], TraceFile)
     result = diff_traces(one, two)
     assert result.exit_code == 1
     assert result.env_differences == {"threads": (1, 2)}

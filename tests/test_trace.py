@@ -220,3 +220,41 @@ def test_a_run_into_a_folder_streams_its_repeats_and_compares_as_if_held(tmp_pat
     assert streamed.comparison == held.comparison and streamed.comparison.first_step == 2
     assert [(f.module, f.role) for f in streamed.comparison.origins] == [("head", "origin")]
     assert Trace.load(tmp_path / "trace-1.json.gz").records == held.traces[1].records
+
+
+def test_a_cut_streamed_trace_saved_with_its_failure_keeps_every_whole_flush(traces, tmp_path):
+    raw = _stream(traces[0], tmp_path / "s.json.gz").path.read_bytes()
+    members = _member_ends(raw)
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(raw[: members[1] + (members[2] - members[1]) // 2])  # killed while writing
+    opened = open_trace(cut)
+    opened.failure = "killed"
+    again = open_trace(opened.save(tmp_path / "kept.json.gz"))
+    assert (again.failure, [s.step for s in again.steps]) == ("killed", [0, 1])
+    assert {s for s, _ in again.by_step()} == {0, 1}
+
+
+def test_compare_refuses_to_write_its_run_folder_over_the_traces_it_compares(traces, tmp_path):
+    import detaudit
+    from detaudit.errors import DetauditError
+
+    for i, t in enumerate(traces):
+        _stream(t, tmp_path / f"trace-{i}.json.gz")
+    with pytest.raises(DetauditError, match="holds trace-0.json.gz, one of the traces compared"):
+        detaudit.compare(tmp_path, out=tmp_path, overwrite=True)
+    assert detaudit.compare(tmp_path, out=tmp_path / "compared").comparison.deterministic
+
+
+def test_the_fork_is_repeat_0s_first_missing_record_before_one_only_another_repeat_has(traces):
+    from detaudit.analysis.compare import compare
+
+    other = copy.deepcopy(traces[1])
+    r = other.records
+    steps = r["step"]
+    drop = max(i for i, s in enumerate(steps) if s == 3)  # repeat 1 lacks a record of step 3
+    extra = max(i for i, s in enumerate(steps) if s == 1)  # and has one more at step 1
+    for name, column in r.items():
+        del column[drop]
+        column.insert(extra + 1, "slot.extra" if name == "slot" else column[extra])
+    fork = compare([traces[0], other]).fork
+    assert (fork.step, fork.missing) == (3, 1) and fork.slot == traces[0].records["slot"][drop]

@@ -262,8 +262,10 @@ class _StepDiffs:
         self.rng: dict[int, set[str]] = {}  # step -> RNG state slots that differ
         self.rng_missing: dict[int, set[str]] = {}
         self.rng_first: dict[str, int] = {}  # slot -> first step it differs in
-        self.fork: RecordDiff | None = None  # the first record missing somewhere, RNGs aside
-        self.rng_forks: list[RecordDiff] = []
+        # the first record missing somewhere, RNG states aside (and per RNG stream), ranked
+        # as the records come: repeat 0's in their order, then those only other repeats have
+        self.fork: tuple[tuple[int, int, int], RecordDiff] | None = None
+        self.rng_forks: dict[str, tuple[tuple[int, int, int], RecordDiff]] = {}
         self.param_drift: int | None = None
         self.detailed = 0  # divergent steps kept in detail
         self.more = False  # divergent steps beyond them
@@ -277,12 +279,21 @@ class _StepDiffs:
         self._note_rng_states(step, cuts)
         indexes = [_Index(c) for c in cuts]
         ref, others = indexes[0], indexes[1:]
-        keys = list(ref.order)
+        keys, origin = list(ref.order), [0] * len(ref.order)  # origin: whose record it is
         known = set(ref.fp)
-        for idx in others:
-            keys.extend(k for k in idx.order if k not in known and not known.add(k))  # type: ignore[func-returns-value]
+        for i, idx in enumerate(others, 1):
+            for key in idx.order:
+                if key not in known:
+                    known.add(key)
+                    keys.append(key)
+                    origin.append(i)
         self.total += len(keys)
-        diffs = [d for d in (self._diff(key, ref, others) for key in keys) if d]
+        found = [(o, j, d) for j, (o, key) in enumerate(zip(origin, keys))
+                 if (d := self._diff(key, ref, others))]
+        diffs = [d for _, _, d in found]
+        for o, j, d in found:
+            if d.missing:
+                self._note_fork((o, step, j), d)
         rng = [d for d in diffs if _rng_state(d)]
         rest = [d for d in diffs if not _rng_state(d)]
         for d in rng:
@@ -292,7 +303,6 @@ class _StepDiffs:
         if rest:
             self.counts[step] = len(rest)
             self.missing += sum(1 for d in rest if d.missing)
-            self.fork = self.fork or next((d for d in rest if d.missing), None)
             if any(d.phase in (GRAD, OPTIMIZER) or (d.phase == STATE and "param" in d.slot)
                    for d in rest) and self.param_drift is None:
                 self.param_drift = step
@@ -305,8 +315,6 @@ class _StepDiffs:
                     self.kept.append(d)
             elif d.slot not in self.rng_first or detail:
                 self.kept.append(d)
-                if d.missing:
-                    self.rng_forks.append(d)
         for d in rng:
             self.rng_first.setdefault(d.slot, step)
         if not detail:
@@ -320,6 +328,14 @@ class _StepDiffs:
             slots[(d.step, d.phase, d.module, d.call)].append(d)
         self.findings += _step_findings(cuts[0], step, {**self.previous, **slots}, self.n)
         self.previous = slots
+
+    def _note_fork(self, rank: tuple[int, int, int], d: RecordDiff) -> None:
+        if _rng_state(d):
+            best = self.rng_forks.get(d.slot)
+            if best is None or rank < best[0]:
+                self.rng_forks[d.slot] = (rank, d)
+        elif self.fork is None or rank < self.fork[0]:
+            self.fork = (rank, d)
 
     def _diff(self, key: Key, ref: _Index, others: list[_Index]) -> RecordDiff | None:
         ref_fp = ref.fp.get(key)
@@ -377,7 +393,7 @@ class _StepDiffs:
         first_by_phase: dict[str, RecordDiff] = {}
         for d in first_diffs:
             first_by_phase.setdefault(d.phase, d)
-        forks = [d for d in self.rng_forks if d.slot not in idle]
+        forks = [fork for slot, fork in self.rng_forks.items() if slot not in idle]
         if self.fork:
             forks.append(self.fork)
         gap = None
@@ -399,7 +415,7 @@ class _StepDiffs:
             cause=_cause(first_diffs, findings, first_step, gap),
             loss=_loss_drift(traces, common),
             param_drift_step=self.param_drift,
-            fork=min(forks, key=lambda d: (d.step, _rng_state(d) is False), default=None),
+            fork=min(forks, key=lambda fork: fork[0])[1] if forks else None,
             differing_by_step=dict(sorted(by_step.items())),
             failures={t.repeat: t.failure for t in traces if t.failure},
             first_diffs=first_diffs,

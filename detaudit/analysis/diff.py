@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ..trace import Trace
+from ..trace import AnyTrace, Trace, TraceFile
 from .compare import Comparison, compare
 from .verdict import MATCH, MISMATCH, exit_code
 
@@ -94,8 +94,8 @@ def _integers_by(scheme: str | None) -> str | None:
 
 
 def diff_traces(
-    a: list[Trace] | Trace,
-    b: list[Trace] | Trace,
+    a: list[AnyTrace] | AnyTrace,
+    b: list[AnyTrace] | AnyTrace,
     rtol: float = 0.0,
     atol: float = 0.0,
     labels: tuple[str, str] = ("A", "B"),
@@ -104,6 +104,7 @@ def diff_traces(
     """Compare run B against run A (repeat 0 of each), bitwise or within rtol/atol. `zoom`,
     given the first step where they part, returns what a replay of both at that step found."""
     ta, tb = (t[0] if isinstance(t, list) else t for t in (a, b))
+    ta, tb = (t.whole() if isinstance(t, TraceFile) else t for t in (ta, tb))  # diffs read whole
     algorithms = fingerprint_algorithm(ta.env), fingerprint_algorithm(tb.env)
     mixed = None not in algorithms and algorithms[0] != algorithms[1]
     tolerance = mixed or rtol > 0 or atol > 0

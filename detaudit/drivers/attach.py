@@ -43,7 +43,6 @@ from ..seeding import seed_everything
 from ..trace import (
     OPTIMIZER,
     OUTPUT,
-    PROBE_DISTRIBUTED,
     STATE,
     StepInfo,
     Trace,
@@ -379,7 +378,7 @@ class Attachment:
         if self.rank is not None:
             _note_group(self.rank)
             self.rank.epochs = self._samplers.get(self._train_loader or -1, [])
-            self.trace.probe[PROBE_DISTRIBUTED] = self.rank.to_dict()
+            self.rank.note_in(self.trace)
         self._write()
 
     def _write(self) -> None:

@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 from ..config import AuditConfig, ProbeSpec
 from ..errors import DetauditError
-from ..runfolder import save_trace, timing_name, trace_name
-from ..trace import PROBE_DISTRIBUTED
+from ..runfolder import timing_name, trace_name
 from .loading import make_factory
 from .rankprobe import RankWatch, is_rank_aware, prepare_rank_probe
 from .runner import run_repeat
@@ -88,16 +87,15 @@ def main(job_path: str) -> int:
                 print(f"{PROGRESS} {repeat} {epoch} {step}", flush=True)
 
         try:
-            trace, timing = run_repeat(factory, config, repeat, spec, on_step,
-                                       run_id=job.get("run", ""),
-                                       stream_to=folder / trace_name(repeat, rank))
+            trace, timing = run_repeat(
+                factory, config, repeat, spec, on_step, run_id=job.get("run", ""),
+                stream_to=folder / trace_name(repeat, rank),
+                amend=watch.note_in)
         except DetauditError as exc:
             write_status(folder, rank, "error", repeat, str(exc))
             return 2
         if trace.failure:
             write_status(folder, rank, "failed", repeat, trace.failure)
-        trace.probe[PROBE_DISTRIBUTED] = watch.to_dict()
-        save_trace(folder, trace, rank)
         timing_file = folder / timing_name(repeat, rank)
         timing_file.write_text(json.dumps({**dataclasses.asdict(timing), "rank": rank}))
         if trace.failure:

@@ -15,9 +15,16 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import AuditConfig, ProbeSpec
-from ..errors import DetauditError, TraceError
-from ..runfolder import failed_trace, partial_trace_path, save_trace, timing_name, trace_name
-from ..trace import AnyTrace, Trace, open_trace
+from ..errors import DetauditError
+from ..runfolder import (
+    failed_trace,
+    partial_trace_path,
+    recorded_until_crash,
+    save_trace,
+    timing_name,
+    trace_name,
+)
+from ..trace import Trace, open_trace
 from .loading import make_factory
 from .runner import RepeatTiming, run_repeat
 
@@ -55,7 +62,7 @@ def run_isolated(
         else:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             why = f"repeat {repeat} crashed (exit code {done.returncode}): {last}"
-            failed = _recorded_until_crash(folder, repeat, why) or failed_trace(
+            failed = recorded_until_crash(folder, repeat, why) or failed_trace(
                 spec, config, repeat, why, run_id)
             save_trace(folder, failed)
             partial_trace_path(folder, repeat).unlink(missing_ok=True)
@@ -64,16 +71,6 @@ def run_isolated(
         if on_repeat:
             on_repeat(traces[-1], timings[-1])
     return traces, timings
-
-
-def _recorded_until_crash(folder: Path, repeat: int, why: str) -> AnyTrace | None:
-    """What a crashed repeat streamed before it crashed, named as failed; None if nothing."""
-    try:
-        trace = open_trace(partial_trace_path(folder, repeat))
-    except TraceError:  # nothing flushed yet (or not even that much written)
-        return None
-    trace.failure = why
-    return trace
 
 
 def _child(job_path: str) -> int:

@@ -22,6 +22,7 @@ from ..probe import Probe
 from ..record.fingerprint import Fingerprinter, fingerprint_bytes
 from ..record.recorder import rng_states
 from ..seeding import loader_generator, seed_everything
+from ..trace import PROBE_DISTRIBUTED, Trace
 
 RANK_SEED_STRIDE = 1_000_003  # as in seeding.loader_generator
 
@@ -53,6 +54,10 @@ class RankWatch:
             "wrapped_by": self.wrapped_by, "init": self.init, "epochs": self.epochs,
             "fetches": self.fetches,
         }
+
+    def note_in(self, trace: Trace) -> None:
+        """Put what this rank noted into its trace's probe (the cross-rank checks read it)."""
+        trace.probe[PROBE_DISTRIBUTED] = self.to_dict()
 
     def record_init(self, model: torch.nn.Module) -> None:
         """Fingerprints of the parameters as built, named as inside the DDP wrapper."""

@@ -206,11 +206,13 @@ def run_repeat(
     ops: OpPlan | None = None,
     run_id: str = "",
     stream_to: Path | None = None,
+    amend: Callable[[Trace], None] | None = None,
 ) -> tuple[AnyTrace, RepeatTiming]:
     """Run one repeat from freshly seeded RNGs and return its trace: held in memory, or with
     `stream_to`, written as the steps complete (a long repeat's memory stays flat) to its
     partial name (:func:`~detaudit.runfolder.partial_path`), renamed to `stream_to` when the
     repeat ends, and returned as the :class:`~detaudit.trace.TraceFile` that reads it.
+    `amend(trace)` may add to the trace's probe before it is finished (what a rank noted).
 
     `ops` adds op-level work (see :class:`OpPlan`); without it, ``config.granularity``
     decides whether every step is recorded op by op.
@@ -291,6 +293,8 @@ def run_repeat(
     steady = ends[-1] - ends[0] if len(ends) >= 2 else None
     timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes,
                           steady, stress.seconds if stress is not None else 0.0)
+    if amend is not None:
+        amend(trace)
     if stream is not None:
         os.replace(stream.flush(), stream_to)
         return open_trace(stream_to), timing

@@ -484,9 +484,8 @@ def _map(s: dict[str, Any]) -> Section | None:
         blocks.append(Text(f"{s['map_truncated']} more differing calls are not in the summary."))
     detailed = s.get("records", {}).get("detailed_steps")
     if detailed:
-        later = len(s["records"].get("by_step", {})) - detailed
-        blocks.append(Text(f"The map holds the first {detailed} divergent steps; {later} later "
-                           "steps differ too, counted per step in summary.json (records.by_step)."))
+        blocks.append(Text(f"The map holds the first {detailed} divergent steps; later steps "
+                           "differ too, counted per step in summary.json (records.by_step)."))
     return Section("map", "Where records diverge", blocks)
 
 
