@@ -81,15 +81,21 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f"partial-{path.name}")
 
 
-def recorded_until_crash(folder: str | Path, repeat: int, why: str, rank: int | None = None
-                         ) -> AnyTrace | None:
-    """What a repeat that crashed in another process streamed before it crashed (see
-    :func:`partial_path`), its failure set to `why`; None if it flushed nothing readable."""
+def save_crashed(
+    folder: str | Path, spec: ProbeSpec | None, config: AuditConfig, repeat: int, why: str,
+    run_id: str = "", rank: int | None = None,
+) -> AnyTrace:
+    """Save the trace of a repeat that crashed in another process under its own name: what it
+    streamed before the crash (see :func:`partial_path`), or no records if it flushed none;
+    its failure is `why`."""
+    partial = partial_trace_path(folder, repeat, rank)
     try:
-        trace = open_trace(partial_trace_path(folder, repeat, rank))
+        trace: AnyTrace = open_trace(partial)
+        trace.failure = why
     except TraceError:  # nothing flushed yet (or not even that much written)
-        return None
-    trace.failure = why
+        trace = failed_trace(spec, config, repeat, why, run_id)
+    save_trace(folder, trace, rank)
+    partial.unlink(missing_ok=True)
     return trace
 
 

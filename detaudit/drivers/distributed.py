@@ -19,14 +19,7 @@ from typing import Any, Callable
 
 from ..config import AuditConfig, ProbeSpec
 from ..errors import DetauditError
-from ..runfolder import (
-    failed_trace,
-    partial_trace_path,
-    recorded_until_crash,
-    save_trace,
-    timing_name,
-    trace_name,
-)
+from ..runfolder import save_crashed, timing_name, trace_name
 from ..trace import Trace, open_trace
 from .distributed_worker import PROGRESS, status_path
 
@@ -194,11 +187,7 @@ def _rank_traces(
             continue
         why = (f"repeat {repeat} did not finish on rank {rank}: {_crash_text(crash)}" if crash
                else f"repeat {repeat} wrote no trace on rank {rank}")
-        failed = recorded_until_crash(folder, repeat, why, rank) or failed_trace(
-            spec, config, repeat, why, run_id)
-        save_trace(folder, failed, rank)
-        partial_trace_path(folder, repeat, rank).unlink(missing_ok=True)
-        traces.append(failed)
+        traces.append(save_crashed(folder, spec, config, repeat, why, run_id, rank))
     return traces
 
 

@@ -16,14 +16,7 @@ from typing import Callable
 
 from ..config import AuditConfig, ProbeSpec
 from ..errors import DetauditError
-from ..runfolder import (
-    failed_trace,
-    partial_trace_path,
-    recorded_until_crash,
-    save_trace,
-    timing_name,
-    trace_name,
-)
+from ..runfolder import save_crashed, timing_name, trace_name
 from ..trace import Trace, open_trace
 from .loading import make_factory
 from .runner import RepeatTiming, run_repeat
@@ -62,11 +55,7 @@ def run_isolated(
         else:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             why = f"repeat {repeat} crashed (exit code {done.returncode}): {last}"
-            failed = recorded_until_crash(folder, repeat, why) or failed_trace(
-                spec, config, repeat, why, run_id)
-            save_trace(folder, failed)
-            partial_trace_path(folder, repeat).unlink(missing_ok=True)
-            traces.append(failed)
+            traces.append(save_crashed(folder, spec, config, repeat, why, run_id))
             timings.append(RepeatTiming(repeat, 0.0, 0))
         if on_repeat:
             on_repeat(traces[-1], timings[-1])
