@@ -37,7 +37,7 @@ from .runfolder import (
     trace_name,
     zoom_name,
 )
-from .trace import Trace
+from .trace import AnyTrace, Trace
 
 if TYPE_CHECKING:  # pragma: no cover
     from .drivers.runner import ProbeFactory, RepeatTiming
@@ -76,7 +76,7 @@ class AuditResult:
 
     spec: ProbeSpec
     config: AuditConfig
-    traces: list[Trace]
+    traces: list[AnyTrace]  # streamed ones (TraceFile) when the run has a folder
     comparison: Comparison
     verdict: Verdict
     summary: dict[str, Any]

@@ -66,7 +66,7 @@ class Compared:
     comparison: Comparison
     verdict: Verdict
     summary: dict[str, Any]
-    traces: list[Trace]
+    traces: list[AnyTrace]
     folder: Path | None = None
     timings: list[dict[str, Any]] = field(default_factory=list)
 
@@ -142,7 +142,7 @@ def _info(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:
                    traces=[], run_id=run_id, state="comparing")
 
 
-def _conclude(traces: list[Trace], info: RunInfo, folder: RunFolder | None,
+def _conclude(traces: list[AnyTrace], info: RunInfo, folder: RunFolder | None,
               timings: list[dict[str, Any]] | None = None,
               zoom: Comparison | None = None, ranks: RankAnalysis | None = None,
               comparison: Comparison | None = None) -> Compared:
