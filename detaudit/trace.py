@@ -164,8 +164,7 @@ class Trace:
 
     def stress_rows(self) -> list[dict[str, Any]]:
         """The stressed ops as one dict per row."""
-        return [dict(zip(STRESS_COLUMNS, values))
-                for values in zip(*(self.stress[c] for c in STRESS_COLUMNS))]
+        return _stress_rows(self.stress)
 
     # -- reading -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -236,7 +235,7 @@ class Trace:
             return cls.from_dict(read_json(path, "trace"), source=f"trace {path}")
         source = f"trace {path}"
         try:
-            return cls(**_validated(_stream_data(raw, source)))
+            return cls(**_validated(_stream_data(path, source)))
         except _Damaged as exc:
             raise TraceError(f"{source} is damaged: {exc}") from None
 
@@ -262,7 +261,7 @@ class TraceFile:
         self.path = Path(path)
         self.source = f"trace {self.path}"
         end, steps = None, []
-        for n, item in self._items():
+        for n, item in _stream_items(self.path, self.source):
             if "end" in item:
                 end = item["end"]
             else:
@@ -282,25 +281,6 @@ class TraceFile:
         except _Damaged as exc:
             raise TraceError(f"{self.source} is damaged: {exc}") from None
 
-    def _items(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """(line number, item) of every line after the header, one gzip member in memory."""
-        n = 0
-        for text in _members(self.path, self.source):
-            lines = text.split(b"\n")
-            if lines[-1]:
-                raise TraceError(f"{self.source} is corrupt: a member does not end with a whole line")
-            for line in lines[:-1]:
-                n += 1
-                if n == 1:
-                    continue  # the header, checked when the file was opened
-                try:
-                    item = json.loads(line)
-                except (ValueError, RecursionError):
-                    raise TraceError(f"{self.source} is corrupt: line {n} is not JSON") from None
-                if not isinstance(item, dict):
-                    raise self._damaged(f"line {n} is {describe(item)}, not a dict")
-                yield n - 1, item
-
     def _damaged(self, why: str) -> TraceError:
         return TraceError(f"{self.source} is damaged: {why}")
 
@@ -310,7 +290,7 @@ class TraceFile:
         whole, at its end); records of an earlier step after a later one are damage."""
         pending: dict[int, tuple[dict[str, list], dict[str, list]]] = {}
         done = -1
-        for n, item in self._items():
+        for n, item in _stream_items(self.path, self.source):
             if "end" in item:
                 continue
             part = self._checked(lambda item=item, n=n: (
@@ -365,10 +345,11 @@ class TraceFile:
         return self.whole().calls
 
     def __len__(self) -> int:
-        return sum(len(t.records["step"]) for _, t in self.by_step())
+        return len(self.records["fp"])
 
     def stress_rows(self) -> list[dict[str, Any]]:
-        return Trace(probe={}, repeat=0, env={}, stress=self.stress).stress_rows()
+        """The stressed ops as one dict per row."""
+        return _stress_rows(self.stress)
 
     def save(self, path: str | Path) -> Path:
         """Write the trace at `path` (streamed, as it is): the file copied a member at a time,
@@ -404,31 +385,24 @@ class TraceFile:
 AnyTrace = Union[Trace, TraceFile]  # what the analysis reads: either, the same way
 
 
+def _stress_rows(stress: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    return [dict(zip(STRESS_COLUMNS, values))
+            for values in zip(*(stress[c] for c in STRESS_COLUMNS))]
+
+
 def _complete_length(path: Path, source: str) -> int:
-    """The bytes of the file's complete gzip members (what :func:`_members` reads)."""
-    with open_file(path, "trace") as file:
-        length, member = 0, zlib.decompressobj(31)
-        read = 0
-        while chunk := file.read(1 << 20):
-            while chunk:
-                try:
-                    member.decompress(chunk)
-                except zlib.error:
-                    raise TraceError(f"{source} is corrupt") from None
-                if not member.eof:
-                    read += len(chunk)
-                    break
-                read += len(chunk) - len(member.unused_data)
-                length = read
-                chunk, member = member.unused_data, zlib.decompressobj(31)
+    """The bytes of the file's complete gzip members (what :func:`_stream_items` reads)."""
+    length = 0
+    for _, length in _members(path, source):
+        pass
     return length
 
 
-def _members(path: Path, source: str) -> Iterator[bytes]:
-    """The text of each complete gzip member of the file, read 1 MiB at a time; a last
-    member cut short (the process was killed while appending) is left out."""
+def _members(path: Path, source: str) -> Iterator[tuple[bytes, int]]:
+    """(text, where it ends in the file) of each complete gzip member, read 1 MiB at a
+    time; a last member cut short (the process was killed while appending) is left out."""
     with open_file(path, "trace") as file:
-        member, out = zlib.decompressobj(31), []
+        member, out, read = zlib.decompressobj(31), [], 0
         while chunk := file.read(1 << 20):
             while chunk:
                 try:
@@ -436,9 +410,32 @@ def _members(path: Path, source: str) -> Iterator[bytes]:
                 except zlib.error:
                     raise TraceError(f"{source} is corrupt") from None
                 if not member.eof:
+                    read += len(chunk)
                     break
-                yield b"".join(out)
+                read += len(chunk) - len(member.unused_data)
+                yield b"".join(out), read
                 chunk, member, out = member.unused_data, zlib.decompressobj(31), []
+
+
+def _stream_items(path: Path, source: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line index, item) of every line of a streamed trace after its header (checked by
+    :func:`_is_stream`), one gzip member in memory at a time."""
+    n = 0
+    for text, _ in _members(path, source):
+        lines = text.split(b"\n")
+        if lines[-1]:
+            raise TraceError(f"{source} is corrupt: a member does not end with a whole line")
+        for line in lines[:-1]:
+            n += 1
+            if n == 1:
+                continue
+            try:
+                item = json.loads(line)
+            except (ValueError, RecursionError):
+                raise TraceError(f"{source} is corrupt: line {n} is not JSON") from None
+            if not isinstance(item, dict):
+                raise TraceError(f"{source} is damaged: line {n} is {describe(item)}, not a dict")
+            yield n - 1, item
 
 
 class TraceStream:
@@ -504,21 +501,13 @@ def _is_stream(raw: bytes) -> bool:
         return False
 
 
-def _stream_data(raw: bytes, source: str) -> dict[str, Any]:
+def _stream_data(path: Path, source: str) -> dict[str, Any]:
     """A streamed trace as the plain data of version 1 (see the format above)."""
     steps: list[Any] = []
     records: dict[str, list[Any]] = {c: [] for c in RECORD_COLUMNS}
     calls: dict[str, list[Any]] = {c: [] for c in CALL_COLUMNS}
     end = None
-    for n, line in enumerate(_complete_lines(raw, source)):
-        try:
-            item = json.loads(line)
-        except (ValueError, RecursionError):
-            raise TraceError(f"{source} is corrupt: line {n + 1} is not JSON") from None
-        if n == 0:
-            continue  # the header, checked by _is_stream
-        if not isinstance(item, dict):
-            raise _Damaged(f"line {n + 1} is {describe(item)}, not a dict")
+    for n, item in _stream_items(path, source):
         if "end" in item:
             end = item["end"]
             continue
@@ -540,27 +529,6 @@ def _listed(item: dict[str, Any], key: str, n: int) -> list[Any]:
     if not isinstance(value, list):
         raise _Damaged(f"line {n + 1}: {key} is {describe(value)}, not a list")
     return value
-
-
-def _complete_lines(raw: bytes, source: str) -> list[bytes]:
-    """The lines of every complete gzip member; a last member cut short (a prefix of what
-    was being appended) is left out; damaged data anywhere is an error."""
-    out = []
-    rest = raw
-    while rest:
-        member = zlib.decompressobj(31)
-        try:
-            text = member.decompress(rest)
-        except zlib.error:
-            raise TraceError(f"{source} is corrupt") from None
-        if not member.eof:
-            break  # the last member was cut: what came before it is the trace
-        out.append(text)
-        rest = member.unused_data
-    lines = b"".join(out).split(b"\n")
-    if lines[-1]:
-        raise TraceError(f"{source} is corrupt: a member does not end with a whole line")
-    return lines[:-1]
 
 
 def _finite(value: float | None) -> float | None:

@@ -288,8 +288,9 @@ class _StepDiffs:
                     keys.append(key)
                     origin.append(i)
         self.total += len(keys)
+        stats = self.detailed < DETAIL_STEPS  # past the window, counts (and forks) only
         found = [(o, j, d) for j, (o, key) in enumerate(zip(origin, keys))
-                 if (d := self._diff(key, ref, others))]
+                 if (d := self._diff(key, ref, others, stats))]
         diffs = [d for _, _, d in found]
         for o, j, d in found:
             if d.missing:
@@ -337,7 +338,9 @@ class _StepDiffs:
         elif self.fork is None or rank < self.fork[0]:
             self.fork = (rank, d)
 
-    def _diff(self, key: Key, ref: _Index, others: list[_Index]) -> RecordDiff | None:
+    def _diff(self, key: Key, ref: _Index, others: list[_Index], stats: bool) -> RecordDiff | None:
+        """The record's difference across the repeats (None: the same in all), with the stats
+        of repeat 0 and of the first that differs if `stats` or it is missing somewhere."""
         ref_fp = ref.fp.get(key)
         differing = missing = 0
         first_other = None
@@ -352,6 +355,8 @@ class _StepDiffs:
             missing += 1
         if not differing:
             return None
+        if not (stats or missing):
+            return RecordDiff(*key, differing=differing, missing=missing, repeats=self.n)
         return RecordDiff(*key, differing=differing, missing=missing, repeats=self.n,
                           ref=ref.stats(key), other=first_other.stats(key) if first_other else {})
 
