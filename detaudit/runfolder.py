@@ -70,11 +70,6 @@ def failed_trace(
     return Trace(probe=trace_probe(spec, config, run_id), repeat=repeat, env={}, failure=why)
 
 
-def partial_trace_path(folder: str | Path, repeat: int, rank: int | None = None) -> Path:
-    """Where a repeat streams its trace while it runs (see :func:`partial_path`)."""
-    return partial_path(Path(folder) / trace_name(repeat, rank))
-
-
 def partial_path(path: Path) -> Path:
     """The name a trace file has while its repeat runs: it takes its own name only once the
     repeat has ended, so a trace under its own name is never one a crash or Ctrl-C cut."""
@@ -88,7 +83,7 @@ def save_crashed(
     """Save the trace of a repeat that crashed in another process under its own name: what it
     streamed before the crash (see :func:`partial_path`), or no records if it flushed none;
     its failure is `why`."""
-    partial = partial_trace_path(folder, repeat, rank)
+    partial = partial_path(Path(folder) / trace_name(repeat, rank))
     try:
         trace: AnyTrace = open_trace(partial)
         trace.failure = why

@@ -248,7 +248,7 @@ class _StepDiffs:
     DETAIL_STEPS divergent steps, and counts beyond them.
 
     RNG state records are held apart until the end: a stream that differs between repeats
-    but that nothing drew from is no divergence (see :func:`_never_drawn`), which only all
+    but that nothing drew from is no divergence (see :meth:`_never_drawn`), which only all
     the steps can tell. Of those, the first step each stream differs in is kept whole.
     """
 
@@ -272,11 +272,11 @@ class _StepDiffs:
         self.first_cut: tuple[int, Trace, set[Key]] | None = None  # for the RNG gap
         self.previous: dict[tuple[int, str, str, int], list[RecordDiff]] = {}
         self.rng_states: list[dict[str, tuple[str, bool]]] = [{} for _ in range(repeats)]
-        self.rng_steps: list[set[int]] = [set() for _ in range(repeats)]
+        self.rng_steps = [0] * repeats  # steps with RNG states, per repeat
 
     def add(self, step: int, cuts: list[Trace]) -> None:
         """Compare one step's records across the repeats."""
-        self._note_rng_states(step, cuts)
+        self._note_rng_states(cuts)
         indexes = [_Index(c) for c in cuts]
         ref, others = indexes[0], indexes[1:]
         keys, origin = list(ref.order), [0] * len(ref.order)  # origin: whose record it is
@@ -360,21 +360,23 @@ class _StepDiffs:
         return RecordDiff(*key, differing=differing, missing=missing, repeats=self.n,
                           ref=ref.stats(key), other=first_other.stats(key) if first_other else {})
 
-    def _note_rng_states(self, step: int, cuts: list[Trace]) -> None:
+    def _note_rng_states(self, cuts: list[Trace]) -> None:
         """Per repeat and stream: its first state, and whether it ever moved."""
-        for states, steps, cut in zip(self.rng_states, self.rng_steps, cuts):
+        for i, (states, cut) in enumerate(zip(self.rng_states, cuts)):
             r = cut.records
+            seen = False
             for phase, module, slot, fp in zip(r["phase"], r["module"], r["slot"], r["fp"]):
                 if phase == STATE and not module and slot.startswith("rng."):
                     first, moved = states.get(slot, (fp, False))
                     states[slot] = (first, moved or fp != first)
-                    steps.add(step)
+                    seen = True
+            self.rng_steps[i] += seen
 
     def _never_drawn(self) -> set[str]:
         """The RNG state slots (``rng.<stream>``) whose state is the same at the start of
         every step of every repeat, over two steps or more: nothing in the process drew
         from them."""
-        if any(len(steps) < 2 for steps in self.rng_steps):
+        if any(steps < 2 for steps in self.rng_steps):
             return set()
         slots = set().union(*self.rng_states)
         return {slot for slot in slots
