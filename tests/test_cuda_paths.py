@@ -255,3 +255,11 @@ def test_cudnn_benchmark_with_a_python_probe_stays_in_process_and_says_why(monke
                      factory=small_cnn_probe, progress=notes)
     assert len(result.traces) == 2 and "isolation" not in result.info.extra
     assert any("--isolation process for a verdict that holds" in n for n in notes.notes)
+
+
+def test_the_trace_environment_is_the_one_the_steps_ran_in_with_deterministic_on():
+    assert not torch.are_deterministic_algorithms_enabled()
+    env = audit(small_cnn_probe, repeats=1, steps=1, deterministic=True, stress=0,
+                drill_down=False).traces[0].env
+    assert env["deterministic_algorithms"] is True and env["cudnn_deterministic"] is True
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after the run
