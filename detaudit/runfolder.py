@@ -318,14 +318,14 @@ def _run_info(data: dict[str, Any], path: Path) -> RunInfo:
     return RunInfo(**{k: data[k] for k in _RUN_FIELDS if k in data})
 
 
-def load_zoom(folder: str | Path, info: RunInfo) -> list[Trace]:
+def load_zoom(folder: str | Path, info: RunInfo) -> list[AnyTrace]:
     """The zoomed traces a run folder holds (none unless a scanned run was zoomed)."""
     names = ((info.extra or {}).get("zoom") or {}).get("traces") or []
     if not isinstance(names, list) or not all(
             isinstance(n, str) and Path(n).name == n and n.startswith("zoom-") for n in names):
         raise TraceError(f"{Path(folder) / RUN_FILE} is damaged: its zoom traces are not file "
                          "names in its own folder")
-    return [Trace.load(Path(folder) / name) for name in names]
+    return [open_trace(Path(folder) / name) for name in names]
 
 
 @dataclass

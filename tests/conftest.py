@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from detaudit import Probe
+from detaudit.trace import Trace, TraceStream
 
 
 class Block(nn.Module):
@@ -133,3 +134,20 @@ def module_audit(probe, **kwargs):
     from detaudit import audit
 
     return audit(probe, **{"granularity": "module", "drill_down": False, **kwargs})
+
+
+def stream_trace(trace: Trace, path, every: int = 1) -> TraceStream:
+    """Write `trace` as a recorder would: its steps one at a time, flushed every `every`."""
+    live = Trace(probe=trace.probe, repeat=trace.repeat, env=trace.env)
+    stream = TraceStream(live, path)
+    for n, info in enumerate(trace.steps):
+        for table, into in ((trace.records, live.records), (trace.calls, live.calls)):
+            rows = [i for i, s in enumerate(table["step"]) if s == info.step]
+            for name, column in into.items():
+                column += [table[name][i] for i in rows]
+        live.steps.append(info)
+        if (n + 1) % every == 0:
+            stream.flush()
+            assert len(live) == 0 and not live.steps  # nothing flushed is held
+    stream.flush()
+    return stream

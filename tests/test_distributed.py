@@ -199,3 +199,45 @@ def test_a_difference_received_through_all_reduce_points_at_the_rank_it_came_fro
         "backward", "module.fc", "origin", "local")
     assert rows[0].source == "all-reduce (from rank 1)"
     assert ranks.primary_rank == 1
+
+
+def _steps_trace(rank: int, steps: int, desync_at: int) -> Trace:
+    """A rank's trace of `steps` steps whose parameter goes out of sync at `desync_at`."""
+    trace = Trace(probe={}, repeat=0, env={})
+    for step in range(steps):
+        trace.steps.append(StepInfo(step=step, epoch=step // 2, index=step % 2))
+        param = f"p{step}" + (f"-r{rank}" if step >= desync_at else "")
+        for phase, slot, fp in (("state", "batch.0", f"b{rank}-{step}"),
+                                ("grad", "param.weight", f"g{step}"),
+                                ("optimizer", "param.weight", param),
+                                ("optimizer", "param.bias", f"q{step}")):
+            trace.add_record(step, (phase, "module.fc", 0, slot),
+                             TensorPrint(fp, (2,), "float32", 1.0, 1.0, 0))
+    return trace
+
+
+def test_the_cross_rank_checks_read_streamed_traces_a_step_at_a_time(tmp_path, monkeypatch):
+    from conftest import stream_trace
+
+    from detaudit.trace import TraceFile, open_trace
+
+    in_memory = {r: [_steps_trace(r, 6, desync_at=3)] for r in (0, 1)}
+    streamed = {r: [open_trace(stream_trace(ts[0], tmp_path / f"r{r}.json.gz").path)]
+                for r, ts in in_memory.items()}
+    assert all(isinstance(ts[0], TraceFile) for ts in streamed.values())
+
+    def whole(self):
+        raise AssertionError("the cross-rank checks loaded a trace whole")
+
+    monkeypatch.setattr(TraceFile, "whole", whole)
+    found = analyse(streamed, compare_ranks(streamed))
+    assert found == analyse(in_memory, compare_ranks(in_memory))
+    checks = {c.key: c for c in found.checks}
+    assert checks["params"].status == "flagged"
+    assert [(f["parameter"], f["step"], f["epoch"], f["phase"])
+            for f in checks["params"].findings] == [("module.fc.weight", 3, 2, "optimizer")]
+    assert checks["params"].detail.startswith("desync at step 3 (epoch 2): parameter "
+                                              "module.fc.weight differs between ranks 0 and 1")
+    assert (checks["grads"].status, checks["grads"].detail) == (
+        "ok", "6 all-reduced gradient records identical on every rank")
+    assert checks["shards"].status == "ok"  # every rank loads its own batches

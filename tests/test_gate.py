@@ -158,7 +158,7 @@ def energy_probe(device: torch.device) -> Probe:
 
 
 def test_thread_count_diff_names_the_module_and_tolerance_passes(
-    threads: Callable[[int], None], tmp_path: Path,
+    threads: Callable[[int], None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # run folders, as `detaudit diff` reads them: traces streamed, read back lazily
     threads(1)
@@ -166,6 +166,13 @@ def test_thread_count_diff_names_the_module_and_tolerance_passes(
     threads(2)
     two = module_audit(energy_probe, repeats=1, steps=2, out=tmp_path / "two").traces
     assert isinstance(one[0], TraceFile) and isinstance(two[0], TraceFile)
+    held = [diff_traces(one[0].whole(), two[0].whole(), rtol=r) for r in (0, 1e-3, 1e-12)]
+
+    def whole(self: TraceFile) -> None:
+        raise AssertionError("the diff loaded a trace whole")
+
+    monkeypatch.setattr(TraceFile, "whole", whole)  # a diff reads them a step at a time
+    assert [diff_traces(one, two, rtol=r) for r in (0, 1e-3, 1e-12)] == held
     result = diff_traces(one, two)
     assert result.exit_code == 1
     assert result.env_differences == {"threads": (1, 2)}

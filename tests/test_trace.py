@@ -5,7 +5,7 @@ import gzip
 import json
 
 import pytest
-from conftest import module_audit, small_cnn_probe
+from conftest import module_audit, small_cnn_probe, stream_trace
 
 from detaudit.errors import TraceError
 from detaudit.storage import dump_json
@@ -68,25 +68,8 @@ def test_unknown_version_is_rejected(traces, tmp_path):
 
 
 # -- the streamed form (version 2): written while recording, memory flat --------------------
-def _stream(trace: Trace, path, every: int = 1) -> TraceStream:
-    """Write `trace` as a recorder would: its steps one at a time, flushed every `every`."""
-    live = Trace(probe=trace.probe, repeat=trace.repeat, env=trace.env)
-    stream = TraceStream(live, path)
-    for n, info in enumerate(trace.steps):
-        for table, into in ((trace.records, live.records), (trace.calls, live.calls)):
-            rows = [i for i, s in enumerate(table["step"]) if s == info.step]
-            for name, column in into.items():
-                column += [table[name][i] for i in rows]
-        live.steps.append(info)
-        if (n + 1) % every == 0:
-            stream.flush()
-            assert len(live) == 0 and not live.steps  # nothing flushed is held
-    stream.flush()
-    return stream
-
-
 def test_a_streamed_trace_reads_back_as_the_trace(traces, tmp_path):
-    path = _stream(traces[0], tmp_path / "s.json.gz").path
+    path = stream_trace(traces[0], tmp_path / "s.json.gz").path
     loaded = Trace.load(path)
     assert loaded.records == traces[0].records
     assert loaded.calls == traces[0].calls
@@ -96,7 +79,7 @@ def test_a_streamed_trace_reads_back_as_the_trace(traces, tmp_path):
 
 
 def test_a_streamed_trace_cut_while_writing_keeps_every_flush_before_the_cut(traces, tmp_path):
-    stream = _stream(traces[0], tmp_path / "s.json.gz")
+    stream = stream_trace(traces[0], tmp_path / "s.json.gz")
     raw = stream.path.read_bytes()
     whole = len(traces[0].steps)
     members = _member_ends(raw)
@@ -153,7 +136,7 @@ def test_watch_over_many_steps_holds_only_what_is_new(tmp_path, monkeypatch):
 
 
 def test_a_streamed_trace_opens_to_be_read_a_step_at_a_time(traces, tmp_path):
-    stream = _stream(traces[0], tmp_path / "s.json.gz")
+    stream = stream_trace(traces[0], tmp_path / "s.json.gz")
     opened = open_trace(stream.path)
     assert isinstance(opened, TraceFile)
     assert opened.steps == traces[0].steps and opened.env == traces[0].env
@@ -172,7 +155,7 @@ def test_comparing_streamed_traces_gives_what_comparing_them_in_memory_gives(tra
 
     changed = copy.deepcopy(traces[1])
     changed.records["fp"][len(changed) // 2] = "0" * 16  # one record of a middle step
-    files = [open_trace(_stream(t, tmp_path / f"{i}.json.gz").path)
+    files = [open_trace(stream_trace(t, tmp_path / f"{i}.json.gz").path)
              for i, t in enumerate((traces[0], changed))]
     in_memory, streamed = compare([traces[0], changed]), compare(files)
     assert streamed.first_step == in_memory.first_step == changed.records["step"][len(changed) // 2]
@@ -194,7 +177,7 @@ def test_a_streamed_trace_with_a_step_out_of_order_is_damaged(traces, tmp_path):
 
 
 def test_a_streamed_trace_saved_elsewhere_keeps_what_was_changed(traces, tmp_path):
-    opened = open_trace(_stream(traces[0], tmp_path / "s.json.gz").path)
+    opened = open_trace(stream_trace(traces[0], tmp_path / "s.json.gz").path)
     opened.repeat, opened.failure = 3, "interrupted"
     saved = opened.save(tmp_path / "moved.json.gz")
     (tmp_path / "s.json.gz").unlink()  # the file it came from may go
@@ -223,7 +206,7 @@ def test_a_run_into_a_folder_streams_its_repeats_and_compares_as_if_held(tmp_pat
 
 
 def test_a_cut_streamed_trace_saved_with_its_failure_keeps_every_whole_flush(traces, tmp_path):
-    raw = _stream(traces[0], tmp_path / "s.json.gz").path.read_bytes()
+    raw = stream_trace(traces[0], tmp_path / "s.json.gz").path.read_bytes()
     members = _member_ends(raw)
     cut = tmp_path / "cut.json.gz"
     cut.write_bytes(raw[: members[1] + (members[2] - members[1]) // 2])  # killed while writing
@@ -239,7 +222,7 @@ def test_compare_refuses_to_write_its_run_folder_over_the_traces_it_compares(tra
     from detaudit.errors import DetauditError
 
     for i, t in enumerate(traces):
-        _stream(t, tmp_path / f"trace-{i}.json.gz")
+        stream_trace(t, tmp_path / f"trace-{i}.json.gz")
     with pytest.raises(DetauditError, match="holds trace-0.json.gz, one of the traces compared"):
         detaudit.compare(tmp_path, out=tmp_path, overwrite=True)
     assert detaudit.compare(tmp_path, out=tmp_path / "compared").comparison.deterministic

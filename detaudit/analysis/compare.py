@@ -218,12 +218,12 @@ def compare(traces: Iterable[AnyTrace]) -> Comparison:
         raise ValueError("compare() needs at least one trace")
     common = min(len(t.steps) for t in traces) if any(t.failure for t in traces) else None
     seen = _StepDiffs(len(traces))
-    for step, cuts in _aligned_steps(traces, common):
+    for step, cuts in aligned_steps(traces, common):
         seen.add(step, cuts)
     return seen.comparison(traces, common)
 
 
-def _aligned_steps(traces: list[AnyTrace], common: int | None
+def aligned_steps(traces: list[AnyTrace], common: int | None
                    ) -> Iterator[tuple[int, list[Trace]]]:
     """(step, each trace cut to that step), in step order; a trace without the step gives
     an empty cut. Steps from `common` on are left out."""

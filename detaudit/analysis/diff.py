@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ..trace import AnyTrace, Trace, TraceFile
-from .compare import Comparison, compare
+from ..trace import AnyTrace, Trace
+from .compare import Comparison, aligned_steps, compare
 from .verdict import MATCH, MISMATCH, exit_code
 
 # Environment keys that can change a run's numbers (PyTorch promises no bit-exactness
@@ -104,15 +105,17 @@ def diff_traces(
     """Compare run B against run A (repeat 0 of each), bitwise or within rtol/atol. `zoom`,
     given the first step where they part, returns what a replay of both at that step found."""
     ta, tb = (t[0] if isinstance(t, list) else t for t in (a, b))
-    ta, tb = (t.whole() if isinstance(t, TraceFile) else t for t in (ta, tb))  # diffs read whole
     algorithms = fingerprint_algorithm(ta.env), fingerprint_algorithm(tb.env)
     mixed = None not in algorithms and algorithms[0] != algorithms[1]
     tolerance = mixed or rtol > 0 or atol > 0
     accepted = unjudged = 0
     if tolerance:
         exact_ints = _integers_by(algorithms[0]) == _integers_by(algorithms[1])
-        tb, accepted, unjudged = _accept_within(ta, tb, rtol, atol, not exact_ints)
-    comparison = compare([ta, tb])
+        within = _WithinTolerance(ta, tb, rtol, atol, not exact_ints)
+        comparison = compare([ta, within])
+        accepted, unjudged = within.accepted, within.unjudged
+    else:
+        comparison = compare([ta, tb])
     envs = env_differences(ta.env, tb.env)
     failures = [f"{name} stopped early: {t.failure}" for name, t in zip(labels, (ta, tb)) if t.failure]
     first = _first(comparison)
@@ -130,6 +133,30 @@ def diff_traces(
     result.headline = _headline(result, len(comparison.steps), rtol, atol)
     result.message = _message(result, algorithms if mixed else None)
     return result
+
+
+class _WithinTolerance:
+    """Run B as the comparison reads it, a step at a time beside A: the records tolerance
+    accepts, and those it cannot judge, carry A's print (so the comparison passes over
+    them); how many of each is known once every step was read."""
+
+    def __init__(self, a: AnyTrace, b: AnyTrace, rtol: float, atol: float,
+                 ints_unjudged: bool) -> None:
+        self.a, self.b = a, b
+        self.tolerance = rtol, atol, ints_unjudged
+        self.accepted = self.unjudged = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.b, name)  # all else (steps, failure, stress) is B's
+
+    def by_step(self) -> Iterator[tuple[int, Trace]]:
+        for step, (cut_a, cut_b) in aligned_steps([self.a, self.b], None):
+            if not len(cut_b) and not cut_b.calls["step"]:
+                continue  # a step only A has
+            cut_b, accepted, unjudged = _accept_within(cut_a, cut_b, *self.tolerance)
+            self.accepted += accepted
+            self.unjudged += unjudged
+            yield step, cut_b
 
 
 def _accept_within(

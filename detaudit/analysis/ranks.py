@@ -14,12 +14,12 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, PROBE_DISTRIBUTED, STATE, Trace
-from .compare import DIVERGENT, ORIGIN, Comparison, compare
+from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, PROBE_DISTRIBUTED, STATE, AnyTrace, Trace
+from .compare import DIVERGENT, ORIGIN, Comparison, aligned_steps, compare
 
 OK, FLAGGED, NOT_CHECKED = "ok", "flagged", "not checked"
 EXAMPLES = 5  # shared sample indices listed in a finding
-RankTraces = list[tuple[int, Trace]]  # (rank, trace) of one repeat, by rank
+RankTraces = list[tuple[int, AnyTrace]]  # (rank, trace) of one repeat, by rank
 CheckResult = tuple[str, str, list[dict[str, Any]]]  # status, detail, findings
 
 
@@ -116,9 +116,13 @@ def analyse(
     _mark_all_reduce(rows, comparisons)
     repeats = min(len(traces) for traces in traces_by_rank.values())
     checks = []
-    for key, title, check in CHECKS:
-        results = [check([(r, traces_by_rank[r][k]) for r in ranks]) for k in range(repeats)]
-        checks.append(_merge(key, title, results))
+    results: dict[str, list[CheckResult]] = {key: [] for key, _, _ in CHECKS}
+    for k in range(repeats):
+        items = [(r, traces_by_rank[r][k]) for r in ranks]
+        seen = RankRecords.read(items)
+        for key, _, check in CHECKS:
+            results[key].append(check(items, seen))
+    checks = [_merge(key, title, results[key]) for key, title, _ in CHECKS]
     backends = [_distributed(t).get("backend") for ts in traces_by_rank.values() for t in ts]
     return RankAnalysis(
         world_size=len(ranks), backend=next((b for b in backends if b), None),
@@ -177,11 +181,76 @@ def _primary(rows: list[RankRow]) -> int:
 # -- cross-rank checks (one repeat: every rank's trace) -----------------------------------
 
 
-def _check_params(items: RankTraces) -> CheckResult:
-    def select(step: int, phase: str, slot: str) -> bool:
-        return slot.startswith("param.") and (phase == OPTIMIZER or (phase == STATE and step == 0))
+@dataclass
+class RankRecords:
+    """What the record-based checks need of one repeat's traces on every rank, read in one
+    pass a step at a time (the traces of a long run are never held whole): the first
+    cross-rank disagreement per parameter (as built and after each update) and per
+    gradient, each step's batch prints, and the RNG draws of module calls."""
 
-    findings, compared = _disagreements(items, select)
+    params: list[dict[str, Any]] = field(default_factory=list)
+    params_compared: int = 0
+    grads: list[dict[str, Any]] = field(default_factory=list)
+    grads_compared: int = 0
+    batches: dict[int, dict[int, tuple[str, ...]]] = field(default_factory=dict)  # rank, step
+    module_draws: list[dict[str, Any]] = field(default_factory=list)
+    drew_in_modules: bool = False  # a module call's RNG draw was recorded
+    module_level: bool = False  # forward records exist (module calls were recorded)
+
+    @classmethod
+    def read(cls, items: RankTraces) -> RankRecords:
+        ranks = [rank for rank, _ in items]
+        seen = cls(batches={rank: {} for rank in ranks})
+        params: dict[str, dict[str, Any]] = {}
+        grads: dict[str, dict[str, Any]] = {}
+        draws: dict[str, dict[str, Any]] = {}
+        epochs = {s.step: s.epoch + 1 for s in items[0][1].steps}  # 1-based
+        for step, cuts in aligned_steps([trace for _, trace in items], None):
+            cut = [_StepPrints(step, c) for c in cuts]
+            epoch = epochs.get(step)
+            seen.params_compared += _disagreements(
+                step, epoch, ranks, [c.params for c in cut], params)
+            seen.grads_compared += _disagreements(
+                step, epoch, ranks, [c.grads for c in cut], grads)
+            _module_draws(step, epoch, ranks, [c.draws for c in cut], draws)
+            for rank, c in zip(ranks, cut):
+                if c.batch:
+                    seen.batches[rank][step] = tuple(c.batch)
+                seen.drew_in_modules |= c.drew
+                seen.module_level |= c.forward
+        seen.params, seen.grads = list(params.values()), list(grads.values())
+        seen.module_draws = list(draws.values())
+        return seen
+
+
+class _StepPrints:
+    """One rank's records of one step, sorted for the checks (execution order kept)."""
+
+    def __init__(self, step: int, cut: Trace) -> None:
+        r = cut.records
+        self.params: dict[tuple[str, str, str], str] = {}
+        self.grads: dict[tuple[str, str, str], str] = {}
+        self.draws: dict[tuple[str, int], str] = {}
+        self.batch: list[str] = []
+        self.drew = self.forward = False
+        for phase, module, call, slot, fp in zip(
+            r["phase"], r["module"], r["call"], r["slot"], r["fp"]
+        ):
+            if slot.startswith("param.") and (
+                    phase == OPTIMIZER or (phase == STATE and step == 0)):
+                self.params[(phase, module, slot)] = fp
+            elif phase == GRAD and slot.startswith("param."):
+                self.grads[(phase, module, slot)] = fp
+            elif phase == STATE and slot.startswith("batch"):
+                self.batch.append(fp)
+            self.drew |= slot == "rng.in"
+            self.forward |= phase == FORWARD
+            if phase == FORWARD and slot == "rng.in":
+                self.draws[(module, call)] = fp
+
+
+def _check_params(items: RankTraces, seen: RankRecords) -> CheckResult:
+    findings, compared = seen.params, seen.params_compared
     if not compared:
         return NOT_CHECKED, "no parameter records common to every rank", []
     if not findings:
@@ -195,11 +264,8 @@ def _check_params(items: RankTraces) -> CheckResult:
     ), findings
 
 
-def _check_grads(items: RankTraces) -> CheckResult:
-    def select(step: int, phase: str, slot: str) -> bool:
-        return phase == GRAD and slot.startswith("param.")
-
-    findings, compared = _disagreements(items, select)
+def _check_grads(items: RankTraces, seen: RankRecords) -> CheckResult:
+    findings, compared = seen.grads, seen.grads_compared
     if not compared:
         return NOT_CHECKED, "no gradient records common to every rank", []
     if not findings:
@@ -214,40 +280,28 @@ def _check_grads(items: RankTraces) -> CheckResult:
 
 
 def _disagreements(
-    items: RankTraces, select: Callable[[int, str, str], bool]
-) -> tuple[list[dict[str, Any]], int]:
-    """The first record per parameter whose print is not the same on every rank."""
-    prints = []
-    order: dict[tuple[int, str, str, str], int] = {}
-    for _, trace in items:
-        r = trace.records
-        mine = {}
-        for i, (step, phase, module, slot, fp) in enumerate(
-            zip(r["step"], r["phase"], r["module"], r["slot"], r["fp"])
-        ):
-            if select(step, phase, slot):
-                mine[(step, phase, module, slot)] = fp
-                order.setdefault((step, phase, module, slot), i)
-        prints.append(mine)
-    common = set.intersection(*(set(p) for p in prints)) if prints else set()
-    first: dict[str, dict[str, Any]] = {}
-    for key in sorted(common, key=lambda k: (k[0], order[k])):
+    step: int, epoch: int | None, ranks: list[int],
+    prints: list[dict[tuple[str, str, str], str]], first: dict[str, dict[str, Any]],
+) -> int:
+    """Note in `first` each parameter whose print at `step` is not the same on every rank
+    (its first such record only; rank 0's order); how many records every rank has."""
+    common = [key for key in prints[0] if all(key in p for p in prints[1:])]
+    for key in common:
         fps = [p[key] for p in prints]
         if len(set(fps)) == 1:
             continue
-        step, phase, module, slot = key
+        phase, module, slot = key
         name = f"{module}.{slot[len('param.'):]}" if module else slot[len("param."):]
-        first.setdefault(name, {
-            "step": step, "epoch": _epoch_of(items[0][1], step), "phase": phase,
-            "parameter": name, "groups": _rank_groups([r for r, _ in items], fps),
-        })
-    return list(first.values()), len(common)
+        if name not in first:
+            first[name] = {"step": step, "epoch": epoch, "phase": phase, "parameter": name,
+                           "groups": _rank_groups(ranks, fps)}
+    return len(common)
 
 
-def _check_shards(items: RankTraces) -> CheckResult:
+def _check_shards(items: RankTraces, seen: RankRecords) -> CheckResult:
     samplers = _samplers(items)
     if samplers is None:
-        return _check_shards_by_batch(items)
+        return _check_shards_by_batch(items, seen)
     findings = []
     for epoch in sorted(set.intersection(*(set(s) for s in samplers.values()))):
         counts: Counter[int] = Counter()
@@ -275,19 +329,20 @@ def _check_shards(items: RankTraces) -> CheckResult:
     ), findings
 
 
-def _check_shards_by_batch(items: RankTraces) -> CheckResult:
+def _check_shards_by_batch(items: RankTraces, seen: RankRecords) -> CheckResult:
     """Without sampler indices: identical batches on two ranks in one epoch mean shared data
     (up to world size - 1 of them, which a padding sampler can repeat)."""
     batches: dict[int, dict[tuple[str, ...], set[int]]] = defaultdict(lambda: defaultdict(set))
     for rank, trace in items:
-        for step, prints in _batch_prints(trace).items():
-            batches[_epoch_of(trace, step)][prints].add(rank)
+        epochs = {s.step: s.epoch + 1 for s in trace.steps}
+        for step, prints in seen.batches[rank].items():
+            batches[epochs.get(step)][prints].add(rank)
     if not batches:
         return NOT_CHECKED, "no batch records and no sampler indices", []
     allowed = len(items) - 1
     findings = []
-    for epoch, seen in sorted(batches.items()):
-        shared = [ranks for ranks in seen.values() if len(ranks) > 1]
+    for epoch, by_prints in sorted(batches.items()):
+        shared = [ranks for ranks in by_prints.values() if len(ranks) > 1]
         if len(shared) > allowed:
             findings.append({"epoch": epoch, "shared": len(shared), "padding": allowed,
                              "examples": [], "ranks": sorted(set().union(*shared))})
@@ -300,7 +355,7 @@ def _check_shards_by_batch(items: RankTraces) -> CheckResult:
     ), findings
 
 
-def _check_epochs(items: RankTraces) -> CheckResult:
+def _check_epochs(items: RankTraces, seen: RankRecords) -> CheckResult:
     samplers = _samplers(items)
     if samplers is None:
         return NOT_CHECKED, "no DistributedSampler or SequentialSampler seen in a DataLoader", []
@@ -336,13 +391,11 @@ def _check_epochs(items: RankTraces) -> CheckResult:
     ), findings
 
 
-def _check_rng(items: RankTraces) -> CheckResult:
-    findings = _shared_loading_draws(items) + _shared_module_draws(items)
-    drew = any(f["drew"] for _, t in items for f in _distributed(t).get("fetches", [])) or any(
-        slot == "rng.in" for _, t in items for slot in t.records["slot"]
-    )
-    observed = any(_distributed(t).get("fetches") for _, t in items) or any(
-        phase == FORWARD for _, t in items for phase in t.records["phase"])
+def _check_rng(items: RankTraces, seen: RankRecords) -> CheckResult:
+    findings = _shared_loading_draws(items) + seen.module_draws
+    drew = any(f["drew"] for _, t in items for f in _distributed(t).get("fetches", [])) or (
+        seen.drew_in_modules)
+    observed = any(_distributed(t).get("fetches") for _, t in items) or seen.module_level
     if not findings and not observed:
         return NOT_CHECKED, (
             "the draws of data loading and modules were not recorded (a scan records the "
@@ -385,30 +438,23 @@ def _shared_loading_draws(items: RankTraces) -> list[dict[str, Any]]:
     return list(found.values())
 
 
-def _shared_module_draws(items: RankTraces) -> list[dict[str, Any]]:
-    prints = []
-    for _, trace in items:
-        r = trace.records
-        prints.append({
-            (step, module, call): fp
-            for step, phase, module, call, slot, fp in zip(
-                r["step"], r["phase"], r["module"], r["call"], r["slot"], r["fp"]
-            ) if phase == FORWARD and slot == "rng.in"
-        })
-    found: dict[str, dict[str, Any]] = {}
-    ranks = [rank for rank, _ in items]
-    for key in sorted(set.intersection(*(set(p) for p in prints)) if prints else ()):
-        step, module, _ = key
+def _module_draws(
+    step: int, epoch: int | None, ranks: list[int],
+    prints: list[dict[tuple[str, int], str]], found: dict[str, dict[str, Any]],
+) -> None:
+    """Note in `found` each module whose call at `step` drew the same torch randomness on
+    two ranks (its first such step only)."""
+    for key in sorted(set.intersection(*(set(p) for p in prints))):
+        module, _ = key
         groups = _rank_groups(ranks, [p[key] for p in prints])
         if module not in found and any(len(g) > 1 for g in groups):
             found[module] = {
-                "step": step, "epoch": _epoch_of(items[0][1], step), "index": None,
+                "step": step, "epoch": epoch, "index": None,
                 "where": module or "(model)", "stream": "torch", "groups": groups,
             }
-    return list(found.values())
 
 
-def _check_init(items: RankTraces) -> CheckResult:
+def _check_init(items: RankTraces, seen: RankRecords) -> CheckResult:
     inits = [_distributed(trace).get("init") for _, trace in items]
     if any(init is None for init in inits):
         return NOT_CHECKED, (
@@ -432,7 +478,7 @@ def _check_init(items: RankTraces) -> CheckResult:
     ), findings
 
 
-CHECKS: tuple[tuple[str, str, Callable[[RankTraces], CheckResult]], ...] = (
+CHECKS: tuple[tuple[str, str, Callable[[RankTraces, RankRecords], CheckResult]], ...] = (
     ("params", "parameters identical across ranks after every optimizer step", _check_params),
     ("grads", "gradients identical across ranks after all-reduce", _check_grads),
     ("shards", "data shards disjoint within each epoch", _check_shards),
@@ -467,20 +513,6 @@ def _samplers(items: RankTraces) -> dict[int, dict[int, dict[str, Any]]] | None:
             return None
         out[rank] = {e["epoch"]: e["sampler"] for e in epochs}
     return out or None
-
-
-def _batch_prints(trace: Trace) -> dict[int, tuple[str, ...]]:
-    r = trace.records
-    out: dict[int, list[str]] = defaultdict(list)
-    for step, phase, slot, fp in zip(r["step"], r["phase"], r["slot"], r["fp"]):
-        if phase == STATE and slot.startswith("batch"):
-            out[step].append(fp)
-    return {step: tuple(fps) for step, fps in out.items()}
-
-
-def _epoch_of(trace: Trace, step: int) -> int | None:
-    """The 1-based epoch of a global step."""
-    return next((s.epoch + 1 for s in trace.steps if s.step == step), None)
 
 
 def _step_of(trace: Trace, epoch: int, index: int) -> int | None:
