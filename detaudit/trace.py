@@ -253,8 +253,8 @@ class TraceFile:
     """A streamed trace read from its file as it is needed, so that comparing runs of
     thousands of steps holds one step of each in memory, not the runs: the steps, probe,
     environment, failure and stress are read when it opens; :meth:`by_step` yields one step's
-    records and calls at a time; :attr:`records` and :attr:`calls` load them whole, for the
-    analyses that need every step at once (across ranks, across machines). Changes to
+    records and calls at a time; :attr:`records` and :attr:`calls` load them whole (for
+    users' own analyses: :meth:`frame`). Changes to
     `repeat`, `probe` and `failure` are kept in memory and written by :meth:`save`."""
 
     def __init__(self, path: str | Path) -> None:

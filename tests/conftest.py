@@ -138,7 +138,8 @@ def module_audit(probe, **kwargs):
 
 def stream_trace(trace: Trace, path, every: int = 1) -> TraceStream:
     """Write `trace` as a recorder would: its steps one at a time, flushed every `every`."""
-    live = Trace(probe=trace.probe, repeat=trace.repeat, env=trace.env)
+    live = Trace(probe=trace.probe, repeat=trace.repeat, env=trace.env, failure=trace.failure,
+                 stress=trace.stress)
     stream = TraceStream(live, path)
     for n, info in enumerate(trace.steps):
         for table, into in ((trace.records, live.records), (trace.calls, live.calls)):

@@ -9,7 +9,7 @@ from conftest import module_audit, small_cnn_probe, stream_trace
 
 from detaudit.errors import TraceError
 from detaudit.storage import dump_json
-from detaudit.trace import Trace, TraceFile, TraceStream, open_trace
+from detaudit.trace import Trace, TraceFile, open_trace
 
 
 @pytest.fixture(scope="module")

@@ -111,7 +111,8 @@ def diff_traces(
     accepted = unjudged = 0
     if tolerance:
         exact_ints = _integers_by(algorithms[0]) == _integers_by(algorithms[1])
-        within = _WithinTolerance(ta, tb, rtol, atol, not exact_ints)
+        common = min(len(t.steps) for t in (ta, tb)) if ta.failure or tb.failure else None
+        within = _WithinTolerance(ta, tb, rtol, atol, not exact_ints, common)
         comparison = compare([ta, within])
         accepted, unjudged = within.accepted, within.unjudged
     else:
@@ -136,21 +137,24 @@ def diff_traces(
 
 
 class _WithinTolerance:
-    """Run B as the comparison reads it, a step at a time beside A: the records tolerance
-    accepts, and those it cannot judge, carry A's print (so the comparison passes over
-    them); how many of each is known once every step was read."""
+    """Run B as the comparison reads it (:meth:`by_step` and B's steps, failure, repeat and
+    stress), a step at a time beside A: the records tolerance accepts, and those it cannot
+    judge, carry A's print (so the comparison passes over them); how many of each is known
+    once every step was read. Steps from `common` on, which the comparison leaves out, are
+    not read."""
 
     def __init__(self, a: AnyTrace, b: AnyTrace, rtol: float, atol: float,
-                 ints_unjudged: bool) -> None:
+                 ints_unjudged: bool, common: int | None) -> None:
         self.a, self.b = a, b
         self.tolerance = rtol, atol, ints_unjudged
+        self.common = common
+        self.steps, self.failure, self.repeat = b.steps, b.failure, b.repeat
+        self.stress_rows = b.stress_rows
         self.accepted = self.unjudged = 0
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.b, name)  # all else (steps, failure, stress) is B's
-
     def by_step(self) -> Iterator[tuple[int, Trace]]:
-        for step, (cut_a, cut_b) in aligned_steps([self.a, self.b], None):
+        self.accepted = self.unjudged = 0
+        for step, (cut_a, cut_b) in aligned_steps([self.a, self.b], self.common):
             if not len(cut_b) and not cut_b.calls["step"]:
                 continue  # a step only A has
             cut_b, accepted, unjudged = _accept_within(cut_a, cut_b, *self.tolerance)

@@ -90,7 +90,7 @@ class RankAnalysis:
         )
 
 
-def compare_ranks(traces_by_rank: dict[int, list[Trace]]) -> dict[int, Comparison]:
+def compare_ranks(traces_by_rank: dict[int, list[AnyTrace]]) -> dict[int, Comparison]:
     """The run-to-run comparison of each rank's finished repeats; failed ones are listed."""
     out = {}
     for rank, traces in sorted(traces_by_rank.items()):
@@ -100,13 +100,13 @@ def compare_ranks(traces_by_rank: dict[int, list[Trace]]) -> dict[int, Compariso
     return out
 
 
-def finished(traces: list[Trace]) -> list[Trace]:
+def finished(traces: list[AnyTrace]) -> list[AnyTrace]:
     """The repeats that ran to the end (all of them when none did)."""
     return [t for t in traces if not t.failure] or traces
 
 
 def analyse(
-    traces_by_rank: dict[int, list[Trace]],
+    traces_by_rank: dict[int, list[AnyTrace]],
     comparisons: dict[int, Comparison],
     crash: dict[str, Any] | None = None,
 ) -> RankAnalysis:
@@ -115,7 +115,6 @@ def analyse(
     rows = [_rank_row(rank, comparisons[rank]) for rank in ranks]
     _mark_all_reduce(rows, comparisons)
     repeats = min(len(traces) for traces in traces_by_rank.values())
-    checks = []
     results: dict[str, list[CheckResult]] = {key: [] for key, _, _ in CHECKS}
     for k in range(repeats):
         items = [(r, traces_by_rank[r][k]) for r in ranks]
@@ -204,7 +203,9 @@ class RankRecords:
         params: dict[str, dict[str, Any]] = {}
         grads: dict[str, dict[str, Any]] = {}
         draws: dict[str, dict[str, Any]] = {}
-        epochs = {s.step: s.epoch + 1 for s in items[0][1].steps}  # 1-based
+        epochs: dict[int, int] = {}  # 1-based
+        for info in items[0][1].steps:
+            epochs.setdefault(info.step, info.epoch + 1)
         for step, cuts in aligned_steps([trace for _, trace in items], None):
             cut = [_StepPrints(step, c) for c in cuts]
             epoch = epochs.get(step)
@@ -224,7 +225,7 @@ class RankRecords:
 
 
 class _StepPrints:
-    """One rank's records of one step, sorted for the checks (execution order kept)."""
+    """One rank's records of one step, by what each check reads (execution order kept)."""
 
     def __init__(self, step: int, cut: Trace) -> None:
         r = cut.records
@@ -334,9 +335,12 @@ def _check_shards_by_batch(items: RankTraces, seen: RankRecords) -> CheckResult:
     (up to world size - 1 of them, which a padding sampler can repeat)."""
     batches: dict[int, dict[tuple[str, ...], set[int]]] = defaultdict(lambda: defaultdict(set))
     for rank, trace in items:
-        epochs = {s.step: s.epoch + 1 for s in trace.steps}
+        epochs: dict[int, int] = {}
+        for info in trace.steps:
+            epochs.setdefault(info.step, info.epoch + 1)
         for step, prints in seen.batches[rank].items():
-            batches[epochs.get(step)][prints].add(rank)
+            if step in epochs:
+                batches[epochs[step]][prints].add(rank)
     if not batches:
         return NOT_CHECKED, "no batch records and no sampler indices", []
     allowed = len(items) - 1
@@ -500,7 +504,7 @@ def _merge(key: str, title: str, results: list[CheckResult]) -> RankCheck:
 # -- small helpers -------------------------------------------------------------------------
 
 
-def _distributed(trace: Trace) -> dict[str, Any]:
+def _distributed(trace: AnyTrace) -> dict[str, Any]:
     return trace.probe.get(PROBE_DISTRIBUTED) or {}
 
 
@@ -515,7 +519,7 @@ def _samplers(items: RankTraces) -> dict[int, dict[int, dict[str, Any]]] | None:
     return out or None
 
 
-def _step_of(trace: Trace, epoch: int, index: int) -> int | None:
+def _step_of(trace: AnyTrace, epoch: int, index: int) -> int | None:
     return next((s.step for s in trace.steps if s.epoch == epoch and s.index == index), None)
 
 
