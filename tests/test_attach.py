@@ -398,3 +398,47 @@ def test_a_first_step_whose_forward_runs_inside_the_closure_records_its_gradient
     grads = records[records.phase == "grad"]
     assert sorted(set(grads.step)) == [0, 1]
     assert set(grads[grads.step == 0].module) == {"0", "1"}
+
+
+def _two_optimizers(out: Path, nudge_at: int | None = None, max_steps: int | None = None,
+                    steps: int = 4) -> detaudit.watch:
+    """A model whose body and head have their own optimizers, both stepped each iteration."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    body = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.Adam(model[2].parameters(), lr=0.01)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    updates = iter(range(steps))
+
+    def nudge(optimizer, args, kwargs):  # inside the head's update, as if it differed
+        if next(updates) == nudge_at:
+            with torch.no_grad():
+                model[2].bias[0] = torch.nextafter(model[2].bias[0], torch.tensor(9.0))
+
+    head.register_step_post_hook(nudge)
+    with detaudit.watch(model, out=out, max_steps=max_steps) as w:
+        for _ in range(steps):
+            model(x).pow(2).mean().backward()
+            body.step()
+            head.step()
+            body.zero_grad()
+            head.zero_grad()
+    return w
+
+
+def test_the_updates_of_several_optimizers_between_two_forwards_are_one_step(tmp_path):
+    w = _two_optimizers(tmp_path)
+    steps, records = w.trace.steps, w.trace.frame()
+    assert len(steps) == 4 and all(s.lr == [0.1, 0.01] for s in steps)
+    for phase in ("grad", "optimizer"):
+        mine = records[(records.phase == phase) & (records.step == 2)]
+        assert sorted(zip(mine.module, mine.slot)) == [  # each parameter once, by its optimizer
+            ("0", "param.bias"), ("0", "param.weight"), ("2", "param.bias"), ("2", "param.weight")]
+    _two_optimizers(tmp_path, nudge_at=2)
+    result = detaudit.compare(tmp_path)
+    assert (result.comparison.first_step, result.comparison.cause) == (2, "optimizer")
+    # the step limit waits for the second optimizer of the last step
+    limited = _two_optimizers(tmp_path / "limited", max_steps=2)
+    last = limited.trace.frame()
+    assert len(limited.trace.steps) == 2
+    assert set(last[(last.phase == "optimizer") & (last.step == 1)].module) == {"0", "2"}

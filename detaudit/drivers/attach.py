@@ -3,8 +3,9 @@ exec``, through a bootstrap that runs before their code) or their own loop
 (``detaudit.watch``).
 
 Torch's global hooks stand in for what the runner otherwise knows. A step is one optimizer
-step: its pre-hook sees the gradients as the optimizer gets them (after unscaling and
-clipping), its post-hook the parameters after the update. The model is the top-level module,
+step (the updates of several optimizers between two forwards are one): its pre-hook sees the
+gradients as the optimizer gets them (after unscaling and clipping), its post-hook the
+parameters after the update. The model is the top-level module,
 called in training mode, whose parameters the optimizer updates; the batch is what it is
 called with (each call of an accumulated step); the loss is what backward is called on. An
 epoch is a new pass over the training DataLoader (the loader whose batches precede the first
@@ -89,6 +90,8 @@ class Attachment:
         self.explicit_epoch: int | None = None
         self.index = 0  # step within its epoch
         self._updated = False  # the open step's optimizer has stepped
+        self._stepped: list[int] = []  # the optimizers (ids) that updated in the open step
+        self._optimizers_per_step: int | None = None  # as many as updated in the first step
         self._grads_pending = False  # step(closure): gradients recorded after the update
         self._batches = 0  # top-level training calls in the open step
         self._losses = 0
@@ -206,8 +209,8 @@ class Attachment:
         if self.stopped or (self.optimizer is not None and optimizer is not self.optimizer):
             return
         self._choose_model(optimizer)
-        if self._updated:
-            self.end_step()  # a second update: the step before it is over
+        if self._updated and id(optimizer) in self._stepped:
+            self.end_step()  # it updates again: the step before it is over
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: self
         if callable(closure):
             # step(closure): the closure computes the gradients inside step; its forward
@@ -220,7 +223,8 @@ class Attachment:
             return
         assert self.recorder is not None
         self._end_ops()  # the update is not the model's ops
-        self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE)
+        self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
+                                         of=optimizer)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.stopped or self.info is None or self.recorder is None or (
@@ -230,11 +234,13 @@ class Attachment:
             self._grads_pending = False
             self._choose_model(optimizer)  # the closure's forward named the candidates
             self._end_ops()
-            self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE)
-        self.recorder.record_parameters(OPTIMIZER)
+            self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
+                                             of=optimizer)
+        self.recorder.record_parameters(OPTIMIZER, of=optimizer)
         self.info.optimizer_stepped = True
-        self.info.lr = [_finite(group.get("lr")) for group in optimizer.param_groups]
-        self._step_done()
+        self.info.lr += [_finite(group.get("lr")) for group in optimizer.param_groups]
+        self._stepped.append(id(optimizer))
+        self._step_done(complete=len(set(self._stepped)) >= (self._optimizers_per_step or 1))
 
     def on_scaler_update(self, scaler: Any) -> None:
         """A GradScaler updated its scale: recorded; when it skipped the optimizer step
@@ -245,15 +251,19 @@ class Attachment:
         self.info.scale = _finite(scale)
         self.recorder.record(OPTIMIZER, "", 0, "scale", torch.tensor(scale, dtype=torch.float64))
         if not self._updated and self._losses:
-            self._step_done()
+            self._step_done(complete=True)
 
-    def _step_done(self) -> None:
+    def _step_done(self, complete: bool) -> None:
         """The open step has updated (or its update was skipped): the next training call
-        begins a new one; the module hooks are set for it now, between calls."""
+        begins a new one, and so does a second update by an optimizer that already updated
+        (the updates of several optimizers between two forwards are one step); the module
+        hooks are set for the next step now, between calls. At the step limit the run ends
+        here when the step is `complete` (as many optimizers updated as in the first step),
+        else when the next step would begin."""
         assert self.info is not None and self.recorder is not None
         self.recorder.hook_for(self._watch(self.info.step + 1))
         self._updated = True
-        if self.max_steps is not None and self.info.step + 1 >= self.max_steps:
+        if complete and self.max_steps is not None and self.info.step + 1 >= self.max_steps:
             self.end_step()
             self.stop()
 
@@ -295,6 +305,9 @@ class Attachment:
 
     def _begin_step(self, model: nn.Module | None) -> bool:
         if model is None:
+            return False
+        if self.max_steps is not None and self.stream.steps >= self.max_steps:
+            self.stop()  # the last step was not complete when it updated
             return False
         if self.recorder is None:
             self.recorder = self._new_recorder(model)
@@ -347,7 +360,10 @@ class Attachment:
         self._end_ops()
         store_records(self.trace, self.info.step, self.recorder.end_step())
         self.trace.steps.append(self.info)
+        if self._optimizers_per_step is None and self._stepped:
+            self._optimizers_per_step = len(set(self._stepped))
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
+        self._stepped = []
         self.index += 1
         if self.stream.due():
             self.save()

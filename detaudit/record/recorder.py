@@ -210,20 +210,31 @@ class Recorder:
             self._keys.append((STATE, "", 0, f"rng.{name}"))
             self.fp.add_bytes(state)
 
-    def record_parameters(self, phase: str) -> None:
+    def record_parameters(self, phase: str, of: torch.optim.Optimizer | None = None) -> None:
         """Every parameter, keyed by its owning module (all before step 0, trainable ones after
-        each update). No stats: 3 passes over every weight per step would dominate the cost."""
+        each update; only those `of` updates when it is given). No stats: 3 passes over every
+        weight per step would dominate the cost."""
         self._record_per_parameter(phase, False, [
-            (name, p) for name, p in self._params.items() if phase == STATE or p.requires_grad
+            (name, p) for name, p in self._updated_by(of)
+            if phase == STATE or p.requires_grad
         ])
 
-    def record_param_grads(self, stats: bool = True) -> None:
-        """Every parameter's accumulated ``.grad`` after backward, with stats unless told
-        not to: across machines (`diff --rtol`) they are what a gradient difference is
-        measured by; a scan compares bitwise and skips their passes over every gradient."""
+    def record_param_grads(self, stats: bool = True,
+                           of: torch.optim.Optimizer | None = None) -> None:
+        """Every parameter's accumulated ``.grad`` after backward (only those `of` updates
+        when it is given), with stats unless told not to: across machines (`diff --rtol`)
+        they are what a gradient difference is measured by; a scan compares bitwise and
+        skips their passes over every gradient."""
         self._record_per_parameter(GRAD, stats, [
-            (name, p.grad) for name, p in self._params.items() if p.grad is not None
+            (name, p.grad) for name, p in self._updated_by(of) if p.grad is not None
         ])
+
+    def _updated_by(self, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, Any]]:
+        """The model's named parameters, in model order: those `optimizer` updates, or all."""
+        if optimizer is None:
+            return list(self._params.items())
+        updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return [(name, p) for name, p in self._params.items() if id(p) in updated]
 
     def record_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Optimizer state (momentum buffers, steps) per parameter, and each group's lr."""
