@@ -442,3 +442,41 @@ def test_the_updates_of_several_optimizers_between_two_forwards_are_one_step(tmp
     last = limited.trace.frame()
     assert len(limited.trace.steps) == 2
     assert set(last[(last.phase == "optimizer") & (last.step == 1)].module) == {"0", "2"}
+
+
+def _backbone_and_head(out: Path, nudge_at: int | None = None) -> detaudit.watch:
+    """A backbone and a head called one after the other by the loop, one optimizer for both;
+    `nudge_at`: the head's weight gradient 1 ULP off at that step."""
+    torch.manual_seed(0)
+    backbone, head = nn.Sequential(nn.Linear(4, 8), nn.ReLU()), nn.Linear(8, 2)
+    opt = torch.optim.SGD([*backbone.parameters(), *head.parameters()], lr=0.1)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    with detaudit.watch(backbone, out=out) as w:
+        for step in range(4):
+            if step == nudge_at:
+                handle = head.weight.register_hook(
+                    lambda g: g.flatten().index_put((torch.tensor(0),),
+                                                    g.flatten()[0].nextafter(g.new_tensor(9.0)))
+                    .view_as(g))
+            head(backbone(x)).pow(2).mean().backward()
+            if step == nudge_at:
+                handle.remove()
+            opt.step()
+            opt.zero_grad()
+    return w
+
+
+def test_a_model_called_apart_from_the_first_is_recorded_under_its_class_name(tmp_path):
+    w = _backbone_and_head(tmp_path)
+    records = w.trace.frame()
+    step0 = records[records.step == 0]
+    for phase in ("state", "grad", "optimizer"):
+        mine = step0[(step0.phase == phase) & step0.slot.str.startswith("param.")]
+        assert sorted(zip(mine.module, mine.slot)) == [
+            ("0", "param.bias"), ("0", "param.weight"),
+            ("Linear", "param.bias"), ("Linear", "param.weight")]
+    _backbone_and_head(tmp_path, nudge_at=2)
+    comparison = detaudit.compare(tmp_path).comparison
+    assert (comparison.first_step, comparison.cause) == (2, "backward")
+    assert [(d.phase, d.module, d.slot) for d in comparison.first_diffs] == [
+        ("grad", "Linear", "param.weight")]

@@ -97,6 +97,7 @@ class Attachment:
         self._losses = 0
         self._depth = 0
         self._candidates: list[nn.Module] = []
+        self._others: list[tuple[str, nn.Module]] = []  # further models recorded, by name
         self._train_loader: int | None = None
         self._latest_loader: int | None = None
         self._passes: dict[int, int] = {}
@@ -222,9 +223,10 @@ class Attachment:
         if self.info is None and not self._begin_step(self._current_model()):
             return
         assert self.recorder is not None
+        self._add_owners(optimizer)
         self._end_ops()  # the update is not the model's ops
         self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
-                                         of=optimizer)
+                                         of=_parameters(optimizer))
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.stopped or self.info is None or self.recorder is None or (
@@ -233,10 +235,11 @@ class Attachment:
         if self._grads_pending:  # the gradients the closure made, as the update used them
             self._grads_pending = False
             self._choose_model(optimizer)  # the closure's forward named the candidates
+            self._add_owners(optimizer)
             self._end_ops()
             self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
-                                             of=optimizer)
-        self.recorder.record_parameters(OPTIMIZER, of=optimizer)
+                                             of=_parameters(optimizer))
+        self.recorder.record_parameters(OPTIMIZER, of=_parameters(optimizer))
         self.info.optimizer_stepped = True
         self.info.lr += [_finite(group.get("lr")) for group in optimizer.param_groups]
         self._stepped.append(id(optimizer))
@@ -303,6 +306,24 @@ class Attachment:
             self.recorder = self._new_recorder(self.model)
             self.recorder.begin_step(self.stream.steps, self._watch(self.stream.steps))
 
+    def _add_owners(self, optimizer: torch.optim.Optimizer) -> None:
+        """Other top-level models whose parameters `optimizer` updates (a head called apart
+        from its backbone, a GAN's generator) are recorded too, named by their class, their
+        parameters as they are before this first update kept as well."""
+        if self.recorder is None or self.info is None:
+            return
+        known = self.recorder.parameter_ids()
+        updated = {id(p) for p in _parameters(optimizer)} - known
+        for module in self._candidates:
+            params = list(module.parameters())
+            if not updated or not any(id(p) in updated for p in params):
+                continue
+            name = _unique(type(module).__name__, {n for n, _ in self._others})
+            self._others.append((name, module))
+            self.recorder.add_model(name, module)
+            self.recorder.record_parameters(STATE, of=params)
+            updated -= {id(p) for p in params}
+
     def _begin_step(self, model: nn.Module | None) -> bool:
         if model is None:
             return False
@@ -336,7 +357,10 @@ class Attachment:
         return True
 
     def _new_recorder(self, model: nn.Module) -> Recorder:
-        return Recorder(model, fault=self.fault, watch=WATCH_NONE)
+        recorder = Recorder(model, fault=self.fault, watch=WATCH_NONE)
+        for name, other in self._others:
+            recorder.add_model(name, other)
+        return recorder
 
     def _watch(self, step: int) -> str:
         """Every module call at the zoomed step and at the step a fault is planted at (in
@@ -412,6 +436,18 @@ def _note_group(rank: RankWatch) -> None:
     with contextlib.suppress(Exception):
         if dist.is_available() and dist.is_initialized():
             rank.backend, rank.world_size = str(dist.get_backend()), dist.get_world_size()
+
+
+def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    """`name`, or `name2`, `name3`, ... if taken."""
+    k = 1
+    while (candidate := name if k == 1 else f"{name}{k}") in taken:
+        k += 1
+    return candidate
 
 
 def _device_of(model: nn.Module) -> torch.device:

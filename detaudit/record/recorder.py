@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import random
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,7 @@ class Recorder:
         # the module calls during which they advanced are kept in host_draws.
         self.watch_host_rng = False
         self.host_draws: set[tuple[str, int]] = set()
+        self._models = [model]
         self._names = {id(m): name for name, m in model.named_modules()}
         self._params = dict(model.named_parameters())
         self._handles: list[Any] = []
@@ -129,12 +131,21 @@ class Recorder:
             handle.remove()
         self._handles, self._step_handles = [], []
 
-    def _install(self) -> None:
-        for module in self.model.modules():
-            self._handles.append(
-                module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
-            )
-            self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+    def _install(self, models: list[nn.Module] | None = None, skip: set[int] | None = None,
+                 ) -> None:
+        """Hook every module of `models` (default: of every model recorded) once, but those
+        in `skip`."""
+        seen = set(skip or ())
+        for root in models if models is not None else self._models:
+            for module in root.modules():
+                if id(module) in seen:
+                    continue
+                seen.add(id(module))
+                self._hook(module)
+
+    def _hook(self, module: nn.Module) -> None:
+        self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
 
     @property
     def _records_modules(self) -> bool:
@@ -210,31 +221,46 @@ class Recorder:
             self._keys.append((STATE, "", 0, f"rng.{name}"))
             self.fp.add_bytes(state)
 
-    def record_parameters(self, phase: str, of: torch.optim.Optimizer | None = None) -> None:
+    def record_parameters(self, phase: str, of: Iterable[torch.Tensor] | None = None) -> None:
         """Every parameter, keyed by its owning module (all before step 0, trainable ones after
-        each update; only those `of` updates when it is given). No stats: 3 passes over every
+        each update; only those among `of` when it is given). No stats: 3 passes over every
         weight per step would dominate the cost."""
         self._record_per_parameter(phase, False, [
-            (name, p) for name, p in self._updated_by(of)
-            if phase == STATE or p.requires_grad
+            (name, p) for name, p in self._among(of) if phase == STATE or p.requires_grad
         ])
 
     def record_param_grads(self, stats: bool = True,
-                           of: torch.optim.Optimizer | None = None) -> None:
-        """Every parameter's accumulated ``.grad`` after backward (only those `of` updates
+                           of: Iterable[torch.Tensor] | None = None) -> None:
+        """Every parameter's accumulated ``.grad`` after backward (only those among `of`
         when it is given), with stats unless told not to: across machines (`diff --rtol`)
         they are what a gradient difference is measured by; a scan compares bitwise and
         skips their passes over every gradient."""
         self._record_per_parameter(GRAD, stats, [
-            (name, p.grad) for name, p in self._updated_by(of) if p.grad is not None
+            (name, p.grad) for name, p in self._among(of) if p.grad is not None
         ])
 
-    def _updated_by(self, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, Any]]:
-        """The model's named parameters, in model order: those `optimizer` updates, or all."""
-        if optimizer is None:
+    def _among(self, params: Iterable[torch.Tensor] | None) -> list[tuple[str, Any]]:
+        """The named parameters recorded, in model order: those among `params`, or all."""
+        if params is None:
             return list(self._params.items())
-        updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        return [(name, p) for name, p in self._params.items() if id(p) in updated]
+        ids = {id(p) for p in params}
+        return [(name, p) for name, p in self._params.items() if id(p) in ids]
+
+    def add_model(self, name: str, model: nn.Module) -> None:
+        """Record `model` too, another top-level model of the same loop (trained by its own
+        optimizer, or called apart from the first), its modules and parameters named under
+        `name`."""
+        hooked = {id(m) for root in self._models for m in root.modules()}
+        self._models.append(model)
+        self._names.update({id(m): n for n, m in model.named_modules(prefix=name)
+                            if id(m) not in hooked})
+        self._params.update(model.named_parameters(prefix=name))
+        if self._handles:
+            self._install([model], skip=hooked)
+
+    def parameter_ids(self) -> set[int]:
+        """The ids of the parameters recorded."""
+        return {id(p) for p in self._params.values()}
 
     def record_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Optimizer state (momentum buffers, steps) per parameter, and each group's lr."""
