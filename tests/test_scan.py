@@ -366,3 +366,20 @@ def test_a_long_divergence_keeps_its_first_steps_in_detail_and_counts_the_rest(m
     assert windowed.differing_by_step == whole.differing_by_step
     assert list(windowed.differing_by_step) == list(range(1, 8))
     assert windowed.differing_records == whole.differing_records
+
+
+@pytest.mark.parametrize("fault", PLANTED[:2], ids=lambda f: f"{f.module}@{f.phase}")
+def test_a_planted_module_fault_adds_no_ops_to_the_zoomed_step(fault, tmp_path):
+    """The hook that plants a module fault runs tensor ops of its own: they are not the
+    model's, so the faulted repeat's op records line up with the others'."""
+    from detaudit.trace import OP_PHASES, open_trace
+
+    result = _scan(small_cnn_probe, repeats=2, steps=4, fault=fault, out=tmp_path)
+    assert result.investigations["zoom"]["status"] == "found"
+    ops = []
+    for path in sorted(tmp_path.glob("zoom-*.json.gz")):
+        r = open_trace(path).records
+        ops.append([(m, c, s) for st, p, m, c, s in zip(
+            r["step"], r["phase"], r["module"], r["call"], r["slot"])
+            if st == 2 and p in OP_PHASES])
+    assert len(ops) == 2 and ops[0] and ops[0] == ops[1]

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch._C._autograd import _get_sequence_nr
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import Fault
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, STATE
@@ -333,7 +334,8 @@ class Recorder:
             fault is not None and fault.phase == FORWARD and fault.step == self._step
             and fault.module == call.module and call.index == 0
         ):
-            replaced, found = replace_first_float(output, next_ulp)
+            with _disable_current_modes():  # the fault's own ops are not the model's
+                replaced, found = replace_first_float(output, next_ulp)
             if found:
                 output, self.fault_fired = replaced, True
             else:
@@ -455,9 +457,13 @@ class Recorder:
                 if (
                     fault is not None and fault.phase == BACKWARD and fault.step == self._step
                     and fault.module == call.module and call.index == 0 and not self.fault_fired
-                    and grad.is_floating_point() and bool((grad != 0).any())
-                ):  # an all-zero gradient (nothing reached that input) cannot carry 1 ULP
-                    grads[k], changed, self.fault_fired = next_ulp(grad, largest=True), True, True
+                    and grad.is_floating_point()
+                ):
+                    with _disable_current_modes():  # the fault's own ops are not the model's
+                        # an all-zero gradient (nothing reached that input) cannot carry 1 ULP
+                        if bool((grad != 0).any()):
+                            grads[k] = next_ulp(grad, largest=True)
+                            changed = self.fault_fired = True
                 if slot is not None and self._records_modules:
                     with self._lock:
                         self._keys.append((BACKWARD, call.module, call.index, slot))
