@@ -101,12 +101,16 @@ def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path):
 
 
 def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
-    done = _exec(tmp_path, "--max-steps", "1", "--json")
+    done = _exec(tmp_path, "--max-steps", "2", "--json")
     assert done.returncode == 1, done.stderr
     summary = json.loads(done.stdout)
     assert summary["cause"]["kind"] == "init"
     assert summary["first_divergence"]["step"] == 0
     assert "seed" in summary["cause"]["text"]
+    # torch's state no longer moves once the workers load the data, but it was drawn from
+    # before the first step (the initialisation): never called unused
+    assert summary["idle_rng"] == []
+    assert "note: the RNG state" not in done.stderr
     report = (tmp_path / "run" / "report.md").read_text()
     assert "device cpu; unseeded;" in report and "cpu; seed 0" not in report
 

@@ -254,6 +254,7 @@ class _StepDiffs:
 
     def __init__(self, repeats: int) -> None:
         self.n = repeats
+        self.first_step: int | None = None  # the first step compared
         self.kept: list[RecordDiff] = []  # execution order
         self.findings: list[CallFinding] = []
         self.total = 0
@@ -276,6 +277,8 @@ class _StepDiffs:
 
     def add(self, step: int, cuts: list[Trace]) -> None:
         """Compare one step's records across the repeats."""
+        if self.first_step is None:
+            self.first_step = step
         self._note_rng_states(cuts)
         indexes = [_Index(c) for c in cuts]
         ref, others = indexes[0], indexes[1:]
@@ -386,8 +389,12 @@ class _StepDiffs:
         """The comparison of every step added."""
         # RNG streams whose state differs but that nothing drew from: the runs agree on
         # them. Known when a stream's state never moved over the steps of any repeat, or
-        # when the RNG states are all that differs.
+        # when the RNG states are all that differs. A stream that already differs at the
+        # first step while other records differ there too may have been drawn before it
+        # (the initialisation, the data order): never idle then.
         idle = set(self.rng_first) & self._never_drawn()
+        if self.first_step in self.counts:
+            idle -= {slot for slot, step in self.rng_first.items() if step == self.first_step}
         if not self.counts:
             idle |= set(self.rng_first)
         by_step = dict(self.counts)
