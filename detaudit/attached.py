@@ -9,6 +9,7 @@ run; ``compare`` analyses traces either way produced, as ``run`` does its own re
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 import signal
@@ -39,6 +40,7 @@ from .config import (
     SCAN,
     AuditConfig,
     ExecJob,
+    Fault,
     ProbeSpec,
 )
 from .errors import DetauditError
@@ -52,7 +54,16 @@ from .runfolder import (
     trace_probe,
     zoom_name,
 )
-from .trace import PROBE_CONFIG, PROBE_RUN, PROBE_SPEC, AnyTrace, Trace, TraceFile, open_trace
+from .trace import (
+    FORWARD,
+    PROBE_CONFIG,
+    PROBE_RUN,
+    PROBE_SPEC,
+    AnyTrace,
+    Trace,
+    TraceFile,
+    open_trace,
+)
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"  # holds the sitecustomize
 STOP_GRACE_S = 10.0  # after Ctrl-C, how long the command has to save its trace
@@ -267,6 +278,10 @@ def exec_command(
         raise DetauditError("exec needs a command after --, e.g. detaudit exec -- python train.py")
     if job.repeats < 1 or (job.max_steps or 1) < 1 or (job.max_epochs or 1) < 1:
         raise DetauditError("--repeats, --max-steps and --max-epochs must be at least 1")
+    if job.fault is not None and job.max_steps is not None and job.fault.step >= job.max_steps:
+        raise DetauditError(
+            f"--inject-fault plants at step {job.fault.step}, past --max-steps {job.max_steps} "
+            f"(steps 0 to {job.max_steps - 1})")
     run_id = new_run_id()
     config = AuditConfig(repeats=job.repeats, epochs=job.max_epochs or 1, steps=job.max_steps,
                          seed=job.seed or 0, granularity=SCAN, stress=0, fault=job.fault)
@@ -289,7 +304,7 @@ def exec_command(
                 recorded, timing = _run_once(command, job, folder.path, repeat, probe, output)
                 if runs and (None in recorded) != (None in runs[0]):
                     raise DetauditError(
-                        f"run {repeat + 1} recorded {_what(recorded)} and run 1 "
+                        f"repeat {repeat} recorded {_what(recorded)} and repeat 0 "
                         f"{_what(runs[0])}: the command must start its ranks the same way "
                         "every time")
                 runs.append(recorded)
@@ -298,6 +313,8 @@ def exec_command(
                     folder.add_trace(trace, timing if rank == min(recorded, key=_rank_order)
                                      else None, rank)
                 _clear_attached(folder.path, repeat)
+                if job.fault is not None and repeat < job.repeats - 1:
+                    _check_fault_target(job.fault, recorded)
                 steps = len(next(iter(recorded.values())).steps)
                 progress.advance(f"run {repeat + 1}/{job.repeats}: {steps} steps"
                                  f"{f' on {len(recorded)} ranks' if None not in recorded else ''}")
@@ -468,7 +485,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     if not recorded:
         how = "ended" if code == 0 else f"exited with code {code}"
         raise DetauditError(
-            f"run {repeat + 1}: {_shell_line(command)!r} {how} before its first training step "
+            f"repeat {repeat}: {_shell_line(command)!r} {how} before its first training step "
             "(no optimizer step and no training-mode call of a module was seen; the Python "
             f"that runs it must have detaudit installed, as {sys.executable} does)"
         )
@@ -490,6 +507,31 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     timing = {"repeat": repeat, "seconds": seconds,
               "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}
     return recorded, timing
+
+
+def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
+    """After a run without the fault (it goes into the last): a step it never reached, or a
+    module that did not run at that step, is one clear error now rather than after every
+    run; the module names that did run are offered."""
+    trace = recorded[min(recorded, key=_rank_order)]
+    if trace.failure is not None:
+        return  # the failure is the finding
+    if len(trace.steps) <= fault.step:
+        raise DetauditError(
+            f"--inject-fault plants at step {fault.step}, but the command ran "
+            f"{len(trace.steps)} steps (0 to {len(trace.steps) - 1})")
+    modules: set[str] = set()
+    for step, cut in trace.by_step():
+        if step == fault.step:
+            r = cut.records
+            modules = {m for p, m in zip(r["phase"], r["module"]) if p == FORWARD and m}
+            break
+    if modules and fault.module not in modules:
+        close = difflib.get_close_matches(fault.module, sorted(modules), n=3, cutoff=0.5)
+        hint = (f"did you mean {', '.join(close)}?" if close else
+                f"modules that ran: {', '.join(sorted(modules)[:6])}, ...")
+        raise DetauditError(
+            f"--inject-fault: no module {fault.module!r} ran at step {fault.step}; {hint}")
 
 
 def _stop(child: subprocess.Popen) -> None:

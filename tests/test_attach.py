@@ -182,6 +182,21 @@ def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):
     assert "train_plain.py" in trace.failure
 
 
+@pytest.mark.parametrize(("fault", "message"), [
+    ("haed@backward:1", "no module 'haed' ran at step 1; did you mean head?"),
+    ("head@backward:3", "plants at step 3, past --max-steps 3 (steps 0 to 2)"),
+])
+def test_a_fault_at_a_module_or_step_the_run_never_reaches_is_refused_early(
+        tmp_path, fault, message):
+    started = time.perf_counter()
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--repeats", "3",
+                 "--inject-fault", fault, script_args=("--workers", "0"))
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    recorded = sorted(p.name for p in (tmp_path / "run").glob("trace-*.json.gz"))
+    assert recorded == (["trace-0.json.gz"] if "haed" in fault else [])  # one run, not three
+    assert time.perf_counter() - started < 60
+
+
 @pytest.mark.parametrize(("command", "message"), [
     (["no-such-command-here"], "cannot run 'no-such-command-here'"),
     ([sys.executable, "-c", "print('no training here')"], "before its first training step"),
