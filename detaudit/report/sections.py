@@ -164,6 +164,10 @@ def _verdict(s: dict[str, Any]) -> Section:
     return Section("verdict", "Verdict", [Text(s["headline"], strong=True), Text(_run_line(s))])
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _run_line(s: dict[str, Any]) -> str:
     probe = s.get("probe", {})
     config = s.get("config", {})
@@ -172,7 +176,8 @@ def _run_line(s: dict[str, Any]) -> str:
         parts.append(f"preset {probe['preset']}")
     steps = s.get("steps", [])
     epochs = len({x["epoch"] for x in steps})
-    parts.append(f"{s.get('repeats', '?')} repeats, {epochs} epochs, {len(steps)} steps each")
+    parts.append(f"{s.get('repeats', '?')} repeats, {_count(epochs, 'epoch')}, "
+                 f"{_count(len(steps), 'step')} each")
     for key in ("mode", "device", "seed"):
         if key in config:
             parts.append("unseeded" if config[key] is None else f"{key} {config[key]}")
