@@ -499,3 +499,29 @@ def test_a_model_called_apart_from_the_first_is_recorded_under_its_class_name(tm
     assert (comparison.first_step, comparison.cause) == (2, "backward")
     assert [(d.phase, d.module, d.slot) for d in comparison.first_diffs] == [
         ("grad", "Linear", "param.weight")]
+
+
+LIGHTNING = Path(__file__).parent / "scripts" / "train_lightning.py"
+
+
+def test_exec_of_a_lightning_trainer_script(tmp_path):
+    """Lightning steps the optimizer with a closure and validates after every epoch: a step
+    is its optimizer step (accumulated batches within it), validation and the sanity check
+    are not steps, and a planted fault is named as in any script."""
+    pytest.importorskip("lightning")
+    command = ["--", sys.executable, str(LIGHTNING), "--root", str(tmp_path / "lightning")]
+    done = run_cli("exec", "--out", str(tmp_path / "plain"), "--quiet", "--json",
+                   "--max-epochs", "1", *command)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["verdict"] == "deterministic"
+    assert [(s["epoch"], s["index"]) for s in summary["steps"]] == [(1, i) for i in range(8)]
+    done = run_cli("exec", "--out", str(tmp_path / "fault"), "--quiet", "--json",
+                   "--max-steps", "3", "--inject-fault", "net.4@backward:2",
+                   *command, "--accumulate", "2")
+    assert done.returncode == 1, done.stderr
+    first = json.loads(done.stdout)["first_divergence"]
+    assert (first["module"], first["phase"], first["step"], first["role"]) == (
+        "net.4", "backward", 2, "origin")
+    trace = Trace.load(tmp_path / "fault" / "trace-0.json.gz")
+    assert [sorted(s.losses) for s in trace.steps] == [["loss", "loss.1"]] * 3  # 2 batches each
