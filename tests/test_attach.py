@@ -525,3 +525,29 @@ def test_exec_of_a_lightning_trainer_script(tmp_path):
         "net.4", "backward", 2, "origin")
     trace = Trace.load(tmp_path / "fault" / "trace-0.json.gz")
     assert [sorted(s.losses) for s in trace.steps] == [["loss", "loss.1"]] * 3  # 2 batches each
+
+
+def test_an_optimizer_that_steps_twice_on_the_same_gradients_is_noted(tmp_path):
+    """The bug of a script that calls ``scaler.step(opt)`` and then ``opt.step()``: the
+    second update has no backward of its own. A step each, and the report says so."""
+    def train(twice: bool) -> detaudit.watch:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detaudit.watch(model, opt, out=tmp_path / str(twice)) as w:
+            for _ in range(3):
+                model(torch.ones(2, 3)).sum().backward()
+                opt.step()
+                if twice:
+                    opt.step()
+                opt.zero_grad()
+        return w
+
+    assert len(train(twice=True).trace.steps) == 6
+    train(twice=True)
+    result = detaudit.compare(tmp_path / "True")
+    assert result.summary["updates_without_backward"] == [1, 3, 5]
+    assert "stepped twice on the same gradients" in result._repr_html_()
+    train(twice=False)
+    train(twice=False)
+    assert detaudit.compare(tmp_path / "False").summary["updates_without_backward"] == []

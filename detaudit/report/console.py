@@ -6,7 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from .sections import SIDE_HEADERS, nonfinite_line, side_rows
+from .sections import SIDE_HEADERS, nonfinite_line, side_rows, updates_note
 
 
 def render_console(summary: dict[str, Any]) -> str:
@@ -48,6 +48,8 @@ def render_console(summary: dict[str, Any]) -> str:
         lines.append(f"note: the RNG state of {', '.join(summary['idle_rng'])} differs between "
                      "the repeats, but nothing that drew from it changed the run (unseeded, "
                      "unused)")
+    if summary.get("updates_without_backward"):
+        lines.append(updates_note(summary["updates_without_backward"]).replace("Note:", "note:"))
     flagged = summary.get("env_risks") or {}
     if flagged:
         lines.append("")

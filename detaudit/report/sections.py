@@ -161,7 +161,20 @@ def clip(text: str, size: int = CLIP) -> str:
 
 
 def _verdict(s: dict[str, Any]) -> Section:
-    return Section("verdict", "Verdict", [Text(s["headline"], strong=True), Text(_run_line(s))])
+    blocks = [Text(s["headline"], strong=True), Text(_run_line(s))]
+    if s.get("updates_without_backward"):
+        blocks.append(Text(updates_note(s["updates_without_backward"])))
+    return Section("verdict", "Verdict", blocks)
+
+
+def updates_note(steps: list[int]) -> str:
+    """A note on optimizer updates that came with no backward since the one before."""
+    shown = ", ".join(str(k) for k in steps[:5]) + (f", ... ({len(steps)} in all)"
+                                                    if len(steps) > 5 else "")
+    return (f"Note: the optimizer updated with no backward pass since its previous update at "
+            f"step(s) {shown}: it stepped twice on the same gradients (e.g. "
+            "scaler.step(optimizer) followed by optimizer.step()), unless the script sets "
+            "gradients without backward.")
 
 
 def _count(n: int, noun: str) -> str:

@@ -20,6 +20,13 @@ SUMMARY_SCHEMA = 1
 MAP_LIMIT = 4000  # module x step cells kept for the divergence map
 
 
+def _updates_without_backward(traces: list[Trace]) -> list[int]:
+    """The steps whose optimizer update came with no backward since the last one (repeat
+    0): the update reused the previous step's gradients."""
+    steps = traces[0].steps if traces else []
+    return [s.step for s in steps if s.optimizer_stepped and not s.losses]
+
+
 def summarize(
     info: RunInfo, comparison: Comparison, traces: list[Trace], verdict: Verdict,
     ranks: RankAnalysis | None = None, zoom: Comparison | None = None,
@@ -55,6 +62,7 @@ def summarize(
         ],
         "cause": {"kind": located.cause, "text": located.cause_text},
         "idle_rng": list(c.idle_rng),
+        "updates_without_backward": _updates_without_backward(traces),
         "zoom": (info.extra or {}).get("zoom"),
         "loss": {
             "nonfinite": None if c.loss.nonfinite is None else dict(zip(
