@@ -551,3 +551,17 @@ def test_an_optimizer_that_steps_twice_on_the_same_gradients_is_noted(tmp_path):
     train(twice=False)
     train(twice=False)
     assert detaudit.compare(tmp_path / "False").summary["updates_without_backward"] == []
+
+
+def test_recording_a_script_that_never_imports_torchvision_does_not_import_it():
+    """Importing torchvision takes seconds (its ops, its models): the environment reads its
+    version without it, the same string as its ``__version__``."""
+    code = ("import sys, torch\n"
+            "from detaudit.record.environment import capture_environment\n"
+            "env = capture_environment(torch.device('cpu'))\n"
+            "assert 'torchvision' not in sys.modules, 'imported'\n"
+            "import torchvision\n"
+            "assert env['torchvision'] == torchvision.__version__, env['torchvision']\n")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr

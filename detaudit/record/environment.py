@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
+import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +18,6 @@ from .fingerprint import scheme
 def capture_environment(device: str | torch.device | None = None) -> dict[str, Any]:
     """A plain-data snapshot of everything that can change a run's numbers."""
     import numpy
-    import torchvision
 
     cuda = torch.cuda.is_available()
     env: dict[str, Any] = {
@@ -22,7 +25,7 @@ def capture_environment(device: str | torch.device | None = None) -> dict[str, A
         "platform": platform.platform(terse=True),
         "machine": platform.machine(),
         "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
+        "torchvision": torchvision_version(),
         "numpy": numpy.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
@@ -63,3 +66,23 @@ def _tf32(backend: Any) -> bool:
     if precision not in (None, "none"):
         return precision == "tf32"
     return bool(backend.allow_tf32)
+
+
+def torchvision_version() -> str | None:
+    """torchvision's ``__version__``, read from its version file when it is not imported:
+    importing it (its ops, its models) takes seconds that a user's script that never uses
+    it should not pay in every recorded run."""
+    loaded = sys.modules.get("torchvision")
+    if loaded is not None:
+        return str(loaded.__version__)
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None:
+        return None
+    version = Path(spec.origin).with_name("version.py")
+    text = version.read_text() if version.is_file() else ""
+    found = re.search(r"^__version__ = ['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    if found:
+        return found.group(1)
+    import torchvision
+
+    return str(torchvision.__version__)
