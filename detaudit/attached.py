@@ -529,7 +529,8 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
     if modules and fault.module not in modules:
         close = difflib.get_close_matches(fault.module, sorted(modules), n=3, cutoff=0.5)
         hint = (f"did you mean {', '.join(close)}?" if close else
-                f"modules that ran: {', '.join(sorted(modules)[:6])}, ...")
+                f"modules that ran: {', '.join(sorted(modules)[:6])}"
+                f"{', ...' if len(modules) > 6 else ''}")
         raise DetauditError(
             f"--inject-fault: no module {fault.module!r} ran at step {fault.step}; {hint}")
 

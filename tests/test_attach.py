@@ -276,6 +276,11 @@ def test_rng_streams_that_nothing_draws_from_are_a_note_never_the_divergence(tmp
     nudged = detaudit.compare(tmp_path / "nudged").comparison
     assert (nudged.first_step, nudged.cause) == (4, "forward")  # not "rng" at step 0
     assert nudged.idle_rng == ["numpy", "python"]
+    _train(tmp_path / "first")
+    random.random(), np.random.rand()
+    _train(tmp_path / "first", nudge_at=0)  # a difference at the first step, not in its state
+    first = detaudit.compare(tmp_path / "first").comparison
+    assert (first.first_step, first.cause, first.idle_rng) == (0, "forward", ["numpy", "python"])
 
 
 def test_watch_max_steps_ends_the_loop_and_leaves_torch_as_it_was(tmp_path):
@@ -457,10 +462,12 @@ def test_the_updates_of_several_optimizers_between_two_forwards_are_one_step(tmp
     result = detaudit.compare(tmp_path)
     assert (result.comparison.first_step, result.comparison.cause) == (2, "optimizer")
     # the step limit waits for the second optimizer of the last step
-    limited = _two_optimizers(tmp_path / "limited", max_steps=2)
-    last = limited.trace.frame()
-    assert len(limited.trace.steps) == 2
-    assert set(last[(last.phase == "optimizer") & (last.step == 1)].module) == {"0", "2"}
+    for limit in (1, 2):
+        limited = _two_optimizers(tmp_path / f"limited{limit}", max_steps=limit)
+        last = limited.trace.frame()
+        assert len(limited.trace.steps) == limit
+        assert set(last[(last.phase == "optimizer") & (last.step == limit - 1)].module) == {
+            "0", "2"}
 
 
 def _backbone_and_head(out: Path, nudge_at: int | None = None) -> detaudit.watch:
@@ -547,7 +554,7 @@ def test_an_optimizer_that_steps_twice_on_the_same_gradients_is_noted(tmp_path):
     train(twice=True)
     result = detaudit.compare(tmp_path / "True")
     assert result.summary["updates_without_backward"] == [1, 3, 5]
-    assert "stepped twice on the same gradients" in result._repr_html_()
+    assert "updated with no backward pass in the step" in result._repr_html_()
     train(twice=False)
     train(twice=False)
     assert detaudit.compare(tmp_path / "False").summary["updates_without_backward"] == []
@@ -565,3 +572,49 @@ def test_recording_a_script_that_never_imports_torchvision_does_not_import_it():
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_loss_given_to_autograd_backward_in_a_list_is_the_steps_loss(tmp_path):
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with detaudit.watch(model, opt, out=tmp_path) as w:
+        for _ in range(2):
+            out = model(torch.ones(2, 3))
+            torch.autograd.backward([out.pow(2).mean()])
+            opt.step()
+            out = model(torch.ones(2, 3))
+            out.sum(1).backward(torch.ones(2))  # a loss of two values
+            opt.step()
+            opt.zero_grad()
+    steps = w.trace.steps
+    assert [sorted(s.losses) for s in steps] == [["loss"], [], ["loss"], []]
+    records = w.trace.frame()
+    assert len(records[(records.phase == "output") & (records.step == 1)]) == 1  # recorded
+
+
+def test_a_step_that_begins_at_another_modules_call_keeps_its_batch_rng_and_parameters(tmp_path):
+    """A frozen teacher called before the model: the model is only known at the first
+    update, by then the step's state was taken at the teacher's call."""
+    from detaudit.drivers.attach import Attachment
+
+    torch.manual_seed(0)
+    teacher = nn.Linear(4, 2).requires_grad_(False)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    attachment = Attachment(tmp_path / "trace-0.json.gz", {}).install()
+    try:
+        for _ in range(2):
+            x = torch.randn(8, 4)
+            target = teacher(x)  # called first
+            loss = (model(x) - target).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        attachment.uninstall()
+    attachment.finish()
+    records = Trace.load(tmp_path / "trace-0.json.gz").frame()
+    state = records[(records.step == 0) & (records.phase == "state")]
+    assert {"batch.0", "rng.torch"} <= set(state.slot)
+    assert {(m, sl) for m, sl in zip(state.module, state.slot) if sl.startswith("param.")} == {
+        ("0", "param.weight"), ("0", "param.bias"), ("2", "param.weight"), ("2", "param.bias")}

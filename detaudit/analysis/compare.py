@@ -389,11 +389,12 @@ class _StepDiffs:
         """The comparison of every step added."""
         # RNG streams whose state differs but that nothing drew from: the runs agree on
         # them. Known when a stream's state never moved over the steps of any repeat, or
-        # when the RNG states are all that differs. A stream that already differs at the
-        # first step while other records differ there too may have been drawn before it
-        # (the initialisation, the data order): never idle then.
+        # when the RNG states are all that differs. When the parameters or the batch already
+        # differ at the first step, the streams that differ there may have been drawn before
+        # it (the initialisation, the data order): never idle then.
         idle = set(self.rng_first) & self._never_drawn()
-        if self.first_step in self.counts:
+        if any(d.step == self.first_step and d.phase == STATE
+               and d.slot.startswith(("param.", "batch")) for d in self.kept):
             idle -= {slot for slot, step in self.rng_first.items() if step == self.first_step}
         if not self.counts:
             idle |= set(self.rng_first)

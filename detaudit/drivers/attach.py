@@ -39,7 +39,7 @@ from ..config import (
 )
 from ..record.environment import capture_environment
 from ..record.oprecorder import OpRecorder
-from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder
+from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder, StepRecords
 from ..seeding import seed_everything
 from ..trace import (
     OPTIMIZER,
@@ -91,7 +91,8 @@ class Attachment:
         self.index = 0  # step within its epoch
         self._updated = False  # the open step's optimizer has stepped
         self._stepped: list[int] = []  # the optimizers (ids) that updated in the open step
-        self._optimizers_per_step: int | None = None  # as many as updated in the first step
+        self._optimizers: set[int] = set()  # every optimizer that has updated
+        self._carried: StepRecords | None = None  # the open step's state, of another model
         self._grads_pending = False  # step(closure): gradients recorded after the update
         self._batches = 0  # top-level training calls in the open step
         self._losses = 0
@@ -182,8 +183,9 @@ class Attachment:
         self._batches += 1
 
     def on_backward(self, tensor: Any) -> None:
-        """backward is called on `tensor`: the loss (each one of an accumulated step)."""
-        if self.stopped or not isinstance(tensor, torch.Tensor) or tensor.numel() != 1:
+        """backward is called on `tensor`: the loss (each one of an accumulated step; a
+        tensor of several values too, whose curve is not drawn)."""
+        if self.stopped or not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
             return
         if self._updated:
             self.end_step()
@@ -193,7 +195,8 @@ class Attachment:
         name = "loss" if self._losses == 0 else f"loss.{self._losses}"
         self._losses += 1
         self.recorder.record(OUTPUT, "", 0, name, tensor.detach())
-        self.info.losses[name] = float(tensor.detach().double()).hex()
+        if tensor.numel() == 1:
+            self.info.losses[name] = float(tensor.detach().double()).hex()
         if self._watch(self.info.step) != WATCH_NONE:
             self.recorder.before_backward(tensor)  # module-level backward records, faults
 
@@ -243,7 +246,10 @@ class Attachment:
         self.info.optimizer_stepped = True
         self.info.lr += [_finite(group.get("lr")) for group in optimizer.param_groups]
         self._stepped.append(id(optimizer))
-        self._step_done(complete=len(set(self._stepped)) >= (self._optimizers_per_step or 1))
+        self._optimizers.add(id(optimizer))
+        # complete once every optimizer seen so far has updated; the first step never is
+        # (its optimizers are not known until it ends): the limit then stops the next one
+        self._step_done(complete=self.info.step > 0 and self._optimizers <= set(self._stepped))
 
     def on_scaler_update(self, scaler: Any) -> None:
         """A GradScaler updated its scale: recorded; when it skipped the optimizer step
@@ -261,8 +267,7 @@ class Attachment:
         begins a new one, and so does a second update by an optimizer that already updated
         (the updates of several optimizers between two forwards are one step); the module
         hooks are set for the next step now, between calls. At the step limit the run ends
-        here when the step is `complete` (as many optimizers updated as in the first step),
-        else when the next step would begin."""
+        here when the step is `complete`, else when the next step would begin."""
         assert self.info is not None and self.recorder is not None
         self.recorder.hook_for(self._watch(self.info.step + 1))
         self._updated = True
@@ -302,9 +307,17 @@ class Attachment:
             return
         self.model = owners[0]
         if self.recorder is not None and self.recorder.model is not self.model:
+            # the step began at another module's call (a frozen teacher, a GAN's generator):
+            # its batch and RNG states are the step's; the model's parameters as they were
+            # before the first step are recorded now, before its first update
+            so_far = self.recorder.end_step() if self.info is not None else None
             self.recorder.__exit__(None, None, None)
             self.recorder = self._new_recorder(self.model)
             self.recorder.begin_step(self.stream.steps, self._watch(self.stream.steps))
+            if so_far is not None:
+                self._carried = _step_state(so_far)
+                if self.stream.steps == 0:
+                    self.recorder.record_parameters(STATE)
 
     def _add_owners(self, optimizer: torch.optim.Optimizer) -> None:
         """Other top-level models whose parameters `optimizer` updates (a head called apart
@@ -382,10 +395,11 @@ class Attachment:
         if self.info is None or self.recorder is None:
             return
         self._end_ops()
+        if self._carried is not None:
+            store_records(self.trace, self.info.step, self._carried)
+            self._carried = None
         store_records(self.trace, self.info.step, self.recorder.end_step())
         self.trace.steps.append(self.info)
-        if self._optimizers_per_step is None and self._stepped:
-            self._optimizers_per_step = len(set(self._stepped))
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
         self._stepped = []
         self.index += 1
@@ -438,6 +452,13 @@ def _note_group(rank: RankWatch) -> None:
             rank.backend, rank.world_size = str(dist.get_backend()), dist.get_world_size()
 
 
+def _step_state(records: StepRecords) -> StepRecords:
+    """The batch and RNG state records among a step's records."""
+    kept = [(k, p) for k, p in zip(records.keys, records.prints)
+            if k[0] == STATE and k[3].startswith(("batch", "rng."))]
+    return StepRecords([k for k, _ in kept], [p for _, p in kept], [])
+
+
 def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -480,9 +501,15 @@ def _wrap_autograd_backward(attachment: Attachment) -> Callable[..., Any]:
     original = torch.autograd.backward
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(tensors, torch.Tensor) and not attachment.in_backward:
-            attachment.on_backward(tensors)
-        return original(tensors, *args, **kwargs)
+        if attachment.in_backward:  # inside a backward (Tensor.backward, checkpointing)
+            return original(tensors, *args, **kwargs)
+        for tensor in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
+            attachment.on_backward(tensor)
+        attachment.in_backward = True
+        try:
+            return original(tensors, *args, **kwargs)
+        finally:
+            attachment.in_backward = False
 
     return backward
 

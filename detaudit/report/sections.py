@@ -171,8 +171,8 @@ def updates_note(steps: list[int]) -> str:
     """A note on optimizer updates that came with no backward since the one before."""
     shown = ", ".join(str(k) for k in steps[:5]) + (f", ... ({len(steps)} in all)"
                                                     if len(steps) > 5 else "")
-    return (f"Note: the optimizer updated with no backward pass since its previous update at "
-            f"step(s) {shown}: it stepped twice on the same gradients (e.g. "
+    return (f"Note: at step(s) {shown} the optimizer updated with no backward pass in the "
+            "step: it stepped again on the gradients it had already used (e.g. "
             "scaler.step(optimizer) followed by optimizer.step()), unless the script sets "
             "gradients without backward.")
 
