@@ -618,3 +618,29 @@ def test_a_step_that_begins_at_another_modules_call_keeps_its_batch_rng_and_para
     assert {"batch.0", "rng.torch"} <= set(state.slot)
     assert {(m, sl) for m, sl in zip(state.module, state.slot) if sl.startswith("param.")} == {
         ("0", "param.weight"), ("0", "param.bias"), ("2", "param.weight"), ("2", "param.bias")}
+
+
+def test_the_backward_that_checkpointing_runs_inside_backward_is_not_a_loss(tmp_path):
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.inner, x, use_reentrant=True)  # backward inside backward
+
+    model, x = Checkpointed(), torch.randn(3, 4, requires_grad=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with detaudit.watch(model, opt, out=tmp_path) as w:
+        for _ in range(2):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert [sorted(s.losses) for s in w.trace.steps] == [["loss"], ["loss"]]
+    records = w.trace.frame()
+    assert len(records[records.phase == "output"]) == 2

@@ -487,6 +487,8 @@ def _wrap_backward(attachment: Attachment) -> Callable[..., Any]:
     original = torch.Tensor.backward
 
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if attachment.in_backward:  # inside a backward: not the step's loss
+            return original(self, *args, **kwargs)
         attachment.on_backward(self)
         attachment.in_backward = True  # Tensor.backward calls torch.autograd.backward
         try:
