@@ -16,6 +16,7 @@ from test_cli import run_cli
 from torch import nn
 
 import detaudit
+from detaudit.record.structure import next_ulp
 from detaudit.trace import Trace
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_plain.py"
@@ -454,9 +455,8 @@ def test_the_updates_of_several_optimizers_between_two_forwards_are_one_step(tmp
     w = _two_optimizers(tmp_path)
     steps, records = w.trace.steps, w.trace.frame()
     assert len(steps) == 4 and all(s.lr == [0.1, 0.01] for s in steps)
-    for phase in ("grad", "optimizer"):
-        mine = records[(records.phase == phase) & (records.step == 2)]
-        assert sorted(zip(mine.module, mine.slot)) == [  # each parameter once, by its optimizer
+    for phase in ("grad", "optimizer"):  # each parameter once, by its optimizer
+        assert _parameter_records(records, 2, phase) == [
             ("0", "param.bias"), ("0", "param.weight"), ("2", "param.bias"), ("2", "param.weight")]
     _two_optimizers(tmp_path, nudge_at=2)
     result = detaudit.compare(tmp_path)
@@ -470,6 +470,13 @@ def test_the_updates_of_several_optimizers_between_two_forwards_are_one_step(tmp
             "0", "2"}
 
 
+def _parameter_records(records, step: int, phase: str) -> list[tuple[str, str]]:
+    """(module, slot) of the parameter records of one phase at one step, sorted."""
+    mine = records[(records.step == step) & (records.phase == phase)
+                   & records.slot.str.startswith("param.")]
+    return sorted(zip(mine.module, mine.slot))
+
+
 def _backbone_and_head(out: Path, nudge_at: int | None = None) -> detaudit.watch:
     """A backbone and a head called one after the other by the loop, one optimizer for both;
     `nudge_at`: the head's weight gradient 1 ULP off at that step."""
@@ -480,10 +487,7 @@ def _backbone_and_head(out: Path, nudge_at: int | None = None) -> detaudit.watch
     with detaudit.watch(backbone, out=out) as w:
         for step in range(4):
             if step == nudge_at:
-                handle = head.weight.register_hook(
-                    lambda g: g.flatten().index_put((torch.tensor(0),),
-                                                    g.flatten()[0].nextafter(g.new_tensor(9.0)))
-                    .view_as(g))
+                handle = head.weight.register_hook(next_ulp)
             head(backbone(x)).pow(2).mean().backward()
             if step == nudge_at:
                 handle.remove()
@@ -495,10 +499,8 @@ def _backbone_and_head(out: Path, nudge_at: int | None = None) -> detaudit.watch
 def test_a_model_called_apart_from_the_first_is_recorded_under_its_class_name(tmp_path):
     w = _backbone_and_head(tmp_path)
     records = w.trace.frame()
-    step0 = records[records.step == 0]
     for phase in ("state", "grad", "optimizer"):
-        mine = step0[(step0.phase == phase) & step0.slot.str.startswith("param.")]
-        assert sorted(zip(mine.module, mine.slot)) == [
+        assert _parameter_records(records, 0, phase) == [
             ("0", "param.bias"), ("0", "param.weight"),
             ("Linear", "param.bias"), ("Linear", "param.weight")]
     _backbone_and_head(tmp_path, nudge_at=2)

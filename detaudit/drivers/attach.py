@@ -90,7 +90,7 @@ class Attachment:
         self.explicit_epoch: int | None = None
         self.index = 0  # step within its epoch
         self._updated = False  # the open step's optimizer has stepped
-        self._stepped: list[int] = []  # the optimizers (ids) that updated in the open step
+        self._stepped: set[int] = set()  # the optimizers (ids) that updated in the open step
         self._optimizers: set[int] = set()  # every optimizer that has updated
         self._carried: StepRecords | None = None  # the open step's state, of another model
         self._grads_pending = False  # step(closure): gradients recorded after the update
@@ -226,30 +226,32 @@ class Attachment:
         if self.info is None and not self._begin_step(self._current_model()):
             return
         assert self.recorder is not None
-        self._add_owners(optimizer)
+        params = _parameters(optimizer)
+        self._add_owners(params)
         self._end_ops()  # the update is not the model's ops
         self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
-                                         of=_parameters(optimizer))
+                                         of=params)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.stopped or self.info is None or self.recorder is None or (
                 self.optimizer is not None and optimizer is not self.optimizer):
             return
+        params = _parameters(optimizer)
         if self._grads_pending:  # the gradients the closure made, as the update used them
             self._grads_pending = False
             self._choose_model(optimizer)  # the closure's forward named the candidates
-            self._add_owners(optimizer)
+            self._add_owners(params)
             self._end_ops()
             self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
-                                             of=_parameters(optimizer))
-        self.recorder.record_parameters(OPTIMIZER, of=_parameters(optimizer))
+                                             of=params)
+        self.recorder.record_parameters(OPTIMIZER, of=params)
         self.info.optimizer_stepped = True
         self.info.lr += [_finite(group.get("lr")) for group in optimizer.param_groups]
-        self._stepped.append(id(optimizer))
+        self._stepped.add(id(optimizer))
         self._optimizers.add(id(optimizer))
         # complete once every optimizer seen so far has updated; the first step never is
         # (its optimizers are not known until it ends): the limit then stops the next one
-        self._step_done(complete=self.info.step > 0 and self._optimizers <= set(self._stepped))
+        self._step_done(complete=self.info.step > 0 and self._optimizers <= self._stepped)
 
     def on_scaler_update(self, scaler: Any) -> None:
         """A GradScaler updated its scale: recorded; when it skipped the optimizer step
@@ -301,7 +303,7 @@ class Attachment:
         the global hooks give way to one hook on it."""
         if self.model is not None:
             return
-        updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        updated = {id(p) for p in _parameters(optimizer)}
         owners = [m for m in self._candidates if any(id(p) in updated for p in m.parameters())]
         if not owners:
             return
@@ -319,14 +321,13 @@ class Attachment:
                 if self.stream.steps == 0:
                     self.recorder.record_parameters(STATE)
 
-    def _add_owners(self, optimizer: torch.optim.Optimizer) -> None:
-        """Other top-level models whose parameters `optimizer` updates (a head called apart
+    def _add_owners(self, updated_params: list[torch.Tensor]) -> None:
+        """Other top-level models whose parameters an optimizer updates (a head called apart
         from its backbone, a GAN's generator) are recorded too, named by their class, their
         parameters as they are before this first update kept as well."""
         if self.recorder is None or self.info is None:
             return
-        known = self.recorder.parameter_ids()
-        updated = {id(p) for p in _parameters(optimizer)} - known
+        updated = {id(p) for p in updated_params} - self.recorder.parameter_ids()
         for module in self._candidates:
             params = list(module.parameters())
             if not updated or not any(id(p) in updated for p in params):
@@ -401,7 +402,7 @@ class Attachment:
         store_records(self.trace, self.info.step, self.recorder.end_step())
         self.trace.steps.append(self.info)
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
-        self._stepped = []
+        self._stepped = set()
         self.index += 1
         if self.stream.due():
             self.save()

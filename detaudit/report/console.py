@@ -49,7 +49,7 @@ def render_console(summary: dict[str, Any]) -> str:
                      "the repeats, but nothing that drew from it changed the run (unseeded, "
                      "unused)")
     if summary.get("updates_without_backward"):
-        lines.append(updates_note(summary["updates_without_backward"]).replace("Note:", "note:"))
+        lines.append(f"note: {updates_note(summary['updates_without_backward'])}")
     flagged = summary.get("env_risks") or {}
     if flagged:
         lines.append("")

@@ -163,15 +163,16 @@ def clip(text: str, size: int = CLIP) -> str:
 def _verdict(s: dict[str, Any]) -> Section:
     blocks = [Text(s["headline"], strong=True), Text(_run_line(s))]
     if s.get("updates_without_backward"):
-        blocks.append(Text(updates_note(s["updates_without_backward"])))
+        blocks.append(Text(f"Note: {updates_note(s['updates_without_backward'])}"))
     return Section("verdict", "Verdict", blocks)
 
 
 def updates_note(steps: list[int]) -> str:
-    """A note on optimizer updates that came with no backward since the one before."""
+    """What optimizer updates with no backward pass in their step mean (a sentence to put
+    after "note: ")."""
     shown = ", ".join(str(k) for k in steps[:5]) + (f", ... ({len(steps)} in all)"
                                                     if len(steps) > 5 else "")
-    return (f"Note: at step(s) {shown} the optimizer updated with no backward pass in the "
+    return (f"at step(s) {shown} the optimizer updated with no backward pass in the "
             "step: it stepped again on the gradients it had already used (e.g. "
             "scaler.step(optimizer) followed by optimizer.step()), unless the script sets "
             "gradients without backward.")
