@@ -153,6 +153,13 @@ def test_junit_into_a_missing_folder_is_created(tmp_path):
 
 
 # -- interruptions --------------------------------------------------------------------------
+def _listed(folder: Path) -> list[str]:
+    try:
+        return json.loads((folder / "run.json").read_text())["traces"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
 def _state(folder: Path) -> str:
     try:
         return json.loads((folder / "run.json").read_text())["state"]
@@ -183,7 +190,9 @@ def test_an_interrupted_audit_leaves_a_folder_that_reports_it(tmp_path, stage, s
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
-        if _state(folder) == stage and (stage != "recording" or (folder / "trace-0.json.gz").exists()):
+        # in recording, once run.json lists the first repeat's trace (its file is renamed
+        # into place a moment before)
+        if _state(folder) == stage and (stage != "recording" or _listed(folder)):
             break
         time.sleep(0.05)
     process.send_signal(sig)
