@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import platform
+import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -144,6 +145,8 @@ def load_run(folder: str | Path) -> tuple[RunInfo, list[AnyTrace]]:
     data = check_format(read_json(path, "run file"), RUN_FORMAT, RUN_FORMAT_VERSION, str(path),
                         "upgrade detaudit or re-run the audit")
     info = _run_info(data, path)
+    if not info.complete:
+        info.traces += _unlisted_traces(folder, info)
     traces = [open_trace(folder / name) for name in info.traces]
     if not traces:
         raise TraceError(f"{path} lists no traces (the run ended before its first repeat did)")
@@ -153,6 +156,34 @@ def load_run(folder: str | Path) -> tuple[RunInfo, list[AnyTrace]]:
         raise TraceError(f"{folder} mixes runs: {', '.join(mixed)} belong to another run than "
                          f"{RUN_FILE}; re-run the audit into an empty folder")
     return info, traces
+
+
+def _unlisted_traces(folder: Path, info: RunInfo) -> list[str]:
+    """The complete traces of an unfinished run that its run.json does not list yet: a
+    repeat's trace takes its own name a moment before run.json lists it, and a run killed in
+    between (or while a repeat's own process went on) would otherwise lose it. Only traces
+    of this run, named as the listed ones are (the same rank), in repeat order."""
+    listed = [_TRACE_NAME.fullmatch(name) for name in info.traces]
+    ranks = {m.group("rank") for m in listed if m is not None}
+    found = [(m, m.group(0)) for m in map(_TRACE_NAME.fullmatch, os.listdir(folder))
+             if m is not None and m.group(0) not in info.traces]
+    if not ranks and found:  # none listed yet: the repeats of the first rank, if any
+        ranks = {min((m.group("rank") for m, _ in found),
+                     key=lambda r: (r is not None, int(r or 0)))}
+    picked = []
+    for m, name in sorted(found, key=lambda item: int(item[0].group("repeat"))):
+        if m.group("rank") not in ranks:
+            continue
+        try:
+            run = open_trace(folder / name).probe.get(PROBE_RUN, info.run_id)
+        except TraceError:  # not a trace this run finished
+            continue
+        if not info.run_id or run == info.run_id:
+            picked.append(name)
+    return picked
+
+
+_TRACE_NAME = re.compile(r"trace-(?:r(?P<rank>\d+)-)?(?P<repeat>\d+)\.json\.gz")
 
 
 def new_run_id() -> str:

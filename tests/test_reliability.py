@@ -20,6 +20,7 @@ from detaudit.cli import main
 from detaudit.config import AuditConfig
 from detaudit.errors import TraceError
 from detaudit.runfolder import LOCK_FILE, RunFolder, RunInfo, load_run, new_folder
+from detaudit.trace import open_trace
 
 PROBES = Path(__file__).parent / "probe_files"
 
@@ -419,3 +420,26 @@ def probe(device):
     assert [s.step for s in traces[1].steps] == [0] and traces[1].records["step"]
     assert "agree over the 1 step(s) every repeat completed" in done.stdout
     assert not list(out.glob("partial-*"))
+
+
+@pytest.mark.parametrize("listed", [["trace-0.json.gz"], []])
+def test_a_run_killed_before_listing_its_traces_still_reports_them(tmp_path, listed):
+    """A repeat's trace takes its own name a moment before run.json lists it (and a killed
+    run's repeat process may go on to finish): the folder's report reads the complete
+    traces of its own run that run.json does not list yet, never another run's."""
+    folder = tmp_path / "run"
+    done = run_cli("run", "--probe", str(PROBES / "slow_steps.py"), "--out", str(folder),
+                   "--repeats", "3", "--epochs", "1", "--steps", "2", "--quiet", "--no-census")
+    assert done.returncode == 0, done.stderr
+    foreign = open_trace(folder / "trace-2.json.gz")
+    foreign.probe["run"] = "another-run"
+    foreign.save(folder / "trace-2.json.gz")
+    info = json.loads((folder / "run.json").read_text())
+    (folder / "run.json").write_text(json.dumps({**info, "traces": listed,
+                                                 "state": "recording"}))
+    report = run_cli("report", str(folder), "--json")
+    assert report.returncode == 130, report.stdout + report.stderr
+    summary = json.loads(report.stdout)
+    assert summary["repeats"] == 2
+    assert summary["headline"].startswith("INTERRUPTED (recording); what was recorded: "
+                                          "DETERMINISTIC")
