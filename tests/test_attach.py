@@ -116,6 +116,25 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     assert "device cpu; unseeded;" in report and "cpu; seed 0" not in report
 
 
+def test_labels_a_loss_takes_outside_the_model_are_step_state(tmp_path):
+    # the model sees equal images; the labels the DataLoader's workers yield differ run to
+    # run (an unseeded generator): the cause is the data, not a forward computation
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "2", "--json",
+                 script_args=("--label-noise",))
+    assert done.returncode == 1, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["cause"]["kind"] == "data"
+    first = summary["first_divergence"]
+    assert (first["step"], first["phase"]) == (0, "state")
+    assert summary["zoom"] is None  # nothing to zoom into: the step state decides it
+    trace = Trace.load(tmp_path / "run" / "trace-0.json.gz").frame()
+    loaded = trace[(trace.step == 0) & trace.slot.str.startswith("batch.loader")]
+    # each of the step's 2 accumulated batches: (images, labels)
+    assert sorted(zip(loaded.call, loaded.slot)) == [
+        (0, "batch.loader.0"), (0, "batch.loader.1"), (1, "batch.loader.0"),
+        (1, "batch.loader.1")]
+
+
 def test_exec_of_a_script_that_seeds_itself_needs_no_seed(tmp_path):
     done = _exec(tmp_path, "--max-steps", "2", script_args=("--seed-self", "--workers", "0"))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -282,6 +301,37 @@ def test_rng_streams_that_nothing_draws_from_are_a_note_never_the_divergence(tmp
     _train(tmp_path / "first", nudge_at=0)  # a difference at the first step, not in its state
     first = detaudit.compare(tmp_path / "first").comparison
     assert (first.first_step, first.cause, first.idle_rng) == (0, "forward", ["numpy", "python"])
+
+
+def test_only_the_training_loaders_batches_are_step_state(tmp_path):
+    # an evaluation loader read between steps, shuffled in an order that differs run to run,
+    # is not the training data: neither recorded nor a divergence
+    def train(out, order_seed):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+        train_loader = torch.utils.data.DataLoader(data, batch_size=4)
+        held_out = torch.utils.data.DataLoader(
+            data, batch_size=2, shuffle=True,
+            generator=torch.Generator().manual_seed(order_seed))
+        with detaudit.watch(model, opt, out=out) as w:
+            for _ in range(2):
+                for x, y in train_loader:
+                    (model(x) - y).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    with torch.no_grad():
+                        for x_val, _ in held_out:
+                            model.eval()(x_val)
+                    model.train()
+        return w
+
+    first, _ = train(tmp_path, 1), train(tmp_path, 2)
+    assert detaudit.compare(tmp_path).verdict.kind == "deterministic"
+    records = Trace.load(first.path).frame()
+    loaded = records[records.slot.str.startswith("batch.loader")]
+    assert sorted(loaded.groupby("step").size().items()) == [(s, 2) for s in range(4)]
 
 
 def test_watch_max_steps_ends_the_loop_and_leaves_torch_as_it_was(tmp_path):

@@ -7,8 +7,9 @@ step (the updates of several optimizers between two forwards are one): its pre-h
 gradients as the optimizer gets them (after unscaling and clipping), its post-hook the
 parameters after the update. The model is the top-level module,
 called in training mode, whose parameters the optimizer updates; the batch is what it is
-called with (each call of an accumulated step); the loss is what backward is called on. An
-epoch is a new pass over the training DataLoader (the loader whose batches precede the first
+called with (each call of an accumulated step), and what the training DataLoader yielded for
+the step (labels a loss takes outside the model are in it); the loss is what backward is
+called on. An epoch is a new pass over the training DataLoader (the loader whose batches precede the first
 step); evaluation passes are not steps. Every step is recorded at scan level (see
 :mod:`detaudit.trace`): batch, RNGs, losses, gradients, parameters after the update.
 """
@@ -23,6 +24,7 @@ import math
 import os
 import signal
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -95,6 +97,9 @@ class Attachment:
         self._carried: StepRecords | None = None  # the open step's state, of another model
         self._grads_pending = False  # step(closure): gradients recorded after the update
         self._batches = 0  # top-level training calls in the open step
+        self._fetched = 0  # training loader batches recorded in the open step
+        self._waiting: list[tuple[int, Any]] = []  # (loader, batch) fetched before a step began
+        self._iterators: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._losses = 0
         self._depth = 0
         self._candidates: list[nn.Module] = []
@@ -130,6 +135,7 @@ class Attachment:
         self._patch(torch.Tensor, "backward", _wrap_backward(self))
         self._patch(torch.autograd, "backward", _wrap_autograd_backward(self))
         self._patch(torch.utils.data.DataLoader, "__iter__", _wrap_loader_iter(self))
+        self._patch(_LoaderIterator, "__next__", _wrap_loader_next(self))
         self._patch(torch.amp.GradScaler, "update", _wrap_scaler_update(self))
         if self.rank is not None:
             ddp = torch.nn.parallel.DistributedDataParallel
@@ -290,6 +296,24 @@ class Attachment:
             self.end_step()
             self.stop()
 
+    def on_loader_batch(self, iterator: Any, batch: Any) -> None:
+        """A DataLoader iterator yielded `batch`. The training loader's batches are step
+        state beside what the model is called with: labels that a loss takes outside the
+        model are in them. One fetched before its step begins waits for it (the last few)."""
+        loader = self._iterators.get(iterator)
+        if self.stopped or loader is None or loader != (
+                self._train_loader or self._latest_loader):
+            return
+        if self.info is not None and not self._updated:
+            self._record_loader_batch(batch)
+        else:
+            self._waiting = [*self._waiting[1 - _WAITING:], (loader, batch)]
+
+    def _record_loader_batch(self, batch: Any) -> None:
+        assert self.recorder is not None
+        self.recorder.record(STATE, "", self._fetched, "batch.loader", batch)
+        self._fetched += 1
+
     def set_epoch(self, epoch: int) -> None:
         """The user said which epoch the next steps belong to (``w.epoch(i)``)."""
         self.explicit_epoch = epoch
@@ -366,6 +390,10 @@ class Attachment:
             self._ops = OpRecorder(self.recorder, step, record=step == self.zoom,
                                    fault=self.fault)
             self._ops.__enter__()
+        waiting, self._waiting = self._waiting, []
+        for loader, batch in waiting:
+            if loader == self._train_loader:
+                self._record_loader_batch(batch)
         if step == 0:
             self.recorder.record_parameters(STATE)
         return True
@@ -402,6 +430,7 @@ class Attachment:
         store_records(self.trace, self.info.step, self.recorder.end_step())
         self.trace.steps.append(self.info)
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
+        self._fetched = 0
         self._stepped = set()
         self.index += 1
         if self.stream.due():
@@ -522,9 +551,27 @@ def _wrap_loader_iter(attachment: Attachment) -> Callable[..., Any]:
 
     def __iter__(self: Any) -> Any:
         attachment.on_loader_pass(self)
-        return original(self)
+        iterator = original(self)
+        with contextlib.suppress(TypeError):  # an iterator that takes no weak reference
+            attachment._iterators[iterator] = id(self)
+        return iterator
 
     return __iter__
+
+
+def _wrap_loader_next(attachment: Attachment) -> Callable[..., Any]:
+    original = _LoaderIterator.__next__
+
+    def __next__(self: Any) -> Any:
+        batch = original(self)
+        attachment.on_loader_batch(self, batch)
+        return batch
+
+    return __next__
+
+
+_LoaderIterator = torch.utils.data.dataloader._BaseDataLoaderIter
+_WAITING = 4  # training loader batches kept for a step not begun yet (a prefetching loop's)
 
 
 def _wrap_ddp_init(rank: RankWatch) -> Callable[..., Any]:

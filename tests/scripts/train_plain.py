@@ -3,20 +3,24 @@ workers, loop, gradient accumulation (2 by default) and a scheduler. Seeds nothi
 
 import argparse
 
+import numpy as np
 import torch
 from torch import nn
 
 
 class Shapes(torch.utils.data.Dataset):
-    def __init__(self, n):
+    def __init__(self, n, label_noise=False):
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(n, 3, 16, 16, generator=g)
         self.y = torch.randint(0, 4, (n,), generator=g)
+        self.label_noise = label_noise
 
     def __len__(self):
         return len(self.x)
 
     def __getitem__(self, i):
+        if self.label_noise:  # an unseeded generator: fresh entropy each time
+            return self.x[i], (self.y[i] + int(np.random.default_rng().integers(0, 2))) % 4
         return self.x[i], self.y[i]
 
 
@@ -56,6 +60,7 @@ def main():
     p.add_argument("--forever", action="store_true", help="loop until stopped, catching exits")
     p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
     p.add_argument("--race", action="store_true", help="a duplicate-index gather (2 threads)")
+    p.add_argument("--label-noise", action="store_true", help="unseeded noise in the labels")
     p.add_argument("--spawn", action="store_true", help="DataLoader workers started by spawn")
     args = p.parse_args()
     if args.seed_self:
@@ -66,7 +71,7 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     loader = torch.utils.data.DataLoader(
-        Shapes(16), batch_size=4, num_workers=args.workers,
+        Shapes(16, args.label_noise), batch_size=4, num_workers=args.workers,
         multiprocessing_context="spawn" if args.spawn and args.workers else None,
         persistent_workers=args.spawn and args.workers > 0)
     steps = 0
