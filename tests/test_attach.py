@@ -101,6 +101,23 @@ def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path):
     assert summary["first_divergence"]["module"] == "gather"
 
 
+@pytest.mark.parametrize("form", ["wrapper", "in-place"])
+def test_exec_of_a_compiled_model_names_a_planted_fault_by_the_users_names(tmp_path, form):
+    # torch.compile would trace the global hooks into its graph (and the recorder's module
+    # hooks at a step recorded module by module): they stay out of it, that step runs eagerly
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", "--inject-fault",
+                 "head@forward:1",
+                 script_args=("--workers", "0", "--accumulate", "1", "--compile", form))
+    assert done.returncode == 1, done.stderr
+    first = json.loads(done.stdout)["first_divergence"]
+    assert (first["module"], first["phase"], first["step"], first["role"]) == (
+        "head", "forward", 1, "origin")
+    records = Trace.load(tmp_path / "run" / "trace-0.json.gz").frame()
+    assert {"stem", "head"} == set(records[records.phase == "optimizer"].module)
+    assert not records.module.str.contains("_orig_mod").any()
+    assert "global hooks" not in done.stderr  # torch's warning about detaudit's own hooks
+
+
 def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     done = _exec(tmp_path, "--max-steps", "2", "--json")
     assert done.returncode == 1, done.stderr

@@ -22,8 +22,10 @@ import importlib
 import json
 import math
 import os
+import re
 import signal
 import sys
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Callable
@@ -114,6 +116,7 @@ class Attachment:
         self.stopped = False
         self.installed = False
         self.in_backward = False
+        self._eager: Any = None  # torch.compile's stance while a step runs eagerly
 
     # -- installing ----------------------------------------------------------------------
     def install(self) -> Attachment:
@@ -137,6 +140,14 @@ class Attachment:
         self._patch(torch.utils.data.DataLoader, "__iter__", _wrap_loader_iter(self))
         self._patch(_LoaderIterator, "__next__", _wrap_loader_next(self))
         self._patch(torch.amp.GradScaler, "update", _wrap_scaler_update(self))
+        self._patch(nn.Module, "compile", _wrap_module_compile(self))
+        for module in self.model.modules() if self.model is not None else ():
+            if getattr(module, "_compiled_call_impl", None) is not None:  # compiled before
+                self.see_compiled_calls(module)
+        # torch.compile(model) warns that global hooks fire for its wrapper too: the wrapper
+        # is the top-level call, the module it wraps a call inside it
+        warnings.filterwarnings("ignore", message=re.escape(
+            "Using `torch.compile(module)` when there are global hooks"))
         if self.rank is not None:
             ddp = torch.nn.parallel.DistributedDataParallel
             self._patch(ddp, "__init__", _wrap_ddp_init(self.rank))
@@ -146,6 +157,7 @@ class Attachment:
     def uninstall(self) -> None:
         """Remove every hook and patch (what was recorded stays in the trace)."""
         self._end_ops()
+        self._run_eagerly(False)
         if self.recorder is not None:
             self.recorder.__exit__(None, None, None)  # its module hooks, if a step had any
         for handle in self._handles:
@@ -156,12 +168,28 @@ class Attachment:
         self._patches = []
         self.installed = False
 
+    def see_compiled_calls(self, module: nn.Module) -> None:
+        """`module.compile()` compiles its whole call, global hooks included: its calls are
+        seen from outside the compiled code instead."""
+        compiled = module._compiled_call_impl
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._global_pre(module, args)
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                self._global_post(module, args, None)
+
+        self._patch(module, "_compiled_call_impl", call)
+
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
         self._patches.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
 
     # -- what the hooks see ----------------------------------------------------------------
     def _global_pre(self, module: nn.Module, args: tuple) -> None:
+        if _compiling():  # a call inside a graph torch.compile traces: not a top-level one
+            return
         if self._depth == 0 and module.training and not self.stopped:
             if module not in self._candidates and any(True for _ in module.parameters()):
                 self._candidates.append(module)
@@ -170,6 +198,8 @@ class Attachment:
         self._depth += 1
 
     def _global_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if _compiling():
+            return
         self._depth = max(0, self._depth - 1)
 
     def _on_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -278,6 +308,7 @@ class Attachment:
         here when the step is `complete`, else when the next step would begin."""
         assert self.info is not None and self.recorder is not None
         self.recorder.hook_for(self._watch(self.info.step + 1))
+        self._run_eagerly(False)
         self._updated = True
         if complete and self.max_steps is not None and self.info.step + 1 >= self.max_steps:
             self.end_step()
@@ -320,7 +351,9 @@ class Attachment:
 
     # -- steps -----------------------------------------------------------------------------
     def _current_model(self) -> nn.Module | None:
-        return self.model or (self._candidates[0] if self._candidates else None)
+        if self.model is not None:  # (a compiled model's wrapper has no truth value)
+            return self.model
+        return self._candidates[0] if self._candidates else None
 
     def _choose_model(self, optimizer: torch.optim.Optimizer) -> None:
         """At the first optimizer step, the model is the candidate that owns its parameters;
@@ -385,6 +418,7 @@ class Attachment:
         self.recorder.begin_step(step, watch, rehook=False)
         if watch != WATCH_NONE:
             self.recorder.hook_for(watch)
+            self._run_eagerly(True)
         if step == self.zoom or (self.fault is not None and self.fault.op
                                  and self.fault.step == step):
             self._ops = OpRecorder(self.recorder, step, record=step == self.zoom,
@@ -397,6 +431,17 @@ class Attachment:
         if step == 0:
             self.recorder.record_parameters(STATE)
         return True
+
+    def _run_eagerly(self, eager: bool) -> None:
+        """Compiled code runs eagerly at a step recorded module by module (a compiled graph
+        would trace the recorder's hooks into itself and fuse the ops it names), compiled
+        elsewhere; in every repeat alike. Needs torch's compiler stances (torch 2.6)."""
+        if eager and self._eager is None and "torch._dynamo" in sys.modules and hasattr(
+                torch.compiler, "set_stance"):
+            self._eager = torch.compiler.set_stance("force_eager")
+        elif not eager and self._eager is not None:
+            self._eager.__exit__(None, None, None)
+            self._eager = None
 
     def _new_recorder(self, model: nn.Module) -> Recorder:
         recorder = Recorder(model, fault=self.fault, watch=WATCH_NONE)
@@ -570,6 +615,7 @@ def _wrap_loader_next(attachment: Attachment) -> Callable[..., Any]:
     return __next__
 
 
+_compiling = torch.compiler.is_compiling
 _LoaderIterator = torch.utils.data.dataloader._BaseDataLoaderIter
 _WAITING = 4  # training loader batches kept for a step not begun yet (a prefetching loop's)
 
@@ -584,6 +630,16 @@ def _wrap_ddp_init(rank: RankWatch) -> Callable[..., Any]:
         original(self, module, *args, **kwargs)
 
     return __init__
+
+
+def _wrap_module_compile(attachment: Attachment) -> Callable[..., Any]:
+    original = nn.Module.compile
+
+    def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        attachment.see_compiled_calls(self)
+
+    return compile
 
 
 def _wrap_scaler_update(attachment: Attachment) -> Callable[..., Any]:

@@ -109,9 +109,9 @@ class Recorder:
         # the module calls during which they advanced are kept in host_draws.
         self.watch_host_rng = False
         self.host_draws: set[tuple[str, int]] = set()
-        self._models = [model]
-        self._names = {id(m): name for name, m in model.named_modules()}
-        self._params = dict(model.named_parameters())
+        self._models = [uncompiled(model)]
+        self._names = {id(m): name for name, m in self._models[0].named_modules()}
+        self._params = dict(self._models[0].named_parameters())
         self._handles: list[Any] = []
         self._step_handles: list[Any] = []
         self._step = -1
@@ -252,6 +252,7 @@ class Recorder:
         optimizer, or called apart from the first), its modules and parameters named under
         `name`."""
         hooked = {id(m) for root in self._models for m in root.modules()}
+        model = uncompiled(model)
         self._models.append(model)
         self._names.update({id(m): n for n, m in model.named_modules(prefix=name)
                             if id(m) not in hooked})
@@ -471,6 +472,14 @@ class Recorder:
             return tuple(grads) if changed else None
 
         return hook
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(model)`` wrapper holds: its names are the user's (the
+    wrapper's have ``_orig_mod.`` in front), and the wrapper's call is the top-level one."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) and type(model).__name__ == (
+        "OptimizedModule") else model
 
 
 def _iter_inputs(args: tuple, kwargs: dict):

@@ -61,6 +61,8 @@ def main():
     p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
     p.add_argument("--race", action="store_true", help="a duplicate-index gather (2 threads)")
     p.add_argument("--label-noise", action="store_true", help="unseeded noise in the labels")
+    p.add_argument("--compile", choices=("wrapper", "in-place"),
+                   help="torch.compile(model) or model.compile() (the aot_eager backend)")
     p.add_argument("--spawn", action="store_true", help="DataLoader workers started by spawn")
     args = p.parse_args()
     if args.seed_self:
@@ -68,6 +70,10 @@ def main():
     if args.race:
         torch.set_num_threads(2)
     model = Net(args.race)
+    if args.compile == "wrapper":
+        model = torch.compile(model, backend="aot_eager")
+    elif args.compile == "in-place":
+        model.compile(backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     loader = torch.utils.data.DataLoader(
