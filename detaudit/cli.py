@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import re
 import shlex
 import signal
@@ -36,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(), _output_that_outlives_its_reader():
             return args.func(args, argv)
     except DetauditError as exc:
         if args.debug:
@@ -76,6 +77,45 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _output_that_outlives_its_reader() -> Iterator[None]:
+    """A reader that stops early (`detaudit ... | head`) closes the pipe: the rest of the
+    output goes nowhere, and the exit code is still the verdict's."""
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _PipeSafe(sys.stdout), _PipeSafe(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+class _PipeSafe:
+    """A text stream whose writes survive the reader closing the pipe (see above)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_nowhere()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_nowhere()
+
+    def _to_nowhere(self) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")

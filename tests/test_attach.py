@@ -713,3 +713,19 @@ def test_the_backward_that_checkpointing_runs_inside_backward_is_not_a_loss(tmp_
     assert [sorted(s.losses) for s in w.trace.steps] == [["loss"], ["loss"]]
     records = w.trace.frame()
     assert len(records[records.phase == "output"]) == 2
+
+
+def test_a_reader_that_closes_the_pipe_early_leaves_the_exit_code_the_verdicts(tmp_path):
+    # `detaudit compare ... | head -1`: the rest of the output goes nowhere, and exit 1 still
+    # means a divergence was found (it was an internal error, exit 3)
+    _train(tmp_path)
+    _train(tmp_path, nudge_at=4)
+    for closed in ("stdout", "stderr"):
+        process = subprocess.Popen(
+            [sys.executable, "-m", "detaudit", "compare", str(tmp_path), "--out",
+             str(tmp_path / closed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        getattr(process, closed).close()
+        other = process.stderr if closed == "stdout" else process.stdout
+        rest = other.read().decode()
+        assert process.wait(timeout=120) == 1, rest
+        assert "internal error" not in rest and "Exception ignored" not in rest
