@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import html
 import json
 import os
 import signal
@@ -86,7 +87,11 @@ class Compared:
         return self.verdict.exit_code
 
     def _repr_html_(self) -> str:
-        return render_html(self.summary)
+        """The HTML report in a frame of its own: a notebook shows it inline, and the
+        report's styles stay off the notebook's page."""
+        page = html.escape(render_html(self.summary), quote=True)
+        return (f'<iframe srcdoc="{page}" style="width:100%;height:640px;border:1px solid '
+                '#d0d7de" sandbox></iframe>')
 
 
 # -- compare -------------------------------------------------------------------------------

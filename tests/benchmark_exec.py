@@ -26,16 +26,21 @@ from pathlib import Path
 from tabulate import tabulate
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_resnet.py"
+NOT_COMPARED = 2  # the exit code of one run recorded alone (the overhead is that of one run)
 
 
-def _timed(command: list[str]) -> tuple[float, float]:
-    """Wall time and CPU time (user + system, every process of the tree) of `command`."""
+def _timed(command: list[str], exit_code: int = 0) -> tuple[float, float]:
+    """Wall time and CPU time (user + system, every process of the tree) of `command`, which
+    must end with `exit_code`."""
     def cpu() -> float:
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         return usage.ru_utime + usage.ru_stime
 
     started, cpu_before = time.perf_counter(), cpu()
-    subprocess.run(command, check=True, capture_output=True)
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != exit_code:
+        raise SystemExit(f"{command[:4]} ended with exit code {done.returncode}: "
+                         f"{done.stdout[-500:]}{done.stderr[-500:]}")
     return time.perf_counter() - started, cpu() - cpu_before
 
 
@@ -108,7 +113,8 @@ def fixed_cost(tmp: str) -> float:
             "m(torch.ones(1, 2)).sum().backward(); o.step()")
     plain = _timed([sys.executable, "-c", tiny])[0]
     audited = _timed([sys.executable, "-m", "detaudit", "exec", "--repeats", "1", "--quiet",
-                      "--out", str(Path(tmp) / "fixed"), "--", sys.executable, "-c", tiny])[0]
+                      "--out", str(Path(tmp) / "fixed"), "--", sys.executable, "-c", tiny],
+                     NOT_COMPARED)[0]
     return audited - plain
 
 
@@ -133,7 +139,7 @@ def main() -> None:
                 if side == 0:
                     plain = _timed(script)
                 else:
-                    exec_ = _timed(audited(f"exec-{pair}", "--seed", "0"))
+                    exec_ = _timed(audited(f"exec-{pair}", "--seed", "0"), NOT_COMPARED)
             ratios.append(exec_[0] / plain[0] - 1)
             cpu_ratios.append(exec_[1] / plain[1] - 1)
             rows.append([pair + 1, "plain first" if first_plain else "exec first",

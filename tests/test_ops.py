@@ -144,7 +144,7 @@ def test_census_maps_each_alert_to_its_module_and_op():
 
 def test_census_lists_known_ops_even_when_repeats_agree():
     result = audit(gather_probe, repeats=1, census=True, stress=0)  # no proof by re-execution
-    assert result.deterministic
+    assert result.comparison.deterministic
     ops = result.investigations["census"]["ops"]
     assert [(o["module"], o["phase"], o["op"], o["count"]) for o in ops] == [
         ("gather", "backward", "aten.index_put(accumulate=True)", 1)]

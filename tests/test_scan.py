@@ -265,10 +265,10 @@ def test_diff_zoom_replays_two_scanned_runs_and_names_the_module_and_op(tmp_path
 
     common = ["--probe", str(PROBES / "tiny_cnn.py"), "--repeats", "1", "--epochs", "2",
               "--steps", "2", "--no-census", "--stress", "0", "--quiet"]
-    assert cli("run", *common, "--out", str(tmp_path / "a"))[0] == 0
-    # one repeat: nothing to compare the fault with, so it is no error here
+    # one repeat each: recorded for the diff, and not compared (exit 2, never a pass)
+    assert cli("run", *common, "--out", str(tmp_path / "a"))[0] == 2
     assert cli("run", *common, "--out", str(tmp_path / "b"),
-               "--inject-fault", "2/aten.convolution_backward@backward:2")[0] == 0
+               "--inject-fault", "2/aten.convolution_backward@backward:2")[0] == 2
     code, plain = cli("diff", str(tmp_path / "a"), str(tmp_path / "b"))
     assert code == 1
     assert "at step 2" in plain and "diff --zoom" in plain

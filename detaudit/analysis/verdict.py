@@ -8,17 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK
+from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from .compare import DETERMINISTIC, DIVERGENT, FAILED, ORIGIN, Comparison
 from .ranks import RankAnalysis
 
 MATCH, MISMATCH = "match", "mismatch"  # a run against a baseline or another run
 INTERRUPTED = "interrupted"  # the run was stopped before its end and nothing differs so far
 PROVEN = "nondeterministic op"  # the repeats agreed, but re-execution proved an op is not
+NOT_COMPARED = "not compared"  # one run, nothing to compare it with: neither pass nor divergence
 EXIT_CODES = {
     DETERMINISTIC: EXIT_OK, MATCH: EXIT_OK,
     DIVERGENT: EXIT_DIVERGED, MISMATCH: EXIT_DIVERGED, PROVEN: EXIT_DIVERGED, FAILED: EXIT_CRASH,
-    INTERRUPTED: EXIT_INTERRUPTED,
+    INTERRUPTED: EXIT_INTERRUPTED, NOT_COMPARED: EXIT_USAGE,
 }
 
 
@@ -31,7 +32,7 @@ def exit_code(kind: str) -> int:
 class Verdict:
     """What an audit concluded, in one word and one line."""
 
-    kind: str  # deterministic, divergent, nondeterministic op, failed or interrupted
+    kind: str  # deterministic, divergent, nondeterministic op, failed, interrupted, not compared
     headline: str
     first: dict[str, Any] | None  # the first divergence, 1-based epoch (None: none)
     loss_hidden: bool  # parameters diverged while the loss stayed bit-identical
@@ -74,6 +75,10 @@ def judge(
         headline += f"; loss is {'NaN' if value == 'nan' else 'infinite'} from step {step}"
     if ranks is not None:
         kind, headline = _with_ranks(kind, headline, ranks)
+    elif kind == DETERMINISTIC and c.repeats < 2:
+        kind = NOT_COMPARED
+        headline = (f"NOT COMPARED: 1 run recorded over {len(c.steps)} steps, and nothing to "
+                    "compare it with (an audit needs --repeats 2 or more; the trace is kept)")
     if interrupted:
         kind = kind if kind == DIVERGENT else INTERRUPTED
         headline = f"INTERRUPTED ({interrupted}); what was recorded: {headline}"

@@ -199,7 +199,8 @@ def _run_line(s: dict[str, Any]) -> str:
         parts.append(f"deterministic algorithms {'on' if config['deterministic'] else 'off'}")
     fault = config.get("fault")
     if fault:
-        where = f"{fault.get('module')}@{fault.get('phase')}:{fault.get('step')}"
+        op = f"/{fault['op']}" if fault.get("op") else ""
+        where = f"{fault.get('module')}{op}@{fault.get('phase')}:{fault.get('step')}"
         parts.append(f"planted fault {where}")
     return "; ".join(parts)
 
