@@ -121,22 +121,34 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
 
 
 def _load_all(runs: tuple[str | Path | AnyTrace, ...]) -> list[AnyTrace]:
-    traces = []
+    given: list[Path | AnyTrace] = []
     for run in runs:
         if isinstance(run, (Trace, TraceFile)):
-            traces.append(run)
+            given.append(run)
             continue
         path = Path(run)
         if path.is_dir():
             found = sorted(path.glob("trace-*.json.gz"), key=_run_order)
             if not found:
                 raise DetauditError(f"{path} holds no trace-*.json.gz")
-            traces += [open_trace(p) for p in found]
+            given += found
         elif path.exists():
-            traces.append(open_trace(path))
+            given.append(path)
         else:
             raise DetauditError(f"no trace or folder at {path}")
+    _refuse_twice([g for g in given if isinstance(g, Path)])
+    traces = [open_trace(g) if isinstance(g, Path) else g for g in given]
     return traces
+
+
+def _refuse_twice(paths: list[Path]) -> None:
+    """A file among `paths` twice is refused: a run compared with itself agrees, whatever
+    it did."""
+    seen: set[Path] = set()
+    for path in paths:
+        if path.resolve() in seen:
+            raise DetauditError(f"{path} is given twice: compare needs separate runs")
+        seen.add(path.resolve())
 
 
 def _run_order(path: Path) -> tuple[int, str]:

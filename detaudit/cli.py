@@ -28,8 +28,9 @@ RECIPE_FLAGS = ("image_size", "batch_size", "num_images", *RECIPE_OPTIONS, "shuf
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse, dispatch, and turn every way a command can end into one line and
-    an exit code: 0 deterministic / match, 1 divergence found, 2 usage or input error, 3 a
-    crash (the user's code, leaving nothing to compare, or detaudit's own), 130 interrupted."""
+    an exit code: 0 deterministic / match, 1 divergence found, 2 usage or input error (or a
+    run not compared), 3 a crash (the user's code, leaving nothing to compare, or detaudit's
+    own), 130 interrupted."""
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -132,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="detaudit",
         description="Find where, when and why a PyTorch detection model stops training "
         "(or inferring) the same way twice. Exit codes: 0 deterministic, 1 divergence found, "
-        "2 usage or input error.",
+        "2 usage or input error (or one run, not compared), 3 a crash, 130 interrupted.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

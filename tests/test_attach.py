@@ -69,6 +69,8 @@ def test_exec_names_a_planted_fault_by_module_phase_step_and_op(tmp_path, fault,
     first = summary["first_divergence"]
     assert (first["module"], first["phase"], first["step"], first["role"]) == (
         module, phase, step, "origin")
+    cells = [json.dumps(cell, sort_keys=True) for cell in summary["map"]]
+    assert cells and len(cells) == len(set(cells))  # the planted step is in the zoom too: once
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert (run["extra"]["zoom"]["status"], run["extra"]["zoom"]["step"]) == ("found", step)
     assert f"planted fault {fault}" in (tmp_path / "run" / "report.md").read_text()  # its op too
@@ -425,6 +427,9 @@ def test_compare_needs_two_runs(tmp_path):
     _train(tmp_path, steps=3)
     with pytest.raises(detaudit.DetauditError, match="at least two runs"):
         detaudit.compare(tmp_path)
+    # one run given twice (by its file and its folder) agrees with itself whatever it did
+    with pytest.raises(detaudit.DetauditError, match="given twice"):
+        detaudit.compare(tmp_path / "trace-0.json.gz", tmp_path)
 
 
 # -- ranks: torchrun and torch.multiprocessing.spawn ----------------------------------------

@@ -77,8 +77,9 @@ def judge(
         kind, headline = _with_ranks(kind, headline, ranks)
     elif kind == DETERMINISTIC and c.repeats < 2:
         kind = NOT_COMPARED
-        headline = (f"NOT COMPARED: 1 run recorded over {len(c.steps)} steps, and nothing to "
-                    "compare it with (an audit needs --repeats 2 or more; the trace is kept)")
+        headline = (f"NOT COMPARED: 1 run recorded over {len(c.steps)} "
+                    f"step{'' if len(c.steps) == 1 else 's'}, and nothing to compare it with "
+                    "(an audit needs --repeats 2 or more; the trace is kept)")
     if interrupted:
         kind = kind if kind == DIVERGENT else INTERRUPTED
         headline = f"INTERRUPTED ({interrupted}); what was recorded: {headline}"
@@ -133,7 +134,8 @@ def _headline(
     if kind == FAILED:
         return f"FAILED: {_stopped(c)}; {_common(c)}"
     if first is None:
-        return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {len(c.steps)} steps"
+        steps = f"{len(c.steps)} step{'' if len(c.steps) == 1 else 's'}"
+        return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {steps}"
     where = first.get("outside") or first["module"] or "(model)"
     text = (
         f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "

@@ -141,8 +141,11 @@ def _map_cells(c: Comparison, zoom: Comparison | None) -> list[dict[str, Any]]:
     """The divergence map: the differing module calls of every step (a scanned run has them
     only where zoomed) and, for scanned steps, the modules whose parameter gradients differ."""
     zoomed = [f for f in (zoom.findings if zoom else []) if f.step == zoom.first_step]
-    cells = [{"step": f.step, "module": f.module or "(model)", "phase": f.phase, "role": f.role}
-             for f in c.findings + zoomed]
+    # a step the scan recorded module by module (a planted fault's) is in the zoom too
+    unique = dict.fromkeys((f.step, f.module or "(model)", f.phase, f.role)
+                           for f in c.findings + zoomed)
+    cells = [{"step": step, "module": module, "phase": phase, "role": role}
+             for step, module, phase, role in unique]
     called = {(f.step, f.module) for f in c.findings + zoomed}
     grads: dict[tuple[int, str], list[str]] = {}
     for step, module, name in c.grad_diffs:
