@@ -222,6 +222,7 @@ class watch:
         self.path = _free_trace_path(self.out)
         config = AuditConfig(repeats=1, steps=self.max_steps, granularity=SCAN, stress=0)
         probe = trace_probe(ProbeSpec("watch", self.name), config, new_run_id())
+        del probe[PROBE_CONFIG]["seed"]  # watch seeds nothing: the user's code does, or not
         self._attachment = Attachment(self.path, probe, model=self.model,
                                       optimizer=self.optimizer, max_steps=self.max_steps,
                                       on_limit=self._limit).install()

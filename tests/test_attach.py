@@ -297,6 +297,7 @@ def test_watch_finds_a_planted_difference_at_its_step(tmp_path):
     html = result._repr_html_()
     assert "DIVERGENT" in html and "step 4" in html
     assert (tmp_path / "report" / "report.html").exists()
+    assert "seed 0" not in (tmp_path / "report" / "report.md").read_text()  # watch seeds nothing
     # and the CLI says the same of the same traces
     done = run_cli("compare", str(tmp_path / "trace-0.json.gz"), str(tmp_path / "trace-1.json.gz"),
                    "--out", str(tmp_path / "cli"), "--json")
