@@ -359,6 +359,30 @@ def test_only_the_training_loaders_batches_are_step_state(tmp_path):
     assert sorted(loaded.groupby("step").size().items()) == [(s, 2) for s in range(4)]
 
 
+def test_an_unseeded_rng_that_the_loop_draws_from_later_is_named_unseeded(tmp_path):
+    import random
+
+    def train(python_seed):
+        random.seed(python_seed)  # as if never seeded: another state in each run
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.ones(2, 4)
+        with detaudit.watch(model, opt, out=tmp_path) as w:
+            for step in range(3):
+                jitter = random.random() if step == 2 else 1.0  # drawn from at step 2 only
+                model(x * jitter).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return w
+
+    train(1), train(2)
+    c = detaudit.compare(tmp_path).comparison
+    assert (c.first_step, c.cause, c.loss.first_step) == (0, "rng", 2)
+    assert c.cause_text.startswith("the python RNG state differs before the first step: it "
+                                   "is not seeded")
+
+
 def test_watch_max_steps_ends_the_loop_and_leaves_torch_as_it_was(tmp_path):
     backward = torch.Tensor.backward
     w = _train(tmp_path, max_steps=2)

@@ -173,6 +173,13 @@ class Comparison:
 
     @property
     def cause_text(self) -> str:
+        unseeded = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs if d.phase == STATE
+                           and d.slot.startswith("rng.")}) if self.first_step == 0 else []
+        if self.cause == "rng" and unseeded:  # before anything ran: nothing drew differently
+            return (f"the {', '.join(unseeded)} RNG state differs before the first step: it is "
+                    "not seeded (fix: seed every RNG before training, e.g. "
+                    "detaudit.seed_everything(0); `detaudit exec --seed 0` does it for a whole "
+                    "script)")
         return _CAUSE_TEXT[self.cause]
 
 
