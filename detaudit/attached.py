@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -268,6 +269,10 @@ class watch:
             self._attachment.uninstall()
             if self.path is not None and self.path.stat().st_size == 0:
                 self.path.unlink()  # nothing was recorded: no trace, not an empty file
+        if self.model is not None and self.steps and not self._attachment.batches_seen:
+            warnings.warn(f"detaudit.watch: the model given ({type(self.model).__name__}) was "
+                          "never called in training mode, so no batch was recorded: give "
+                          "watch the module your loop calls", stacklevel=2)
         return isinstance(exc, WatchLimit)
 
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -381,6 +382,22 @@ def test_an_unseeded_rng_that_the_loop_draws_from_later_is_named_unseeded(tmp_pa
     assert (c.first_step, c.cause, c.loss.first_step) == (0, "rng", 2)
     assert c.cause_text.startswith("the python RNG state differs before the first step: it "
                                    "is not seeded")
+
+
+def test_watch_warns_when_the_model_given_is_never_called(tmp_path):
+    trained, other = nn.Linear(4, 1), nn.Linear(4, 1)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+
+    def train_watching(given):
+        with detaudit.watch(given, opt, out=tmp_path):
+            trained(torch.ones(2, 4)).sum().backward()
+            opt.step()
+
+    with pytest.warns(UserWarning, match=r"model given \(Linear\) was never called"):
+        train_watching(other)
+    with warnings.catch_warnings():  # and never when it was
+        warnings.simplefilter("error")
+        train_watching(trained)
 
 
 def test_watch_max_steps_ends_the_loop_and_leaves_torch_as_it_was(tmp_path):

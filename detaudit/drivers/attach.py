@@ -99,6 +99,7 @@ class Attachment:
         self._carried: StepRecords | None = None  # the open step's state, of another model
         self._grads_pending = False  # step(closure): gradients recorded after the update
         self._batches = 0  # top-level training calls in the open step
+        self.batches_seen = 0  # in all steps
         self._fetched = 0  # training loader batches recorded in the open step
         self._waiting: list[tuple[int, Any]] = []  # (loader, batch) fetched before a step began
         self._iterators: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -217,6 +218,7 @@ class Attachment:
         else:
             self.recorder.record(STATE, "", self._batches, "batch", batch)
         self._batches += 1
+        self.batches_seen += 1
 
     def on_backward(self, tensor: Any) -> None:
         """backward is called on `tensor`: the loss (each one of an accumulated step; a
