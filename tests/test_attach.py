@@ -465,6 +465,14 @@ def test_watch_records_a_step_the_grad_scaler_skipped_as_a_step_without_update(t
     assert [len(s.losses) for s in steps] == [1, 1, 1]  # three steps, not two merged
 
 
+def test_runs_of_different_lengths_are_said_so(tmp_path):
+    _train(tmp_path / "runs", steps=6)
+    _train(tmp_path / "runs", steps=3)
+    detaudit.compare(tmp_path / "runs", out=tmp_path / "report")
+    assert "2 repeats, 2 epochs, 6, 3 steps (the runs differ in length)" in (
+        tmp_path / "report" / "report.md").read_text()
+
+
 def test_compare_needs_two_runs(tmp_path):
     _train(tmp_path, steps=3)
     with pytest.raises(detaudit.DetauditError, match="at least two runs"):

@@ -190,8 +190,10 @@ def _run_line(s: dict[str, Any]) -> str:
         parts.append(f"preset {probe['preset']}")
     steps = s.get("steps", [])
     epochs = len({x["epoch"] for x in steps})
-    parts.append(f"{s.get('repeats', '?')} repeats, {_count(epochs, 'epoch')}, "
-                 f"{_count(len(steps), 'step')} each")
+    lengths = s.get("steps_per_repeat") or [len(steps)]
+    each = (f"{_count(len(steps), 'step')} each" if len(set(lengths)) == 1 else
+            f"{', '.join(map(str, lengths))} steps (the runs differ in length)")
+    parts.append(f"{s.get('repeats', '?')} repeats, {_count(epochs, 'epoch')}, {each}")
     for key in ("mode", "device", "seed"):
         if key in config:
             parts.append("unseeded" if config[key] is None else f"{key} {config[key]}")

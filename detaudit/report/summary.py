@@ -50,6 +50,7 @@ def summarize(
         "config": info.config,
         "repeats": c.repeats,
         "steps": [{"step": s, "epoch": e + 1, "index": i} for s, e, i in c.steps],
+        "steps_per_repeat": [len(t.steps) for t in traces],
         "first_divergence": verdict.first,
         "first_by_phase": {p: _record(d, located) for p, d in located.first_by_phase.items()},
         "origins": [
