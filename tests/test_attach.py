@@ -17,6 +17,7 @@ from test_cli import run_cli
 from torch import nn
 
 import detaudit
+from detaudit.drivers.attach import Attachment
 from detaudit.record.structure import next_ulp
 from detaudit.trace import Trace
 
@@ -382,6 +383,29 @@ def test_an_unseeded_rng_that_the_loop_draws_from_later_is_named_unseeded(tmp_pa
     assert (c.first_step, c.cause, c.loss.first_step) == (0, "rng", 2)
     assert c.cause_text.startswith("the python RNG state differs before the first step: it "
                                    "is not seeded")
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpoint_recomputing_in_backward_is_no_second_batch(tmp_path, reentrant):
+    # checkpoint_sequential calls the Sequential's children, never the Sequential: the
+    # first child is the top-level call, and its recompute in backward is no new batch
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 4, requires_grad=True)
+    attachment = Attachment(tmp_path / "trace.json.gz", {}).install()  # as exec attaches
+    try:
+        for _ in range(2):
+            torch.utils.checkpoint.checkpoint_sequential(
+                model, 2, x, use_reentrant=reentrant).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        attachment.finish()
+    finally:
+        attachment.uninstall()
+    records = Trace.load(tmp_path / "trace.json.gz").frame()
+    batches = records[(records.phase == "state") & records.slot.str.startswith("batch")]
+    assert sorted(set(zip(batches.step, batches.call))) == [(0, 0), (1, 0)]
 
 
 def test_watch_warns_when_the_model_given_is_never_called(tmp_path):

@@ -191,7 +191,9 @@ class Attachment:
     def _global_pre(self, module: nn.Module, args: tuple) -> None:
         if _compiling():  # a call inside a graph torch.compile traces: not a top-level one
             return
-        if self._depth == 0 and module.training and not self.stopped:
+        # a call inside a backward (a checkpoint recomputing its forward) is no new batch
+        if (self._depth == 0 and module.training and not self.stopped
+                and not self.in_backward):
             if module not in self._candidates and any(True for _ in module.parameters()):
                 self._candidates.append(module)
             if module is self._current_model():
