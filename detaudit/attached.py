@@ -104,6 +104,10 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
     traces = _load_all(runs)
     if len(traces) < 2:
         raise DetauditError(f"compare needs at least two runs; found {len(traces)} trace(s)")
+    names = list(dict.fromkeys(str(t.probe.get(PROBE_SPEC, {}).get("name")) for t in traces))
+    if len(names) > 1:
+        raise DetauditError(f"these are runs of different trainings ({', '.join(names)}): "
+                            "compare runs of one training (`detaudit diff A B` tells two apart)")
     run_id = new_run_id()
     traces = [_as_repeat(t, i, run_id) for i, t in enumerate(traces)]
     named = " ".join(str(r) for r in runs if not isinstance(r, (Trace, TraceFile)))

@@ -501,6 +501,13 @@ def test_compare_needs_two_runs(tmp_path):
     _train(tmp_path, steps=3)
     with pytest.raises(detaudit.DetauditError, match="at least two runs"):
         detaudit.compare(tmp_path)
+    # a run of another training (another model) in the same folder is refused, not compared
+    model = nn.Linear(6, 2)
+    with detaudit.watch(model, out=tmp_path / "other"):
+        model(torch.ones(1, 6)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with pytest.raises(detaudit.DetauditError, match=r"different trainings \(Sequential, Linear\)"):
+        detaudit.compare(tmp_path, tmp_path / "other")
     # one run given twice (by its file and its folder) agrees with itself whatever it did
     with pytest.raises(detaudit.DetauditError, match="given twice"):
         detaudit.compare(tmp_path / "trace-0.json.gz", tmp_path)
