@@ -507,6 +507,31 @@ def test_watch_records_a_step_the_grad_scaler_skipped_as_a_step_without_update(t
     assert [len(s.losses) for s in steps] == [1, 1, 1]  # three steps, not two merged
 
 
+def test_a_run_that_trains_on_the_model_of_the_run_before_is_told_apart_from_unseeded(tmp_path):
+    # a notebook's training cell run twice, the cell that builds the model once
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        with detaudit.watch(model, opt, out=tmp_path):
+            for _ in range(2):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    c = detaudit.compare(tmp_path).comparison
+    assert (c.first_step, c.cause, c.continued_from) == (0, "init", 1)
+    assert "repeat 1 began with the parameters repeat 0 ended with" in c.cause_text
+    # built anew from an unseeded RNG instead: the seeding fix
+    for _ in range(2):
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detaudit.watch(model, opt, out=tmp_path / "unseeded"):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+    c = detaudit.compare(tmp_path / "unseeded").comparison
+    assert (c.cause, c.continued_from) == ("init", None) and "unseeded RNG" in c.cause_text
+
+
 def test_runs_of_different_lengths_are_said_so(tmp_path):
     _train(tmp_path / "runs", steps=6)
     _train(tmp_path / "runs", steps=3)

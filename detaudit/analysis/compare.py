@@ -137,6 +137,9 @@ class Comparison:
     # with more divergent steps than DETAIL_STEPS: how many were kept in detail (findings,
     # gradients that differ); the later ones are in differing_by_step only
     detailed_steps: int | None = None
+    # with cause "init": the first repeat that began with exactly the parameters the repeat
+    # before it ended with (the model trained on, not built anew: a notebook cell re-run)
+    continued_from: int | None = None
 
     @property
     def proven(self) -> list[StressedOp]:
@@ -175,6 +178,12 @@ class Comparison:
     def cause_text(self) -> str:
         unseeded = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs if d.phase == STATE
                            and d.slot.startswith("rng.")}) if self.first_step == 0 else []
+        if self.cause == "init" and self.continued_from is not None:
+            n = self.continued_from
+            return (f"the parameters differ before the first step: repeat {n} began with the "
+                    f"parameters repeat {n - 1} ended with, so the model was trained on, not "
+                    "built anew (fix: build, and seed, the model before each run; in a "
+                    "notebook, re-run the cell that builds it)")
         if self.cause == "rng" and unseeded:  # before anything ran: nothing drew differently
             return (f"the {', '.join(unseeded)} RNG state differs before the first step: it is "
                     "not seeded (fix: seed every RNG before training, e.g. "
@@ -227,7 +236,36 @@ def compare(traces: Iterable[AnyTrace]) -> Comparison:
     seen = _StepDiffs(len(traces))
     for step, cuts in aligned_steps(traces, common):
         seen.add(step, cuts)
-    return seen.comparison(traces, common)
+    comparison = seen.comparison(traces, common)
+    if comparison.cause == "init":
+        comparison.continued_from = _continued(traces)
+    return comparison
+
+
+def _continued(traces: list[AnyTrace]) -> int | None:
+    """The first repeat whose parameters before its first step are those the repeat before
+    it ended with (one more pass over each trace, in the rare case of cause "init")."""
+    ends = [_first_and_last_parameters(t) for t in traces]
+    for n in range(1, len(traces)):
+        began, ended = ends[n][0], ends[n - 1][1]
+        if ended and all(began.get(key) == fp for key, fp in ended.items()):
+            return n
+    return None
+
+
+def _first_and_last_parameters(trace: AnyTrace) -> tuple[dict[tuple[str, str], str],
+                                                           dict[tuple[str, str], str]]:
+    """A trace's parameter prints before its first step, and after its last update of each."""
+    first: dict[tuple[str, str], str] = {}
+    last: dict[tuple[str, str], str] = {}
+    for _, cut in trace.by_step():
+        r = cut.records
+        for phase, module, slot, fp in zip(r["phase"], r["module"], r["slot"], r["fp"]):
+            if slot.startswith("param.") and phase == STATE:
+                first.setdefault((module, slot), fp)
+            elif slot.startswith("param.") and phase == OPTIMIZER:
+                last[(module, slot)] = fp
+    return first, last
 
 
 def aligned_steps(traces: list[AnyTrace], common: int | None
