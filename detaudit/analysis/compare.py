@@ -176,15 +176,16 @@ class Comparison:
 
     @property
     def cause_text(self) -> str:
-        unseeded = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs if d.phase == STATE
-                           and d.slot.startswith("rng.")}) if self.first_step == 0 else []
         if self.cause == "init" and self.continued_from is not None:
             n = self.continued_from
             return (f"the parameters differ before the first step: repeat {n} began with the "
                     f"parameters repeat {n - 1} ended with, so the model was trained on, not "
                     "built anew (fix: build, and seed, the model before each run; in a "
                     "notebook, re-run the cell that builds it)")
-        if self.cause == "rng" and unseeded:  # before anything ran: nothing drew differently
+        unseeded = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
+                           if d.phase == STATE and d.slot.startswith("rng.")}
+                          ) if self.cause == "rng" and self.first_step == 0 else []
+        if unseeded:  # before anything ran: nothing drew differently
             return (f"the {', '.join(unseeded)} RNG state differs before the first step: it is "
                     "not seeded (fix: seed every RNG before training, e.g. "
                     "detaudit.seed_everything(0); `detaudit exec --seed 0` does it for a whole "

@@ -80,9 +80,8 @@ def judge(
         kind, headline = _with_ranks(kind, headline, ranks)
     elif kind == DETERMINISTIC and c.repeats < 2:
         kind = NOT_COMPARED
-        headline = (f"NOT COMPARED: 1 run recorded over {len(c.steps)} "
-                    f"step{'' if len(c.steps) == 1 else 's'}, and nothing to compare it with "
-                    "(an audit needs --repeats 2 or more; the trace is kept)")
+        headline = (f"NOT COMPARED: 1 run recorded over {_steps(c)}, and nothing to compare "
+                    "it with (an audit needs --repeats 2 or more; the trace is kept)")
     if interrupted:
         kind = kind if kind == DIVERGENT else INTERRUPTED
         headline = f"INTERRUPTED ({interrupted}); what was recorded: {headline}"
@@ -131,14 +130,17 @@ def crash_line(crash: dict[str, Any]) -> str:
     return f"rank {crash['rank']} crashed{repeat}: {crash['message']}"
 
 
+def _steps(c: Comparison) -> str:
+    return f"{len(c.steps)} step{'' if len(c.steps) == 1 else 's'}"
+
+
 def _headline(
     kind: str, c: Comparison, first: dict[str, Any] | None, hidden: bool, ops: dict[str, Any]
 ) -> str:
     if kind == FAILED:
         return f"FAILED: {_stopped(c)}; {_common(c)}"
     if first is None:
-        steps = f"{len(c.steps)} step{'' if len(c.steps) == 1 else 's'}"
-        return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {steps}"
+        return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {_steps(c)}"
     where = first.get("outside") or first["module"] or "(model)"
     text = (
         f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "

@@ -9,8 +9,8 @@ parameters after the update. The model is the top-level module,
 called in training mode, whose parameters the optimizer updates; the batch is what it is
 called with (each call of an accumulated step), and what the training DataLoader yielded for
 the step (labels a loss takes outside the model are in it); the loss is what backward is
-called on. An epoch is a new pass over the training DataLoader (the loader whose batches precede the first
-step); evaluation passes are not steps. Every step is recorded at scan level (see
+called on. An epoch is a new pass over the training DataLoader (the loader whose batches
+precede the first step); evaluation passes are not steps. Every step is recorded at scan level (see
 :mod:`detaudit.trace`): batch, RNGs, losses, gradients, parameters after the update.
 """
 

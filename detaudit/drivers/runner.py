@@ -515,9 +515,10 @@ def describe_user_error(exc: BaseException, when: str) -> str:
     user = [f for f in frames if not os.path.abspath(f.filename).startswith(library_dirs)]
     frame = (user or frames or [None])[-1]
     where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
-    own = [i for i, f in enumerate(frames) if f.name in _HOOK_ENTRIES
-           and os.path.abspath(f.filename).startswith(_PACKAGE_DIR)]
-    if own and (not user or own[-1] > frames.index(user[-1])):
+    inner_user = max((i for i, f in enumerate(frames) if f in user), default=-1)
+    inner_hook = max((i for i, f in enumerate(frames) if f.name in _HOOK_ENTRIES
+                      and os.path.abspath(f.filename).startswith(_PACKAGE_DIR)), default=-1)
+    if inner_hook > inner_user:
         inner = frames[-1]  # raised in detaudit's hook, not in the code it watches
         return (f"detaudit's own recording failed while {when}{where} ({type(exc).__name__} "
                 f"at {os.path.basename(inner.filename)}:{inner.lineno}: "
@@ -534,7 +535,7 @@ def _first_line(exc: BaseException) -> str:
 # Where detaudit's code is entered from torch's hooks around the user's code: an exception
 # whose innermost frame outside torch is one of these (or below one) is detaudit's own.
 _HOOK_ENTRIES = frozenset({
-    "_pre_hook", "_post_hook", "_grad_out_hook", "_boundary_hook", "hook",  # Recorder
+    "_pre_hook", "_post_hook", "hook",  # Recorder (a hook on a tensor or an autograd node)
     "_global_pre", "_global_post", "on_backward", "_before_update", "_after_update",
     "on_loader_pass", "on_loader_batch", "on_scaler_update",  # Attachment
 })

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import random
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -476,10 +477,10 @@ class Recorder:
 
 def uncompiled(model: nn.Module) -> nn.Module:
     """The module a ``torch.compile(model)`` wrapper holds: its names are the user's (the
-    wrapper's have ``_orig_mod.`` in front), and the wrapper's call is the top-level one."""
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, nn.Module) and type(model).__name__ == (
-        "OptimizedModule") else model
+    wrapper's have ``_orig_mod.`` in front), and the wrapper's call is the top-level one.
+    (A wrapper exists only once torch's compiler is imported: nothing is imported here.)"""
+    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    return model._orig_mod if wrapper is not None and isinstance(model, wrapper) else model
 
 
 def _iter_inputs(args: tuple, kwargs: dict):
