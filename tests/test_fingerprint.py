@@ -2,7 +2,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +15,7 @@ import xxhash
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from detaudit.record import fingerprint as fpmod
+from detaudit.record import fused
 from detaudit.record.fingerprint import Fingerprinter, fingerprint, wsum_device_value
 
 ALGORITHMS = ["xxh3", "wsum"]
@@ -448,3 +453,39 @@ def test_segmented_wsum_launches_the_same_kernels_for_10_or_200_tensors():
             f.collect()
         counts.append(kernels.count)
     assert counts[0] == counts[1] < 40
+
+
+
+def test_the_fused_kernel_prints_exactly_what_the_torch_form_prints():
+    """Run in a fresh interpreter: Triton's interpreter must be chosen before Triton loads.
+    Every dtype, one element to several blocks, alone and packed, top-bit 64-bit values; and
+    order-aware and bit-exact across blocks (see the script)."""
+    pytest.importorskip("triton")
+    script = Path(__file__).parent / "scripts" / "fused_wsum_check.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "ok"
+
+
+def test_a_fused_kernel_that_cannot_run_falls_back_to_the_torch_form(monkeypatch):
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no compiler for this device")
+            return launch
+
+    tensors = [torch.randn(10), torch.arange(4)]
+    monkeypatch.setenv("DETAUDIT_FUSED_WSUM", "0")
+    f = Fingerprinter(algorithm="wsum", stats=False)
+    f.add_many(tensors)
+    expected = f.collect()
+    monkeypatch.setenv("DETAUDIT_FUSED_WSUM", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # makes CPU tensors eligible
+    monkeypatch.setattr(fused, "_kernel", lambda: Broken())
+    monkeypatch.setattr(fused, "_FAILED", set())
+    assert fused.usable(torch.device("cpu"))
+    with pytest.warns(UserWarning, match="fused fingerprint kernel failed on cpu"):
+        f.add_many(tensors)
+        assert f.collect() == expected
+    assert not fused.usable(torch.device("cpu"))

@@ -104,6 +104,7 @@ class Attachment:
         self._waiting: list[tuple[int, Any]] = []  # (loader, batch) fetched before a step began
         self._iterators: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._losses = 0
+        self._loss_values: dict[str, torch.Tensor] = {}  # read once the step is over
         self._depth = 0
         self._candidates: list[nn.Module] = []
         self._others: list[tuple[str, nn.Module]] = []  # further models recorded, by name
@@ -236,7 +237,7 @@ class Attachment:
         self._losses += 1
         self.recorder.record(OUTPUT, "", 0, name, tensor.detach())
         if tensor.numel() == 1:
-            self.info.losses[name] = float(tensor.detach().double()).hex()
+            self._loss_values[name] = tensor.detach()
         if self._watch(self.info.step) != WATCH_NONE:
             self.recorder.before_backward(tensor)  # module-level backward records, faults
 
@@ -247,7 +248,7 @@ class Attachment:
         for name, value in losses.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 self.recorder.record(OUTPUT, "", 0, f"loss.{name}", value.detach())
-                self.info.losses[name] = float(value.detach().double()).hex()
+                self._loss_values[name] = value.detach()
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.stopped or (self.optimizer is not None and optimizer is not self.optimizer):
@@ -477,6 +478,8 @@ class Attachment:
             store_records(self.trace, self.info.step, self._carried)
             self._carried = None
         store_records(self.trace, self.info.step, self.recorder.end_step())
+        self.info.keep_losses(self._loss_values)
+        self._loss_values = {}
         self.trace.steps.append(self.info)
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
         self._fetched = 0

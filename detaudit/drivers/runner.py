@@ -330,13 +330,16 @@ def _run_steps(
             recorder.record_state(batch)
             if step == 0:
                 recorder.record_parameters(STATE)
+            losses = {}
             if train:
-                _train_step(probe, batch, recorder, info, step, scope, watch == WATCH_MODULE)
+                losses = _train_step(probe, batch, recorder, info, step, scope,
+                                     watch == WATCH_MODULE)
             else:
                 with torch.no_grad(), scope:
                     outputs = probe.step(probe.model, batch)
                 recorder.record(OUTPUT, "", 0, "detections", outputs)
             store_records(trace, step, recorder.end_step())
+            info.keep_losses(losses)
             trace.steps.append(info)
             if ops is not None and recorder.host_draws:
                 ops.host_draws.setdefault(step, set()).update(recorder.host_draws)
@@ -412,10 +415,11 @@ class _Stacked:
 def _train_step(
     probe: Probe, batch: Any, recorder: Recorder, info: StepInfo, step: int,
     scope: contextlib.AbstractContextManager, modules: bool = True,
-) -> None:
-    """One training step. At module level the parameter gradients are recorded as backward
-    left them (what the backward origin analysis reads); in a scanned step as the optimizer
-    receives them, after unscaling and clipping, and the optimizer state not at all."""
+) -> dict[str, torch.Tensor]:
+    """One training step; returns its loss terms (their values are read once the step is
+    over). At module level the parameter gradients are recorded as backward left them (what
+    the backward origin analysis reads); in a scanned step as the optimizer receives them,
+    after unscaling and clipping, and the optimizer state not at all."""
     with scope:
         losses = probe.step(probe.model, batch)
     terms = losses if isinstance(losses, dict) else {"loss": losses}
@@ -428,7 +432,6 @@ def _train_step(
         raise ProbeError(f"the loss must be a scalar: the step ({_where(probe.step)}) returned "
                          f"{name!r} of shape {shape} (reduce it, e.g. .mean())")
     recorder.record(OUTPUT, "", 0, "loss", terms)
-    info.losses = {name: float(value.detach().float()).hex() for name, value in terms.items()}
     total = sum(terms.values())
     accumulate = max(1, probe.accumulate)
     if accumulate > 1:
@@ -441,7 +444,7 @@ def _train_step(
     if modules or optimizer is None:
         recorder.record_param_grads()
     if optimizer is None or (step + 1) % accumulate:
-        return
+        return terms
     if scaler is not None:
         scaler.unscale_(optimizer)
     if probe.clip_grad_norm:
@@ -468,6 +471,7 @@ def _train_step(
     recorder.record_parameters(OPTIMIZER)
     if modules:
         recorder.record_optimizer(optimizer)
+    return terms
 
 
 def _skipped(scaler: Any, optimizer: Any, scale_before: float) -> bool:

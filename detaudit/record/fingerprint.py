@@ -17,6 +17,7 @@ Neither draws from an RNG or writes into the tensor.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import weakref
@@ -26,6 +27,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import xxhash
+
+from . import fused
 
 # The bit-pattern integer type of each element size (bool and 1-byte types use uint8).
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -283,6 +286,10 @@ def _device_flat(t: torch.Tensor) -> torch.Tensor:
 def _wsum(flat: torch.Tensor) -> torch.Tensor:
     """Position-weighted int64 sum of the mixed bit patterns of a `_device_flat` tensor."""
     bits = _wsum_bits(flat)
+    if bits.numel() and fused.usable(bits.device):
+        sums = fused.segment_wsum([bits], _MIX, _MIX2, _LOW33)
+        if sums is not None:
+            return sums[0]
     total = None
     for start in range(0, bits.numel(), _WSUM_CHUNK):
         # a copy of our own (`to` alone returns 64-bit bits as they are): mixed in place
@@ -338,21 +345,25 @@ def _reduce_bucket(bucket: list[tuple[int, torch.Tensor]], out: list[Any]) -> No
 
 
 def _segment_wsum(bits: list[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor weighted sums of bit views of one width, packed into one buffer."""
+    """Per-tensor weighted sums of bit views of one width, packed into one buffer: each
+    element weighed by its position in its own tensor, then one running (prefix) sum, read at
+    each tensor's end and differenced. Wrapping integer sums are exact in any order, and a scan
+    adds no atomic contention (an index_add into one slot per tensor serialised on a GPU)."""
     device = bits[0].device
-    sizes = torch.tensor([b.numel() for b in bits], dtype=torch.int64)
-    if device.type == "cuda":  # from pinned memory, asynchronously: no wait on the stream
-        sizes = sizes.pin_memory().to(device, non_blocking=True)
-    else:
-        sizes = sizes.to(device)
+    sums = fused.segment_wsum(bits, _MIX, _MIX2, _LOW33) if fused.usable(device) else None
+    if sums is not None:
+        return sums
+    sizes = [b.numel() for b in bits]
+    weights = _weights(0, max(sizes), device)
     packed = torch.cat(bits).to(torch.int64, copy=True).add_(_MIX)
-    segment = torch.repeat_interleave(torch.arange(len(bits), device=device), sizes,
-                                      output_size=packed.numel())
-    starts = torch.cumsum(sizes, 0).sub_(sizes)
-    position = torch.arange(packed.numel(), device=device).sub_(starts[segment])
-    weights = _weights(0, max(b.numel() for b in bits), device)[position]
-    mixed = _splitmix(packed).mul_(weights)
-    return torch.zeros(len(bits), dtype=torch.int64, device=device).index_add_(0, segment, mixed)
+    mixed = _splitmix(packed).mul_(torch.cat([weights[:n] for n in sizes]))
+    ends = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int64).sub_(1)
+    if device.type == "cuda":  # from pinned memory, asynchronously: no wait on the stream
+        ends = ends.pin_memory().to(device, non_blocking=True)
+    else:
+        ends = ends.to(device)
+    at_end = mixed.cumsum_(0)[ends]
+    return torch.diff(at_end, prepend=at_end.new_zeros(1))
 
 
 def wsum_device_value(t: torch.Tensor) -> torch.Tensor:

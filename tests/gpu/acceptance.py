@@ -37,7 +37,8 @@ from detaudit.record.fingerprint import Fingerprinter
 
 
 def audit(out: Path, name: str, *args: str, timeout: int = 540) -> tuple[dict, float, int]:
-    """Run one `detaudit run` and return its summary, wall time and exit code."""
+    """Run one `detaudit run` and return its summary, wall time and exit code (the summary is
+    also kept as NAME.json in `out`)."""
     folder = out / name
     started = time.perf_counter()
     done = subprocess.run(
@@ -47,10 +48,12 @@ def audit(out: Path, name: str, *args: str, timeout: int = 540) -> tuple[dict, f
     )
     seconds = time.perf_counter() - started
     try:
-        return json.loads(done.stdout), seconds, done.returncode
+        summary = json.loads(done.stdout)
     except json.JSONDecodeError:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"headline": f"no summary (exit {done.returncode}): {last}"}, seconds, done.returncode
+        summary = {"headline": f"no summary (exit {done.returncode}): {last}"}
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary, seconds, done.returncode
 
 
 def where(summary: dict) -> str:
@@ -105,10 +108,15 @@ def throughput(device: str, size_mb: int) -> tuple[str, str, str, str]:
             f"{per_call:.1f} us", peak)
 
 
+ROWS = ("seed", "dense", "verify", "throughput", "nproc")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes: check the script")
     parser.add_argument("--out", default="reports/gpu-acceptance", help="run folders go here")
+    parser.add_argument("--only", nargs="+", choices=ROWS, default=list(ROWS),
+                        help="the rows to run (default: all)")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: nothing to accept here (use --smoke to check the script)")
@@ -119,35 +127,46 @@ def main() -> int:
         dense = ["--image-size", "96", "--epochs", "1", "--steps", "1"]
     else:
         device, sizes, dense = "cuda", ["--epochs", "2"], ["--epochs", "2", "--steps", "1"]
+    out.mkdir(parents=True, exist_ok=True)
     rows = []
+
+    def add(row: tuple) -> None:
+        """A row of the table, also printed at once (a run cut short keeps the rows so far)."""
+        rows.append(row)
+        print(" | ".join(str(cell) for cell in row), flush=True)
     started = time.perf_counter()
-    summary, seconds, code = audit(out, "seed", "--model", "maskrcnn", "--device", device, *sizes)
-    rows.append(("seed scenario (maskrcnn, preset)", summary.get("verdict", "?"), where(summary),
-                 f"{seconds:.0f} s, exit {code}"))
-    census_errors = summary.get("census_errors") or []
-    rows.append(("census (one step) and alerts", (f"{len(summary.get('census') or [])} ops, "
-                 f"{len(summary.get('census_alerts') or [])} alerts"),
-                 "; ".join(census_errors) or "no error", ""))
-    summary, seconds, code = audit(out, "dense", "--model", "maskrcnn", "--device", device,
-                                   "--instances", "1000", "--num-images", "1", *dense)
-    rows.append(("dense single class (1000 instances)", summary.get("verdict", "?"),
-                 where(summary), f"{seconds:.0f} s, exit {code}"))
-    summary, seconds, code = audit(out, "verify", "--model", "maskrcnn", "--device", device,
-                                   "--verify-fix", "--no-census", *sizes)
-    verify = (summary.get("extra") or {}).get("verify") or {}
-    rows.append(("--verify-fix", verify.get("headline", verify.get("error", "-")),
-                 (f"step time {verify.get('step_time_ratio') or 0:.2f}x, peak memory "
-                 f"{verify.get('peak_memory_ratio') or 0:.2f}x"), f"{seconds:.0f} s"))
-    fp, sums, per_call, peak = throughput(device, 16 if args.smoke else 1024)
-    rows.append(("fingerprint throughput vs x.sum()", fp, sums, (f"per call {per_call}, "
-                 f"peak {peak}")))
-    if not args.smoke and torch.cuda.device_count() >= 2:
+    if "seed" in args.only:
+        summary, seconds, code = audit(out, "seed", "--model", "maskrcnn", "--device", device,
+                                       *sizes)
+        add(("seed scenario (maskrcnn, preset)", summary.get("verdict", "?"), where(summary),
+             f"{seconds:.0f} s, exit {code}"))
+        census_errors = summary.get("census_errors") or []
+        add(("census (one step) and alerts", (f"{len(summary.get('census') or [])} ops, "
+             f"{len(summary.get('census_alerts') or [])} alerts"),
+             "; ".join(census_errors) or "no error", ""))
+    if "dense" in args.only:
+        summary, seconds, code = audit(out, "dense", "--model", "maskrcnn", "--device", device,
+                                       "--instances", "1000", "--num-images", "1", *dense)
+        add(("dense single class (1000 instances)", summary.get("verdict", "?"),
+             where(summary), f"{seconds:.0f} s, exit {code}"))
+    if "verify" in args.only:
+        summary, seconds, code = audit(out, "verify", "--model", "maskrcnn", "--device", device,
+                                       "--verify-fix", "--no-census", *sizes)
+        verify = (summary.get("extra") or {}).get("verify") or {}
+        add(("--verify-fix", verify.get("headline", verify.get("error", "-")),
+             (f"step time {verify.get('step_time_ratio') or 0:.2f}x, peak memory "
+              f"{verify.get('peak_memory_ratio') or 0:.2f}x"), f"{seconds:.0f} s"))
+    if "throughput" in args.only:
+        fp, sums, per_call, peak = throughput(device, 16 if args.smoke else 1024)
+        add(("fingerprint throughput vs x.sum()", fp, sums,
+             f"per call {per_call}, peak {peak}"))
+    if "nproc" in args.only and not args.smoke and torch.cuda.device_count() >= 2:
         summary, seconds, code = audit(out, "nproc2", "--model", "maskrcnn", "--nproc", "2",
                                        "--epochs", "1", "--steps", "2")
-        rows.append(("--nproc 2 (NCCL)", summary.get("verdict", "?"), summary.get("headline", ""),
-                     f"{seconds:.0f} s, exit {code}"))
-    else:
-        rows.append(("--nproc 2 (NCCL)", "skipped", "fewer than two GPUs", ""))
+        add(("--nproc 2 (NCCL)", summary.get("verdict", "?"), summary.get("headline", ""),
+             f"{seconds:.0f} s, exit {code}"))
+    elif "nproc" in args.only:
+        add(("--nproc 2 (NCCL)", "skipped", "fewer than two GPUs", ""))
     name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU (smoke)"
     print(f"detaudit GPU acceptance, {time.strftime('%Y-%m-%d')}, {name}, torch "
           f"{torch.__version__}, {time.perf_counter() - started:.0f} s")
