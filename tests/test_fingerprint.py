@@ -489,3 +489,20 @@ def test_a_fused_kernel_that_cannot_run_falls_back_to_the_torch_form(monkeypatch
         f.add_many(tensors)
         assert f.collect() == expected
     assert not fused.usable(torch.device("cpu"))
+
+
+def test_the_fused_kernel_builds_for_a_hopper_gpu_without_one():
+    """Triton compiles the kernel ahead for sm_90 (no GPU needed) in each bit width it reads."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this Triton has no ahead-of-time compile API")
+    for bits in ("u8", "i16", "i32", "i64"):
+        signature = {"bits": f"*{bits}", "block_start": "*i64", "block_position": "*i64",
+                     "block_length": "*i64", "out": "*i64", "mix": "i64", "mix2": "i64",
+                     "low33": "i64", "BLOCK": "constexpr"}
+        source = ASTSource(fn=fused._kernel(), signature=signature,
+                           constexprs={"BLOCK": fused.BLOCK})
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]

@@ -44,8 +44,9 @@ from detaudit.record.recorder import WATCH_MODULE, WATCH_NONE, Recorder
 from detaudit.seeding import seed_everything
 from detaudit.trace import StepInfo
 
-DETAUDIT = str(ROOT / "detaudit")
-TORCH = str(Path(torch.__file__).parent)
+DETAUDIT = str(ROOT / "detaudit") + os.sep
+TORCH = str(Path(torch.__file__).parent) + os.sep  # the separator keeps torchvision out
+PROBES = os.sep + "probes" + os.sep  # the built-in probes (installed under detaudit/): models
 ENTRY_POINTS = ("record_state", "record", "before_backward", "record_param_grads",
                 "record_parameters", "end_step")
 
@@ -282,7 +283,7 @@ def host_syncs(probe, batch, device) -> list[tuple]:
         frames = [f for f in traceback.extract_stack()[:-1]
                   if not f.filename.startswith(TORCH) and "warnings" not in f.filename]
         frame = frames[-1] if frames else None
-        if frame is None or not frame.filename.startswith(DETAUDIT):
+        if frame is None or not frame.filename.startswith(DETAUDIT) or PROBES in frame.filename:
             where = "the model's own"
         else:
             when = "at the end of the step" if ended[0] else "INSIDE the step"
