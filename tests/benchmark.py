@@ -280,6 +280,33 @@ def fingerprint_speed() -> tuple[list[tuple], list[tuple]]:
     return big, small
 
 
+def batch_state_print() -> list[tuple]:
+    """The step state of the CUDA preset's batch (Mask R-CNN, 800 px, batch 2, a 3-instance
+    mask per image), printed where it lives (CPU) as a scanned step does: the images by xxh3,
+    the integer targets (masks, labels) by wsum, several tensors at once (median of 5)."""
+    factory = make_factory(builtin_spec("maskrcnn_v1", {"image_size": 800, "batch_size": 2,
+                                                         "num_images": 2}))
+    batch = next(iter(factory(torch.device("cpu")).batches))
+    tensors = _tensors(batch)
+    times = []
+    for _ in range(6):
+        f = Fingerprinter(stats=False)
+        t = time.perf_counter()
+        f.add_many(tensors)
+        f.collect()
+        times.append(time.perf_counter() - t)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return [("800 px, batch 2: images, masks, boxes, labels", len(tensors),
+             f"{nbytes / 1e6:.1f}", f"{statistics.median(times[1:]) * 1e3:.1f}")]
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    return [t for v in values for t in _tensors(v)]
+
+
 def trace_size() -> list[tuple]:
     rows = []
     for size in (64, 128):
@@ -366,6 +393,9 @@ def _speed_tables(pairs: int) -> None:
                                  "speed vs sha256"]))
     print()
     print(tabulate(small, headers=["per call", "µs"]))
+    print()
+    print(tabulate(batch_state_print(), headers=["batch printed on CPU (scan step state)",
+                                                 "tensors", "MB", "ms (median)"]))
     print()
     print(tabulate(trace_size(), headers=["trace of 1 step", "records", "JSON MB", "gzip MB"]))
 

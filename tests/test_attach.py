@@ -173,6 +173,18 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
     assert len(trace.steps) == 3 and trace.failure is None
 
 
+def test_the_run_ends_at_an_evaluation_after_the_last_steps_update(tmp_path):
+    """--max-steps at an epoch's end (2 steps per epoch): the step limit is reached once the
+    script evaluates, not after its evaluation (and checkpointing) has run."""
+    marker = tmp_path / "evaluated.txt"
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "2",
+                 script_args=("--workers", "0", "--evaluated", str(marker)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not marker.exists()
+    trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
+    assert len(trace.steps) == 2 and all(s.optimizer_stepped for s in trace.steps)
+
+
 def test_ctrl_c_ends_the_process_tree_and_keeps_what_was_recorded(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "detaudit", "exec", "--out", str(out), "--quiet", "--seed",

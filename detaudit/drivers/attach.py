@@ -193,12 +193,15 @@ class Attachment:
         if _compiling():  # a call inside a graph torch.compile traces: not a top-level one
             return
         # a call inside a backward (a checkpoint recomputing its forward) is no new batch
-        if (self._depth == 0 and module.training and not self.stopped
-                and not self.in_backward):
-            if module not in self._candidates and any(True for _ in module.parameters()):
-                self._candidates.append(module)
-            if module is self._current_model():
-                self._on_batch(module, args, {})
+        if self._depth == 0 and not self.stopped and not self.in_backward:
+            if module.training:
+                if module not in self._candidates and any(True for _ in module.parameters()):
+                    self._candidates.append(module)
+                if module is self._current_model():
+                    self._on_batch(module, args, {})
+            elif self._last_step_updated() and module is self._current_model():
+                self.end_step()  # evaluation after the last step's update: the run is over
+                self.stop()
         self._depth += 1
 
     def _global_post(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -304,6 +307,11 @@ class Attachment:
         self.recorder.record(OPTIMIZER, "", 0, "scale", torch.tensor(scale, dtype=torch.float64))
         if not self._updated and self._losses:
             self._step_done(complete=True)
+
+    def _last_step_updated(self) -> bool:
+        """The step at the step limit is open and has updated."""
+        return (self._updated and self.info is not None and self.max_steps is not None
+                and self.info.step + 1 >= self.max_steps)
 
     def _step_done(self, complete: bool) -> None:
         """The open step has updated (or its update was skipped): the next training call

@@ -11,8 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from detaudit.record import fused  # noqa: E402
-from detaudit.record.fingerprint import Fingerprinter  # noqa: E402
+from detaudit.record import fused
+from detaudit.record.fingerprint import Fingerprinter
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
