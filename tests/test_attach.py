@@ -140,7 +140,8 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
 
 def test_labels_a_loss_takes_outside_the_model_are_step_state(tmp_path):
     # the model sees equal images; the labels the DataLoader's workers yield differ run to
-    # run (an unseeded generator): the cause is the data, not a forward computation
+    # run (an unseeded generator; all 8 labels of step 0 agree by chance once in 4**8 runs):
+    # the cause is the data, not a forward computation
     done = _exec(tmp_path, "--seed", "0", "--max-steps", "2", "--json",
                  script_args=("--label-noise",))
     assert done.returncode == 1, done.stderr

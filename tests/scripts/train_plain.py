@@ -21,7 +21,7 @@ class Shapes(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         if self.label_noise:  # an unseeded generator: fresh entropy each time
-            return self.x[i], (self.y[i] + int(np.random.default_rng().integers(0, 2))) % 4
+            return self.x[i], (self.y[i] + int(np.random.default_rng().integers(0, 4))) % 4
         return self.x[i], self.y[i]
 
 
