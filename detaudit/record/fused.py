@@ -13,6 +13,7 @@ run the kernel on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -106,9 +107,12 @@ def segment_wsum(bits: list[torch.Tensor], mix: int, mix2: int, low33: int
     packed = bits[0] if len(bits) == 1 else torch.cat(bits)
     start, position, length, last = _tables(sizes, packed.device)
     partial = torch.empty(start.numel(), dtype=torch.int64, device=packed.device)
+    # Triton launches on the current CUDA device: make it the tensors' (a rank's cuda:1)
+    on_device = torch.cuda.device(packed.device) if packed.is_cuda else contextlib.nullcontext()
     try:
-        _kernel()[(start.numel(),)](packed, start, position, length, partial, mix, mix2,
-                                    low33, BLOCK=BLOCK)
+        with on_device:
+            _kernel()[(start.numel(),)](packed, start, position, length, partial, mix, mix2,
+                                        low33, BLOCK=BLOCK)
     except Exception as exc:  # noqa: BLE001 - a compiler or driver that cannot run it
         _FAILED.add(packed.device.type)
         warnings.warn(f"detaudit: the fused fingerprint kernel failed on {packed.device} "
