@@ -41,8 +41,14 @@ KNOWN: tuple[Known, ...] = (
         why="the CUDA kernel scatters each RoI bin's gradient into the feature map with "
         "atomicAdd; overlapping RoIs add in a different order every run",
         remedy="torch.use_deterministic_algorithms(True): torchvision then runs a pure-PyTorch "
-        "roi_align whose backward is deterministic, at a higher memory cost (it materialises "
-        "the sampling grid per RoI)",
+        "roi_align whose backward is deterministic, at a memory cost: it materialises the "
+        "sampling grid of every RoI, and with adaptive sampling (sampling_ratio=-1) that grid "
+        "spans the whole input. Mask R-CNN's mask targets take that path on full-size masks "
+        "(roi_heads.project_masks_on_boxes): K x 28 x 28 x H x W floats, 37.4 GiB for 20 "
+        "positive RoIs at 800 px, which ran out of memory on a 141 GB GPU. Run that function "
+        "with deterministic algorithms off (its CUDA forward is deterministic and the targets "
+        "need no gradient), e.g. by wrapping "
+        "torchvision.models.detection.roi_heads.project_masks_on_boxes",
         deterministic_mode="switches",
         torch="torchvision >= 0.16 (deterministic fallback); older versions: always atomic",
     ),
