@@ -12,7 +12,8 @@ from conftest import small_cnn_probe
 from detaudit import Probe, audit
 from detaudit.cli import main
 from detaudit.drivers import rankprobe
-from detaudit.drivers.runner import resolve_device
+from detaudit.drivers.loading import builtin_spec, make_factory
+from detaudit.drivers.runner import deterministic_settings, resolve_device
 from detaudit.errors import DetauditError
 
 PROBES = Path(__file__).parent / "probe_files"
@@ -263,3 +264,32 @@ def test_the_trace_environment_is_the_one_the_steps_ran_in_with_deterministic_on
                 drill_down=False).traces[0].env
     assert env["deterministic_algorithms"] is True and env["cudnn_deterministic"] is True
     assert not torch.are_deterministic_algorithms_enabled()  # restored after the run
+
+
+def test_the_fix_keeps_mask_targets_on_the_deterministic_roi_align_kernel(monkeypatch):
+    """Under the fix (deterministic algorithms), torchvision's Mask R-CNN computes its mask
+    targets with them off: on CUDA their deterministic roi_align path would hold
+    K x 28 x 28 x H x W floats (37.4 GiB at 800 px), and the forward kernel is deterministic.
+    Seen through a real train step; the settings and the function are restored afterwards."""
+    from torchvision.models.detection import roi_heads
+
+    original = roi_heads.project_masks_on_boxes
+    modes = []
+    real = roi_heads.roi_align
+
+    def spy(*args, **kwargs):
+        modes.append((torch.are_deterministic_algorithms_enabled(),
+                      torch.is_deterministic_algorithms_warn_only_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(roi_heads, "roi_align", spy)
+    probe = make_factory(builtin_spec("maskrcnn_v1", {"image_size": 64, "num_images": 1}))(
+        torch.device("cpu"))
+    batch = next(iter(probe.batches))
+    with deterministic_settings(True):
+        sum(probe.step(probe.model, batch).values()).backward()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    assert modes and all(mode == (False, False) for mode in modes)
+    assert roi_heads.project_masks_on_boxes is original
+    assert not torch.are_deterministic_algorithms_enabled()

@@ -170,6 +170,36 @@ def global_settings_restored() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def mask_targets_by_kernel() -> Iterator[None]:
+    """torchvision's Mask R-CNN mask targets computed with deterministic algorithms off, for
+    the duration. Under them torchvision's roi_align takes a pure-PyTorch path that, with the
+    adaptive sampling the targets use, materialises K x 28 x 28 x H x W floats (37.4 GiB for
+    20 positive RoIs at 800 px); its CUDA forward kernel is deterministic (only its backward
+    adds atomically), and the targets need no gradient."""
+    try:
+        from torchvision.models.detection import roi_heads
+    except ImportError:  # an older torchvision without the module: nothing to change
+        yield
+        return
+    original = roi_heads.project_masks_on_boxes
+
+    def project_masks_on_boxes(*args: Any) -> torch.Tensor:
+        mode = (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled())
+        torch.use_deterministic_algorithms(False)
+        try:
+            return original(*args)
+        finally:
+            torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+
+    roi_heads.project_masks_on_boxes = project_masks_on_boxes
+    try:
+        yield
+    finally:
+        roi_heads.project_masks_on_boxes = original
+
+
+@contextlib.contextmanager
 def deterministic_settings(enabled: bool) -> Iterator[None]:
     """PyTorch's deterministic settings for the duration, restored afterwards."""
     if not enabled:
@@ -188,7 +218,8 @@ def deterministic_settings(enabled: bool) -> Iterator[None]:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
-        yield
+        with mask_targets_by_kernel():
+            yield
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]

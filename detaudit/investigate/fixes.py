@@ -3,7 +3,8 @@
 The remedies are PyTorch's deterministic settings (see
 :func:`detaudit.drivers.runner.deterministic_settings`): deterministic algorithms,
 ``cudnn.benchmark=False`` / ``cudnn.deterministic=True``, ``CUBLAS_WORKSPACE_CONFIG``
-on CUDA, and filling uninitialized memory. Data-loader seeding cannot be applied to a
+on CUDA, filling uninitialized memory, and torchvision's mask targets kept on roi_align's
+(deterministic) forward kernel. Data-loader seeding cannot be applied to a
 user's loader from outside; when the cause is data it is offered as code instead.
 """
 
@@ -30,6 +31,9 @@ def applied_remedies(device: str) -> list[str]:
     remedies = [
         "torch.use_deterministic_algorithms(True, warn_only=True)",
         "torch.utils.deterministic.fill_uninitialized_memory = True",
+        ("torchvision's Mask R-CNN mask targets (roi_heads.project_masks_on_boxes) computed "
+        "with deterministic algorithms off: their roi_align forward is deterministic, and its "
+        "deterministic path would hold K x 28 x 28 x H x W floats"),
     ]
     if torch.device(device).type == "cuda":
         remedies += [
