@@ -387,7 +387,21 @@ def test_integers_print_alike_on_every_device_scheme():
     x = torch.randn(8)
     assert fingerprint(x).fp == fingerprint(x, algorithm="xxh3").fp != fingerprint(
         x, algorithm="wsum").fp
-    assert scheme("cpu") == "xxh3+wsum2-int" and scheme("cuda:1") == "wsum2"
+    assert scheme("cpu") == "xxh3+wsum2-int+state-xxh3"
+    assert scheme("cuda:1") == "wsum2+state-xxh3"
+
+
+def test_a_batch_as_loaded_is_printed_by_xxh3_in_every_dtype():
+    """The batch as the data pipeline yields it lives on the CPU in every run: xxh3 prints
+    its integers too (a mask's bytes read as bytes, not each widened to int64); the same
+    tensor printed otherwise in the same step gets its own print, not the other's."""
+    masks = torch.randint(0, 2, (3, 40, 40), dtype=torch.uint8)
+    f = Fingerprinter(stats=False)
+    f.add_many([masks], algorithm="xxh3")
+    f.add_many([masks])
+    as_loaded, otherwise = f.collect()
+    assert as_loaded.fp == fingerprint(masks, "xxh3").fp
+    assert otherwise.fp == fingerprint(masks, "wsum").fp != as_loaded.fp
 
 
 @pytest.mark.parametrize("chunk", [64, None])

@@ -190,13 +190,14 @@ def test_thread_count_diff_names_the_module_and_tolerance_passes(
 def test_mixed_fingerprint_algorithms_force_tolerance_mode(conv_baseline: Path) -> None:
     a = load_baseline(conv_baseline).trace
     b = load_baseline(conv_baseline).trace
-    b.env["device"], b.env["fingerprint"] = "cuda:0", "wsum2"
+    b.env["device"], b.env["fingerprint"] = "cuda:0", "wsum2+state-xxh3"
     # Another algorithm for every tensor; RNG states (bytes) are hashed the same way everywhere.
     prints = zip(b.records["fp"], b.records["dtype"])
     b.records["fp"] = [fp if dtype == "bytes" else "0" * 16 for fp, dtype in prints]
     result = diff_traces(a, b)
     assert result.ok and result.tolerance
-    assert "different algorithms (xxh3+wsum2-int vs wsum2)" in result.message
+    assert ("different algorithms (xxh3+wsum2-int+state-xxh3 vs wsum2+state-xxh3)"
+            in result.message)
     assert result.message.index("device") < result.message.index("MATCH")
     assert env_differences(a.env, b.env) == {"device": ("cpu", "cuda:0")}
     # what tolerance cannot judge is said, and never counted as agreeing
@@ -207,7 +208,8 @@ def test_mixed_fingerprint_algorithms_force_tolerance_mode(conv_baseline: Path) 
     assert f"on {len(a) - unjudged} records" in result.headline
 
 
-@pytest.mark.parametrize("b_scheme", ["xxh3+wsum2-int", "wsum2"])  # same device, or CPU vs CUDA
+# same device, or CPU vs CUDA
+@pytest.mark.parametrize("b_scheme", ["xxh3+wsum2-int+state-xxh3", "wsum2+state-xxh3"])
 def test_tolerance_never_excuses_a_changed_integer_record(conv_baseline: Path, b_scheme) -> None:
     a = load_baseline(conv_baseline).trace
     b = load_baseline(conv_baseline).trace
@@ -217,6 +219,23 @@ def test_tolerance_never_excuses_a_changed_integer_record(conv_baseline: Path, b
     b.records["fp"][0] = "f" * 16
     result = diff_traces(a, b, rtol=1e-3)
     assert not result.ok and result.first is not None and result.first.slot == a.records["slot"][0]
+
+
+def test_a_baseline_whose_batch_integers_were_printed_by_wsum_says_they_are_not_compared(
+        conv_baseline: Path) -> None:
+    """Before the batch as loaded was printed by xxh3, its integers were printed by wsum: a
+    baseline of then against a run of now cannot compare them, and says so (as for any
+    record printed by two algorithms), never counting them as agreeing."""
+    a = load_baseline(conv_baseline).trace
+    b = load_baseline(conv_baseline).trace
+    b.env["fingerprint"] = "xxh3+wsum2-int"
+    for t in (a, b):
+        t.records["dtype"][0], t.records["norm"][0], t.records["absmax"][0] = "int64", None, None
+    b.records["fp"][0] = "f" * 16  # the same labels, printed by the other algorithm
+    result = diff_traces(a, b)
+    assert result.tolerance and result.not_comparable == 1
+    assert "1 differing records not comparable within tolerance" in result.headline
+    assert "different algorithms (xxh3+wsum2-int+state-xxh3 vs xxh3+wsum2-int)" in result.message
 
 
 def test_junit_xml_parses_and_holds_the_failure(

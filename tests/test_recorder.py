@@ -188,3 +188,24 @@ def test_the_order_threads_deliver_gradients_in_is_not_a_divergence():
     # and a real difference among them is still found, by key
     traces[1].records["fp"][5] = "0" * 16
     assert compare(traces).first_diffs[0].slot == traces[1].records["slot"][5]
+
+
+def test_the_batch_a_run_records_is_printed_as_loaded_and_a_model_call_as_computed():
+    """`run` records the probe's batch before its step moves it: as loaded (xxh3 on the CPU,
+    integers too); a batch recorded as the model is called with it keeps wsum for integers,
+    so a CPU run and a GPU run compare them bitwise."""
+    from detaudit import audit
+    from detaudit.record.fingerprint import fingerprint
+
+    labels = torch.tensor([[1, 3], [2, 0]])
+    probe = Probe(model=SmallCNN(), batches=[(torch.randn(2, 3, 16, 16), labels)],
+                  step=lambda m, b: {"loss": m(b[0]).sum()},
+                  optimizer=None)
+    frame = audit(lambda device: probe, repeats=1, steps=1, mode="train").traces[0].frame()
+    printed = frame[(frame.phase == "state") & frame.slot.str.startswith("batch")]
+    assert fingerprint(labels, "xxh3").fp in set(printed.fp)
+    with Recorder(SmallCNN(), watch="none") as recorder:
+        recorder.begin_step(0)
+        recorder.record_state((labels,))
+        computed = recorder.end_step()
+    assert fingerprint(labels, "wsum").fp in {p.fp for p in computed.prints}

@@ -89,9 +89,17 @@ def fingerprint_algorithm(env: dict[str, Any]) -> str | None:
     return "xxh3" if str(device).split(":")[0] == "cpu" else "wsum"
 
 
+# fingerprint.AS_LOADED: the batch as loaded, printed by xxh3 on the CPU (that module needs
+# torch, which the analysis of saved runs does not)
+_AS_LOADED = "state-xxh3"
+
+
 def _integers_by(scheme: str | None) -> str | None:
-    """The algorithm a scheme prints integers and bools with."""
-    return "wsum2" if scheme and "wsum2" in scheme else scheme
+    """The algorithms a scheme prints integers and bools with (the batch as loaded may have
+    its own)."""
+    if not scheme or "wsum2" not in scheme:
+        return scheme
+    return "wsum2" + (f"+{_AS_LOADED}" if _AS_LOADED in scheme else "")
 
 
 def diff_traces(

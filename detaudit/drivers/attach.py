@@ -355,7 +355,7 @@ class Attachment:
 
     def _record_loader_batch(self, batch: Any) -> None:
         assert self.recorder is not None
-        self.recorder.record(STATE, "", self._fetched, "batch.loader", batch)
+        self.recorder.record(STATE, "", self._fetched, "batch.loader", batch, algorithm="xxh3")
         self._fetched += 1
 
     def set_epoch(self, epoch: int) -> None:

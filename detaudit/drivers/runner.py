@@ -358,7 +358,7 @@ def _run_steps(
             recorder.begin_step(step, watch)
             recorder.watch_host_rng = ops is not None and ops.records(step)
             info = StepInfo(step=step, epoch=epoch, index=index)
-            recorder.record_state(batch)
+            recorder.record_state(batch, as_loaded=True)
             if step == 0:
                 recorder.record_parameters(STATE)
             losses = {}

@@ -444,13 +444,18 @@ def _read_stats(stats: list[float]) -> tuple[float, float, int]:
 WSUM = "wsum2"  # the device algorithm's version: 2 has a bijective mixer for 64-bit values
 
 
+AS_LOADED = "state-xxh3"  # the batch as the data pipeline yields it: xxh3 on CPU, every dtype
+
+
 def scheme(device: str | torch.device | None) -> str:
     """Which algorithm prints what, for a trace made on `device` (kept in its environment,
     so that a diff knows which records two traces can compare bitwise): floats by xxh3 on
     CPU and wsum elsewhere; integers and bools by wsum everywhere, so that they compare
-    exactly across devices."""
+    exactly across devices; except the batch as the data pipeline yields it (before the
+    training code moves it), which lives on the CPU in a CPU run and a GPU run alike and is
+    printed by xxh3 in every dtype (wsum reads a mask's every byte as an int64)."""
     kind = torch.device(device).type if device is not None else "cpu"
-    return f"xxh3+{WSUM}-int" if kind == "cpu" else WSUM
+    return f"xxh3+{WSUM}-int+{AS_LOADED}" if kind == "cpu" else f"{WSUM}+{AS_LOADED}"
 
 
 def _exact_dtype(t: torch.Tensor) -> bool:
@@ -475,16 +480,24 @@ class Fingerprinter:
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor | None, tuple]] = []
         # A module's input is usually the previous module's output: hash each tensor once
         # per collect. Weak references, so grads freed by backward are not kept alive.
-        self._seen: dict[tuple[int, bool], tuple[weakref.ref, int, int]] = {}
+        self._seen: dict[tuple[int, bool, bool], tuple[weakref.ref, int, int]] = {}
 
-    def add(self, t: torch.Tensor, stats: bool | None = None) -> int:
-        """Queue a tensor; return its slot number. `stats=False` skips norm/absmax."""
+    def _by_xxh3(self, t: torch.Tensor, algorithm: str | None) -> bool:
+        """Whether `t` is printed by xxh3 (CPU only): as `algorithm` (this call's) or the
+        fingerprinter's says, else floats by xxh3 and integers by wsum."""
+        chosen = algorithm or self.algorithm
+        return t.is_cpu and chosen != "wsum" and (chosen == "xxh3" or not _exact_dtype(t))
+
+    def add(self, t: torch.Tensor, stats: bool | None = None,
+            algorithm: str | None = None) -> int:
+        """Queue a tensor; return its slot number. `stats=False` skips norm/absmax;
+        `algorithm` ("xxh3" or "wsum") overrides the fingerprinter's for this tensor."""
         slot = len(self._done)
         want_stats = self.stats if stats is None else stats
-        if self._reuse(t, want_stats, slot):
+        xxh3 = self._by_xxh3(t, algorithm)
+        if self._reuse(t, want_stats, slot, xxh3):
             return slot
-        if t.is_cpu and self.algorithm != "wsum" and (
-                self.algorithm == "xxh3" or not _exact_dtype(t)):
+        if xxh3:
             self._done.append(_cpu_print(t, want_stats))
             return slot
         flat = _device_flat(t)
@@ -492,20 +505,22 @@ class Fingerprinter:
         self._queue(slot, t, flat, _wsum(flat), want_stats)
         return slot
 
-    def add_many(self, tensors: list[torch.Tensor], stats: bool | None = None) -> None:
+    def add_many(self, tensors: list[torch.Tensor], stats: bool | None = None,
+                 algorithm: str | None = None) -> None:
         """Queue tensors in order: the CPU ones hashed together on torch's thread count, the
-        device (wsum) ones reduced together per device (see `_wsum_many`)."""
+        device (wsum) ones reduced together per device (see `_wsum_many`). `algorithm`
+        overrides the fingerprinter's for these tensors."""
         want_stats = self.stats if stats is None else stats
         batch: list[tuple[int, torch.Tensor]] = []
         on_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for t in tensors:
-            if self._reuse(t, want_stats, len(self._done)):
+            xxh3 = self._by_xxh3(t, algorithm)
+            if self._reuse(t, want_stats, len(self._done), xxh3):
                 continue
-            if not t.is_cpu or self.algorithm == "wsum" or (
-                    self.algorithm is None and _exact_dtype(t)):
-                on_device.setdefault(t.device, []).append((len(self._done), t))
-            else:
+            if xxh3:
                 batch.append((len(self._done), t))
+            else:
+                on_device.setdefault(t.device, []).append((len(self._done), t))
             self._done.append(None)
         for (slot, _), print_ in zip(batch, _cpu_prints([t for _, t in batch], want_stats)):
             self._done[slot] = print_
@@ -521,11 +536,12 @@ class Fingerprinter:
         device_stats = _device_float_stats(flat) if stats and t.is_floating_point() else None
         self._pending.append((slot, value, device_stats, _describe(t)))
 
-    def _reuse(self, t: torch.Tensor, stats: bool, slot: int) -> bool:
-        """Point at the earlier slot of this very tensor, unchanged since; else remember it."""
+    def _reuse(self, t: torch.Tensor, stats: bool, slot: int, xxh3: bool) -> bool:
+        """Point at the earlier slot of this very tensor, unchanged since and printed by the
+        same algorithm; else remember it."""
         if t.is_inference():  # no version counter, and changes in place in inference mode
             return False
-        key = (id(t), stats)
+        key = (id(t), stats, xxh3)
         version = t._version
         seen = self._seen.get(key)
         if seen is not None and seen[1] == version and seen[0]() is t:

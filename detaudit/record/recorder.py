@@ -207,18 +207,22 @@ class Recorder:
 
     # -- generic records ---------------------------------------------------------------
     def record(
-        self, phase: str, module: str, call: int, slot: str, value: Any, stats: bool = True
+        self, phase: str, module: str, call: int, slot: str, value: Any, stats: bool = True,
+        algorithm: str | None = None,
     ) -> None:
-        """Fingerprint every tensor in `value` under (phase, module, call, slot[.path])."""
+        """Fingerprint every tensor in `value` under (phase, module, call, slot[.path]);
+        `algorithm` as :meth:`Fingerprinter.add_many` takes it."""
         tensors = []
         for path, tensor in iter_tensors(value):
             self._keys.append((phase, module, call, _slot(slot, path)))
             tensors.append(tensor)
-        self.fp.add_many(tensors, stats)
+        self.fp.add_many(tensors, stats, algorithm)
 
-    def record_state(self, batch: Any) -> None:
-        """Step-boundary state: the batch and every RNG."""
-        self.record(STATE, "", 0, "batch", batch)
+    def record_state(self, batch: Any, as_loaded: bool = False) -> None:
+        """Step-boundary state: the batch and every RNG. A batch `as_loaded` (as the data
+        pipeline yields it, before the training code moves it to a device) is printed by xxh3
+        in every dtype where it is on the CPU (see `fingerprint.scheme`)."""
+        self.record(STATE, "", 0, "batch", batch, algorithm="xxh3" if as_loaded else None)
         for name, state in rng_states().items():
             self._keys.append((STATE, "", 0, f"rng.{name}"))
             self.fp.add_bytes(state)
