@@ -54,7 +54,7 @@ from ..trace import (
     TraceStream,
 )
 from .rankprobe import RankWatch, sampler_snapshot
-from .runner import describe_user_error, store_records
+from .runner import describe_user_error, loss_copy, store_records
 
 
 class Attachment:
@@ -240,7 +240,7 @@ class Attachment:
         self._losses += 1
         self.recorder.record(OUTPUT, "", 0, name, tensor.detach())
         if tensor.numel() == 1:
-            self._loss_values[name] = tensor.detach()
+            self._loss_values[name] = loss_copy(tensor)
         if self._watch(self.info.step) != WATCH_NONE:
             self.recorder.before_backward(tensor)  # module-level backward records, faults
 
@@ -251,7 +251,7 @@ class Attachment:
         for name, value in losses.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 self.recorder.record(OUTPUT, "", 0, f"loss.{name}", value.detach())
-                self._loss_values[name] = value.detach()
+                self._loss_values[name] = loss_copy(value)
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.stopped or (self.optimizer is not None and optimizer is not self.optimizer):
@@ -309,9 +309,12 @@ class Attachment:
             self._step_done(complete=True)
 
     def _last_step_updated(self) -> bool:
-        """The step at the step limit is open and has updated."""
+        """The step at the step limit is open and has updated: by every optimizer that
+        updates, or at step 0, where how many do is not known yet (a second optimizer
+        updating after an evaluation call in that step would not be recorded)."""
         return (self._updated and self.info is not None and self.max_steps is not None
-                and self.info.step + 1 >= self.max_steps)
+                and self.info.step + 1 >= self.max_steps
+                and (self.info.step == 0 or self._optimizers <= self._stepped))
 
     def _step_done(self, complete: bool) -> None:
         """The open step has updated (or its update was skipped): the next training call

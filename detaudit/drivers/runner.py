@@ -169,6 +169,13 @@ def global_settings_restored() -> Iterator[None]:
                     write(value)
 
 
+def loss_copy(loss: torch.Tensor) -> torch.Tensor:
+    """A float64 copy of a scalar loss, to read once the step is over: made on its device
+    without waiting, and safe from the loss's own storage being reused before then (a CUDA
+    graph's replay writes the next micro-batch's loss into it)."""
+    return loss.detach().to(torch.float64, copy=True)
+
+
 @contextlib.contextmanager
 def mask_targets_by_kernel() -> Iterator[None]:
     """torchvision's Mask R-CNN mask targets computed with deterministic algorithms off, for
@@ -183,12 +190,12 @@ def mask_targets_by_kernel() -> Iterator[None]:
         return
     original = roi_heads.project_masks_on_boxes
 
-    def project_masks_on_boxes(*args: Any) -> torch.Tensor:
+    def project_masks_on_boxes(*args: Any, **kwargs: Any) -> torch.Tensor:
         mode = (torch.are_deterministic_algorithms_enabled(),
                 torch.is_deterministic_algorithms_warn_only_enabled())
         torch.use_deterministic_algorithms(False)
         try:
-            return original(*args)
+            return original(*args, **kwargs)
         finally:
             torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
 
@@ -447,8 +454,7 @@ def _train_step(
     probe: Probe, batch: Any, recorder: Recorder, info: StepInfo, step: int,
     scope: contextlib.AbstractContextManager, modules: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """One training step; returns its loss terms (their values are read once the step is
-    over). At module level the parameter gradients are recorded as backward left them (what
+    """One training step; returns copies of its loss terms (read once the step is over). At module level the parameter gradients are recorded as backward left them (what
     the backward origin analysis reads); in a scanned step as the optimizer receives them,
     after unscaling and clipping, and the optimizer state not at all."""
     with scope:
@@ -463,6 +469,7 @@ def _train_step(
         raise ProbeError(f"the loss must be a scalar: the step ({_where(probe.step)}) returned "
                          f"{name!r} of shape {shape} (reduce it, e.g. .mean())")
     recorder.record(OUTPUT, "", 0, "loss", terms)
+    losses = {name: loss_copy(value) for name, value in terms.items()}
     total = sum(terms.values())
     accumulate = max(1, probe.accumulate)
     if accumulate > 1:
@@ -475,7 +482,7 @@ def _train_step(
     if modules or optimizer is None:
         recorder.record_param_grads()
     if optimizer is None or (step + 1) % accumulate:
-        return terms
+        return losses
     if scaler is not None:
         scaler.unscale_(optimizer)
     if probe.clip_grad_norm:
@@ -502,7 +509,7 @@ def _train_step(
     recorder.record_parameters(OPTIMIZER)
     if modules:
         recorder.record_optimizer(optimizer)
-    return terms
+    return losses
 
 
 def _skipped(scaler: Any, optimizer: Any, scale_before: float) -> bool:

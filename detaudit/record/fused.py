@@ -71,7 +71,9 @@ def _kernel() -> Any:
 def _tables(sizes: tuple[int, ...], device: torch.device):
     """Per block: its start in the packed buffer, its first position in its own tensor, its
     length; and per tensor, the index of its last block. Cached per layout."""
-    key = (sizes, device)
+    # the tables are copied without waiting, on the current stream: reused on that one only
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (sizes, device, stream)
     cached = _TABLES.get(key)
     if cached is not None:
         return cached

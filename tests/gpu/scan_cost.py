@@ -182,27 +182,59 @@ def _torch_form(on: bool):
             os.environ["DETAUDIT_FUSED_WSUM"] = old
 
 
+SAMPLE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                 torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def _samples(device) -> list[torch.Tensor]:
+    """A tensor of every dtype, several blocks long, with extreme values, on `device`."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for dtype in SAMPLE_DTYPES:
+        if dtype == torch.bool:
+            t = torch.rand(10_001, generator=g) > 0.5
+        elif dtype.is_floating_point:
+            t = torch.randn(10_001, generator=g, dtype=torch.float64).to(dtype)
+        else:
+            info = torch.iinfo(dtype)
+            t = torch.randint(info.min, info.max, (10_001,), generator=g, dtype=dtype)
+        out.append(t.to(device))
+    return out
+
+
 def agreement(tensors: list[torch.Tensor], device) -> list[tuple]:
-    """The fused kernel's prints against the torch form's, and the time of each (best of 5)."""
-    def printed():
+    """The fused kernel's prints against the torch form's (the scanned tensors and a tensor
+    of every dtype), whether the kernel ran, and the time of each form (best of 5)."""
+    everything = tensors + _samples(device)
+
+    def printed(of):
         f = Fingerprinter(stats=False)
-        f.add_many(tensors)
+        f.add_many(of)
         return f.collect()
 
     rows = []
     results = {}
     for label, torch_form in (("fused kernel", False), ("torch form", True)):
-        with _torch_form(torch_form):
-            results[label] = printed()
+        with _torch_form(torch_form), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results[label] = printed(everything)
             best = float("inf")
             for _ in range(5):
                 _sync(device)
                 t0 = time.perf_counter()
-                printed()
+                printed(tensors)
                 best = min(best, time.perf_counter() - t0)
-        rows.append((f"{label}: ms for all of them, fetch included", f"{best * 1e3:.2f}"))
-    same = results["fused kernel"] == results["torch form"]
-    rows.append(("fused kernel == torch form, every print", "yes" if same else "NO"))
+        rows.append((f"{label}: ms for the scanned tensors, fetch included", f"{best * 1e3:.2f}"))
+        if not torch_form:
+            ran = fused.usable(device) and not fused._FAILED
+            failure = "; ".join(str(w.message) for w in caught if "fused" in str(w.message))
+            rows.append(("fused kernel ran", "yes" if ran else f"NO {failure}"))
+    same = [a == b for a, b in zip(results["fused kernel"], results["torch form"])]
+    names = [str(t.dtype).replace("torch.", "") for t in _samples("cpu")]
+    wrong = [names[i - len(tensors)] if i >= len(tensors) else f"scanned #{i}"
+             for i, ok in enumerate(same) if not ok]
+    rows.append((f"fused kernel == torch form ({len(same)} prints, every dtype)",
+                 "yes" if not wrong else f"NO: {', '.join(wrong)}"))
     return rows
 
 
