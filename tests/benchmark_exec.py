@@ -4,6 +4,7 @@ noise view: the time spent inside detaudit's hooks per step of the same model, i
 against the plain step; and exec's fixed cost (its start, the comparison, the reports).
 
     python tests/benchmark_exec.py [--pairs 3] [--steps 200]
+    python tests/benchmark_exec.py --device cuda --size 224 --batch-size 64 --steps 400  # GPU
 
 Prints a table. Ratios are measured within each pair (the order alternates), so that a
 shared, noisy machine shifts both sides of a pair alike. Beside wall time, the CPU time of the
@@ -50,17 +51,20 @@ import torch, torchvision
 from torch import nn
 from detaudit.drivers.attach import Attachment
 
-steps = int(sys.argv[1])
+steps, device, size, batch = int(sys.argv[1]), torch.device(sys.argv[2]), *map(int, sys.argv[3:])
 torch.manual_seed(0)
-model = torchvision.models.resnet18(num_classes=10)
+model = torchvision.models.resnet18(num_classes=10).to(device)
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-x, y = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+x = torch.randn(batch, 3, size, size, device=device)
+y = torch.randint(0, 10, (batch,), device=device)
+sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 def loop(n):
     for _ in range(n):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+    sync()
 
 loop(3)  # warm-up
 started = time.perf_counter()
@@ -89,11 +93,11 @@ print(json.dumps({"plain": plain, "recorded": recorded,
 """
 
 
-def time_inside(steps: int) -> list[list[str]]:
-    """Per step of ResNet-18 (64 px, batch 16) in one process: the plain step, and the time
-    spent inside detaudit's hooks (each top-level entry point: what they call is theirs)."""
-    done = subprocess.run([sys.executable, "-c", INSIDE, str(steps)], check=True,
-                          capture_output=True, text=True)
+def time_inside(steps: int, device: str, size: int, batch: int) -> list[list[str]]:
+    """Per step of ResNet-18 in one process: the plain step, and the time spent inside
+    detaudit's hooks (each top-level entry point: what they call is theirs)."""
+    done = subprocess.run([sys.executable, "-c", INSIDE, str(steps), device, str(size),
+                           str(batch)], check=True, capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     rows = [[name, f"{1e3 * seconds:.1f}"] for name, seconds in
             sorted(result["inside"].items(), key=lambda item: -item[1])]
@@ -124,8 +128,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--inside-steps", type=int, default=30,
                         help="steps of the in-process view of detaudit's own time")
+    parser.add_argument("--device", default="cpu", help="where the script trains")
+    parser.add_argument("--size", type=int, default=64, help="image size (px)")
+    parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
-    script = [sys.executable, str(SCRIPT), "--steps", str(args.steps)]
+    script = [sys.executable, str(SCRIPT), "--steps", str(args.steps), "--device", args.device,
+              "--size", str(args.size), "--batch-size", str(args.batch_size)]
     rows, ratios, cpu_ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         def audited(name: str, *options: str) -> list[str]:
@@ -160,13 +168,14 @@ def main() -> None:
         fixed = fixed_cost(tmp)
     print(tabulate(rows, headers=["pair", "order", "plain wall s", "exec wall s", "wall",
                                   "plain CPU s", "exec CPU s", "CPU"]))
-    print(f"\nmedian overhead of exec (scan, 1 run, {args.steps} steps of ResNet-18 at 64 px, "
-          f"batch 16): wall {100 * statistics.median(ratios):+.1f} %, "
+    print(f"\nmedian overhead of exec (scan, 1 run, {args.steps} steps of ResNet-18 at "
+          f"{args.size} px, batch {args.batch_size}, {args.device}): wall "
+          f"{100 * statistics.median(ratios):+.1f} %, "
           f"CPU time {100 * statistics.median(cpu_ratios):+.1f} %")
     print(f"zoom into step {step} (2 runs re-run to it, that step at module and op level): "
           f"{with_zoom - without:.1f} s on top of the {without:.1f} s scan")
     print(f"exec's fixed cost (start, bootstrap, comparison, reports): {fixed:.2f} s\n")
-    print(tabulate(time_inside(args.inside_steps),
+    print(tabulate(time_inside(args.inside_steps, args.device, args.size, args.batch_size),
                    headers=["per step, one process", "ms", ""]))
 
 

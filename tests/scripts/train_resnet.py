@@ -1,5 +1,5 @@
 """A heavier plain training script for the exec benchmark: ResNet-18 on seeded synthetic
-64 px images, SGD with momentum, a DataLoader with workers."""
+images (64 px by default, on the CPU unless --device), SGD with momentum, a DataLoader with workers."""
 
 import argparse
 
@@ -13,18 +13,21 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--size", type=int, default=64, help="image size (px)")
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
+    device = torch.device(args.device)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    images = torch.randn(args.steps * args.batch_size, 3, 64, 64, generator=g)
+    images = torch.randn(args.steps * args.batch_size, 3, args.size, args.size, generator=g)
     labels = torch.randint(0, 10, (len(images),), generator=g)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels),
                                          batch_size=args.batch_size, num_workers=args.workers)
-    model = torchvision.models.resnet18(num_classes=10)
+    model = torchvision.models.resnet18(num_classes=10).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model.train()
     for x, y in loader:
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()
