@@ -31,9 +31,9 @@ def applied_remedies(device: str) -> list[str]:
     remedies = [
         "torch.use_deterministic_algorithms(True, warn_only=True)",
         "torch.utils.deterministic.fill_uninitialized_memory = True",
-        ("torchvision's Mask R-CNN mask targets (roi_heads.project_masks_on_boxes) computed "
-        "with deterministic algorithms off: their roi_align forward is deterministic, and its "
-        "deterministic path would hold K x 28 x 28 x H x W floats"),
+        ("# torchvision's Mask R-CNN: its mask targets (roi_heads.project_masks_on_boxes) "
+         "computed with deterministic algorithms off; their roi_align forward is "
+         "deterministic, and its deterministic path would hold K x 28 x 28 x H x W floats"),
     ]
     if torch.device(device).type == "cuda":
         remedies += [
