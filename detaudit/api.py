@@ -234,7 +234,8 @@ def _run_here(
     found = _investigate(spec, factory, config, comparison, traces, wanted, folder, progress)
     folder.info.state = COMPLETE
     folder.save()
-    verdict = judge(comparison, found.get("ops"), zoom=zoomed)
+    verdict = judge(comparison, found.get("ops"), zoom=zoomed,
+                    zoom_found=(folder.info.extra or {}).get("zoom"))
     summary = summarize(folder.info, comparison, traces, verdict, zoom=zoomed)
     write_run_reports(folder, summary)
     return AuditResult(spec, config, traces, comparison, verdict, summary, folder.info,
@@ -410,7 +411,8 @@ def render_folder(folder: str | Path) -> dict[str, Any]:
     zoomed_traces = load_zoom(folder, info)
     zoomed = compare(zoomed_traces) if zoomed_traces else None
     verdict = judge(comparison, (info.extra or {}).get("ops"), ranks,
-                    interrupted=None if info.complete else info.state, zoom=zoomed)
+                    interrupted=None if info.complete else info.state, zoom=zoomed,
+                    zoom_found=(info.extra or {}).get("zoom"))
     summary = summarize(info, comparison, traces, verdict, ranks, zoom=zoomed)
     write_reports(folder, summary)
     return summary

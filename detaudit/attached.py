@@ -183,7 +183,8 @@ def _conclude(traces: list[AnyTrace], info: RunInfo, folder: RunFolder | None,
     info.state = COMPLETE
     if folder is not None:
         folder.save()
-    verdict = judge(comparison, info.extra.get("ops"), ranks, zoom=zoom)
+    verdict = judge(comparison, info.extra.get("ops"), ranks, zoom=zoom,
+                    zoom_found=info.extra.get("zoom"))
     summary = summarize(info, comparison, traces, verdict, ranks, zoom=zoom)
     if folder is not None:
         write_run_reports(folder, summary)

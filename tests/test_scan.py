@@ -176,6 +176,7 @@ def test_a_real_race_ends_with_its_origin_or_an_honest_intermittent(two_threads)
         assert result.investigations["ops"]["ops"][0]["op"] == "aten.index_put"
     else:
         assert len(zoom["attempts"]) == 3 and "zoomed" not in result.verdict.headline
+        assert "intermittent: replayed 3 time(s)" in result.verdict.headline
 
 
 _RUNS = {"built": 0}
@@ -222,7 +223,10 @@ def test_a_step_that_never_parts_again_is_intermittent():
     zoom = result.investigations["zoom"]
     assert result.comparison.first_step == 2 and zoom["status"] == "intermittent"
     assert [a["outcome"] for a in zoom["attempts"]] == ["did not part this time"] * 3
-    assert result.verdict.kind == "divergent"  # the scan's finding stands
+    assert result.verdict.kind == "divergent"  # the scan's finding stands, and says so
+    assert ("intermittent: replayed 3 time(s), step 2 did not part again, so the module and op "
+            "are not named (the cause is the scan's)") in result.verdict.headline
+    assert result.summary["headline"] == result.verdict.headline  # the reports say it too
 
 
 def test_a_zoomed_run_folder_renders_the_same_again(tmp_path):

@@ -49,11 +49,13 @@ class Verdict:
 def judge(
     c: Comparison, ops: dict[str, Any] | None = None, ranks: RankAnalysis | None = None,
     interrupted: str | None = None, zoom: Comparison | None = None,
+    zoom_found: dict[str, Any] | None = None,
 ) -> Verdict:
     """The verdict of a comparison, naming the origin op when the drill-down found one and
     counting the ranks of a distributed audit. A run `interrupted` (its state says where)
     never passes: it is divergent if what it recorded differs, else interrupted. A scanned
-    run's `zoom` (its first divergent step replayed at module level) names the module. An op
+    run's `zoom` (its first divergent step replayed at module level) names the module; a zoom
+    whose replays did not part again (`zoom_found`, the zoom's status) is said to be. An op
     that re-execution proved nondeterministic (``c.proven``) makes agreeing repeats a
     divergence found all the same; after a divergence it confirms the origin."""
     located = zoom if zoom is not None and zoom.first_step is not None else c
@@ -68,6 +70,11 @@ def judge(
     elif kind == DIVERGENT and (proofs := [p for p in stressed_ops(c, zoom, ops)
                                            if p.get("proven")]):
         headline += f"; proven by re-execution: {_confirming(proofs, first)['line']}"
+    if zoom is None and (zoom_found or {}).get("status") == "intermittent":
+        tries = len(zoom_found.get("attempts") or [])
+        headline += (f"; intermittent: replayed {tries} time(s), step {zoom_found.get('step')} "
+                     "did not part again, so the module and op are not named (the cause is "
+                     "the scan's)")
     if located is zoom:
         headline += f"; zoomed in on step {zoom.first_step} after a scan"
         if c.first_step is not None and zoom.first_step != c.first_step:  # a race fired sooner
