@@ -345,6 +345,36 @@ def test_rng_streams_that_nothing_draws_from_are_a_note_never_the_divergence(tmp
     assert (first.first_step, first.cause, first.idle_rng) == (0, "forward", ["numpy", "python"])
 
 
+def _clipped(out, nudge: bool) -> None:
+    """A loop that clips the weights in place after every update (as WGAN's critic does);
+    with `nudge`, one weight is also changed after the update of step 1."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with detaudit.watch(model, opt, out=out):
+        for step in range(4):
+            (model(x) - y).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                model.weight.clamp_(-0.3, 0.3)
+                if nudge and step == 1:
+                    model.weight[0, 0] += 1e-3
+
+
+def test_a_parameter_changed_between_steps_outside_the_optimizer_is_the_cause(tmp_path):
+    _clipped(tmp_path / "same", False)
+    _clipped(tmp_path / "same", False)
+    assert detaudit.compare(tmp_path / "same").verdict.kind == "deterministic"
+    _clipped(tmp_path / "nudged", False)
+    _clipped(tmp_path / "nudged", True)
+    c = detaudit.compare(tmp_path / "nudged").comparison
+    assert (c.first_step, c.cause) == (2, "params")  # not a forward difference at step 2
+    first = c.first_by_phase["state"]
+    assert first.slot == "param.weight" and first.module == ""
+
+
 def test_only_the_training_loaders_batches_are_step_state(tmp_path):
     # an evaluation loader read between steps, shuffled in an order that differs run to run,
     # is not the training data: neither recorded nor a divergence

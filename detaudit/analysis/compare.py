@@ -40,7 +40,8 @@ _CAUSE_TEXT = {
     "init": "the parameters differ before the first step: the model is initialised from an "
             "unseeded RNG (fix: seed every RNG before building the model, e.g. "
             "detaudit.seed_everything(0); `detaudit exec --seed 0` does it for a whole script)",
-    "params": "the parameters differ before the step (initialisation or an earlier update)",
+    "params": "the parameters differ before the step (initialisation, an earlier update, or a "
+              "change made to them between steps outside the optimizer)",
     "forward": "a forward computation gave different results from equal inputs",
     "backward": "a backward computation gave different gradients from equal upstream gradients",
     "optimizer": "the optimizer update differs while gradients agree",

@@ -105,6 +105,9 @@ class Attachment:
         self._iterators: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._losses = 0
         self._loss_values: dict[str, torch.Tensor] = {}  # read once the step is over
+        # each updated parameter's version counter as its update left it: one changed in
+        # place between steps (clipping, pruning, a manual edit) is recorded again
+        self._versions: dict[int, tuple[torch.Tensor, int]] = {}
         self._depth = 0
         self._candidates: list[nn.Module] = []
         self._others: list[tuple[str, nn.Module]] = []  # further models recorded, by name
@@ -289,6 +292,7 @@ class Attachment:
             self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
                                              of=params)
         self.recorder.record_parameters(OPTIMIZER, of=params)
+        self._versions.update({id(p): (p, p._version) for p in params if not p.is_inference()})
         self.info.optimizer_stepped = True
         self.info.lr += [_finite(group.get("lr")) for group in optimizer.param_groups]
         self._stepped.add(id(optimizer))
@@ -446,7 +450,18 @@ class Attachment:
                 self._record_loader_batch(batch)
         if step == 0:
             self.recorder.record_parameters(STATE)
+        else:
+            self._record_changed_parameters()
         return True
+
+    def _record_changed_parameters(self) -> None:
+        """Parameters changed in place since their update, outside the optimizer: recorded
+        as the step's state (so a difference there is the parameters', not the forward's).
+        A change through ``.data`` bumps no version counter and is not seen here."""
+        changed = [p for p, version in self._versions.values() if p._version != version]
+        if changed:
+            self.recorder.record_parameters(STATE, of=changed)
+            self._versions.update({id(p): (p, p._version) for p in changed})
 
     def _run_eagerly(self, eager: bool) -> None:
         """Compiled code runs eagerly at a step recorded module by module (a compiled graph
