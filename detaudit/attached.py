@@ -354,7 +354,8 @@ def exec_command(
             check_fault_seen(job.fault, comparison)
             # what the command did, not the stand-ins its traces' configuration holds
             folder.info.config.update(seed=job.seed, deterministic=bool(
-                traces[0].env.get("deterministic_algorithms")))
+                traces[0].env.get("deterministic_algorithms")), epochs=max(
+                (t.steps[-1].epoch + 1 for t in traces if t.steps), default=0))
             if ranks is not None:  # the primary rank's repeats, as compared across ranks
                 comparison.failures.update({t.repeat: t.failure for t in traces if t.failure})
                 folder.info.extra["ranks"] = ranks.to_dict()

@@ -172,6 +172,8 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
     assert time.monotonic() - started < 60
     trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
     assert len(trace.steps) == 3 and trace.failure is None
+    # 2 steps per epoch: the configuration says the 2 epochs the command ran, not a stand-in
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["epochs"] == 2
 
 
 def test_the_run_ends_at_an_evaluation_after_the_last_steps_update(tmp_path):
