@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one command (under 10 minutes: the limits add up to 595 s), each under
+# Every GPU check in one command (under 10 minutes: the limits add up to 590 s), each under
 # its own time limit, its output kept in OUTDIR (default reports/gpu): run from the
 # repository root on a CUDA machine, offline. The most wanted first.
 #
@@ -8,8 +8,9 @@
 # 1. install detaudit in place without fetching anything (else put the probes where an
 #    installed package has them), 2. the scan's cost and whether the fused print agrees with
 #    the torch form (tests/gpu/scan_cost.py), 3. the acceptance rows --verify-fix, throughput
-#    and the seed scenario (tests/gpu/acceptance.py), 4. exec's overhead on a GPU
-#    (tests/benchmark_exec.py), 5. the CUDA tests of the suite. A step that fails or runs out
+#    and the seed scenario (tests/gpu/acceptance.py), 4. exec of a tutorial-style Mask R-CNN
+#    script with 1,000 instances per image (tests/gpu/train_maskrcnn.py), 5. exec's overhead
+#    on a GPU (tests/benchmark_exec.py), 6. the CUDA tests of the suite. A step that fails or runs out
 #    of time is noted in steps.txt and the next one runs.
 set -u
 out=${1:-reports/gpu}
@@ -33,11 +34,13 @@ fi
 nvidia-smi -L | tee "$out/device.txt"
 $py -c "import torch, torchvision; print(torch.__version__, torchvision.__version__)" \
     | tee -a "$out/device.txt"
-step scan_cost 120 $py tests/gpu/scan_cost.py
-step verify_fix 140 $py tests/gpu/acceptance.py --out "$out/acceptance" --only verify throughput
-step seed 80 $py tests/gpu/acceptance.py --out "$out/acceptance" --only seed
-step exec_overhead 150 $py tests/benchmark_exec.py --device cuda --size 224 --batch-size 64 \
+step scan_cost 110 $py tests/gpu/scan_cost.py
+step verify_fix 130 $py tests/gpu/acceptance.py --out "$out/acceptance" --only verify throughput
+step seed 75 $py tests/gpu/acceptance.py --out "$out/acceptance" --only seed
+step exec_maskrcnn 80 $py -m detaudit exec --seed 0 --repeats 2 --max-steps 3 --overwrite \
+    --out "$out/exec_maskrcnn" -- $py tests/gpu/train_maskrcnn.py --instances 1000
+step exec_overhead 110 $py tests/benchmark_exec.py --device cuda --size 224 --batch-size 64 \
     --steps 300 --pairs 2 --inside-steps 30
-step tests 60 $py -m pytest -q -p no:cacheprovider tests/test_fingerprint.py \
+step tests 55 $py -m pytest -q -p no:cacheprovider tests/test_fingerprint.py \
     tests/test_cuda_paths.py
-step cuda_tests 45 $py -m pytest -q -p no:cacheprovider -m cuda tests/
+step cuda_tests 30 $py -m pytest -q -p no:cacheprovider -m cuda tests/
