@@ -44,6 +44,7 @@ from detaudit.record import fingerprint as fingerprint_module
 from detaudit.record.fingerprint import CHUNK_BYTES, Fingerprinter, fingerprint
 from detaudit.record.oprecorder import OpRecorder
 from detaudit.record.recorder import Recorder
+from detaudit.record.structure import iter_tensors
 from detaudit.seeding import seed_everything
 from detaudit.trace import OPTIMIZER
 
@@ -287,7 +288,7 @@ def batch_state_print() -> list[tuple]:
     called with is printed); several tensors at once, alternating, median of 5."""
     factory = make_factory(builtin_spec("maskrcnn_v1", {"image_size": 800, "batch_size": 2,
                                                          "num_images": 2}))
-    tensors = _tensors(next(iter(factory(torch.device("cpu")).batches)))
+    tensors = [t for _, t in iter_tensors(next(iter(factory(torch.device("cpu")).batches)))]
     times: dict[str | None, list[float]] = {"xxh3": [], None: []}
     for _ in range(6):
         for algorithm, samples in times.items():
@@ -301,13 +302,6 @@ def batch_state_print() -> list[tuple]:
              f"{statistics.median(times[algorithm][1:]) * 1e3:.1f}")
             for label, algorithm in (("as loaded (xxh3)", "xxh3"),
                                      ("integers by wsum", None))]
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
-    return [t for v in values for t in _tensors(v)]
 
 
 def trace_size() -> list[tuple]:

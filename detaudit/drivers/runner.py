@@ -454,9 +454,10 @@ def _train_step(
     probe: Probe, batch: Any, recorder: Recorder, info: StepInfo, step: int,
     scope: contextlib.AbstractContextManager, modules: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """One training step; returns copies of its loss terms (read once the step is over). At module level the parameter gradients are recorded as backward left them (what
-    the backward origin analysis reads); in a scanned step as the optimizer receives them,
-    after unscaling and clipping, and the optimizer state not at all."""
+    """One training step; returns copies of its loss terms (read once the step is over). At
+    module level the parameter gradients are recorded as backward left them (what the
+    backward origin analysis reads); in a scanned step as the optimizer receives them, after
+    unscaling and clipping, and the optimizer state not at all."""
     with scope:
         losses = probe.step(probe.model, batch)
     terms = losses if isinstance(losses, dict) else {"loss": losses}

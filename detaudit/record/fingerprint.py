@@ -357,11 +357,8 @@ def _segment_wsum(bits: list[torch.Tensor]) -> torch.Tensor:
     weights = _weights(0, max(sizes), device)
     packed = torch.cat(bits).to(torch.int64, copy=True).add_(_MIX)
     mixed = _splitmix(packed).mul_(torch.cat([weights[:n] for n in sizes]))
-    ends = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int64).sub_(1)
-    if device.type == "cuda":  # from pinned memory, asynchronously: no wait on the stream
-        ends = ends.pin_memory().to(device, non_blocking=True)
-    else:
-        ends = ends.to(device)
+    ends = fused.to_device_async(
+        torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int64).sub_(1), device)
     at_end = mixed.cumsum_(0)[ends]
     return torch.diff(at_end, prepend=at_end.new_zeros(1))
 

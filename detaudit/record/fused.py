@@ -32,11 +32,12 @@ _FAILED: set[str] = set()
 
 
 def usable(device: torch.device) -> bool:
-    """Whether tensors on `device` are printed by the fused kernel."""
-    if os.environ.get("DETAUDIT_FUSED_WSUM", "1") == "0" or device.type in _FAILED:
+    """Whether tensors on `device` are printed by the fused kernel (asked per tensor: the
+    cheap tests first)."""
+    if device.type in _FAILED or (
+            device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         return False
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return (device.type == "cuda" or interpreted) and _kernel() is not None
+    return os.environ.get("DETAUDIT_FUSED_WSUM", "1") != "0" and _kernel() is not None
 
 
 @functools.cache
@@ -70,7 +71,8 @@ def _kernel() -> Any:
 
 def _tables(sizes: tuple[int, ...], device: torch.device):
     """Per block: its start in the packed buffer, its first position in its own tensor, its
-    length; and per tensor, the index of its last block. Cached per layout."""
+    length; and per tensor, the index of its last block. Cached per layout (the packed
+    parameters or gradients of a model: the same every step)."""
     # the tables are copied without waiting, on the current stream: reused on that one only
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     key = (sizes, device, stream)
@@ -86,7 +88,7 @@ def _tables(sizes: tuple[int, ...], device: torch.device):
     start = offsets[owner] + position
     length = np.minimum(np.array(sizes, dtype=np.int64)[owner] - position, BLOCK)
     last = np.cumsum(counts) - 1
-    tables = tuple(_to_device(torch.from_numpy(a), device)
+    tables = tuple(to_device_async(torch.from_numpy(a), device)
                    for a in (start, position, length, last))
     if len(_TABLES) >= 64:
         _TABLES.clear()
@@ -94,7 +96,8 @@ def _tables(sizes: tuple[int, ...], device: torch.device):
     return tables
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU tensor on `device`, with no wait on a CUDA stream."""
     if device.type == "cuda":  # from pinned memory, asynchronously: no wait on the stream
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -105,9 +108,14 @@ def segment_wsum(bits: list[torch.Tensor], mix: int, mix2: int, low33: int
     """The wsum of each flat bit view in `bits` (one dtype, one device, none empty), as one
     int64 vector on their device, in a constant number of kernels; None where the kernel
     cannot be built or launched here (it is not tried on that device type again)."""
-    sizes = tuple(b.numel() for b in bits)
-    packed = bits[0] if len(bits) == 1 else torch.cat(bits)
-    start, position, length, last = _tables(sizes, packed.device)
+    if len(bits) == 1:  # one tensor: its blocks' tables made on the device, no cache
+        packed = bits[0]
+        start = position = torch.arange(0, packed.numel(), BLOCK, device=packed.device)
+        length = (packed.numel() - position).clamp_(max=BLOCK)
+        last = None
+    else:
+        packed = torch.cat(bits)
+        start, position, length, last = _tables(tuple(b.numel() for b in bits), packed.device)
     partial = torch.empty(start.numel(), dtype=torch.int64, device=packed.device)
     # Triton launches on the current CUDA device: make it the tensors' (a rank's cuda:1)
     on_device = torch.cuda.device(packed.device) if packed.is_cuda else contextlib.nullcontext()
@@ -120,5 +128,7 @@ def segment_wsum(bits: list[torch.Tensor], mix: int, mix2: int, low33: int
         warnings.warn(f"detaudit: the fused fingerprint kernel failed on {packed.device} "
                       f"({type(exc).__name__}: {exc}); using the torch form", stacklevel=2)
         return None
+    if last is None:
+        return partial.sum(0, keepdim=True)
     at_end = partial.cumsum_(0)[last]
     return torch.diff(at_end, prepend=at_end.new_zeros(1))

@@ -28,6 +28,7 @@ import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import torch
 from tabulate import tabulate
@@ -43,6 +44,9 @@ from detaudit.record.oprecorder import OpRecorder
 from detaudit.record.recorder import WATCH_MODULE, WATCH_NONE, Recorder
 from detaudit.seeding import seed_everything
 from detaudit.trace import StepInfo
+
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from fused_wsum_check import DTYPES, sample
 
 DETAUDIT = str(ROOT / "detaudit") + os.sep
 TORCH = str(Path(torch.__file__).parent) + os.sep  # the separator keeps torchvision out
@@ -127,25 +131,15 @@ def scanned_bytes(probe, batch) -> tuple[int, list[torch.Tensor]]:
 
     def counting_many(self, tensors, *args, **kwargs):
         seen.extend(tensors)
-        with _patched(Fingerprinter, "add", add):
+        with mock.patch.object(Fingerprinter, "add", add):
             return add_many(self, tensors, *args, **kwargs)
 
-    with _patched(Fingerprinter, "add", counting_add), \
-            _patched(Fingerprinter, "add_many", counting_many), \
+    with mock.patch.object(Fingerprinter, "add", counting_add), \
+            mock.patch.object(Fingerprinter, "add_many", counting_many), \
             Recorder(probe.model, watch=WATCH_NONE) as recorder:
         recorded_step(probe, batch, recorder, 0, zoom=False)
     tensors = [t.detach() for t in seen if isinstance(t, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in tensors), tensors
-
-
-@contextlib.contextmanager
-def _patched(owner, name, value):
-    old = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
 
 
 def read_once_seconds(tensors: list[torch.Tensor], device) -> float:
@@ -167,39 +161,16 @@ def read_once_seconds(tensors: list[torch.Tensor], device) -> float:
     return best
 
 
-@contextlib.contextmanager
 def _torch_form(on: bool):
     """Device prints by the torch form (not the fused kernel) inside the block, if `on`."""
-    old = os.environ.get("DETAUDIT_FUSED_WSUM")
-    if on:
-        os.environ["DETAUDIT_FUSED_WSUM"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("DETAUDIT_FUSED_WSUM", None)
-        else:
-            os.environ["DETAUDIT_FUSED_WSUM"] = old
-
-
-SAMPLE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                 torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+    return mock.patch.dict(os.environ, {"DETAUDIT_FUSED_WSUM": "0" if on else "1"})
 
 
 def _samples(device) -> list[torch.Tensor]:
-    """A tensor of every dtype, several blocks long, with extreme values, on `device`."""
+    """A tensor of every dtype, several blocks long, with extreme values, on `device` (the
+    interpreter check's samples, here on the GPU)."""
     g = torch.Generator().manual_seed(0)
-    out = []
-    for dtype in SAMPLE_DTYPES:
-        if dtype == torch.bool:
-            t = torch.rand(10_001, generator=g) > 0.5
-        elif dtype.is_floating_point:
-            t = torch.randn(10_001, generator=g, dtype=torch.float64).to(dtype)
-        else:
-            info = torch.iinfo(dtype)
-            t = torch.randint(info.min, info.max, (10_001,), generator=g, dtype=dtype)
-        out.append(t.to(device))
-    return out
+    return [sample(dtype, 10_001, g).to(device) for dtype in DTYPES]
 
 
 def agreement(tensors: list[torch.Tensor], device) -> list[tuple]:
