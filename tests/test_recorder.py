@@ -209,3 +209,35 @@ def test_the_batch_a_run_records_is_printed_as_loaded_and_a_model_call_as_comput
         recorder.record_state((labels,))
         computed = recorder.end_step()
     assert fingerprint(labels, "wsum").fp in {p.fp for p in computed.prints}
+
+
+def test_gradients_into_a_call_are_named_by_its_inputs_whatever_python_does_with_wrappers():
+    """A grad_fn's Python wrapper dies when nothing holds it; the backward walk must still
+    match the node to the call's input (on CUDA the wrappers' addresses were reused)."""
+
+    class Branches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = torch.nn.Linear(4, 4)
+            self.heads = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            feats = [torch.tanh(self.stem(x) + i) for i in range(3)]
+            outs, self.held = [], []
+            for head, f in zip(self.heads, feats):
+                outs.append(head(f))
+                # a fresh wrapper of another node, held: it takes the address just freed
+                self.held.append((self.stem.weight * 1).grad_fn)
+            return sum(o.sum() for o in outs)
+
+    def probe(device):
+        m = Branches()
+        return Probe(model=m, batches=[torch.randn(2, 4)], step=lambda m, b: m(b),
+                     optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+
+    trace = module_audit(probe, repeats=1).traces[0]
+    slots = {(m, s) for p, m, s in zip(trace.records["phase"], trace.records["module"],
+                                       trace.records["slot"]) if p == "backward"}
+    for k in range(3):
+        assert (f"heads.{k}", "grad_in.0") in slots
+    assert not [s for _, s in slots if "?" in s]

@@ -47,7 +47,11 @@ class Call:
     parent: int  # position of the enclosing call in the step's call list, -1 at the top
     seq_start: int = 0
     seq_end: int = 0
-    inputs: dict[tuple[Any, int], str] = field(default_factory=dict)  # autograd edge -> path
+    inputs: dict[tuple[int, int], str] = field(default_factory=dict)  # autograd edge -> path
+    # The objects whose ids key `inputs`, held until the step ends: a grad_fn's Python wrapper
+    # dies with its last reference, and the graph walk before backward would then meet the
+    # same node under a new id (and another node could take the old one).
+    edge_objects: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -189,6 +193,8 @@ class Recorder:
             handle.remove()
         self._step_handles = []
         prints = self.fp.collect()
+        for call in self._calls:  # a graph never run backward would keep its saved tensors
+            call.edge_objects.clear()
         out = StepRecords(self._keys, prints, self._calls if self._records_modules else [])
         self._reset_step()
         return out
@@ -320,6 +326,7 @@ class Recorder:
             if tensor.requires_grad:
                 edge = (tensor.grad_fn, tensor.output_nr) if tensor.grad_fn else (tensor, 0)
                 call.inputs.setdefault((id(edge[0]), edge[1]), path)
+                call.edge_objects.append(edge[0])
         self._calls.append(call)
         rng = _module_rng_state() if self.track_rng and recording else None
         host = _host_rng_state() if self.watch_host_rng else None
