@@ -134,6 +134,9 @@ def main() -> None:
     args = parser.parse_args()
     script = [sys.executable, str(SCRIPT), "--steps", str(args.steps), "--device", args.device,
               "--size", str(args.size), "--batch-size", str(args.batch_size)]
+    # The low-noise view first, each pair as it ends: a run cut short still tells something.
+    print(tabulate(time_inside(args.inside_steps, args.device, args.size, args.batch_size),
+                   headers=["per step, one process", "ms", ""]) + "\n", flush=True)
     rows, ratios, cpu_ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         def audited(name: str, *options: str) -> list[str]:
@@ -153,6 +156,8 @@ def main() -> None:
             rows.append([pair + 1, "plain first" if first_plain else "exec first",
                          f"{plain[0]:.1f}", f"{exec_[0]:.1f}", f"{100 * ratios[-1]:+.1f} %",
                          f"{plain[1]:.1f}", f"{exec_[1]:.1f}", f"{100 * cpu_ratios[-1]:+.1f} %"])
+            print(f"pair {pair + 1}: plain {plain[0]:.1f} s, exec {exec_[0]:.1f} s "
+                  f"({100 * ratios[-1]:+.1f} %)", file=sys.stderr, flush=True)
         # one zoom: two runs of the command to the planted step, that step at module and op level
         step = args.steps // 2
         started = time.perf_counter()
@@ -174,9 +179,7 @@ def main() -> None:
           f"CPU time {100 * statistics.median(cpu_ratios):+.1f} %")
     print(f"zoom into step {step} (2 runs re-run to it, that step at module and op level): "
           f"{with_zoom - without:.1f} s on top of the {without:.1f} s scan")
-    print(f"exec's fixed cost (start, bootstrap, comparison, reports): {fixed:.2f} s\n")
-    print(tabulate(time_inside(args.inside_steps, args.device, args.size, args.batch_size),
-                   headers=["per step, one process", "ms", ""]))
+    print(f"exec's fixed cost (start, bootstrap, comparison, reports): {fixed:.2f} s")
 
 
 if __name__ == "__main__":

@@ -243,13 +243,21 @@ def kernel_counts(probe, batch, device) -> list[tuple]:
             ("difference (the recorder's)", counted["scanned"][0] - counted["plain"][0])]
     per_entry: Counter = Counter()
     calls: Counter = Counter()
+    host_us: Counter = Counter()
+    device_us: Counter = Counter()
     for e in counted["scanned"][1]:
         if not e.name.startswith("detaudit.") or _has_detaudit_parent(e):
             continue
         calls[e.name] += 1
         per_entry[e.name] += _launches_under(e)
+        host_us[e.name] += e.cpu_time_total
+        device_us[e.name] += getattr(e, "device_time_total", 0)
     for name in sorted(per_entry, key=lambda n: -per_entry[n]):
         rows.append((f"  launches inside {name} ({calls[name]} calls)", per_entry[name]))
+    # Where a scanned step's extra time goes: the host (Python, launches) or the device.
+    for name in sorted(host_us, key=lambda n: -host_us[n]):
+        rows.append((f"  ms inside {name}: host, device (its kernels)",
+                     f"{host_us[name] / 1e3:.2f}, {device_us[name] / 1e3:.2f}"))
     return rows
 
 
