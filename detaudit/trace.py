@@ -126,7 +126,7 @@ class StepInfo:
         return {name: float.fromhex(v) for name, v in self.losses.items()}
 
     def keep_losses(self, values: dict[str, Any]) -> None:
-        """Keep the exact values of scalar float64 loss tensors (`runner.loss_copy`). Called
+        """Keep the exact values of the scalar loss copies (`runner.loss_copy`). Called
         once the step is over: reading an accelerator's value waits for its queue, which
         inside the step would stall it."""
         self.losses.update({name: float(v).hex() for name, v in values.items()})

@@ -293,3 +293,32 @@ def test_the_fix_keeps_mask_targets_on_the_deterministic_roi_align_kernel(monkey
     assert modes and all(mode == (False, False) for mode in modes)
     assert roi_heads.project_masks_on_boxes is original
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_a_loss_is_kept_exactly_on_a_device_without_float64(monkeypatch):
+    """MPS has no float64: the loss copy read after the step is float32 there, as exact."""
+    from detaudit.drivers.runner import loss_copy
+    from detaudit.record import fingerprint as fpmod
+    from detaudit.trace import StepInfo
+
+    loss = torch.tensor(1.0) + torch.finfo(torch.float32).eps
+    assert loss_copy(loss).dtype == torch.float64
+    monkeypatch.setitem(fpmod._FLOAT64_DEVICES, "cpu", False)
+    copy = loss_copy(loss)
+    assert copy.dtype == torch.float32
+    info = StepInfo(step=0, epoch=0, index=0)
+    info.keep_losses({"total": copy})
+    assert info.losses["total"] == float(loss).hex() != (1.0).hex()
+
+
+def test_the_torch_form_keeps_its_position_weights_per_stream(monkeypatch):
+    """Weights grown on one stream must not free those another stream's kernel still reads."""
+    from detaudit.record import fingerprint as fpmod
+
+    monkeypatch.setattr(fpmod, "_WEIGHTS", {})
+    monkeypatch.setattr(fpmod.fused, "current_stream", lambda device: "side")
+    side = fpmod._weights(0, 10, torch.device("cpu"))
+    monkeypatch.setattr(fpmod.fused, "current_stream", lambda device: "main")
+    grown = fpmod._weights(0, 100_000, torch.device("cpu"))
+    assert fpmod._WEIGHTS[(torch.device("cpu"), "side")].data_ptr() == side.data_ptr()
+    assert torch.equal(grown[:10], side)  # the same weights, wherever they are kept

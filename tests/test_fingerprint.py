@@ -215,7 +215,7 @@ def test_device_stats_match_the_cpu_stats(dtype, kind, chunk, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_device_stats_without_float64_scale_and_do_not_overflow(dtype, kind, monkeypatch):
     """A device without float64 (MPS): float32, each chunk scaled by the absmax so far."""
-    monkeypatch.setattr(fpmod, "_stats_dtype", lambda device: torch.float32)
+    monkeypatch.setattr(fpmod, "widest_float", lambda device: torch.float32)
     monkeypatch.setattr(fpmod, "_WSUM_CHUNK", 1024)
     x = _stats_case(dtype, kind)
     if kind == "huge":  # an increasing absmax: every chunk rescales the sum so far
@@ -226,7 +226,7 @@ def test_device_stats_without_float64_scale_and_do_not_overflow(dtype, kind, mon
 
 
 def test_device_stats_without_float64_count_past_2_pow_24(monkeypatch):
-    monkeypatch.setattr(fpmod, "_stats_dtype", lambda device: torch.float32)
+    monkeypatch.setattr(fpmod, "widest_float", lambda device: torch.float32)
     x = torch.full(((1 << 24) + 3,), float("inf"), dtype=torch.float16)
     x[5] = -2.0
     assert fingerprint(x, "wsum")[3:] == (2.0, 2.0, (1 << 24) + 2)

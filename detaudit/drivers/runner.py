@@ -18,7 +18,7 @@ from ..config import SCAN, AuditConfig, Fault, ProbeSpec
 from ..errors import DetauditError, ProbeError
 from ..probe import Probe
 from ..record.environment import capture_environment
-from ..record.fingerprint import Fingerprinter
+from ..record.fingerprint import Fingerprinter, widest_float
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
 from ..record.stress import StressMode
@@ -170,10 +170,11 @@ def global_settings_restored() -> Iterator[None]:
 
 
 def loss_copy(loss: torch.Tensor) -> torch.Tensor:
-    """A float64 copy of a scalar loss, to read once the step is over: made on its device
-    without waiting, and safe from the loss's own storage being reused before then (a CUDA
-    graph's replay writes the next micro-batch's loss into it)."""
-    return loss.detach().to(torch.float64, copy=True)
+    """An exact copy of a scalar loss (float64, or float32 where the device has no float64),
+    to read once the step is over: made on its device without waiting, and safe from the
+    loss's own storage being reused before then (a CUDA graph's replay writes the next
+    micro-batch's loss into it)."""
+    return loss.detach().to(widest_float(loss.device), copy=True)
 
 
 @contextlib.contextmanager

@@ -262,18 +262,21 @@ def _new_weights(start: int, n: int, device: torch.device) -> torch.Tensor:
 # (rounded up to a power of two, at most a chunk: 32 MiB). Most tensors fit in one chunk, so
 # they are weighed by a slice of this; later chunks of a larger tensor are weighed anew, which
 # costs about what mixing the chunk does, rather than keeping 8 bytes per element on the device.
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+# Kept per stream too: weights made on one stream and replaced while a kernel on another
+# still reads them would go back to the allocator under that kernel.
+_WEIGHTS: dict[tuple[torch.device, Any], torch.Tensor] = {}
 
 
 def _weights(start: int, n: int, device: torch.device) -> torch.Tensor:
     if start:
         return _new_weights(start, n, device)
-    weights = _WEIGHTS.get(device)
+    key = (device, fused.current_stream(device))
+    weights = _WEIGHTS.get(key)
     if weights is None or weights.numel() < n:
         if len(_WEIGHTS) >= 16:
             _WEIGHTS.clear()
         size = max(n, min(max(1 << 12, 1 << (n - 1).bit_length()), _WSUM_CHUNK))
-        weights = _WEIGHTS[device] = _new_weights(0, size, device)
+        weights = _WEIGHTS[key] = _new_weights(0, size, device)
     return weights[:n]
 
 
@@ -377,8 +380,9 @@ def _finish_wsum(header: bytes, value: int) -> int:
 _FLOAT64_DEVICES: dict[str, bool] = {}
 
 
-def _stats_dtype(device: torch.device) -> torch.dtype:
-    """float64 where the device has it (CPU, CUDA), else float32 (MPS)."""
+def widest_float(device: torch.device) -> torch.dtype:
+    """float64 where the device has it (CPU, CUDA), else float32 (MPS: whose floats are all
+    exact in float32)."""
     has = _FLOAT64_DEVICES.get(device.type)
     if has is None:
         try:
@@ -399,7 +403,7 @@ def _device_float_stats(flat: torch.Tensor) -> torch.Tensor:
     overflows, and gives [norm / absmax, absmax, nonfinite >> 24, nonfinite & 0xFFFFFF]: the
     host multiplies (the norm may pass float32's range where no element does), and a float32
     holds integers exactly only to 2**24."""
-    wide = _stats_dtype(flat.device)
+    wide = widest_float(flat.device)
     scaled = wide != torch.float64
     if flat.numel() == 0:
         return torch.zeros(4 if scaled else 3, dtype=wide, device=flat.device)

@@ -74,8 +74,7 @@ def _tables(sizes: tuple[int, ...], device: torch.device):
     length; and per tensor, the index of its last block. Cached per layout (the packed
     parameters or gradients of a model: the same every step)."""
     # the tables are copied without waiting, on the current stream: reused on that one only
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    key = (sizes, device, stream)
+    key = (sizes, device, current_stream(device))
     cached = _TABLES.get(key)
     if cached is not None:
         return cached
@@ -94,6 +93,12 @@ def _tables(sizes: tuple[int, ...], device: torch.device):
         _TABLES.clear()
     _TABLES[key] = tables
     return tables
+
+
+def current_stream(device: torch.device) -> int | None:
+    """The current CUDA stream of `device` (None elsewhere): what a cache of device tensors
+    made without waiting is kept per."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
 def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
