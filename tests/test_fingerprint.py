@@ -351,14 +351,15 @@ def test_lazy_conj_and_neg_views_print_as_materialised(algorithm):
 
 def test_wsum_weights_are_cached_per_device_and_bounded():
     fpmod._WEIGHTS.clear()
+    key = (torch.device("cpu"), None)  # per device and stream (none on the CPU)
     first = fingerprint(torch.arange(10.0), "wsum")
-    cached = fpmod._WEIGHTS[torch.device("cpu")]
+    cached = fpmod._WEIGHTS[key]
     fingerprint(torch.arange(3000.0), "wsum")  # within the cached size: the same tensor
-    assert fpmod._WEIGHTS[torch.device("cpu")] is cached
+    assert fpmod._WEIGHTS[key] is cached
     fingerprint(torch.arange(70_000.0), "wsum")  # grown to a power of two, never past a chunk
-    assert fpmod._WEIGHTS[torch.device("cpu")].numel() == 1 << 17
+    assert fpmod._WEIGHTS[key].numel() == 1 << 17
     fingerprint(torch.arange(fpmod._WSUM_CHUNK + 5, dtype=torch.int8), "wsum")
-    assert fpmod._WEIGHTS[torch.device("cpu")].numel() == fpmod._WSUM_CHUNK
+    assert fpmod._WEIGHTS[key].numel() == fpmod._WSUM_CHUNK
     assert fingerprint(torch.arange(10.0), "wsum") == first
 
 
