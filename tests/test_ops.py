@@ -3,6 +3,7 @@ alerts, the fix is verified with its cost, `detaudit env` flags risky settings."
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -249,3 +250,60 @@ def test_op_level_recording_of_an_inference_mode_step():
     result = audit(probe, repeats=2, mode="infer", granularity="op")
     assert result.deterministic
     assert any(p.startswith("op.") for p in result.traces[0].records["phase"])
+
+
+class Scatter(nn.Module):
+    """Scatters 60,000 values into 1,000 cells in place, with duplicates: on 2 threads the
+    accumulation order (and so the float sum) varies run to run."""
+
+    def forward(self, values: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+        grid = torch.zeros(1000, values.shape[1], dtype=values.dtype, device=values.device)
+        return grid.index_put_((cells,), values, accumulate=True)
+
+
+class ScatterNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.scatter = Scatter()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, points: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+        return self.head(self.scatter(self.act(self.embed(points)), cells))
+
+
+def scatter_probe(device: torch.device, steps: int = 2, points: int = 60_000) -> Probe:
+    model = ScatterNet().to(device)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(points, 4, generator=g), torch.randint(0, 1000, (points,), generator=g))
+               for _ in range(steps)]
+
+    def step(m: nn.Module, batch):
+        points, cells = (t.to(device) for t in batch)
+        return m(points, cells).pow(2).mean()
+
+    return Probe(model=model, batches=batches, step=step,
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+def test_a_planted_fault_in_an_in_place_op_is_named():
+    """Inside a dispatch mode an in-place op's output is still at its input's version: its
+    print must not be the input's (it was, and the op was never found)."""
+    fault = Fault("act", "forward", 1, op="aten.relu_")
+    few = functools.partial(scatter_probe, points=2000)  # under the parallel grain: no race
+    result = audit(few, repeats=2, epochs=1, fault=fault, drill_down=True)
+    assert result.comparison.first_step == 1
+    origin = result.investigations["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["phase"]) == ("aten.relu_", "act", "forward")
+    assert origin["max_ulp"] == 1
+
+
+def test_a_real_race_in_an_in_place_scatter_is_named(two_threads):
+    result = _until_divergent(lambda: audit(scatter_probe, repeats=3, epochs=1,
+                                            drill_down=True))
+    assert result.comparison.first_step == 0
+    origin = result.investigations["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["phase"], origin["role"]) == (
+        "aten.index_put_", "scatter", "forward", ORIGIN)
+    assert any("duplicate indices" in k["why"] for k in result.investigations["ops"]["knowledge"])

@@ -507,16 +507,18 @@ class Fingerprinter:
         return slot
 
     def add_many(self, tensors: list[torch.Tensor], stats: bool | None = None,
-                 algorithm: str | None = None) -> None:
+                 algorithm: str | None = None, written: bool = False) -> None:
         """Queue tensors in order: the CPU ones hashed together on torch's thread count, the
         device (wsum) ones reduced together per device (see `_wsum_many`). `algorithm`
-        overrides the fingerprinter's for these tensors."""
+        overrides the fingerprinter's for these tensors. `written`: they were just written
+        in place by an op whose version bump has not happened yet (inside a dispatch mode),
+        so no earlier print of them is reused."""
         want_stats = self.stats if stats is None else stats
         batch: list[tuple[int, torch.Tensor]] = []
         on_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for t in tensors:
             xxh3 = self._by_xxh3(t, algorithm)
-            if self._reuse(t, want_stats, len(self._done), xxh3):
+            if not written and self._reuse(t, want_stats, len(self._done), xxh3):
                 continue
             if xxh3:
                 batch.append((len(self._done), t))

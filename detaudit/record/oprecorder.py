@@ -183,7 +183,10 @@ class OpRecorder(ModelOpMode):
             if name in UNINITIALIZED_OPS:
                 self._remember_uninitialized(out)
             else:
-                self.recorder.record(op_phase, module, index, f"{prefix}/out", out)
+                # an in-place or out= op's output is its input, whose version counter is
+                # bumped only after this returns: it must not pass for the unchanged input
+                self.recorder.record(op_phase, module, index, f"{prefix}/out", out,
+                                     written=func._schema.is_mutable)
         if prefix and self.capture == (op_phase, module, index, prefix):
             self.captured = [t.detach().to("cpu", copy=True) for _, t in iter_tensors(out)]
         return out

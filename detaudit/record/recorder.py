@@ -214,15 +214,15 @@ class Recorder:
     # -- generic records ---------------------------------------------------------------
     def record(
         self, phase: str, module: str, call: int, slot: str, value: Any, stats: bool = True,
-        algorithm: str | None = None,
+        algorithm: str | None = None, written: bool = False,
     ) -> None:
         """Fingerprint every tensor in `value` under (phase, module, call, slot[.path]);
-        `algorithm` as :meth:`Fingerprinter.add_many` takes it."""
+        `algorithm` and `written` as :meth:`Fingerprinter.add_many` takes them."""
         tensors = []
         for path, tensor in iter_tensors(value):
             self._keys.append((phase, module, call, _slot(slot, path)))
             tensors.append(tensor)
-        self.fp.add_many(tensors, stats, algorithm)
+        self.fp.add_many(tensors, stats, algorithm, written)
 
     def record_state(self, batch: Any, as_loaded: bool = False) -> None:
         """Step-boundary state: the batch and every RNG. A batch `as_loaded` (as the data
