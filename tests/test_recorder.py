@@ -5,7 +5,7 @@ import torch
 import torchvision
 from conftest import SmallCNN, module_audit, small_cnn_probe
 
-from detaudit import Probe
+from detaudit import Fault, Probe
 from detaudit.record.recorder import Recorder
 from detaudit.seeding import seed_everything
 
@@ -241,3 +241,30 @@ def test_gradients_into_a_call_are_named_by_its_inputs_whatever_python_does_with
     for k in range(3):
         assert (f"heads.{k}", "grad_in.0") in slots
     assert not [s for _, s in slots if "?" in s]
+
+
+def test_a_backward_fault_in_a_linear_goes_into_the_gradient_of_its_input():
+    """addmm's backward sends the bias gradient first: a planted backward fault must still
+    land in the gradient the module sends back to its input, which every model reads (a
+    bias gradient may be one another model's optimizer never uses, as in a GAN)."""
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = (torch.nn.Linear(6, 6) for _ in range(3))
+
+        def forward(self, x):
+            return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+    def probe(device):
+        torch.manual_seed(0)
+        m = MLP()
+        g = torch.Generator().manual_seed(1)
+        return Probe(model=m, batches=[torch.randn(4, 6, generator=g) for _ in range(3)],
+                     step=lambda m, b: m(b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+
+    result = module_audit(probe, repeats=2, fault=Fault("fc2", "backward", 1))
+    origin = result.comparison.origins[0]
+    assert (origin.module, origin.phase, origin.step) == ("fc2", "backward", 1)
+    assert origin.slots == ["grad_in.0"]

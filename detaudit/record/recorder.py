@@ -407,10 +407,12 @@ class Recorder:
                     leaf = nxt.variable
                     if id(leaf) in params:
                         # Parameter gradients are recorded after backward; here only a fault
-                        # planted in a module whose inputs need no gradient can use this edge.
+                        # planted in a module whose inputs need no gradient can use this edge
+                        # (else it would land in, say, a bias gradient the optimizer of
+                        # another model never reads).
                         if fault_here and chain and params[id(leaf)] == fault.module == calls[
                             chain[0]
-                        ].module:
+                        ].module and not calls[chain[0]].inputs:
                             boundaries.setdefault(node, []).append((k, chain[0], None))
                         continue
                     target, created = (id(leaf), 0), -1  # a leaf: outside every call
