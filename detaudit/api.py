@@ -409,7 +409,7 @@ def render_folder(folder: str | Path) -> dict[str, Any]:
     stored = (info.extra or {}).get("ranks")
     ranks = RankAnalysis.from_dict(stored) if stored else None
     zoomed_traces = load_zoom(folder, info)
-    zoomed = compare(zoomed_traces) if zoomed_traces else None
+    zoomed = compare(zoomed_traces, comparison.idle_rng) if zoomed_traces else None
     verdict = judge(comparison, (info.extra or {}).get("ops"), ranks,
                     interrupted=None if info.complete else info.state, zoom=zoomed,
                     zoom_found=(info.extra or {}).get("zoom"))
@@ -536,7 +536,7 @@ def _zoom(
     if found["ops"] is not None:
         folder.info.extra["ops"] = found["ops"]
     folder.save()
-    return compare(traces) if traces else None
+    return compare(traces, comparison.idle_rng) if traces else None
 
 
 def _investigate(

@@ -476,7 +476,7 @@ def _zoom_command(
         found["traces"] = [zoom_name(t.repeat) for t in traces]
     folder.info.extra["zoom"] = found
     folder.save()
-    return compare_traces(traces) if traces else None
+    return compare_traces(traces, comparison.idle_rng) if traces else None
 
 
 def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,

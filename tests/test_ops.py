@@ -307,3 +307,21 @@ def test_a_real_race_in_an_in_place_scatter_is_named(two_threads):
     assert (origin["op"], origin["module"], origin["phase"], origin["role"]) == (
         "aten.index_put_", "scatter", "forward", ORIGIN)
     assert any("duplicate indices" in k["why"] for k in result.investigations["ops"]["knowledge"])
+
+
+def _scatter_with_unseeded_numpy(device: torch.device) -> Probe:
+    """The scatter, in a process whose numpy RNG is reseeded from the OS and never drawn."""
+    import numpy as np
+
+    np.random.seed(None)
+    return scatter_probe(device)
+
+
+def test_an_unseeded_rng_nothing_draws_from_does_not_become_the_cause_in_the_zoom(two_threads):
+    """The zoom's replays stop at the zoomed step, too soon to see that a stream is never
+    drawn from: the scan's finding carries over, and the cause stays the forward op."""
+    result = _until_divergent(lambda: audit(_scatter_with_unseeded_numpy, repeats=2, epochs=1))
+    assert result.comparison.first_step == 0 and "numpy" in result.comparison.idle_rng
+    assert result.summary["cause"]["kind"] == "forward", result.verdict.headline
+    assert "cause: forward" in result.verdict.headline
+    assert "op: aten.index_put_ in scatter" in result.verdict.headline

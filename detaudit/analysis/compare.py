@@ -224,18 +224,19 @@ def fingerprints_before(trace: Trace, step: int) -> dict[Key, str]:
     return _Index(trace, steps=step).fp
 
 
-def compare(traces: Iterable[AnyTrace]) -> Comparison:
+def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Comparison:
     """Align the traces of N repeats and analyse their differences, a step at a time (a
     streamed trace is read one step at a time, so runs of any length compare in flat
     memory). Every differing record of the first DETAIL_STEPS divergent steps is kept and
     classified; later steps are counted. When a repeat stopped early (its trace names a
     failure), only the steps every repeat completed are compared: a crash is a failure,
-    not a divergence."""
+    not a divergence. `idle_rng`: RNG streams a longer comparison of the same runs found
+    never drawn from (a zoom's replays stop at the zoomed step, too soon to tell)."""
     traces = list(traces)
     if not traces:
         raise ValueError("compare() needs at least one trace")
     common = min(len(t.steps) for t in traces) if any(t.failure for t in traces) else None
-    seen = _StepDiffs(len(traces))
+    seen = _StepDiffs(len(traces), {f"rng.{stream}" for stream in idle_rng})
     for step, cuts in aligned_steps(traces, common):
         seen.add(step, cuts)
     comparison = seen.comparison(traces, common)
@@ -299,8 +300,9 @@ class _StepDiffs:
     the steps can tell. Of those, the first step each stream differs in is kept whole.
     """
 
-    def __init__(self, repeats: int) -> None:
+    def __init__(self, repeats: int, idle: set[str] | None = None) -> None:
         self.n = repeats
+        self.known_idle = idle or set()  # RNG state slots known never drawn from
         self.first_step: int | None = None  # the first step compared
         self.kept: list[RecordDiff] = []  # execution order
         self.findings: list[CallFinding] = []
@@ -445,6 +447,7 @@ class _StepDiffs:
             idle -= {slot for slot, step in self.rng_first.items() if step == self.first_step}
         if not self.counts:
             idle |= set(self.rng_first)
+        idle |= self.known_idle & set(self.rng_first)
         by_step = dict(self.counts)
         for step, slots in self.rng.items():
             if slots - idle:

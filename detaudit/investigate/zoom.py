@@ -56,7 +56,7 @@ def zoom_by_replay(
     attempts: list[dict[str, Any]] = []
     for _ in range(max(1, tries)):
         traces = replay(step)
-        zoomed = compare(traces)
+        zoomed = compare(traces, comparison.idle_rng)
         if zoomed.first_step is not None and zoomed.first_step < step:
             attempts.append({"step": step, "outcome": f"parted earlier, at step "
                              f"{zoomed.first_step}: zooming there"})
