@@ -566,7 +566,7 @@ def test_a_run_that_trains_on_the_model_of_the_run_before_is_told_apart_from_uns
                 opt.step()
                 opt.zero_grad()
     c = detaudit.compare(tmp_path).comparison
-    assert (c.first_step, c.cause, c.continued_from) == (0, "init", 1)
+    assert (c.first_step, c.cause, c.continued_from) == (0, "init", (1, 0, 1, True))
     assert "repeat 1 began with the parameters repeat 0 ended with" in c.cause_text
     # built anew from an unseeded RNG instead: the seeding fix
     for _ in range(2):
@@ -577,6 +577,42 @@ def test_a_run_that_trains_on_the_model_of_the_run_before_is_told_apart_from_uns
             opt.step()
     c = detaudit.compare(tmp_path / "unseeded").comparison
     assert (c.cause, c.continued_from) == ("init", None) and "unseeded RNG" in c.cause_text
+
+
+def test_a_script_that_resumes_from_the_checkpoint_of_the_run_before_is_told_so(tmp_path):
+    """Each run saves a checkpoint every step and loads one when it finds it: the second run
+    starts where the first was two steps in, not from the seeded initialisation."""
+    checkpoint = tmp_path / "last.pt"
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if checkpoint.exists():
+            model.load_state_dict(torch.load(checkpoint))
+        with detaudit.watch(model, opt, out=tmp_path / "runs"):
+            for step in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                if step < 2:  # (the last step's save never happens: a limit stopped it)
+                    torch.save(model.state_dict(), checkpoint)
+    c = detaudit.compare(tmp_path / "runs").comparison
+    assert (c.cause, c.continued_from) == ("init", (1, 0, 1, False))
+    assert "repeat 1 began with the parameters repeat 0 had after its step 1" in c.cause_text
+    assert "checkpoint" in c.cause_text and "unseeded" not in c.cause_text
+    # weights that differ from run to run while every RNG agrees: not the seeding fix
+    for k in range(2):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        with torch.no_grad():
+            model.bias.fill_(float(k))  # from somewhere else: a file, another process
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detaudit.watch(model, opt, out=tmp_path / "loaded"):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+    c = detaudit.compare(tmp_path / "loaded").comparison
+    assert (c.cause, c.continued_from) == ("init", None)
+    assert "every RNG state agrees" in c.cause_text and "unseeded" not in c.cause_text
 
 
 def test_runs_of_different_lengths_are_said_so(tmp_path):

@@ -254,7 +254,8 @@ def test_scan_map_is_the_modules_whose_parameter_gradients_differ_by_step():
 def test_module_level_map_has_no_scanned_column():
     from detaudit.report import render_markdown
 
-    result = audit(small_cnn_probe, repeats=2, steps=3, fault=Fault("head", "backward", 1))
+    result = audit(small_cnn_probe, repeats=2, steps=3, granularity="module",
+                   fault=Fault("head", "backward", 1))
     assert result.summary["map"] and all(
         c["role"] != "gradients differ" for c in result.summary["map"])
     assert "(scanned)" not in render_markdown(result.summary)

@@ -10,7 +10,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..trace import (
     BACKWARD,
@@ -47,6 +47,16 @@ _CAUSE_TEXT = {
     "optimizer": "the optimizer update differs while gradients agree",
     "none": "no divergence",
 }
+
+
+class Continued(NamedTuple):
+    """Repeat `repeat` began with the parameters repeat `earlier` had after its `step`
+    (its `last`, or not)."""
+
+    repeat: int
+    earlier: int
+    step: int
+    last: bool
 
 
 @dataclass
@@ -138,9 +148,10 @@ class Comparison:
     # with more divergent steps than DETAIL_STEPS: how many were kept in detail (findings,
     # gradients that differ); the later ones are in differing_by_step only
     detailed_steps: int | None = None
-    # with cause "init": the first repeat that began with exactly the parameters the repeat
-    # before it ended with (the model trained on, not built anew: a notebook cell re-run)
-    continued_from: int | None = None
+    # with cause "init": the first repeat that began with exactly the parameters an earlier
+    # one had after one of its steps (the model trained on, or restored from a checkpoint an
+    # earlier run wrote, not built anew: a notebook cell re-run, a script that resumes)
+    continued_from: Continued | None = None
 
     @property
     def proven(self) -> list[StressedOp]:
@@ -178,11 +189,19 @@ class Comparison:
     @property
     def cause_text(self) -> str:
         if self.cause == "init" and self.continued_from is not None:
-            n = self.continued_from
+            n, m, step, last = self.continued_from
+            had = "ended with" if last else f"had after its step {step}"
             return (f"the parameters differ before the first step: repeat {n} began with the "
-                    f"parameters repeat {n - 1} ended with, so the model was trained on, not "
-                    "built anew (fix: build, and seed, the model before each run; in a "
-                    "notebook, re-run the cell that builds it)")
+                    f"parameters repeat {m} {had}, so the model was trained on, or restored "
+                    "from a checkpoint an earlier run wrote, not built anew (fix: build, and "
+                    "seed, the model in each run; remove the checkpoints an earlier run left, "
+                    "or give each run its own output folder; in a notebook, re-run the cell "
+                    "that builds it)")
+        if self.cause == "init" and not any(_rng_state(d) for d in self.first_diffs):
+            return ("the parameters differ before the first step while every RNG state "
+                    "agrees: they were not made by the seeded RNGs alone (weights loaded at "
+                    "the start that differ between runs, say a checkpoint a run wrote, or set "
+                    "from another source; fix: start every run from the same weights)")
         unseeded = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
                            if d.phase == STATE and d.slot.startswith("rng.")}
                           ) if self.cause == "rng" and self.first_step == 0 else []
@@ -245,30 +264,49 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
     return comparison
 
 
-def _continued(traces: list[AnyTrace]) -> int | None:
-    """The first repeat whose parameters before its first step are those the repeat before
-    it ended with (one more pass over each trace, in the rare case of cause "init")."""
-    ends = [_first_and_last_parameters(t) for t in traces]
+def _continued(traces: list[AnyTrace]) -> Continued | None:
+    """The first repeat whose parameters before its first step are those an earlier repeat
+    had after one of its steps, the latest such step (more passes over the traces, in the
+    rare case of cause "init")."""
     for n in range(1, len(traces)):
-        began, ended = ends[n][0], ends[n - 1][1]
-        if ended and all(began.get(key) == fp for key, fp in ended.items()):
-            return n
+        began = _initial_parameters(traces[n])
+        for m in range(n):
+            found = _last_step_with(traces[m], began) if began else None
+            if found is not None:
+                return Continued(n, m, *found)
     return None
 
 
-def _first_and_last_parameters(trace: AnyTrace) -> tuple[dict[tuple[str, str], str],
-                                                           dict[tuple[str, str], str]]:
-    """A trace's parameter prints before its first step, and after its last update of each."""
-    first: dict[tuple[str, str], str] = {}
-    last: dict[tuple[str, str], str] = {}
+def _parameter_records(cut: Trace) -> Iterator[tuple[str, tuple[str, str], str]]:
+    r = cut.records
+    for phase, module, slot, fp in zip(r["phase"], r["module"], r["slot"], r["fp"]):
+        if slot.startswith("param.") and phase in (STATE, OPTIMIZER):
+            yield phase, (module, slot), fp
+
+
+def _initial_parameters(trace: AnyTrace) -> dict[tuple[str, str], str]:
+    """A trace's parameter prints before its first step."""
     for _, cut in trace.by_step():
-        r = cut.records
-        for phase, module, slot, fp in zip(r["phase"], r["module"], r["slot"], r["fp"]):
-            if slot.startswith("param.") and phase == STATE:
-                first.setdefault((module, slot), fp)
-            elif slot.startswith("param.") and phase == OPTIMIZER:
-                last[(module, slot)] = fp
-    return first, last
+        return {key: fp for phase, key, fp in _parameter_records(cut) if phase == STATE}
+    return {}
+
+
+def _last_step_with(trace: AnyTrace, wanted: dict[tuple[str, str], str]
+                    ) -> tuple[int, bool] | None:
+    """The last step after which `trace`'s parameters (its initial ones, as each update
+    left them) are exactly `wanted`, and whether it is the trace's last step."""
+    current: dict[tuple[str, str], str] = {}
+    found = step = None
+    for step, cut in trace.by_step():
+        updated = False
+        for phase, key, fp in _parameter_records(cut):
+            if phase == STATE:
+                current.setdefault(key, fp)
+            else:
+                current[key], updated = fp, True
+        if updated and all(current.get(key) == fp for key, fp in wanted.items()):
+            found = step
+    return None if found is None else (found, found == step)
 
 
 def aligned_steps(traces: list[AnyTrace], common: int | None
