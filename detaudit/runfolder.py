@@ -231,7 +231,9 @@ class RunFolder:
         _writable(self.path.mkdir, self.path, parents=True, exist_ok=True)
         self._lock()
         if (self.path / RUN_FILE).exists():
-            if not self.overwrite:
+            # a run that recorded nothing (its command failed before its first step) holds
+            # nothing to lose: the folder is taken as if overwriting
+            if not self.overwrite and self._holds_records():
                 self.close()
                 raise TraceError(
                     f"{self.path} already holds a run; choose another --out or pass --overwrite"
@@ -240,6 +242,10 @@ class RunFolder:
                 for old in self.path.glob(pattern):
                     old.unlink()
         self.save()
+
+    def _holds_records(self) -> bool:
+        return any(next(self.path.glob(pattern), None) is not None for pattern in (
+            "trace-*.json.gz", "zoom-*.json.gz", "attach-*.json.gz", "partial-*.json.gz"))
 
     def save(self) -> None:
         """Write ``run.json`` as the run stands now."""

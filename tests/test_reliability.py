@@ -105,6 +105,17 @@ def test_a_folder_holding_a_run_is_refused_unless_overwritten(tmp_path, capsys):
     assert not (tmp_path / LOCK_FILE).exists()
 
 
+def test_a_folder_whose_run_recorded_nothing_is_taken_without_overwrite(tmp_path, capsys):
+    """A command that failed before its first step leaves run.json and no trace: running it
+    again, fixed, into the same --out needs no --overwrite (nothing would be lost)."""
+    out = tmp_path / "run"
+    args = ["exec", "--out", str(out), "--quiet", "--", sys.executable, "-c", "pass"]
+    assert main(args) == 2  # no step: one line, exit 2
+    assert (out / "run.json").exists() and not list(out.glob("trace-*"))
+    assert main(args) == 2
+    assert "already holds a run" not in capsys.readouterr().err
+
+
 def test_a_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path):
     info = RunInfo(probe={}, config={}, command="", traces=[])
     (tmp_path / LOCK_FILE).write_text(str(os.getppid()))  # a live process holds it
