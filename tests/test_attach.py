@@ -946,3 +946,46 @@ def test_a_reader_that_closes_the_pipe_early_leaves_the_exit_code_the_verdicts(t
         rest = other.read().decode()
         assert process.wait(timeout=120) == 1, rest
         assert "internal error" not in rest and "Exception ignored" not in rest
+
+
+def _gan(path: Path, fault=None) -> Trace:
+    """A GAN's loop: each iteration a discriminator update (on the generator's detached
+    fakes), then a generator update; the generator is called first in both. The step a
+    `fault` is planted at is recorded module by module (in the run without it too)."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    disc = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    attachment = Attachment(path, {}, fault=fault, planted_step=2).install()
+    try:
+        for _ in range(3):
+            z, real = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+            fake = gen(z).detach()
+            d_loss = (disc(real) - 1).pow(2).mean() + disc(fake).pow(2).mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            g_loss = (disc(gen(z)) - 1).pow(2).mean()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+        attachment.finish()
+    finally:
+        attachment.uninstall()
+    return Trace.load(path)
+
+
+def test_a_generator_called_before_the_discriminator_belongs_to_the_step_it_starts(tmp_path):
+    """Its calls at a discriminator step are that step's: a fault planted in the generator's
+    last layer at step 2 (a discriminator update) is found there, in the generator."""
+    from detaudit.analysis.compare import compare
+    from detaudit.config import Fault
+
+    plain = _gan(tmp_path / "a.json.gz")
+    faulted = _gan(tmp_path / "b.json.gz", Fault("Sequential.2", "forward", 2))
+    assert len(plain.steps) == len(faulted.steps) == 6  # one per update
+    c = compare([plain, faulted])
+    assert (c.first_step, c.cause) == (2, "forward")
+    assert [(o.module, o.phase) for o in c.origins] == [("Sequential.2", "forward")]

@@ -44,6 +44,7 @@ from ..config import (
 from ..record.environment import capture_environment
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder, StepRecords
+from ..record.structure import iter_tensors
 from ..seeding import seed_everything
 from ..trace import (
     OPTIMIZER,
@@ -94,6 +95,10 @@ class Attachment:
         self.explicit_epoch: int | None = None
         self.index = 0  # step within its epoch
         self._updated = False  # the open step's optimizer has stepped
+        # the storage of what the open step's top-level training calls returned: a later
+        # call given it (a discriminator given the generator's fakes) is given the step's
+        # work, not data
+        self._step_outputs: list[Any] = []
         self._stepped: set[int] = set()  # the optimizers (ids) that updated in the open step
         self._optimizers: set[int] = set()  # every optimizer that has updated
         self._carried: StepRecords | None = None  # the open step's state, of another model
@@ -200,7 +205,11 @@ class Attachment:
             if module.training:
                 if module not in self._candidates and any(True for _ in module.parameters()):
                     self._candidates.append(module)
-                if module is self._current_model():
+                # A step begins at the model's call, or at the first call after an update
+                # of another model an optimizer trains (a GAN's generator called before its
+                # discriminator): that call's work belongs to the step it starts.
+                if module is self._current_model() or (
+                        self._updated and any(module is m for _, m in self._others)):
                     self._on_batch(module, args, {})
             elif self._last_step_updated() and module is self._current_model():
                 self.end_step()  # evaluation after the last step's update: the run is over
@@ -211,6 +220,9 @@ class Attachment:
         if _compiling():
             return
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self.info is not None and module.training:
+            self._step_outputs.extend(
+                s for s in (t.untyped_storage() for _, t in iter_tensors(output)) if s.data_ptr())
 
     def _on_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A top-level training call: a new step begins if the last one has updated."""
@@ -222,6 +234,8 @@ class Attachment:
             return
         assert self.recorder is not None
         batch = {"args": list(args), "kwargs": kwargs} if kwargs else list(args)
+        if self._step_outputs:
+            batch = _data_only(batch, {s.data_ptr() for s in self._step_outputs})
         if self._batches == 0:
             self.recorder.record_state(batch)
         else:
@@ -508,6 +522,7 @@ class Attachment:
         self._loss_values = {}
         self.trace.steps.append(self.info)
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
+        self._step_outputs = []
         self._fetched = 0
         self._stepped = set()
         self.index += 1
@@ -803,3 +818,15 @@ def _end_process() -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
+
+
+def _data_only(value: Any, made: set[int]) -> Any:
+    """`value` with each tensor whose storage the step's own calls made (`made`: data
+    pointers) replaced by a marker: the step's work, compared where it is made."""
+    if isinstance(value, torch.Tensor):
+        return "made in this step" if value.untyped_storage().data_ptr() in made else value
+    if isinstance(value, (list, tuple)):
+        return [_data_only(v, made) for v in value]
+    if isinstance(value, dict):
+        return {k: _data_only(v, made) for k, v in value.items()}
+    return value
