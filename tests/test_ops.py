@@ -169,6 +169,8 @@ def test_op_granularity_drill_down_uses_the_recorded_ops(phase, op):
     origin = result.investigations["ops"]["ops"][0]
     assert (origin["op"], origin["module"], origin["phase"]) == (op, "block1.conv", phase)
     assert result.investigations["ops"]["step"] == 1 and origin["max_ulp"] == 1
+    assert origin["planted"] and "(the planted fault, found where it was planted)" in (
+        result.verdict.headline)
 
 
 def test_tensor_difference_counts_elements_ulps_and_relative_error():
@@ -306,6 +308,7 @@ def test_a_real_race_in_an_in_place_scatter_is_named(two_threads):
     origin = result.investigations["ops"]["ops"][0]
     assert (origin["op"], origin["module"], origin["phase"], origin["role"]) == (
         "aten.index_put_", "scatter", "forward", ORIGIN)
+    assert not origin["planted"] and "planted" not in result.verdict.headline
     assert any("duplicate indices" in k["why"] for k in result.investigations["ops"]["knowledge"])
 
 

@@ -157,6 +157,8 @@ def _headline(
     outside = ops.get("outside_dispatcher")
     if origin_op.get("role") == ORIGIN:
         text += f"; op: {origin_op['op']} in {origin_op['module']}"
+        if origin_op.get("planted"):
+            text += " (the planted fault, found where it was planted)"
     elif outside and outside.get("planted"):
         text += "; the planted fault, found where it was planted"
     elif outside:

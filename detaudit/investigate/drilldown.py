@@ -20,6 +20,7 @@ from ..analysis.stress import stressed_ops
 from ..config import AuditConfig, Fault, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
 from ..record.difference import tensor_difference
+from ..record.oprecorder import op_matches
 from ..trace import Trace
 
 MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
@@ -73,7 +74,15 @@ def drill_down(
             {"op": first.op, **k.to_dict()} for k in lookup(first.op, first.phase, device)
         ]
         out["ops"][0].update(out["difference"] or {})
+        out["ops"][0]["planted"] = _is_planted(config.fault, first)
     return out
+
+
+def _is_planted(fault: Fault | None, op: OpFinding) -> bool:
+    """Whether `op` is where an op-level fault was planted."""
+    return (fault is not None and bool(fault.op) and fault.step == op.step
+            and fault.phase == op.phase and fault.module in ("", op.module)
+            and op_matches(fault.op, op.op, op.phase))
 
 
 def _outside_dispatcher(
