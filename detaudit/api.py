@@ -34,6 +34,7 @@ from .runfolder import (
     load_zoom,
     new_run_id,
     save_baseline,
+    save_run,
     trace_name,
     zoom_name,
 )
@@ -360,7 +361,19 @@ def check(
         )
     for op in result.comparison.proven[:3]:
         gate.message += f"\nnote: proven by re-execution in this run: {op.line()}"
+    if result.folder is not None:  # the folder's reports give the check's verdict
+        checked = {"baseline": str(path), "verdict": gate.verdict, "headline": gate.headline,
+                   "message": gate.message}
+        result.info.extra["check"] = checked
+        save_run(result.folder, result.info)
+        write_reports(result.folder, with_check(result.summary, checked))
     return CheckResult(result, gate)
+
+
+def with_check(summary: dict[str, Any], checked: dict[str, Any]) -> dict[str, Any]:
+    """A run's summary as the verdict of the baseline check it was run for."""
+    return {**summary, "verdict": checked["verdict"], "headline": checked["headline"],
+            "check": checked}
 
 
 def diff(run_a: str | Path, run_b: str | Path, rtol: float = 0.0, atol: float = 0.0,
@@ -414,6 +427,8 @@ def render_folder(folder: str | Path) -> dict[str, Any]:
                     interrupted=None if info.complete else info.state, zoom=zoomed,
                     zoom_found=(info.extra or {}).get("zoom"))
     summary = summarize(info, comparison, traces, verdict, ranks, zoom=zoomed)
+    if (info.extra or {}).get("check"):
+        summary = with_check(summary, info.extra["check"])
     write_reports(folder, summary)
     return summary
 

@@ -133,6 +133,27 @@ def test_patched_numerics_fail_the_check_naming_the_module(
     assert "origin: act (forward)" in result.message
 
 
+def test_a_check_folder_reports_the_checks_verdict(
+    conv_baseline: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The folder a check writes (CI's artifact) says MATCH or MISMATCH, not the verdict of
+    its one run alone (NOT COMPARED), and a re-render keeps it."""
+    from detaudit.cli import main
+
+    passed = api.check(conv_baseline, factory=conv_probe, out=tmp_path / "pass")
+    summary = json.loads((tmp_path / "pass" / "summary.json").read_text())
+    assert (summary["verdict"], passed.exit_code) == ("match", 0)
+    assert summary["headline"].startswith("MATCH")
+    monkeypatch.setattr(Act, "forward", lambda self, x: torch.relu(x) * (1 + 2**-20))
+    failed = api.check(conv_baseline, factory=conv_probe, out=tmp_path / "fail")
+    assert failed.exit_code == 1
+    for name in ("report.md", "report.html", "summary.json"):
+        text = (tmp_path / "fail" / name).read_text()
+        assert "MISMATCH" in text and "NOT COMPARED" not in text
+    assert main(["report", str(tmp_path / "fail")]) == 1
+    assert json.loads((tmp_path / "fail" / "summary.json").read_text())["verdict"] == "mismatch"
+
+
 class Energy(nn.Module):
     """Mean square of a 1M-element activation: a reduction split across CPU threads."""
 

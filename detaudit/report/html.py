@@ -9,7 +9,8 @@ from .sections import Block, Code, Section, Table, Text, sections, title
 from .svg import figure
 
 VERDICTS = {"deterministic": "deterministic", "divergent": "divergent", "failed": "failed",
-            "nondeterministic op": "divergent"}  # verdict -> header class
+            "nondeterministic op": "divergent", "match": "deterministic",
+            "mismatch": "divergent"}  # verdict -> header class
 CAPTIONS = {
     "loss": "Loss per step of every repeat; where repeats agree, their curves lie on each other.",
     "drift": "Relative |Δloss| between repeats per step (log scale); dashed lines start epochs.",

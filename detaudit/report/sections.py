@@ -162,6 +162,10 @@ def clip(text: str, size: int = CLIP) -> str:
 
 def _verdict(s: dict[str, Any]) -> Section:
     blocks = [Text(s["headline"], strong=True), Text(_run_line(s))]
+    if s.get("check"):  # a baseline check: the run's own verdict gives way to the check's
+        details = [line for line in s["check"]["message"].splitlines() if line != s["headline"]]
+        blocks.append(Text(f"baseline {s['check']['baseline']}" + (
+            f": {' '.join(details)}" if details else "")))
     if s.get("updates_without_backward"):
         blocks.append(Text(f"Note: {updates_note(s['updates_without_backward'])}"))
     return Section("verdict", "Verdict", blocks)
