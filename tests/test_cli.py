@@ -181,3 +181,17 @@ def test_a_crashed_repeat_is_reported_and_the_others_kept(tmp_path, capsys):
     assert out.startswith("FAILED: repeat 1 stopped: RuntimeError while step 1 at")
     assert "repeat 1 failed: RuntimeError while step 1 at" in out and "crash_second_repeat.py" in out
     assert (tmp_path / "trace-0.json.gz").exists() and (tmp_path / "trace-1.json.gz").exists()
+
+
+def test_a_probe_file_that_is_not_python_or_breaks_the_contract_is_bad_input(tmp_path, capsys):
+    """Exit 2 (usage), one line naming the file and line: not a crash (3), never a verdict."""
+    bad = tmp_path / "syntax.py"
+    bad.write_text("def probe(device)\n    return None\n")
+    assert main(["run", "--probe", str(bad), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "syntax.py:1" in err and "SyntaxError" in err
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("def probe(device):\n    return 3\n")
+    assert main(["run", "--probe", str(wrong), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "returned int, not detaudit.Probe" in err

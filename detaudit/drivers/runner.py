@@ -289,7 +289,8 @@ def run_repeat(
             raise ProbeError(describe_user_error(exc, "building the probe")) from exc
         trace.env = capture_environment(device)
         if not isinstance(probe, Probe):
-            raise ProbeError(f"the probe function returned {type(probe).__name__}, not detaudit.Probe")
+            raise DetauditError(  # the file's contract broken: bad input, not a crash
+                f"the probe function returned {type(probe).__name__}, not detaudit.Probe")
         if isinstance(probe.model, torch.nn.DataParallel):
             raise DetauditError(
                 "nn.DataParallel runs replicas on several threads and devices at once, which "
