@@ -302,7 +302,10 @@ def write_run_reports(folder: RunFolder | _Unsaved, summary: dict[str, Any]) -> 
 def mark_interrupted(folder: RunFolder | _Unsaved) -> None:
     """Mark the run interrupted and leave reports of what was recorded."""
     folder.set_state(f"interrupted during {folder.info.state}")
-    if folder.path is None or not folder.info.traces:
+    if folder.path is None:
+        return
+    folder.keep_partial_traces("interrupted (Ctrl-C) before the repeat ended")
+    if not folder.info.traces:
         return
     try:
         render_folder(folder.path)

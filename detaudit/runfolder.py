@@ -243,6 +243,25 @@ class RunFolder:
                     old.unlink()
         self.save()
 
+    def keep_partial_traces(self, why: str) -> None:
+        """The traces repeats were still streaming when the run stopped (Ctrl-C): kept under
+        their own names as far as they were flushed, their failure `why`, and listed."""
+        for partial in sorted(self.path.glob("partial-trace-*.json.gz")):
+            match = _TRACE_NAME.fullmatch(partial.name.removeprefix("partial-"))
+            if match is None:
+                continue
+            try:
+                trace = open_trace(partial)
+            except TraceError:  # nothing flushed yet
+                continue
+            trace.failure = why
+            rank = match.group("rank")
+            save_trace(self.path, trace, None if rank is None else int(rank))
+            partial.unlink(missing_ok=True)
+            if match.group(0) not in self.info.traces:
+                self.info.traces.append(match.group(0))
+        self.save()
+
     def _holds_records(self) -> bool:
         return any(next(self.path.glob(pattern), None) is not None for pattern in (
             "trace-*.json.gz", "zoom-*.json.gz", "attach-*.json.gz", "partial-*.json.gz"))

@@ -223,6 +223,30 @@ def test_an_interrupted_audit_leaves_a_folder_that_reports_it(tmp_path, stage, s
                                           for r in recorded)), report.stdout
 
 
+def test_an_audit_interrupted_in_its_first_repeat_keeps_what_that_repeat_recorded(tmp_path):
+    """Ctrl-C before any repeat ended: the steps the first repeat flushed are kept as its
+    trace (marked interrupted), so `report` renders the folder rather than refusing it."""
+    folder = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "detaudit", "run", "--probe", str(PROBES / "slow_steps.py"),
+         "--out", str(folder), "--repeats", "2", "--epochs", "1", "--steps", "3", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "DETAUDIT_TEST_STEP_SECONDS": "0.5"},
+    )
+    partial = folder / "partial-trace-0.json.gz"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None and not (
+            partial.exists() and partial.stat().st_size):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "interrupted" in err
+    assert _listed(folder) == ["trace-0.json.gz"] and not partial.exists()
+    report = run_cli("report", str(folder))
+    assert report.returncode == 130, report.stdout + report.stderr
+    assert report.stdout.startswith("INTERRUPTED (interrupted during recording)"), report.stdout
+
+
 # -- output that stays clean ---------------------------------------------------------------
 def test_json_stays_json_when_the_audited_code_prints(tmp_path):
     probe = _probe_file(tmp_path, (
