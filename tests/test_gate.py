@@ -133,6 +133,19 @@ def test_patched_numerics_fail_the_check_naming_the_module(
     assert "origin: act (forward)" in result.message
 
 
+def test_parameters_that_differ_as_built_are_the_origin_not_a_forward(conv_baseline: Path):
+    def changed_init(device: torch.device) -> Probe:
+        probe = conv_probe(device)
+        with torch.no_grad():
+            probe.model.head.bias.add_(1e-3)  # a different init constant in the new code
+        return probe
+
+    gate = api.check(conv_baseline, factory=changed_init).gate
+    assert gate.exit_code == 1 and gate.first.step == 0 and gate.first.phase == "state"
+    assert "origin: the parameters of head, different before step 0" in gate.message
+    assert "(forward)" not in gate.message
+
+
 def test_a_check_folder_reports_the_checks_verdict(
     conv_baseline: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

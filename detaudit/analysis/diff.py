@@ -251,7 +251,12 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
     for name, (x, y) in (("norm", first.norm), ("absmax", first.absmax)):
         if x is not None and y is not None:
             lines.append(f"  {name}: {la} {x:.9g}  {lb} {y:.9g}  (abs. diff {abs(x - y):.3g})")
-    if result.origin_module is not None:
+    if first.phase == "state" and first.slot.startswith("param."):
+        # no computation: the model differs as built (or loaded) before this step
+        lines.append(f"origin: the parameters of {first.module or '(model)'}, different before "
+                     f"step {first.step} (as built, loaded or carried over; its forward only "
+                     "shows it)")
+    elif result.origin_module is not None:
         lines.append(f"origin: {result.origin_module or '(model)'} ({result.origin_phase})")
     elif result.zoom is None and first.phase not in ("forward", "backward"):
         lines.append("(recorded at scan level: `detaudit diff --zoom` replays both runs to that "
