@@ -201,6 +201,22 @@ def test_a_difference_received_through_all_reduce_points_at_the_rank_it_came_fro
     assert ranks.primary_rank == 1
 
 
+def test_a_scanned_rank_whose_data_differs_is_where_the_all_reduced_difference_came_from():
+    """At scan level there are no module origins: rank 1's batch differing run to run is
+    where the difference began, and rank 0, whose gradients alone differ, received it."""
+    by_rank = {
+        0: [_records_trace(k, [("state", "batch.0", "same"), ("grad", "param.weight", f"g{k}")])
+            for k in (0, 1)],
+        1: [_records_trace(k, [("state", "batch.0", f"d{k}"), ("grad", "param.weight", f"g{k}")])
+            for k in (0, 1)],
+    }
+    ranks = analyse(by_rank, compare_ranks(by_rank))
+    rows = {r.rank: r for r in ranks.per_rank}
+    assert (rows[1].cause, rows[1].source) == ("data", "local")
+    assert rows[0].source == "all-reduce (from rank 1)"
+    assert ranks.primary_rank == 1
+
+
 def _steps_trace(rank: int, steps: int, desync_at: int) -> Trace:
     """A rank's trace of `steps` steps whose parameter goes out of sync at `desync_at`."""
     trace = Trace(probe={}, repeat=0, env={})

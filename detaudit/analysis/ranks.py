@@ -158,14 +158,22 @@ def _mark_all_reduce(rows: list[RankRow], comparisons: dict[int, Comparison]) ->
         local = {d.phase for d in comparisons[row.rank].first_diffs}
         if local & {FORWARD, BACKWARD} or GRAD not in local:
             continue
-        senders = [
-            other.rank for other in rows if other is not row and any(
-                f.step == step and f.role == ORIGIN and f.phase in (FORWARD, BACKWARD)
-                for f in comparisons[other.rank].findings
-            )
-        ]
+        senders = [other.rank for other in rows
+                   if other is not row and _started(comparisons[other.rank], step)]
         if senders:
             row.source = f"all-reduce (from rank {_join(senders)})"
+
+
+def _started(c: Comparison, step: int) -> bool:
+    """Whether a rank's own run-to-run difference began by `step`: a module origin in its
+    forward or backward at that step, or, at scan level (no module records), a first
+    difference that is not only gradients and updates (its data, RNG, parameters, loss)."""
+    if c.first_step is None or c.first_step > step:
+        return False
+    if any(f.step == step and f.role == ORIGIN and f.phase in (FORWARD, BACKWARD)
+           for f in c.findings):
+        return True
+    return bool({d.phase for d in c.first_diffs} - {GRAD, OPTIMIZER})
 
 
 def _primary(rows: list[RankRow]) -> int:
