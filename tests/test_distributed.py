@@ -186,35 +186,30 @@ def _records_trace(repeat: int, records: list[tuple[str, str, str]]) -> Trace:
     return trace
 
 
-def test_a_difference_received_through_all_reduce_points_at_the_rank_it_came_from():
-    by_rank = {
-        0: [_records_trace(k, [("backward", "grad_in.0", "same"), ("grad", "param.weight", f"g{k}")])
-            for k in (0, 1)],
-        1: [_records_trace(k, [("backward", "grad_in.0", f"b{k}"), ("grad", "param.weight", f"g{k}")])
-            for k in (0, 1)],
-    }
+def _received_from_rank_1(phase: str, slot: str):
+    """Two repeats of two ranks: one record of `phase`/`slot` differs run to run on rank 1
+    only, and the all-reduced gradient differs on both. Returns the rank analysis and its
+    rows by rank, after checking rank 0 received the difference from rank 1."""
+    by_rank = {rank: [_records_trace(k, [(phase, slot, f"{rank}-{k}" if rank else "same"),
+                                         ("grad", "param.weight", f"g{k}")]) for k in (0, 1)]
+               for rank in (0, 1)}
     ranks = analyse(by_rank, compare_ranks(by_rank))
     rows = {r.rank: r for r in ranks.per_rank}
-    assert (rows[1].phase, rows[1].module, rows[1].role, rows[1].source) == (
-        "backward", "module.fc", "origin", "local")
-    assert rows[0].source == "all-reduce (from rank 1)"
+    assert rows[0].source == "all-reduce (from rank 1)" and rows[1].source == "local"
     assert ranks.primary_rank == 1
+    return rows
+
+
+def test_a_difference_received_through_all_reduce_points_at_the_rank_it_came_from():
+    rows = _received_from_rank_1("backward", "grad_in.0")
+    assert (rows[1].phase, rows[1].module, rows[1].role) == ("backward", "module.fc", "origin")
 
 
 def test_a_scanned_rank_whose_data_differs_is_where_the_all_reduced_difference_came_from():
     """At scan level there are no module origins: rank 1's batch differing run to run is
     where the difference began, and rank 0, whose gradients alone differ, received it."""
-    by_rank = {
-        0: [_records_trace(k, [("state", "batch.0", "same"), ("grad", "param.weight", f"g{k}")])
-            for k in (0, 1)],
-        1: [_records_trace(k, [("state", "batch.0", f"d{k}"), ("grad", "param.weight", f"g{k}")])
-            for k in (0, 1)],
-    }
-    ranks = analyse(by_rank, compare_ranks(by_rank))
-    rows = {r.rank: r for r in ranks.per_rank}
-    assert (rows[1].cause, rows[1].source) == ("data", "local")
-    assert rows[0].source == "all-reduce (from rank 1)"
-    assert ranks.primary_rank == 1
+    rows = _received_from_rank_1("state", "batch.0")
+    assert rows[1].cause == "data"
 
 
 def _steps_trace(rank: int, steps: int, desync_at: int) -> Trace:
