@@ -532,6 +532,8 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             f"the planted fault never fired: module {fault.module!r}"
             f"{f' (op {fault.op})' if fault.op else ''} did not run {fault.phase} at step "
             f"{fault.step} of {steps} recorded steps"
+            + (" (an op fault names the innermost module the op runs in, not a parent of it)"
+               if fault.op else "")
         )
     timing = {"repeat": repeat, "seconds": seconds,
               "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}

@@ -481,3 +481,20 @@ def test_a_run_killed_before_listing_its_traces_still_reports_them(tmp_path, lis
     assert summary["repeats"] == 2
     assert summary["headline"].startswith("INTERRUPTED (recording); what was recorded: "
                                           "DETERMINISTIC")
+
+
+def test_an_op_fault_named_on_a_parent_module_says_to_name_the_innermost(tmp_path, capsys):
+    probe = _probe_file(tmp_path, (
+        "def probe(device):\n"
+        "    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)),\n"
+        "                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))\n"
+        "    return detaudit.Probe(model=model, batches=[torch.ones(1, 3, 8, 8)] * 2,\n"
+        "                          step=lambda m, b: m(b).sum(),\n"
+        "                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))\n"
+    ))
+    args = ["run", "--probe", str(probe), "--out", str(tmp_path / "run"), "--no-census",
+            "--epochs", "1"]
+    assert main([*args, "--inject-fault", "0/aten.convolution@forward:1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "names the innermost module the op runs in" in err
+    assert main([*args, "--overwrite", "--inject-fault", "0.0/aten.convolution@forward:1"]) == 1

@@ -328,7 +328,9 @@ def run_repeat(
             why = (f"the run has only {steps_done} steps (0 to {steps_done - 1})"
                    if steps_done <= fault.step else
                    f"{where}module {fault.module!r} did not run "
-                   f"{'forward' if fault.phase == 'forward' else 'backward'} at step {fault.step}")
+                   f"{'forward' if fault.phase == 'forward' else 'backward'} at step {fault.step}"
+                   + (" (an op fault names the innermost module the op runs in, not a parent "
+                      "of it)" if fault.op else ""))
             raise DetauditError(f"the planted fault never fired: {why}")
     steady = ends[-1] - ends[0] if len(ends) >= 2 else None
     timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes,
