@@ -304,7 +304,7 @@ def mark_interrupted(folder: RunFolder | _Unsaved) -> None:
     folder.set_state(f"interrupted during {folder.info.state}")
     if folder.path is None:
         return
-    folder.keep_partial_traces("interrupted (Ctrl-C) before the repeat ended")
+    folder.keep_partial_traces()
     if not folder.info.traces:
         return
     try:

@@ -37,6 +37,7 @@ from .api import (
 from .config import (
     FAULT_FIRED,
     JOB_VARIABLE,
+    OP_FAULT_MODULE,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
     SCAN,
@@ -49,6 +50,7 @@ from .errors import DetauditError
 from .report import render_html, summarize
 from .runfolder import (
     COMPLETE,
+    INTERRUPTED,
     RunFolder,
     RunInfo,
     new_run_id,
@@ -413,7 +415,7 @@ def _keep_partial(folder: RunFolder, repeat: int) -> None:
     if folder.info.state.startswith("investigating"):
         return
     for rank, trace in _recorded(folder.path / _attach_name(repeat)).items():
-        trace.failure = trace.failure or "interrupted (Ctrl-C or SIGTERM)"
+        trace.failure = trace.failure or INTERRUPTED
         folder.add_trace(trace, None, rank)
     _clear_attached(folder.path, repeat)
 
@@ -532,8 +534,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             f"the planted fault never fired: module {fault.module!r}"
             f"{f' (op {fault.op})' if fault.op else ''} did not run {fault.phase} at step "
             f"{fault.step} of {steps} recorded steps"
-            + (" (an op fault names the innermost module the op runs in, not a parent of it)"
-               if fault.op else "")
+            + (f" ({OP_FAULT_MODULE})" if fault.op else "")
         )
     timing = {"repeat": repeat, "seconds": seconds,
               "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}

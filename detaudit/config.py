@@ -23,6 +23,10 @@ _FAULT = re.compile(
 FAULT_GRAMMAR = "MODULE[/OP][@forward|@backward][:STEP] or op:OP[@phase][:STEP]"
 
 
+# Said when an op fault never fired: where the op is looked for.
+OP_FAULT_MODULE = "an op fault names the innermost module the op runs in, not a parent of it"
+
+
 @dataclass(frozen=True)
 class Fault:
     """A planted change in one run: 1 ULP at `module`'s output (forward: its first element)

@@ -35,6 +35,7 @@ RUN_FILES = ("run.json", "summary.json", "report.md", "report.html", "report.git
              "rank-*.json", "attach-*.json.gz", "partial-*.json.gz",
              "*.part")
 COMPLETE = "complete"  # the state of a run that ran to its end
+INTERRUPTED = "interrupted (Ctrl-C or SIGTERM)"  # the failure of a repeat cut short
 # History:
 #   1: first format: probe description, audit config, environment, the trace of repeat 0.
 BASELINE_VERSION = 1
@@ -84,12 +85,24 @@ def save_crashed(
     """Save the trace of a repeat that crashed in another process under its own name: what it
     streamed before the crash (see :func:`partial_path`), or no records if it flushed none;
     its failure is `why`."""
+    kept = keep_partial(folder, repeat, rank, why)
+    if kept is not None:
+        return kept
+    trace = failed_trace(spec, config, repeat, why, run_id)
+    save_trace(folder, trace, rank)
+    return trace
+
+
+def keep_partial(folder: str | Path, repeat: int, rank: int | None, why: str
+                 ) -> AnyTrace | None:
+    """A repeat's streamed trace (see :func:`partial_path`) saved under its own name, its
+    failure `why`; None when it flushed nothing (or not even that much was written)."""
     partial = partial_path(Path(folder) / trace_name(repeat, rank))
     try:
         trace: AnyTrace = open_trace(partial)
-        trace.failure = why
-    except TraceError:  # nothing flushed yet (or not even that much written)
-        trace = failed_trace(spec, config, repeat, why, run_id)
+    except TraceError:
+        return None
+    trace.failure = why
     save_trace(folder, trace, rank)
     partial.unlink(missing_ok=True)
     return trace
@@ -243,22 +256,17 @@ class RunFolder:
                     old.unlink()
         self.save()
 
-    def keep_partial_traces(self, why: str) -> None:
-        """The traces repeats were still streaming when the run stopped (Ctrl-C): kept under
-        their own names as far as they were flushed, their failure `why`, and listed."""
+    def keep_partial_traces(self) -> None:
+        """The traces repeats were still streaming when the run was interrupted: kept under
+        their own names as far as they were flushed, marked interrupted, and listed."""
         for partial in sorted(self.path.glob("partial-trace-*.json.gz")):
             match = _TRACE_NAME.fullmatch(partial.name.removeprefix("partial-"))
             if match is None:
                 continue
-            try:
-                trace = open_trace(partial)
-            except TraceError:  # nothing flushed yet
-                continue
-            trace.failure = why
             rank = match.group("rank")
-            save_trace(self.path, trace, None if rank is None else int(rank))
-            partial.unlink(missing_ok=True)
-            if match.group(0) not in self.info.traces:
+            kept = keep_partial(self.path, int(match.group("repeat")),
+                                None if rank is None else int(rank), INTERRUPTED)
+            if kept is not None and match.group(0) not in self.info.traces:
                 self.info.traces.append(match.group(0))
         self.save()
 

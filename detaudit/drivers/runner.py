@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import SCAN, AuditConfig, Fault, ProbeSpec
+from ..config import OP_FAULT_MODULE, SCAN, AuditConfig, Fault, ProbeSpec
 from ..errors import DetauditError, ProbeError
 from ..probe import Probe
 from ..record.environment import capture_environment
@@ -329,8 +329,7 @@ def run_repeat(
                    if steps_done <= fault.step else
                    f"{where}module {fault.module!r} did not run "
                    f"{'forward' if fault.phase == 'forward' else 'backward'} at step {fault.step}"
-                   + (" (an op fault names the innermost module the op runs in, not a parent "
-                      "of it)" if fault.op else ""))
+                   + (f" ({OP_FAULT_MODULE})" if fault.op else ""))
             raise DetauditError(f"the planted fault never fired: {why}")
     steady = ends[-1] - ends[0] if len(ends) >= 2 else None
     timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes,
