@@ -321,7 +321,7 @@ def exec_command(
                        ("--max-epochs", job.max_epochs)) if v) or "to its end"
     seeded = f"seed {job.seed}" if job.seed is not None else "unseeded"
     info = RunInfo(probe={**spec.to_dict(), "preset": f"exec: {job.repeats} runs, {limits}, "
-                          f"{seeded}"}, config=config.to_dict(),
+                          f"{seeded}"}, config={**config.to_dict(), "seed": job.seed},
                    command=reproduce or f"detaudit exec -- {_shell_line(command)}", traces=[],
                    run_id=run_id, state="recording")
     with RunFolder(out, info, overwrite) as folder:

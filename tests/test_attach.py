@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import warnings
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,9 @@ def test_ctrl_c_ends_the_process_tree_and_keeps_what_was_recorded(tmp_path):
     assert run["state"].startswith("interrupted during recording")
     trace = Trace.load(out / "trace-0.json.gz")
     assert trace.steps and "interrupted" in trace.failure
+    summary = json.loads((out / "summary.json").read_text())
+    assert "only 1 repeat was recorded" in summary["headline"], summary["headline"]
+    assert summary["config"]["seed"] == 0 and not summary["loss"]["per_epoch"]
     assert not _running(str(SCRIPT), "--forever")  # the script and its DataLoader workers
 
 
@@ -319,9 +323,11 @@ def test_watch_finds_a_planted_difference_at_its_step(tmp_path):
     assert "seed 0" not in (tmp_path / "report" / "report.md").read_text()  # watch seeds nothing
     # and the CLI says the same of the same traces
     done = run_cli("compare", str(tmp_path / "trace-0.json.gz"), str(tmp_path / "trace-1.json.gz"),
-                   "--out", str(tmp_path / "cli"), "--json")
+                   "--out", str(tmp_path / "cli"), "--json", "--junit", str(tmp_path / "j.xml"))
     assert done.returncode == 1, done.stderr
     assert json.loads(done.stdout)["first_divergence"]["step"] == 4
+    case = ET.parse(tmp_path / "j.xml").getroot().find("testsuite/testcase")
+    assert case.find("failure") is not None and float(case.get("time")) > 0  # the command's
 
 
 def test_rng_streams_that_nothing_draws_from_are_a_note_never_the_divergence(tmp_path):

@@ -171,6 +171,8 @@ def test_op_granularity_drill_down_uses_the_recorded_ops(phase, op):
     assert result.investigations["ops"]["step"] == 1 and origin["max_ulp"] == 1
     assert origin["planted"] and "(the planted fault, found where it was planted)" in (
         result.verdict.headline)
+    # the fix is to stop planting it: no known remedies of the op (threads, for this one)
+    assert result.investigations["ops"]["knowledge"] == []
 
 
 def test_tensor_difference_counts_elements_ulps_and_relative_error():

@@ -245,6 +245,9 @@ def test_an_audit_interrupted_in_its_first_repeat_keeps_what_that_repeat_recorde
     report = run_cli("report", str(folder))
     assert report.returncode == 130, report.stdout + report.stderr
     assert report.stdout.startswith("INTERRUPTED (interrupted during recording)"), report.stdout
+    headline = report.stdout.splitlines()[0]
+    assert "only 1 repeat was recorded" in headline and "agree" not in headline, headline
+    assert "bit-identical" not in report.stdout  # one run's loss is compared with nothing
 
 
 # -- output that stays clean ---------------------------------------------------------------

@@ -207,6 +207,8 @@ def _stopped(c: Comparison) -> str:
 
 
 def _common(c: Comparison) -> str:
+    if c.repeats < 2:
+        return f"only 1 repeat was recorded ({_steps(c)}), so nothing could be compared"
     if not c.common_steps:
         return "no step was completed by every repeat, so nothing could be compared"
     return f"the repeats agree over the {c.common_steps} step(s) every repeat completed"

@@ -70,11 +70,13 @@ def drill_down(
         out["difference"] = (_capture_difference(factory, config, first, spec)
                              if factory is not None else None)
         device = str(torch.device(config.device))
-        out["knowledge"] = [
+        planted = _is_planted(config.fault, first)
+        # a planted fault's remedy is to stop planting it, not the op's known remedies
+        out["knowledge"] = [] if planted else [
             {"op": first.op, **k.to_dict()} for k in lookup(first.op, first.phase, device)
         ]
         out["ops"][0].update(out["difference"] or {})
-        out["ops"][0]["planted"] = _is_planted(config.fault, first)
+        out["ops"][0]["planted"] = planted
     return out
 
 

@@ -72,10 +72,12 @@ def summarize(
             )),
             "first_step": c.loss.first_step,
             "first_epoch": None if c.loss.first_epoch is None else c.loss.first_epoch + 1,
+            # one run recorded: no drift to show (not "bit-identical")
             "per_step": [
                 {"step": s, "epoch": e + 1, "rel_diff": r} for s, e, r in c.loss.per_step
-            ],
-            "per_epoch": [{"epoch": e + 1, "max_rel_diff": r} for e, r in c.loss.per_epoch()],
+            ] if c.repeats > 1 else [],
+            "per_epoch": [{"epoch": e + 1, "max_rel_diff": r} for e, r in c.loss.per_epoch()]
+            if c.repeats > 1 else [],
             "curves": {
                 str(t.repeat): [
                     {"step": s.step, "loss": sum(s.loss_values().values())} for s in t.steps
