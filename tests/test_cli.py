@@ -173,6 +173,17 @@ def test_report_command_rerenders_a_saved_run(tmp_path, capsys):
     assert "trace-1.json.gz" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("steps,noted", [("5", True), ("2", False)])
+def test_steps_beyond_the_probe_s_data_are_noted(tmp_path, capsys, steps, noted):
+    """tiny_cnn has 2 batches an epoch: --steps 5 records those 2, and says so."""
+    assert main(["run", "--probe", str(PROBES / "tiny_cnn.py"), "--out", str(tmp_path),
+                 "--epochs", "1", "--steps", steps]) == 0
+    out = capsys.readouterr().out
+    note = "note: --steps 5 asked for 5 steps per epoch; the probe's data had 2 in epoch(s) 1"
+    assert (note in out) is noted, out
+    assert (note[6:] in (tmp_path / "report.md").read_text()) is noted
+
+
 def test_a_crashed_repeat_is_reported_and_the_others_kept(tmp_path, capsys):
     code = main(["run", "--probe", str(PROBES / "crash_second_repeat.py"), "--out", str(tmp_path),
                  "--epochs", "1", "--steps", "3"])

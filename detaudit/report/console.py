@@ -6,7 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from .sections import SIDE_HEADERS, nonfinite_line, side_rows, updates_note
+from .sections import SIDE_HEADERS, nonfinite_line, short_epochs_note, side_rows, updates_note
 
 
 def render_console(summary: dict[str, Any]) -> str:
@@ -50,6 +50,8 @@ def render_console(summary: dict[str, Any]) -> str:
                      "unused)")
     if summary.get("updates_without_backward"):
         lines.append(f"note: {updates_note(summary['updates_without_backward'])}")
+    if summary.get("short_epochs"):
+        lines.append(f"note: {short_epochs_note(summary['short_epochs'])}")
     flagged = summary.get("env_risks") or {}
     if flagged:
         lines.append("")

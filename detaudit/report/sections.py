@@ -168,7 +168,17 @@ def _verdict(s: dict[str, Any]) -> Section:
             f": {' '.join(details)}" if details else "")))
     if s.get("updates_without_backward"):
         blocks.append(Text(f"Note: {updates_note(s['updates_without_backward'])}"))
+    if s.get("short_epochs"):
+        blocks.append(Text(f"Note: {short_epochs_note(s['short_epochs'])}"))
     return Section("verdict", "Verdict", blocks)
+
+
+def short_epochs_note(short: dict[str, Any]) -> str:
+    """That the probe's data ran out before ``--steps`` (a sentence to put after "note: ")."""
+    had = sorted({n for n in short["had"].values()})
+    return (f"--steps {short['asked']} asked for {short['asked']} steps per epoch; the probe's "
+            f"data had {' or '.join(map(str, had))} in epoch(s) "
+            f"{', '.join(short['had'])}, and those were all recorded")
 
 
 def updates_note(steps: list[int]) -> str:

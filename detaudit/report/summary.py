@@ -27,6 +27,20 @@ def _updates_without_backward(traces: list[Trace]) -> list[int]:
     return [s.step for s in steps if s.optimizer_stepped and not s.losses]
 
 
+def _short_epochs(info: RunInfo, c: Comparison) -> dict[str, Any] | None:
+    """Where a probe's data ran out before ``--steps`` in an epoch (a finished run's): the
+    steps asked for per epoch and those each short epoch had."""
+    asked = info.config.get("steps")
+    if not isinstance(asked, int) or c.failures or info.probe.get("kind") not in (
+            "builtin", "file"):
+        return None
+    per_epoch: dict[int, int] = {}
+    for _, epoch, _ in c.steps:
+        per_epoch[epoch] = per_epoch.get(epoch, 0) + 1
+    short = {str(e + 1): n for e, n in sorted(per_epoch.items()) if n < asked}
+    return {"asked": asked, "had": short} if short else None
+
+
 def summarize(
     info: RunInfo, comparison: Comparison, traces: list[Trace], verdict: Verdict,
     ranks: RankAnalysis | None = None, zoom: Comparison | None = None,
@@ -64,6 +78,7 @@ def summarize(
         "cause": {"kind": located.cause, "text": located.cause_text},
         "idle_rng": list(c.idle_rng),
         "updates_without_backward": _updates_without_backward(traces),
+        "short_epochs": _short_epochs(info, c),
         "zoom": (info.extra or {}).get("zoom"),
         "loss": {
             "nonfinite": None if c.loss.nonfinite is None else dict(zip(
