@@ -70,6 +70,21 @@ loop(3)  # warm-up
 started = time.perf_counter()
 loop(steps)
 plain = (time.perf_counter() - started) / steps
+# the floor: one read of what a scan prints each step (the gradients as the update gets them,
+# the parameters after it), timed right after a step, as the prints run
+reads, printed = [], 0
+for _ in range(5):
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    tensors = [t for p in model.parameters() for t in (p.grad, p.detach()) if t is not None]
+    sync()
+    t0 = time.perf_counter()
+    for t in tensors:
+        t.sum()
+    sync()
+    reads.append(time.perf_counter() - t0)
+    printed = sum(t.numel() * t.element_size() for t in tensors)
+    opt.zero_grad()
 inside = {}
 with tempfile.TemporaryDirectory() as tmp:
     attachment = Attachment(f"{tmp}/trace.json.gz", {}, model=model, optimizer=opt)
@@ -88,14 +103,16 @@ with tempfile.TemporaryDirectory() as tmp:
     recorded = (time.perf_counter() - started) / steps
     attachment.finish()
     attachment.uninstall()
-print(json.dumps({"plain": plain, "recorded": recorded,
+print(json.dumps({"plain": plain, "recorded": recorded, "printed": printed,
+                  "read": sorted(reads)[len(reads) // 2],
                   "inside": {k: v / steps for k, v in inside.items()}}))
 """
 
 
 def time_inside(steps: int, device: str, size: int, batch: int) -> list[list[str]]:
-    """Per step of ResNet-18 in one process: the plain step, and the time spent inside
-    detaudit's hooks (each top-level entry point: what they call is theirs)."""
+    """Per step of ResNet-18 in one process: the plain step, the time spent inside
+    detaudit's hooks (each top-level entry point: what they call is theirs), and the floor
+    of a scan's cost, one read of the bytes it prints."""
     done = subprocess.run([sys.executable, "-c", INSIDE, str(steps), device, str(size),
                            str(batch)], check=True, capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -105,6 +122,9 @@ def time_inside(steps: int, device: str, size: int, batch: int) -> list[list[str
     rows.append(["inside detaudit, total", f"{1e3 * total:.1f}",
                  f"{100 * total / result['plain']:.1f} % of the plain step"])
     rows.append(["plain step", f"{1e3 * result['plain']:.1f}", ""])
+    rows.append(["floor: one read of the bytes a scan prints", f"{1e3 * result['read']:.1f}",
+                 (f"{result['printed'] / 1e6:.1f} MB (gradients and parameters); "
+                  f"{100 * result['read'] / result['plain']:.1f} % of the plain step")])
     rows.append(["recorded step (wall)", f"{1e3 * result['recorded']:.1f}",
                  f"{100 * (result['recorded'] / result['plain'] - 1):+.1f} %"])
     return rows
