@@ -35,6 +35,7 @@ from .api import (
     write_run_reports,
 )
 from .config import (
+    CALLS_UNSEEN,
     FAULT_FIRED,
     JOB_VARIABLE,
     OP_FAULT_MODULE,
@@ -535,6 +536,10 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             f"{f' (op {fault.op})' if fault.op else ''} did not run {fault.phase} at step "
             f"{fault.step} of {steps} recorded steps"
             + (f" ({OP_FAULT_MODULE})" if fault.op else "")
+            + ("; the model runs inside a compiled function, whose first step runs compiled "
+               "before detaudit knows the model: plant at step 1 or later"
+               if fault.step == 0 and any(t.probe.get(CALLS_UNSEEN) for t in recorded.values())
+               else "")
         )
     timing = {"repeat": repeat, "seconds": seconds,
               "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}

@@ -220,6 +220,7 @@ JOB_VARIABLE = "DETAUDIT_ATTACH"
 OWNER_VARIABLE = "DETAUDIT_ATTACH_PID"
 RANK_OWNER_VARIABLE = "DETAUDIT_ATTACH_RANK"  # the rank whose first process records
 FAULT_FIRED = "fault_fired"
+CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (compiled code)
 
 
 def rank_trace_path(path: str | Path, rank: int) -> Path:

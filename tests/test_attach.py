@@ -124,6 +124,30 @@ def test_exec_of_a_compiled_model_names_a_planted_fault_by_the_users_names(tmp_p
     assert "global hooks" not in done.stderr  # torch's warning about detaudit's own hooks
 
 
+def test_exec_of_a_compiled_training_function_records_its_steps_and_zooms_eagerly(tmp_path):
+    """The model runs inside a compiled function, where no module hook runs: the model is
+    found from what the optimizer updates, the steps are recorded from their losses,
+    gradients and parameters, and the planted step runs eagerly, module by module."""
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", "--inject-fault",
+                 "head@backward:1",
+                 script_args=("--workers", "0", "--accumulate", "1", "--compile", "function"))
+    assert done.returncode == 1, done.stderr
+    summary = json.loads(done.stdout)
+    first = summary["first_divergence"]
+    assert (first["module"], first["phase"], first["step"], first["role"]) == (
+        "head", "backward", 1, "origin")
+    assert summary["calls_unseen"]
+    assert "inside a compiled function" in (tmp_path / "run" / "report.md").read_text()
+    trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
+    assert [sorted(s.losses) for s in trace.steps] == [["loss"]] * 3
+    records = trace.frame()
+    assert {"stem", "head"} == set(records[records.phase == "optimizer"].module)
+    assert set(records[records.step == 0].phase) == {"state", "output", "grad",
+                                                     "optimizer"}
+    assert {"stem", "head"} <= set(records[(records.step == 1)
+                                           & (records.phase == "forward")].module)
+
+
 def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     done = _exec(tmp_path, "--max-steps", "2", "--json")
     assert done.returncode == 1, done.stderr

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..config import (
+    CALLS_UNSEEN,
     FAULT_FIRED,
     JOB_VARIABLE,
     OWNER_VARIABLE,
@@ -110,6 +111,9 @@ class Attachment:
         self._iterators: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._losses = 0
         self._loss_values: dict[str, torch.Tensor] = {}  # read once the step is over
+        # losses backward was called on before any model call was seen (the model runs
+        # inside a compiled function): recorded once the update names the model
+        self._unowned_losses: list[torch.Tensor] = []
         # each updated parameter's version counter as its update left it: one changed in
         # place between steps (clipping, pruning, a manual edit) is recorded again
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
@@ -250,9 +254,16 @@ class Attachment:
             return
         if self._updated:
             self.end_step()
+        if self.info is None and self._current_model() is None and not self._candidates:
+            self._unowned_losses.append(tensor.detach())
+            return
         if self.info is None and not self._begin_step(self._current_model()):
             return
-        assert self.recorder is not None
+        self._record_loss(tensor)
+
+    def _record_loss(self, tensor: torch.Tensor) -> None:
+        """Record one loss backward is called on (in the open step)."""
+        assert self.recorder is not None and self.info is not None
         name = "loss" if self._losses == 0 else f"loss.{self._losses}"
         self._losses += 1
         self.recorder.record(OUTPUT, "", 0, name, tensor.detach())
@@ -284,9 +295,14 @@ class Attachment:
             if self.info is None:
                 self._begin_step(self._current_model())
             return
+        if self._current_model() is None and not self._candidates:
+            self._find_model(optimizer)
         if self.info is None and not self._begin_step(self._current_model()):
             return
         assert self.recorder is not None
+        for loss in self._unowned_losses:
+            self._record_loss(loss)
+        self._unowned_losses = []
         params = _parameters(optimizer)
         self._add_owners(params)
         self._end_ops()  # the update is not the model's ops
@@ -342,7 +358,9 @@ class Attachment:
         here when the step is `complete`, else when the next step would begin."""
         assert self.info is not None and self.recorder is not None
         self.recorder.hook_for(self._watch(self.info.step + 1))
-        self._run_eagerly(False)
+        # eager from here when the next step is watched: a compiled function that calls the
+        # model begins before any hook of the step could set it
+        self._run_eagerly(self._watch(self.info.step + 1) != WATCH_NONE)
         self._updated = True
         if complete and self.max_steps is not None and self.info.step + 1 >= self.max_steps:
             self.end_step()
@@ -411,6 +429,26 @@ class Attachment:
                 self._carried = _step_state(so_far)
                 if self.stream.steps == 0:
                     self.recorder.record_parameters(STATE)
+
+    def _find_model(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer updates before any training call of a module was seen: the model
+        runs inside a compiled function, where module hooks do not run. The model is the
+        module that owns the most of the optimizer's parameters, found among every live
+        module (once); its steps are recorded from the losses, gradients and parameters,
+        without the batch, and its calls at a zoomed step, which runs eagerly."""
+        import gc
+
+        updated = {id(p) for p in _parameters(optimizer)}
+        owners = [(sum(id(p) in updated for p in m.parameters()), m) for m in gc.get_objects()
+                  if issubclass(type(m), nn.Module)]  # (isinstance fails on a dead weakproxy)
+        owners = [(n, m) for n, m in owners if n]
+        if not owners:
+            return
+        most = max(n for n, _ in owners)
+        # the outermost of the modules that own that many (a wrapper holds its model's)
+        inner = {id(c) for n, m in owners if n == most for c in list(m.modules())[1:]}
+        self._candidates.append(next(m for n, m in owners if n == most and id(m) not in inner))
+        self.trace.probe[CALLS_UNSEEN] = True
 
     def _add_owners(self, updated_params: list[torch.Tensor]) -> None:
         """Other top-level models whose parameters an optimizer updates (a head called apart

@@ -6,7 +6,14 @@ from typing import Any
 
 from tabulate import tabulate
 
-from .sections import SIDE_HEADERS, nonfinite_line, short_epochs_note, side_rows, updates_note
+from .sections import (
+    CALLS_UNSEEN_NOTE,
+    SIDE_HEADERS,
+    nonfinite_line,
+    short_epochs_note,
+    side_rows,
+    updates_note,
+)
 
 
 def render_console(summary: dict[str, Any]) -> str:
@@ -52,6 +59,8 @@ def render_console(summary: dict[str, Any]) -> str:
         lines.append(f"note: {updates_note(summary['updates_without_backward'])}")
     if summary.get("short_epochs"):
         lines.append(f"note: {short_epochs_note(summary['short_epochs'])}")
+    if summary.get("calls_unseen"):
+        lines.append(f"note: {CALLS_UNSEEN_NOTE}")
     flagged = summary.get("env_risks") or {}
     if flagged:
         lines.append("")

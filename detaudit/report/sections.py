@@ -170,7 +170,15 @@ def _verdict(s: dict[str, Any]) -> Section:
         blocks.append(Text(f"Note: {updates_note(s['updates_without_backward'])}"))
     if s.get("short_epochs"):
         blocks.append(Text(f"Note: {short_epochs_note(s['short_epochs'])}"))
+    if s.get("calls_unseen"):
+        blocks.append(Text(f"Note: {CALLS_UNSEEN_NOTE}"))
     return Section("verdict", "Verdict", blocks)
+
+
+CALLS_UNSEEN_NOTE = (
+    "the model's calls were not seen: it runs inside a compiled function, where module hooks "
+    "do not run. Its steps were recorded from their losses, gradients and parameters, "
+    "without the batch; a zoomed step runs eagerly, module by module.")
 
 
 def short_epochs_note(short: dict[str, Any]) -> str:

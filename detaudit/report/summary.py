@@ -13,6 +13,7 @@ from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, one_based, stressed_ops
+from ..config import CALLS_UNSEEN
 from ..runfolder import RunInfo
 from ..trace import Trace
 
@@ -79,6 +80,7 @@ def summarize(
         "idle_rng": list(c.idle_rng),
         "updates_without_backward": _updates_without_backward(traces),
         "short_epochs": _short_epochs(info, c),
+        "calls_unseen": any(t.probe.get(CALLS_UNSEEN) for t in traces),
         "zoom": (info.extra or {}).get("zoom"),
         "loss": {
             "nonfinite": None if c.loss.nonfinite is None else dict(zip(

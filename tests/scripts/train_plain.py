@@ -62,8 +62,9 @@ def main():
     p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
     p.add_argument("--race", action="store_true", help="a duplicate-index gather (2 threads)")
     p.add_argument("--label-noise", action="store_true", help="unseeded noise in the labels")
-    p.add_argument("--compile", choices=("wrapper", "in-place"),
-                   help="torch.compile(model) or model.compile() (the aot_eager backend)")
+    p.add_argument("--compile", choices=("wrapper", "in-place", "function"),
+                   help="torch.compile(model), model.compile(), or torch.compile of the "
+                   "function that calls the model and computes the loss (the aot_eager backend)")
     p.add_argument("--spawn", action="store_true", help="DataLoader workers started by spawn")
     p.add_argument("--evaluated", help="a file written after each evaluation")
     args = p.parse_args()
@@ -76,6 +77,11 @@ def main():
         model = torch.compile(model, backend="aot_eager")
     elif args.compile == "in-place":
         model.compile(backend="aot_eager")
+    def loss_of(x, y):
+        return nn.functional.cross_entropy(model(x), y) / args.accumulate
+
+    if args.compile == "function":
+        loss_of = torch.compile(loss_of, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     loader = torch.utils.data.DataLoader(
@@ -88,7 +94,7 @@ def main():
         model.train()
         for i, (x, y) in enumerate(loader):
             try:
-                loss = nn.functional.cross_entropy(model(x), y) / args.accumulate
+                loss = loss_of(x, y)
                 loss.backward()
                 if i % args.accumulate == args.accumulate - 1:
                     if steps == args.crash_at:
