@@ -80,6 +80,10 @@ def test_exec_names_a_planted_fault_by_module_phase_step_and_op(tmp_path, fault,
     origin = run["extra"]["ops"]["ops"][0] if op else None
     if op:
         assert (origin["op"], origin["module"], origin["role"]) == (op, module, "origin")
+        # a command's runs are not rebuilt to measure the op's difference: no empty columns
+        report = (tmp_path / "run" / "report.md").read_text()
+        assert "| elements differing |" not in report
+        assert "(detaudit run), not for a command's runs" in report
     else:  # a module's planted change is no op's doing: it is the planted one, and said so
         assert run["extra"]["ops"]["outside_dispatcher"]["module"] == module
         assert run["extra"]["ops"]["outside_dispatcher"]["planted"] is True
@@ -645,11 +649,26 @@ def test_a_script_that_resumes_from_the_checkpoint_of_the_run_before_is_told_so(
     assert "every RNG state agrees" in c.cause_text and "unseeded" not in c.cause_text
 
 
+def test_a_step_the_loop_ends_in_before_its_update_is_not_counted(tmp_path):
+    """A script that stops on a NaN loss before backward: the forward it began is no step."""
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with detaudit.watch(model, opt, out=tmp_path) as w:
+        for i in range(3):
+            loss = model(torch.ones(2, 3)).pow(2).mean()
+            if i == 2:
+                break  # (the loss "is NaN": the script gives up)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert [(s.step, s.optimizer_stepped) for s in w.trace.steps] == [(0, True), (1, True)]
+
+
 def test_runs_of_different_lengths_are_said_so(tmp_path):
     _train(tmp_path / "runs", steps=6)
     _train(tmp_path / "runs", steps=3)
     detaudit.compare(tmp_path / "runs", out=tmp_path / "report")
-    assert "2 repeats, 2 epochs, 6, 3 steps (the runs differ in length)" in (
+    assert "2 repeats: 6 steps in 2 epochs and 3 steps in 1 epoch (the runs differ in length)" in (
         tmp_path / "report" / "report.md").read_text()
 
 

@@ -580,9 +580,11 @@ class Attachment:
             self.save()
             return
         self.trace.failure = failure or self.trace.failure
-        if (self.trace.failure and self.info is not None and self.recorder is not None
-                and not self._updated):
-            self.recorder.end_step()  # the step that failed is not kept half-recorded
+        if (self.trace.failure or self._optimizers) and self.info is not None and (
+                self.recorder is not None and not self._updated):
+            # the step that failed, or that the process ended in before its update (a script
+            # that exits on a NaN loss before backward), is not kept half-recorded
+            self.recorder.end_step()
             self.info = None
         self.end_step()
         self.save()

@@ -211,11 +211,16 @@ def _run_line(s: dict[str, Any]) -> str:
     if probe.get("preset"):
         parts.append(f"preset {probe['preset']}")
     steps = s.get("steps", [])
-    epochs = len({x["epoch"] for x in steps})
     lengths = s.get("steps_per_repeat") or [len(steps)]
-    each = (f"{_count(len(steps), 'step')} each" if len(set(lengths)) == 1 else
-            f"{', '.join(map(str, lengths))} steps (the runs differ in length)")
-    parts.append(f"{s.get('repeats', '?')} repeats, {_count(epochs, 'epoch')}, {each}")
+    epochs = s.get("epochs_per_repeat") or [len({x["epoch"] for x in steps})]
+    repeats = s.get("repeats")
+    runs = _count(repeats, "repeat") if isinstance(repeats, int) else "? repeats"
+    if len(set(lengths)) == 1 and len(set(epochs)) == 1:
+        parts.append(f"{runs}, {_count(epochs[0], 'epoch')}, {_count(lengths[0], 'step')} each")
+    else:
+        parts.append(f"{runs}: " + " and ".join(
+            f"{_count(n, 'step')} in {_count(e, 'epoch')}" for n, e in zip(lengths, epochs))
+            + " (the runs differ in length)")
     for key in ("mode", "device", "seed"):
         if key in config:
             parts.append("unseeded" if config[key] is None else f"{key} {config[key]}")
@@ -253,8 +258,9 @@ def _first(s: dict[str, Any]) -> Section | None:
         return None
     records = s.get("records", {})
     rows = [
-        ["epoch", f"{first['epoch']} (step {num(first.get('index'))} of the epoch, 0-based)"],
-        ["step", f"{first['step']} (global, 0-based)"],
+        ["epoch", (f"{first['epoch']} (counted from 1; step {num(first.get('index'))} of "
+                   "the epoch, counted from 0)")],
+        ["step", f"{first['step']} (global, counted from 0)"],
         ["phase", first["phase"]],
         ["module", first.get("outside") or first["module"] or "(model)"],
         ["role", ROLE_TEXT.get(first["role"], first["role"])],
@@ -279,10 +285,16 @@ def _first(s: dict[str, Any]) -> Section | None:
                    "relative error"]
         keys = ("op", "module", "phase", "role", "elements", "max_abs_diff", "max_ulp",
                 "rel_error")
+        measured = any(o.get("elements") is not None for o in ops)
+        if not measured:  # a command's runs (exec) cannot be rebuilt to measure it
+            headers, keys = headers[:4], keys[:4]
         blocks.append(Table(
             "ops of the first divergent step (op-level replay)", headers,
             [[num(o.get(k)) for k in keys] for o in ops], key="ops", fold=len(ops) > 10,
         ))
+        if not measured:
+            blocks.append(Text("How much each op's outputs differ is measured where detaudit "
+                               "builds the runs itself (detaudit run), not for a command's runs."))
     drill = s.get("op_drill_down") or {}
     if drill.get("error"):
         blocks.append(Text(f"The op-level replay failed: {drill['error']}"))

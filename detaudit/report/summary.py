@@ -66,6 +66,7 @@ def summarize(
         "repeats": c.repeats,
         "steps": [{"step": s, "epoch": e + 1, "index": i} for s, e, i in c.steps],
         "steps_per_repeat": [len(t.steps) for t in traces],
+        "epochs_per_repeat": [len({s.epoch for s in t.steps}) for t in traces],
         "first_divergence": verdict.first,
         "first_by_phase": {p: _record(d, located) for p, d in located.first_by_phase.items()},
         "origins": [
