@@ -955,6 +955,33 @@ def test_a_step_that_begins_at_another_modules_call_keeps_its_batch_rng_and_para
         ("0", "param.weight"), ("0", "param.bias"), ("2", "param.weight"), ("2", "param.bias")}
 
 
+def test_a_model_that_trains_in_eval_mode_is_found_from_what_its_optimizer_updates(tmp_path):
+    """Fine-tuning with model.eval() (frozen BatchNorm statistics): no training-mode call is
+    seen, so the model is the module owning the optimizer's parameters; its steps keep their
+    losses, gradients and parameters, and the trace says its calls were not seen."""
+    from detaudit.config import CALLS_UNSEEN
+    from detaudit.drivers.attach import Attachment
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)).eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    attachment = Attachment(tmp_path / "trace-0.json.gz", {}).install()
+    try:
+        for _ in range(3):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        attachment.uninstall()
+    attachment.finish()
+    trace = Trace.load(tmp_path / "trace-0.json.gz")
+    assert trace.probe[CALLS_UNSEEN]
+    assert [(s.step, sorted(s.losses), s.optimizer_stepped) for s in trace.steps] == [
+        (k, ["loss"], True) for k in range(3)]
+    records = trace.frame()
+    assert {"0", "1", "2"} == set(records[records.phase == "grad"].module)
+
+
 def test_the_backward_that_checkpointing_runs_inside_backward_is_not_a_loss(tmp_path):
     from torch.utils.checkpoint import checkpoint
 

@@ -114,6 +114,7 @@ class Attachment:
         # losses backward was called on before any model call was seen (the model runs
         # inside a compiled function): recorded once the update names the model
         self._unowned_losses: list[torch.Tensor] = []
+        self._searched = False  # the live modules were searched for the optimizer's model
         # each updated parameter's version counter as its update left it: one changed in
         # place between steps (clipping, pruning, a manual edit) is recorded again
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
@@ -295,14 +296,14 @@ class Attachment:
             if self.info is None:
                 self._begin_step(self._current_model())
             return
-        if self._current_model() is None and not self._candidates:
+        if self._current_model() is None and not self._candidates and not self._searched:
             self._find_model(optimizer)
+        unowned, self._unowned_losses = self._unowned_losses, []  # (this step's, if any)
         if self.info is None and not self._begin_step(self._current_model()):
             return
         assert self.recorder is not None
-        for loss in self._unowned_losses:
+        for loss in unowned:
             self._record_loss(loss)
-        self._unowned_losses = []
         params = _parameters(optimizer)
         self._add_owners(params)
         self._end_ops()  # the update is not the model's ops
@@ -431,13 +432,15 @@ class Attachment:
                     self.recorder.record_parameters(STATE)
 
     def _find_model(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer updates before any training call of a module was seen: the model
-        runs inside a compiled function, where module hooks do not run. The model is the
-        module that owns the most of the optimizer's parameters, found among every live
-        module (once); its steps are recorded from the losses, gradients and parameters,
-        without the batch, and its calls at a zoomed step, which runs eagerly."""
+        """An optimizer updates before any training-mode call of a module was seen: the
+        model runs inside a compiled function, where module hooks do not run, or trains in
+        eval mode. The model is the module that owns the most of the optimizer's
+        parameters, found among every live module (once); its steps are recorded from the
+        losses, gradients and parameters, without the batch, and its calls at a zoomed step
+        (which runs eagerly)."""
         import gc
 
+        self._searched = True
         updated = {id(p) for p in _parameters(optimizer)}
         owners = [(sum(id(p) in updated for p in m.parameters()), m) for m in gc.get_objects()
                   if issubclass(type(m), nn.Module)]  # (isinstance fails on a dead weakproxy)

@@ -176,9 +176,10 @@ def _verdict(s: dict[str, Any]) -> Section:
 
 
 CALLS_UNSEEN_NOTE = (
-    "the model's calls were not seen: it runs inside a compiled function, where module hooks "
-    "do not run. Its steps were recorded from their losses, gradients and parameters, "
-    "without the batch; a zoomed step runs eagerly, module by module.")
+    "no training-mode call of the model was seen: it runs inside a compiled function, where "
+    "module hooks do not run, or trains in eval mode. Its steps were recorded from their "
+    "losses, gradients and parameters, without the batch; a zoomed step is recorded module "
+    "by module (compiled code runs eagerly there).")
 
 
 def short_epochs_note(short: dict[str, Any]) -> str:
