@@ -959,27 +959,44 @@ def test_a_model_that_trains_in_eval_mode_is_found_from_what_its_optimizer_updat
     """Fine-tuning with model.eval() (frozen BatchNorm statistics): no training-mode call is
     seen, so the model is the module owning the optimizer's parameters; its steps keep their
     losses, gradients and parameters, and the trace says its calls were not seen."""
-    from detaudit.config import CALLS_UNSEEN
+    from detaudit.config import CALLS_UNSEEN, Fault
     from detaudit.drivers.attach import Attachment
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)).eval()
+    critic = nn.Linear(2, 1).eval()  # a second model, its own optimizer
+    models = nn.ModuleDict({"model": model, "critic": critic})  # never called: not the model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    attachment = Attachment(tmp_path / "trace-0.json.gz", {}).install()
+    opt_critic = torch.optim.SGD(critic.parameters(), lr=0.1)
+    attachment = Attachment(tmp_path / "trace-0.json.gz", {},
+                            fault=Fault("2", "forward", 2)).install()
     try:
-        for _ in range(3):
-            model(torch.randn(8, 4)).pow(2).mean().backward()
+        for _ in range(4):
+            critic(model(torch.randn(8, 4))).pow(2).mean().backward()
             opt.step()
+            opt_critic.step()
             opt.zero_grad()
+            opt_critic.zero_grad()
+            with torch.no_grad():  # an evaluation: no step
+                model(torch.randn(8, 4))
     finally:
         attachment.uninstall()
     attachment.finish()
+    assert models is not None and attachment.fault_fired  # at step 2's call of the model
     trace = Trace.load(tmp_path / "trace-0.json.gz")
     assert trace.probe[CALLS_UNSEEN]
     assert [(s.step, sorted(s.losses), s.optimizer_stepped) for s in trace.steps] == [
-        (k, ["loss"], True) for k in range(3)]
+        (k, ["loss"], True) for k in range(4)]
     records = trace.frame()
-    assert {"0", "1", "2"} == set(records[records.phase == "grad"].module)
+    grads = records[records.phase == "grad"]
+    assert {"0", "1", "2", "Linear"} == set(grads.module)  # named as in the model; the critic
+    assert set(grads.step) == {0, 1, 2, 3}
+    forward = records[(records.phase == "forward")]
+    assert set(forward.step) == {2} and {"0", "1", "2"} <= set(forward.module)
+    # the models' calls with gradients are the step's (from step 1: the models are known
+    # at step 0's update): the model's batch, then the critic's (the model's output)
+    batches = records[(records.phase == "state") & (records.slot == "batch.0")]
+    assert list(zip(batches.step, batches.call)) == [(k, c) for k in (1, 2, 3) for c in (0, 1)]
 
 
 def test_the_backward_that_checkpointing_runs_inside_backward_is_not_a_loss(tmp_path):

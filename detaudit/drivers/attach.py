@@ -114,7 +114,10 @@ class Attachment:
         # losses backward was called on before any model call was seen (the model runs
         # inside a compiled function): recorded once the update names the model
         self._unowned_losses: list[torch.Tensor] = []
-        self._searched = False  # the live modules were searched for the optimizer's model
+        self._placed: set[int] = set()  # optimizers whose model was seen or searched for
+        # the modules within models found that way: their calls with gradients on are the
+        # training calls (in eval mode too; none are seen inside compiled code)
+        self._found_modules: set[int] = set()
         # each updated parameter's version counter as its update left it: one changed in
         # place between steps (clipping, pruning, a manual edit) is recorded again
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
@@ -207,13 +210,14 @@ class Attachment:
             return
         # a call inside a backward (a checkpoint recomputing its forward) is no new batch
         if self._depth == 0 and not self.stopped and not self.in_backward:
-            if module.training:
+            found = id(module) in self._found_modules and torch.is_grad_enabled()
+            if module.training or found:
                 if module not in self._candidates and any(True for _ in module.parameters()):
                     self._candidates.append(module)
                 # A step begins at the model's call, or at the first call after an update
                 # of another model an optimizer trains (a GAN's generator called before its
                 # discriminator): that call's work belongs to the step it starts.
-                if module is self._current_model() or (
+                if module is self._current_model() or found or (
                         self._updated and any(module is m for _, m in self._others)):
                     self._on_batch(module, args, {})
             elif self._last_step_updated() and module is self._current_model():
@@ -256,7 +260,10 @@ class Attachment:
         if self._updated:
             self.end_step()
         if self.info is None and self._current_model() is None and not self._candidates:
-            self._unowned_losses.append(tensor.detach())
+            # kept until an update names the model: scalars only, and a bounded number (a
+            # script with no optimizer calls backward for other ends)
+            if tensor.numel() == 1 and len(self._unowned_losses) < MAX_UNOWNED_LOSSES:
+                self._unowned_losses.append(tensor.detach())
             return
         if self.info is None and not self._begin_step(self._current_model()):
             return
@@ -293,11 +300,15 @@ class Attachment:
             # step(closure): the closure computes the gradients inside step; its forward
             # begins the step if no model was called yet (Lightning's first step)
             self._grads_pending = True
+            self._unowned_losses = []  # the closure's losses are recorded as it runs
             if self.info is None:
                 self._begin_step(self._current_model())
             return
-        if self._current_model() is None and not self._candidates and not self._searched:
-            self._find_model(optimizer)
+        if id(optimizer) not in self._placed:  # (a closure's forward is yet to be seen)
+            if not self._owned(optimizer):
+                self._find_model(optimizer)
+                self._choose_model(optimizer)
+            self._placed.add(id(optimizer))
         unowned, self._unowned_losses = self._unowned_losses, []  # (this step's, if any)
         if self.info is None and not self._begin_step(self._current_model()):
             return
@@ -334,7 +345,9 @@ class Attachment:
 
     def on_scaler_update(self, scaler: Any) -> None:
         """A GradScaler updated its scale: recorded; when it skipped the optimizer step
-        (inf or NaN gradients), the step ends here, without an update."""
+        (inf or NaN gradients), the step ends here, without an update. Before the model is
+        known (no call of it seen), a skipped step is not recorded: its losses are dropped."""
+        self._unowned_losses = []
         if self.stopped or self.info is None or self.recorder is None:
             return
         scale = float(scaler.get_scale())
@@ -440,7 +453,6 @@ class Attachment:
         (which runs eagerly)."""
         import gc
 
-        self._searched = True
         updated = {id(p) for p in _parameters(optimizer)}
         owners = [(sum(id(p) in updated for p in m.parameters()), m) for m in gc.get_objects()
                   if issubclass(type(m), nn.Module)]  # (isinstance fails on a dead weakproxy)
@@ -448,10 +460,19 @@ class Attachment:
         if not owners:
             return
         most = max(n for n, _ in owners)
-        # the outermost of the modules that own that many (a wrapper holds its model's)
-        inner = {id(c) for n, m in owners if n == most for c in list(m.modules())[1:]}
-        self._candidates.append(next(m for n, m in owners if n == most and id(m) not in inner))
+        # the innermost of the modules that own that many: the model, not a container or a
+        # wrapper of it (torch.compile's, a ModuleDict of models), so that names are its own
+        owning = {id(m) for n, m in owners if n == most}
+        model = next(m for n, m in owners if n == most and not any(
+            id(c) in owning for c in list(m.modules())[1:]))
+        self._candidates.append(model)
+        self._found_modules |= {id(m) for m in model.modules()}
         self.trace.probe[CALLS_UNSEEN] = True
+
+    def _owned(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a module seen in a training call owns some of the optimizer's parameters."""
+        updated = {id(p) for p in _parameters(optimizer)}
+        return any(id(p) in updated for m in self._candidates for p in m.parameters())
 
     def _add_owners(self, updated_params: list[torch.Tensor]) -> None:
         """Other top-level models whose parameters an optimizer updates (a head called apart
@@ -607,6 +628,9 @@ class Attachment:
         if not self.stream.steps and not self.trace.failure:
             return
         self.stream.flush()
+
+
+MAX_UNOWNED_LOSSES = 256  # scalar losses kept before the model is known
 
 
 def _note_group(rank: RankWatch) -> None:
