@@ -277,7 +277,9 @@ class watch:
             self._attachment.uninstall()
             if self.path is not None and self.path.stat().st_size == 0:
                 self.path.unlink()  # nothing was recorded: no trace, not an empty file
-        if self.model is not None and self.steps and not self._attachment.batches_seen:
+        trace = self._attachment.trace
+        if self.model is not None and self.steps and not self._attachment.batches_seen and (
+                not trace.probe.get(CALLS_UNSEEN)):  # (then the report says why)
             warnings.warn(f"detaudit.watch: the model given ({type(self.model).__name__}) was "
                           "never called in training mode, so no batch was recorded: give "
                           "watch the module your loop calls", stacklevel=2)

@@ -128,14 +128,19 @@ def test_exec_of_a_compiled_model_names_a_planted_fault_by_the_users_names(tmp_p
     assert "global hooks" not in done.stderr  # torch's warning about detaudit's own hooks
 
 
-def test_exec_of_a_compiled_training_function_records_its_steps_and_zooms_eagerly(tmp_path):
+@pytest.mark.parametrize("form", ["function", "step"])
+def test_exec_of_a_compiled_training_function_records_its_steps_and_zooms_eagerly(
+        tmp_path, form):
     """The model runs inside a compiled function, where no module hook runs: the model is
     found from what the optimizer updates, the steps are recorded from their losses,
-    gradients and parameters, and the planted step runs eagerly, module by module."""
+    gradients and parameters, and the planted step runs eagerly, module by module. A
+    function that calls backward too runs it eagerly, detaudit's recording kept out of its
+    graph (it broke the graph and recompiled it)."""
     done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", "--inject-fault",
                  "head@backward:1",
-                 script_args=("--workers", "0", "--accumulate", "1", "--compile", "function"))
+                 script_args=("--workers", "0", "--accumulate", "1", "--compile", form))
     assert done.returncode == 1, done.stderr
+    assert "Graph break" not in done.stderr and "recompile" not in done.stderr
     summary = json.loads(done.stdout)
     first = summary["first_divergence"]
     assert (first["module"], first["phase"], first["step"], first["role"]) == (
@@ -997,6 +1002,36 @@ def test_a_model_that_trains_in_eval_mode_is_found_from_what_its_optimizer_updat
     # at step 0's update): the model's batch, then the critic's (the model's output)
     batches = records[(records.phase == "state") & (records.slot == "batch.0")]
     assert list(zip(batches.step, batches.call)) == [(k, c) for k in (1, 2, 3) for c in (0, 1)]
+
+
+def test_a_model_called_inside_torch_func_transforms_is_recorded_not_broken(tmp_path):
+    """Per-sample gradients by vmap(grad(functional_call)): the calls inside the transforms
+    see wrapper tensors without storage (printing them crashed the user's loop); they are
+    no training call, and the steps are recorded from the optimizer's updates."""
+    from torch.func import functional_call, grad, vmap
+
+    from detaudit.config import CALLS_UNSEEN
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_of(params, x, y):
+        return nn.functional.mse_loss(functional_call(model, params, (x[None],)), y[None])
+
+    with detaudit.watch(model, opt, out=tmp_path) as w:
+        for _ in range(3):
+            x, y = torch.randn(5, 4), torch.randn(5, 2)
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            per_sample = vmap(grad(loss_of), in_dims=(None, 0, 0))(params, x, y)
+            for k, p in model.named_parameters():
+                p.grad = per_sample[k].mean(0)
+            opt.step()
+            opt.zero_grad()
+    assert [(s.step, s.optimizer_stepped) for s in w.trace.steps] == [(k, True) for k in range(3)]
+    assert w.trace.probe[CALLS_UNSEEN]
+    records = w.trace.frame()
+    assert set(records[records.phase == "grad"].step) == {0, 1, 2}
 
 
 def test_the_backward_that_checkpointing_runs_inside_backward_is_not_a_loss(tmp_path):

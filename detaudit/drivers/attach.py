@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib
 import json
 import math
@@ -135,6 +136,7 @@ class Attachment:
         self.installed = False
         self.in_backward = False
         self._eager: Any = None  # torch.compile's stance while a step runs eagerly
+        self._out_of_graphs = False  # see keep_out_of_graphs
 
     # -- installing ----------------------------------------------------------------------
     def install(self) -> Attachment:
@@ -159,6 +161,7 @@ class Attachment:
         self._patch(_LoaderIterator, "__next__", _wrap_loader_next(self))
         self._patch(torch.amp.GradScaler, "update", _wrap_scaler_update(self))
         self._patch(nn.Module, "compile", _wrap_module_compile(self))
+        self._patch(torch, "compile", _wrap_torch_compile(self))
         for module in self.model.modules() if self.model is not None else ():
             if getattr(module, "_compiled_call_impl", None) is not None:  # compiled before
                 self.see_compiled_calls(module)
@@ -184,7 +187,7 @@ class Attachment:
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches = []
-        self.installed = False
+        self.installed = self._out_of_graphs = False
 
     def see_compiled_calls(self, module: nn.Module) -> None:
         """`module.compile()` compiles its whole call, global hooks included: its calls are
@@ -200,13 +203,25 @@ class Attachment:
 
         self._patch(module, "_compiled_call_impl", call)
 
+    def keep_out_of_graphs(self) -> None:
+        """Something is compiled: the backward entry points are kept out of its graphs
+        (a compiled function that calls backward runs them eagerly, as torch would without
+        detaudit, rather than tracing detaudit's recording into the graph)."""
+        if self._out_of_graphs:
+            return
+        self._out_of_graphs = True
+        from torch._dynamo import disable
+
+        self._patch(torch.Tensor, "backward", disable(torch.Tensor.backward))
+        self._patch(torch.autograd, "backward", disable(torch.autograd.backward))
+
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
         self._patches.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
 
     # -- what the hooks see ----------------------------------------------------------------
     def _global_pre(self, module: nn.Module, args: tuple) -> None:
-        if _compiling():  # a call inside a graph torch.compile traces: not a top-level one
+        if _transformed():  # not a top-level call of the loop (see _transformed)
             return
         # a call inside a backward (a checkpoint recomputing its forward) is no new batch
         if self._depth == 0 and not self.stopped and not self.in_backward:
@@ -226,7 +241,7 @@ class Attachment:
         self._depth += 1
 
     def _global_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if _compiling():
+        if _transformed():
             return
         self._depth = max(0, self._depth - 1)
         if self._depth == 0 and self.info is not None and module.training:
@@ -677,7 +692,9 @@ def _wrap_backward(attachment: Attachment) -> Callable[..., Any]:
     original = torch.Tensor.backward
 
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if attachment.in_backward:  # inside a backward: not the step's loss
+        # inside a backward, not the step's loss; or traced by torch.compile, which then
+        # breaks its graph at the backward as it would without detaudit, and runs it here
+        if attachment.in_backward or _transformed():
             return original(self, *args, **kwargs)
         attachment.on_backward(self)
         attachment.in_backward = True  # Tensor.backward calls torch.autograd.backward
@@ -693,7 +710,8 @@ def _wrap_autograd_backward(attachment: Attachment) -> Callable[..., Any]:
     original = torch.autograd.backward
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        if attachment.in_backward:  # inside a backward (Tensor.backward, checkpointing)
+        # inside a backward (Tensor.backward, checkpointing), or traced (see above)
+        if attachment.in_backward or _transformed():
             return original(tensors, *args, **kwargs)
         for tensor in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
             attachment.on_backward(tensor)
@@ -731,6 +749,14 @@ def _wrap_loader_next(attachment: Attachment) -> Callable[..., Any]:
 
 
 _compiling = torch.compiler.is_compiling
+_functorch_level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)
+
+
+def _transformed() -> bool:
+    """Whether code runs inside a graph torch.compile traces, or inside a torch.func
+    transform (grad, vmap: its tensors are wrappers without storage): a module called there
+    is a step of a function, not a training call of the loop."""
+    return _compiling() or _functorch_level() is not None
 _LoaderIterator = torch.utils.data.dataloader._BaseDataLoaderIter
 _WAITING = 4  # training loader batches kept for a step not begun yet (a prefetching loop's)
 
@@ -745,6 +771,17 @@ def _wrap_ddp_init(rank: RankWatch) -> Callable[..., Any]:
         original(self, module, *args, **kwargs)
 
     return __init__
+
+
+def _wrap_torch_compile(attachment: Attachment) -> Callable[..., Any]:
+    original = torch.compile
+
+    @functools.wraps(original)
+    def compile(*args: Any, **kwargs: Any) -> Any:
+        attachment.keep_out_of_graphs()
+        return original(*args, **kwargs)
+
+    return compile
 
 
 def _wrap_module_compile(attachment: Attachment) -> Callable[..., Any]:

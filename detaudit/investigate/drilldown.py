@@ -99,13 +99,18 @@ def _outside_dispatcher(
     if origin is None or any(_within(op.module, origin.module) for op in op_origins):
         return None
     draws = sorted({m or "(model)" for m, _ in host_draws if _within(m, origin.module)})
-    if fault is not None and not fault.op and (fault.module, fault.phase, fault.step) == (
-            origin.module, origin.phase, step):
+    # (a backward fault in a module that sends no gradient back to its input lands in the
+    # gradient of a parameter inside it: that parameter's module is the origin)
+    if fault is not None and not fault.op and (fault.phase, fault.step) == (
+            origin.phase, step) and _within(origin.module, fault.module):
+        where = origin.module or "(model)"
+        inside = "" if origin.module == fault.module else (
+            f" (a parameter's gradient: {fault.module}'s input needs none)")
         return {
-            "module": origin.module or "(model)", "phase": origin.phase, "host_rng_draws": draws,
+            "module": where, "phase": origin.phase, "host_rng_draws": draws,
             "planted": True,
-            "text": f"the planted 1-ULP fault, added to {origin.module or '(model)'}'s "
-            f"{origin.phase} result by a hook (outside any op), found where it was planted",
+            "text": f"the planted 1-ULP fault, added to {where}'s {origin.phase} result{inside} "
+            "by a hook (outside any op), found where it was planted",
         }
     return {
         "module": origin.module or "(model)", "phase": origin.phase,

@@ -409,11 +409,13 @@ class Recorder:
                         # Parameter gradients are recorded after backward; here only a fault
                         # planted in a module whose inputs need no gradient can use this edge
                         # (else it would land in, say, a bias gradient the optimizer of
-                        # another model never reads).
-                        if fault_here and chain and params[id(leaf)] == fault.module == calls[
-                            chain[0]
-                        ].module and not calls[chain[0]].inputs:
-                            boundaries.setdefault(node, []).append((k, chain[0], None))
+                        # another model never reads): a parameter of that module or of one
+                        # within it (a backbone's first layer, right after the data).
+                        planted = next((c for c in chain if calls[c].module == fault.module),
+                                       None) if fault_here else None
+                        if planted is not None and not calls[planted].inputs and _within(
+                                params[id(leaf)], fault.module):
+                            boundaries.setdefault(node, []).append((k, planted, None))
                         continue
                     target, created = (id(leaf), 0), -1  # a leaf: outside every call
                 else:
@@ -504,3 +506,8 @@ def _iter_inputs(args: tuple, kwargs: dict):
 
 def _slot(prefix: str, path: str) -> str:
     return f"{prefix}.{path}" if path else prefix
+
+
+def _within(name: str, module: str) -> bool:
+    """Whether the module or parameter owner `name` is `module` or inside it."""
+    return not module or name == module or name.startswith(f"{module}.")

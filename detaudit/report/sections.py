@@ -176,10 +176,12 @@ def _verdict(s: dict[str, Any]) -> Section:
 
 
 CALLS_UNSEEN_NOTE = (
-    "no training-mode call of the model was seen: it runs inside a compiled function, where "
-    "module hooks do not run, or trains in eval mode. Its steps were recorded from their "
-    "losses, gradients and parameters, without the batch; a zoomed step is recorded module "
-    "by module (compiled code runs eagerly there).")
+    "no call of the model was seen as the loop's training call: it runs inside a compiled "
+    "function or a torch.func transform, or trains in eval mode. It was found at its "
+    "optimizer's first update, from the parameters that update changes; its steps are "
+    "recorded from the batches the training DataLoader yields, the losses, the gradients and "
+    "the parameters, and a zoomed step module by module where its calls can be seen "
+    "(compiled code runs eagerly there; calls inside a torch.func transform are not seen).")
 
 
 def short_epochs_note(short: dict[str, Any]) -> str:

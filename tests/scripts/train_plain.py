@@ -62,9 +62,10 @@ def main():
     p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
     p.add_argument("--race", action="store_true", help="a duplicate-index gather (2 threads)")
     p.add_argument("--label-noise", action="store_true", help="unseeded noise in the labels")
-    p.add_argument("--compile", choices=("wrapper", "in-place", "function"),
+    p.add_argument("--compile", choices=("wrapper", "in-place", "function", "step"),
                    help="torch.compile(model), model.compile(), or torch.compile of the "
-                   "function that calls the model and computes the loss (the aot_eager backend)")
+                   "function that calls the model and computes the loss (function), and calls "
+                   "backward on it too (step); the aot_eager backend")
     p.add_argument("--spawn", action="store_true", help="DataLoader workers started by spawn")
     p.add_argument("--evaluated", help="a file written after each evaluation")
     args = p.parse_args()
@@ -80,8 +81,15 @@ def main():
     def loss_of(x, y):
         return nn.functional.cross_entropy(model(x), y) / args.accumulate
 
+    def backward_of(x, y):
+        loss = loss_of(x, y)
+        loss.backward()
+        return loss
+
     if args.compile == "function":
         loss_of = torch.compile(loss_of, backend="aot_eager")
+    elif args.compile == "step":
+        backward_of = torch.compile(backward_of, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     loader = torch.utils.data.DataLoader(
@@ -94,8 +102,7 @@ def main():
         model.train()
         for i, (x, y) in enumerate(loader):
             try:
-                loss = loss_of(x, y)
-                loss.backward()
+                backward_of(x, y)
                 if i % args.accumulate == args.accumulate - 1:
                     if steps == args.crash_at:
                         raise RuntimeError("the script's own bug")
