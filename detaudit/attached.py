@@ -558,7 +558,8 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
     if len(trace.steps) <= fault.step:
         raise DetauditError(
             f"--inject-fault plants at step {fault.step}, but the command ran "
-            f"{len(trace.steps)} steps (0 to {len(trace.steps) - 1})")
+            f"{len(trace.steps)} step{'' if len(trace.steps) == 1 else 's'} "
+            f"(0 to {len(trace.steps) - 1})")
     modules: set[str] = set()
     for step, cut in trace.by_step():
         if step == fault.step:

@@ -667,15 +667,15 @@ def _stdout_kept_for(json_output: bool) -> Iterator[None]:
 
 
 def _reproduce_command(argv: list[str]) -> str:
-    """The command line as given, minus detaudit's --out (a rerun should write a new folder);
-    what follows ``--`` is the user's command, kept whole."""
+    """The command line as given, minus detaudit's --out and --overwrite (a rerun writes a
+    new folder); what follows ``--`` is the user's command, kept whole."""
     end = argv.index("--") if "--" in argv else len(argv)
     kept, skip = [], False
     for arg in argv[:end]:
         if skip or arg == "--out":
             skip = not skip
             continue
-        if not arg.startswith("--out="):
+        if not arg.startswith("--out=") and arg != "--overwrite":
             kept.append(arg)
     return "detaudit " + shlex.join(kept + argv[end:])
 

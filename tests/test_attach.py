@@ -4,6 +4,7 @@ script, unmodified) and `detaudit.watch(...)` around the user's own loop."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -667,6 +668,68 @@ def test_a_step_the_loop_ends_in_before_its_update_is_not_counted(tmp_path):
             opt.step()
             opt.zero_grad()
     assert [(s.step, s.optimizer_stepped) for s in w.trace.steps] == [(0, True), (1, True)]
+
+
+def _train_by_hand(out: Path, nudge_at: int | None = None) -> detaudit.watch:
+    """SGD the loop does itself (no torch.optim), 2 epochs of 3 batches; `nudge_at`: one
+    update is 1 ULP off."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(3)
+    x_all, y_all = torch.randn(12, 6, generator=g), torch.randn(12, 2, generator=g)
+    with detaudit.watch(model, out=out) as w:
+        for update in range(6):
+            x, y = x_all[update % 3 * 4:][:4], y_all[update % 3 * 4:][:4]
+            (model(x) - y).pow(2).mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    step = 0.1 * p.grad
+                    if update == nudge_at:
+                        step = torch.nextafter(step, torch.full_like(step, math.inf))
+                    p -= step
+                    p.grad = None
+    return w
+
+
+def test_a_loop_that_updates_by_hand_has_a_step_per_update(tmp_path):
+    """No optimizer: an update the loop makes in place after backward ends the step (the
+    whole run was one step, and a difference in the updates could pass unseen)."""
+    same = _train_by_hand(tmp_path / "same")
+    _train_by_hand(tmp_path / "same")
+    assert [(s.step, s.optimizer_stepped) for s in same.trace.steps] == [
+        (k, True) for k in range(6)]
+    records = same.trace.frame()
+    assert set(records[records.phase == "optimizer"].step) == set(range(6))
+    assert detaudit.compare(tmp_path / "same").exit_code == 0
+    _train_by_hand(tmp_path / "nudged")
+    _train_by_hand(tmp_path / "nudged", nudge_at=4)
+    c = detaudit.compare(tmp_path / "nudged").comparison
+    assert (c.first_step, c.cause) == (4, "optimizer")
+
+
+def test_a_fault_planted_in_a_loop_that_updates_by_hand_fires_at_its_step(tmp_path):
+    """The step ends inside the next call (where hooks cannot be set): the planted step's
+    module hooks are set after the backward before it."""
+    from detaudit.config import Fault
+    from detaudit.drivers.attach import Attachment
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    attachment = Attachment(tmp_path / "trace-0.json.gz", {}, model=model,
+                            fault=Fault("2", "backward", 2)).install()
+    try:
+        for _ in range(4):
+            model(torch.randn(4, 6)).pow(2).mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+    finally:
+        attachment.uninstall()
+    attachment.finish()
+    assert attachment.fault_fired
+    records = Trace.load(tmp_path / "trace-0.json.gz").frame()
+    assert set(records[records.phase == "backward"].step) == {2}
 
 
 def test_runs_of_different_lengths_are_said_so(tmp_path):

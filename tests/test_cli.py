@@ -173,6 +173,16 @@ def test_report_command_rerenders_a_saved_run(tmp_path, capsys):
     assert "trace-1.json.gz" in capsys.readouterr().err
 
 
+def test_the_reports_command_runs_the_same_audit_into_a_new_folder(tmp_path):
+    folder = tmp_path / "run"
+    assert main(["run", "--probe", str(PROBES / "tiny_cnn.py"), "--out", str(folder),
+                 "--overwrite", "--epochs", "1", "--steps", "1", "--quiet"]) == 0
+    command = json.loads((folder / "run.json").read_text())["command"]
+    assert command.startswith("detaudit run --probe ") and command.endswith(
+        "--epochs 1 --steps 1 --quiet")
+    assert "--out" not in command and "--overwrite" not in command
+
+
 @pytest.mark.parametrize("steps,noted", [("5", True), ("2", False)])
 def test_steps_beyond_the_probe_s_data_are_noted(tmp_path, capsys, steps, noted):
     """tiny_cnn has 2 batches an epoch: --steps 5 records those 2, and says so."""

@@ -116,6 +116,10 @@ class Attachment:
         # inside a compiled function): recorded once the update names the model
         self._unowned_losses: list[torch.Tensor] = []
         self._placed: set[int] = set()  # optimizers whose model was seen or searched for
+        # the model's trainable parameters and their versions as the open step began, while
+        # no optimizer has stepped (see _updated_by_hand)
+        self._by_hand: list[tuple[torch.Tensor, int]] = []
+        self._optimizer_used = False  # an optimizer's step has begun (its closure may run)
         # the modules within models found that way: their calls with gradients on are the
         # training calls (in eval mode too; none are seen inside compiled code)
         self._found_modules: set[int] = set()
@@ -250,6 +254,8 @@ class Attachment:
 
     def _on_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A top-level training call: a new step begins if the last one has updated."""
+        if self.info is not None and not self._updated and self._updated_by_hand():
+            self._record_update_by_hand()
         if self._updated:
             self.end_step()
             if self.stopped:
@@ -307,6 +313,7 @@ class Attachment:
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.stopped or (self.optimizer is not None and optimizer is not self.optimizer):
             return
+        self._optimizer_used = True
         self._choose_model(optimizer)
         if self._updated and id(optimizer) in self._stepped:
             self.end_step()  # it updates again: the step before it is over
@@ -370,6 +377,36 @@ class Attachment:
         self.recorder.record(OPTIMIZER, "", 0, "scale", torch.tensor(scale, dtype=torch.float64))
         if not self._updated and self._losses:
             self._step_done(complete=True)
+
+    def _updated_by_hand(self) -> bool:
+        """Whether, with no optimizer seen, the loop changed the model's parameters in place
+        after the open step's backward (`p -= lr * p.grad` under no_grad): an update it
+        makes itself, which ends the step like an optimizer's."""
+        return bool(not self._optimizer_used and self._losses and any(
+            p._version != version for p, version in self._by_hand))
+
+    def _record_update_by_hand(self, last: bool = False) -> None:
+        """The parameters the loop's own update left, as an optimizer's are recorded; the
+        step is done (`last`: the run's last, ending now)."""
+        assert self.info is not None and self.recorder is not None
+        self.recorder.record_parameters(OPTIMIZER)
+        self.info.optimizer_stepped = True
+        self._updated = True  # (the module hooks were set for the next step after backward)
+        if not last and self.max_steps is not None and self.info.step + 1 >= self.max_steps \
+                and self.info.step > 0:
+            self.end_step()
+            self.stop()
+
+    def after_backward(self) -> None:
+        """A backward is over, outside any module call: while no optimizer has updated (the
+        loop may update by hand, found only at the next call, inside it), the module hooks
+        are set now for the next step, as an optimizer's update would set them."""
+        if self._optimizer_used or self.info is None or self.recorder is None or self.stopped:
+            return
+        now, after = self._watch(self.info.step), self._watch(self.info.step + 1)
+        if after != WATCH_NONE or now == WATCH_NONE:  # (a watched step keeps its own)
+            self.recorder.hook_for(after)
+            self._run_eagerly(after != WATCH_NONE)
 
     def _last_step_updated(self) -> bool:
         """The step at the step limit is open and has updated: by every optimizer that
@@ -543,6 +580,9 @@ class Attachment:
             self.recorder.record_parameters(STATE)
         else:
             self._record_changed_parameters()
+        if not self._optimizer_used:  # an update the loop makes by hand, if it has none
+            self._by_hand = [(p, p._version) for p in model.parameters()
+                             if p.requires_grad and not p.is_inference()]
         return True
 
     def _record_changed_parameters(self) -> None:
@@ -619,6 +659,8 @@ class Attachment:
             self.save()
             return
         self.trace.failure = failure or self.trace.failure
+        if self.info is not None and not self._updated and self._updated_by_hand():
+            self._record_update_by_hand(last=True)
         if (self.trace.failure or self._optimizers) and self.info is not None and (
                 self.recorder is not None and not self._updated):
             # the step that failed, or that the process ended in before its update (a script
@@ -699,9 +741,11 @@ def _wrap_backward(attachment: Attachment) -> Callable[..., Any]:
         attachment.on_backward(self)
         attachment.in_backward = True  # Tensor.backward calls torch.autograd.backward
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         finally:
             attachment.in_backward = False
+        attachment.after_backward()
+        return result
 
     return backward
 
@@ -717,9 +761,11 @@ def _wrap_autograd_backward(attachment: Attachment) -> Callable[..., Any]:
             attachment.on_backward(tensor)
         attachment.in_backward = True
         try:
-            return original(tensors, *args, **kwargs)
+            result = original(tensors, *args, **kwargs)
         finally:
             attachment.in_backward = False
+        attachment.after_backward()
+        return result
 
     return backward
 
