@@ -707,6 +707,32 @@ def test_a_loop_that_updates_by_hand_has_a_step_per_update(tmp_path):
     assert (c.first_step, c.cause) == (4, "optimizer")
 
 
+def test_in_place_changes_in_an_optimizer_script_are_no_updates_by_hand(tmp_path):
+    """SAM perturbs the parameters in place between its two forwards, and an embedding with
+    max_norm renormalises its weight in every forward: with an optimizer holding them, the
+    steps are its updates (step 0 was split where the parameters changed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=0.5), nn.Flatten(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(0, 10, (6, 2), generator=torch.Generator().manual_seed(1))
+    with detaudit.watch(model, out=tmp_path) as w:  # the optimizer found by its hooks
+        for _ in range(3):
+            for micro in range(2):  # accumulation: two forwards a step
+                model(tokens[micro * 3:][:3]).pow(2).mean().backward()
+            climb = [0.01 * p.grad for p in model.parameters()]
+            with torch.no_grad():  # SAM: climb, forward and backward there, step back
+                for p, d in zip(model.parameters(), climb):
+                    p.add_(d)
+            model(tokens).pow(2).mean().backward()
+            with torch.no_grad():
+                for p, d in zip(model.parameters(), climb):
+                    p.sub_(d)
+            opt.step()
+            opt.zero_grad()
+    assert [(s.step, s.optimizer_stepped) for s in w.trace.steps] == [(k, True) for k in range(3)]
+    assert all(s.lr == [0.1] for s in w.trace.steps)
+
+
 def test_a_fault_planted_in_a_loop_that_updates_by_hand_fires_at_its_step(tmp_path):
     """The step ends inside the next call (where hooks cannot be set): the planted step's
     module hooks are set after the backward before it."""

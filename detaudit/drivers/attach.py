@@ -120,6 +120,7 @@ class Attachment:
         # no optimizer has stepped (see _updated_by_hand)
         self._by_hand: list[tuple[torch.Tensor, int]] = []
         self._optimizer_used = False  # an optimizer's step has begun (its closure may run)
+        self._by_hand_possible: bool | None = None  # see _updates_by_hand
         # the modules within models found that way: their calls with gradients on are the
         # training calls (in eval mode too; none are seen inside compiled code)
         self._found_modules: set[int] = set()
@@ -311,9 +312,9 @@ class Attachment:
                 self._loss_values[name] = loss_copy(value)
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_used = True  # (any optimizer: the loop does not update by hand)
         if self.stopped or (self.optimizer is not None and optimizer is not self.optimizer):
             return
-        self._optimizer_used = True
         self._choose_model(optimizer)
         if self._updated and id(optimizer) in self._stepped:
             self.end_step()  # it updates again: the step before it is over
@@ -327,7 +328,7 @@ class Attachment:
                 self._begin_step(self._current_model())
             return
         if id(optimizer) not in self._placed:  # (a closure's forward is yet to be seen)
-            if not self._owned(optimizer):
+            if not self._owned(optimizer) and len(self._placed) < MAX_MODEL_SEARCHES:
                 self._find_model(optimizer)
                 self._choose_model(optimizer)
             self._placed.add(id(optimizer))
@@ -379,11 +380,28 @@ class Attachment:
             self._step_done(complete=True)
 
     def _updated_by_hand(self) -> bool:
-        """Whether, with no optimizer seen, the loop changed the model's parameters in place
-        after the open step's backward (`p -= lr * p.grad` under no_grad): an update it
-        makes itself, which ends the step like an optimizer's."""
-        return bool(not self._optimizer_used and self._losses and any(
+        """Whether a loop that has no optimizer changed the model's parameters in place
+        since the open step's last backward (`p -= lr * p.grad` under no_grad): an update
+        it makes itself, which ends the step like an optimizer's."""
+        return bool(self._by_hand and not self._optimizer_used and any(
             p._version != version for p, version in self._by_hand))
+
+    def _updates_by_hand(self) -> bool:
+        """Whether the loop may update the model by hand: no optimizer was given, none has
+        stepped, and none holds the model's parameters (looked for once, at the first
+        backward: SAM's perturbation or an optimizer stepped later is no update by hand)."""
+        if self._by_hand_possible is None:
+            model = self._current_model()
+            if self.optimizer is not None or model is None:
+                self._by_hand_possible = False
+            else:
+                import gc
+
+                mine = {id(p) for p in model.parameters()}
+                self._by_hand_possible = not any(
+                    issubclass(type(o), torch.optim.Optimizer)
+                    and any(id(p) in mine for p in _parameters(o)) for o in gc.get_objects())
+        return self._by_hand_possible and not self._optimizer_used
 
     def _record_update_by_hand(self, last: bool = False) -> None:
         """The parameters the loop's own update left, as an optimizer's are recorded; the
@@ -401,8 +419,14 @@ class Attachment:
         """A backward is over, outside any module call: while no optimizer has updated (the
         loop may update by hand, found only at the next call, inside it), the module hooks
         are set now for the next step, as an optimizer's update would set them."""
-        if self._optimizer_used or self.info is None or self.recorder is None or self.stopped:
+        if self.info is None or self.recorder is None or self.stopped or (
+                not self._updates_by_hand()):
             return
+        model = self._current_model()
+        assert model is not None
+        # what the parameters are now: a change from here on is the loop's update
+        self._by_hand = [(p, p._version) for p in model.parameters()
+                         if p.requires_grad and not p.is_inference()]
         now, after = self._watch(self.info.step), self._watch(self.info.step + 1)
         if after != WATCH_NONE or now == WATCH_NONE:  # (a watched step keeps its own)
             self.recorder.hook_for(after)
@@ -518,7 +542,8 @@ class Attachment:
         model = next(m for n, m in owners if n == most and not any(
             id(c) in owning for c in list(m.modules())[1:]))
         self._candidates.append(model)
-        self._found_modules |= {id(m) for m in model.modules()}
+        # its calls, and those of wrappers that hold it (DDP), are the step's
+        self._found_modules |= {id(m) for m in model.modules()} | owning
         self.trace.probe[CALLS_UNSEEN] = True
 
     def _owned(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -580,9 +605,7 @@ class Attachment:
             self.recorder.record_parameters(STATE)
         else:
             self._record_changed_parameters()
-        if not self._optimizer_used:  # an update the loop makes by hand, if it has none
-            self._by_hand = [(p, p._version) for p in model.parameters()
-                             if p.requires_grad and not p.is_inference()]
+        self._by_hand = []  # (taken after the step's backward)
         return True
 
     def _record_changed_parameters(self) -> None:
@@ -688,6 +711,9 @@ class Attachment:
 
 
 MAX_UNOWNED_LOSSES = 256  # scalar losses kept before the model is known
+# optimizers whose model is looked for among every live object: a loop that makes an
+# optimizer per batch over tensors no module owns (an adversarial perturbation) stops there
+MAX_MODEL_SEARCHES = 8
 
 
 def _note_group(rank: RankWatch) -> None:

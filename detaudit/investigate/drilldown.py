@@ -102,7 +102,8 @@ def _outside_dispatcher(
     # (a backward fault in a module that sends no gradient back to its input lands in the
     # gradient of a parameter inside it: that parameter's module is the origin)
     if fault is not None and not fault.op and (fault.phase, fault.step) == (
-            origin.phase, step) and _within(origin.module, fault.module):
+            origin.phase, step) and (origin.module == fault.module or (
+                fault.phase == "backward" and _within(origin.module, fault.module))):
         where = origin.module or "(model)"
         inside = "" if origin.module == fault.module else (
             f" (a parameter's gradient: {fault.module}'s input needs none)")

@@ -178,7 +178,7 @@ def _verdict(s: dict[str, Any]) -> Section:
 CALLS_UNSEEN_NOTE = (
     "no call of the model was seen as the loop's training call: it runs inside a compiled "
     "function or a torch.func transform, or trains in eval mode. It was found at its "
-    "optimizer's first update, from the parameters that update changes; its steps are "
+    "optimizer's first update, as the module holding the parameters it updates; its steps are "
     "recorded from the batches the training DataLoader yields, the losses, the gradients and "
     "the parameters, and a zoomed step module by module where its calls can be seen "
     "(compiled code runs eagerly there; calls inside a torch.func transform are not seen).")
