@@ -416,9 +416,10 @@ class Attachment:
             self.stop()
 
     def after_backward(self) -> None:
-        """A backward is over, outside any module call: while no optimizer has updated (the
-        loop may update by hand, found only at the next call, inside it), the module hooks
-        are set now for the next step, as an optimizer's update would set them."""
+        """A backward is over, outside any module call. In a loop that may update by hand
+        (an update found only at the next call, inside it), the parameters' versions are
+        taken, and the module hooks are set now for the next step, as an optimizer's update
+        would set them."""
         if self.info is None or self.recorder is None or self.stopped or (
                 not self._updates_by_hand()):
             return
@@ -524,9 +525,9 @@ class Attachment:
         """An optimizer updates before any training-mode call of a module was seen: the
         model runs inside a compiled function, where module hooks do not run, or trains in
         eval mode. The model is the module that owns the most of the optimizer's
-        parameters, found among every live module (once); its steps are recorded from the
-        losses, gradients and parameters, without the batch, and its calls at a zoomed step
-        (which runs eagerly)."""
+        parameters, found among every live module; its calls with gradients on are the
+        step's from then on (those a compiled function makes are seen at a zoomed step,
+        which runs eagerly)."""
         import gc
 
         updated = {id(p) for p in _parameters(optimizer)}
@@ -760,8 +761,8 @@ def _wrap_backward(attachment: Attachment) -> Callable[..., Any]:
     original = torch.Tensor.backward
 
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        # inside a backward, not the step's loss; or traced by torch.compile, which then
-        # breaks its graph at the backward as it would without detaudit, and runs it here
+        # inside a backward, not the step's loss; or traced (torch.compile keeps it out of
+        # its graphs once anything is compiled: see Attachment.keep_out_of_graphs)
         if attachment.in_backward or _transformed():
             return original(self, *args, **kwargs)
         attachment.on_backward(self)
@@ -829,6 +830,8 @@ def _transformed() -> bool:
     transform (grad, vmap: its tensors are wrappers without storage): a module called there
     is a step of a function, not a training call of the loop."""
     return _compiling() or _functorch_level() is not None
+
+
 _LoaderIterator = torch.utils.data.dataloader._BaseDataLoaderIter
 _WAITING = 4  # training loader batches kept for a step not begun yet (a prefetching loop's)
 
