@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .analysis.compare import Comparison, compare
 from .analysis.diff import GateResult, diff_traces
 from .analysis.ranks import RankAnalysis
-from .analysis.verdict import Verdict, judge
+from .analysis.verdict import Verdict, judge, junit_error
 from .config import SCAN, AuditConfig, Fault, Investigations, Launch, ProbeSpec
 from .errors import DetauditError, ProbeError
 from .report import render_console, summarize, write_reports
@@ -99,7 +99,8 @@ class AuditResult:
     def junit_case(self, classname: str = "detaudit.run") -> JUnitCase:
         """The verdict as one JUnit test case, with the console summary as its text."""
         return junit_case(self.spec.name, classname, self.seconds, self.verdict.passed,
-                          self.verdict.headline, render_console(self.summary))
+                          self.verdict.headline, render_console(self.summary),
+                          junit_error(self.verdict.kind))
 
 
 @dataclass

@@ -8,16 +8,20 @@ run; ``compare`` analyses traces either way produced, as ``run`` does its own re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import html
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -36,6 +40,7 @@ from .api import (
 )
 from .config import (
     CALLS_UNSEEN,
+    ENDED,
     FAULT_FIRED,
     JOB_VARIABLE,
     OP_FAULT_MODULE,
@@ -327,14 +332,15 @@ def exec_command(
                           f"{seeded}"}, config={**config.to_dict(), "seed": job.seed},
                    command=reproduce or f"detaudit exec -- {_shell_line(command)}", traces=[],
                    run_id=run_id, state="recording")
-    with RunFolder(out, info, overwrite) as folder:
+    with RunFolder(out, info, overwrite) as folder, _repeated_stdin() as stdin:
         runs: list[Recorded] = []
         try:
             timings = []
             progress.start(job.repeats, "run", f"exec: {spec.source}")
             probe = trace_probe(spec, config, run_id)
             for repeat in range(job.repeats):
-                recorded, timing = _run_once(command, job, folder.path, repeat, probe, output)
+                recorded, timing = _run_once(command, job, folder.path, repeat, probe, output,
+                                             stdin=stdin)
                 if runs and (None in recorded) != (None in runs[0]):
                     raise DetauditError(
                         f"repeat {repeat} recorded {_what(recorded)} and repeat 0 "
@@ -371,7 +377,7 @@ def exec_command(
                 folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
                 progress.stage("zoom")
                 zoomed = _zoom_command(command, job, folder, probe, comparison, config, spec,
-                                       output, primary)
+                                       output, primary, stdin)
         except KeyboardInterrupt:
             _keep_partial(folder, len(runs))
             mark_interrupted(folder)
@@ -414,8 +420,11 @@ def _rank_analysis(runs: list[Recorded], command: list[str]) -> RankAnalysis:
 
 
 def _keep_partial(folder: RunFolder, repeat: int) -> None:
-    """The run that was interrupted joins the folder with what it (or each rank) recorded."""
+    """The run that was interrupted joins the folder with what it (or each rank) recorded;
+    a zoom's replay is dropped (its step is the scan's, which the folder keeps)."""
     if folder.info.state.startswith("investigating"):
+        for path in folder.path.glob(_attach_name("*")):
+            path.unlink(missing_ok=True)
         return
     for rank, trace in _recorded(folder.path / _attach_name(repeat)).items():
         trace.failure = trace.failure or INTERRUPTED
@@ -447,7 +456,7 @@ def _clear_attached(folder: Path, repeat: int) -> None:
 def _zoom_command(
     command: list[str], job: ExecJob, folder: RunFolder, probe: dict[str, Any],
     comparison: Comparison, config: AuditConfig, spec: ProbeSpec, output: Any,
-    rank: int | None = None,
+    rank: int | None = None, stdin: Any = None,
 ) -> Comparison | None:
     """Run the command again, each run recording the first divergent step at module and op
     level (the scan runs before it must agree again: if a run parts earlier, the zoom moves
@@ -457,7 +466,7 @@ def _zoom_command(
 
     def replay(step: int) -> list[AnyTrace]:
         runs = [_run_once(command, replace(job, max_steps=step + 1), folder.path, r, probe,
-                          output, zoom=step)[0] for r in range(job.repeats)]
+                          output, zoom=step, stdin=stdin)[0] for r in range(job.repeats)]
         replayed = _of_rank(runs, rank)
         for trace in replayed:
             folder.add_zoom_trace(trace)  # moved out of the command's own files, cleared next
@@ -484,10 +493,34 @@ def _zoom_command(
     return compare_traces(traces, comparison.idle_rng) if traces else None
 
 
+@contextlib.contextmanager
+def _repeated_stdin() -> Iterator[Any]:
+    """What each run of the command reads as its standard input: the same in every run. A
+    terminal is shared; a file is read once and given to each run from its start; a pipe
+    (which only the first run would read) is given to none, and said so."""
+    try:
+        mode = os.fstat(0).st_mode
+    except (OSError, ValueError):  # no standard input
+        yield subprocess.DEVNULL
+        return
+    if os.isatty(0):
+        yield None
+    elif stat.S_ISREG(mode):
+        with tempfile.TemporaryFile() as saved:
+            saved.write(sys.stdin.buffer.read())
+            yield saved
+    else:
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            print("detaudit: note: the command's standard input is a pipe, which only one run "
+                  "could read: every run reads an empty input", file=sys.stderr)
+        yield subprocess.DEVNULL
+
+
 def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
-              probe: dict[str, Any], output: Any, zoom: int | None = None,
+              probe: dict[str, Any], output: Any, zoom: int | None = None, stdin: Any = None,
               ) -> tuple[Recorded, dict[str, Any]]:
-    """One run of the command in its own process group; its trace, or each rank's."""
+    """One run of the command in its own process group; its trace, or each rank's. `stdin`:
+    its standard input (see _repeated_stdin), read from the start."""
     path = folder / _attach_name(repeat)
     fault = job.fault if job.fault is not None and repeat == job.repeats - 1 else None
     env = dict(os.environ)
@@ -504,8 +537,11 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         env.setdefault("PYTHONHASHSEED", str(job.seed % 2**32))
     started = time.perf_counter()
     try:
-        child = subprocess.Popen(command, env=env, start_new_session=True, stdout=output)
-    except (FileNotFoundError, PermissionError) as exc:
+        if hasattr(stdin, "seek"):
+            stdin.seek(0)
+        child = subprocess.Popen(command, env=env, start_new_session=True, stdout=output,
+                                 stdin=stdin)
+    except OSError as exc:  # not found, not executable, no interpreter line (ENOEXEC), ...
         raise DetauditError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
     try:
         code = child.wait()
@@ -527,9 +563,15 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         at_limit = (job.max_steps is not None and len(trace.steps) >= job.max_steps) or (
             job.max_epochs is not None and trace.steps
             and trace.steps[-1].epoch + 1 >= job.max_epochs)
-        if code != 0 and not at_limit and trace.failure is None:
-            trace.failure = (f"the command exited with code {code} after step "
-                             f"{len(trace.steps) - 1}")
+        how = "ended" if code == 0 else f"exited with code {code}"
+        if trace.failure is None and not trace.probe.get(ENDED):
+            # os._exit, or a signal no handler sees (SIGKILL): the steps since the last save
+            # are lost, so the trace is short of what ran, not different from the others'
+            trace.failure = (f"the command {how} without detaudit's exit hook running "
+                             f"(os._exit, or killed) after step {len(trace.steps) - 1}, the "
+                             "last step saved; the steps after it are lost")
+        elif code != 0 and not at_limit and trace.failure is None:
+            trace.failure = f"the command {how} after step {len(trace.steps) - 1}"
     if fault is not None and not any(t.probe.get(FAULT_FIRED) for t in recorded.values()) \
             and not any(t.failure for t in recorded.values()):
         steps = max(len(t.steps) for t in recorded.values())
@@ -594,7 +636,7 @@ def _kill_group(child: subprocess.Popen) -> None:
         pass
 
 
-def _attach_name(repeat: int) -> str:
+def _attach_name(repeat: int | str) -> str:
     return f"attach-{repeat}.json.gz"
 
 

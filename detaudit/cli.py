@@ -458,6 +458,7 @@ def _report_compared(args: argparse.Namespace, result: Any, out: Path, classname
                      started: float) -> int:
     """Print a compared run like `run` prints its own; its exit code. The JUnit case's time
     is the command's, from `started` (perf_counter)."""
+    from .analysis.verdict import junit_error
     from .report import render_console
     from .report.junit import junit_case
 
@@ -467,7 +468,8 @@ def _report_compared(args: argparse.Namespace, result: Any, out: Path, classname
         _write_junit(args.junit, junit_case(result.summary["probe"].get("name", "run"),
                                             classname, time.perf_counter() - started,
                                             verdict.passed, verdict.headline,
-                                            render_console(result.summary)))
+                                            render_console(result.summary),
+                                            junit_error(verdict.kind)))
     return result.exit_code
 
 

@@ -220,6 +220,7 @@ JOB_VARIABLE = "DETAUDIT_ATTACH"
 OWNER_VARIABLE = "DETAUDIT_ATTACH_PID"
 RANK_OWNER_VARIABLE = "DETAUDIT_ATTACH_RANK"  # the rank whose first process records
 FAULT_FIRED = "fault_fired"
+ENDED = "ended"  # a trace's recording ended as it should (its loop ended, failed or hit a limit)
 CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (compiled code)
 
 

@@ -247,6 +247,30 @@ def test_ctrl_c_ends_the_process_tree_and_keeps_what_was_recorded(tmp_path):
     assert not _running(str(SCRIPT), "--forever")  # the script and its DataLoader workers
 
 
+def test_ctrl_c_in_the_zoom_is_interrupted_never_a_verdict(tmp_path):
+    """The scan found the planted fault; Ctrl-C while the zoom replays: exit 130, live and
+    when the folder is rendered again (it rendered DIVERGENT, exit 1), no replay left."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "detaudit", "exec", "--out", str(out), "--quiet", "--seed",
+               "0", "--max-steps", "4", "--inject-fault", "head@forward:2", "--", sys.executable,
+               str(SCRIPT), "--workers", "0", "--accumulate", "1", "--step-seconds", "0.5"]
+    audit = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and audit.poll() is None and not (
+            any(out.glob("attach-*")) and "zoom" in (out / "run.json").read_text()):
+        time.sleep(0.1)  # the zoom's first replay is recording
+    audit.send_signal(signal.SIGINT)
+    _, err = audit.communicate(timeout=60)
+    assert audit.returncode == 130, err
+    assert not list(out.glob("attach-*"))
+    report = run_cli("report", str(out), "--json")
+    assert report.returncode == 130, report.stdout + report.stderr
+    summary = json.loads(report.stdout)
+    assert summary["verdict"] == "interrupted"
+    assert summary["headline"].startswith("INTERRUPTED (interrupted during investigating: zoom")
+    assert "what was recorded: DIVERGENT: first at step 2" in summary["headline"]
+
+
 def _running(*words: str) -> list[str]:
     """Processes whose command line holds every word (read from /proc, where there is one)."""
     found = []
@@ -266,6 +290,68 @@ def test_max_epochs_stops_at_the_start_of_the_next_pass(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr  # one run: not compared
     trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
     assert [s.epoch for s in trace.steps] == [0, 0]
+
+
+def test_a_run_ended_by_os_exit_is_a_failure_never_a_divergence(tmp_path):
+    """os._exit skips detaudit's exit hook: the steps since the last save are lost, so that
+    repeat's trace is short, not different (it was reported DIVERGENT at its last step)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "second = os.path.exists(sys.argv[1])\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "for step in range(6):\n"
+        "    if second and step == 4:\n"
+        "        os._exit(0)\n"
+        "    model(torch.ones(2, 4)).pow(2).mean().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n")
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0", "--json",
+                   "--", sys.executable, str(script), str(tmp_path / "marker"))
+    assert done.returncode == 3, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["verdict"] == "failed"
+    assert "without detaudit's exit hook running (os._exit, or killed)" in summary["headline"]
+
+
+@pytest.mark.parametrize("given", ["file", "pipe"])
+def test_every_run_reads_the_same_standard_input(tmp_path, given):
+    """A script that reads its learning rate from stdin: a pipe reached the first run only,
+    and the runs diverged by detaudit's doing; a file is given to each run whole."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "try:\n"
+        "    lr = float(input())\n"
+        "except EOFError:\n"
+        "    lr = 0.1\n"
+        "print('lr', lr)\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=lr)\n"
+        "for _ in range(3):\n"
+        "    model(torch.ones(2, 4)).pow(2).mean().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n")
+    (tmp_path / "in.txt").write_text("0.05\n")
+    command = [sys.executable, "-m", "detaudit", "exec", "--out", str(tmp_path / "run"),
+               "--quiet", "--", sys.executable, str(script)]
+    if given == "file":
+        with open(tmp_path / "in.txt") as stdin:
+            done = subprocess.run(command, stdin=stdin, capture_output=True, text=True,
+                                  check=False)
+    else:
+        done = subprocess.run(command, input="0.05\n", capture_output=True, text=True,
+                              check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    output = done.stdout + done.stderr
+    if given == "file":
+        assert output.count("lr 0.05") == 2
+    else:
+        assert output.count("lr 0.1") == 2 and "only one run could read" in done.stderr
 
 
 def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):
@@ -299,8 +385,13 @@ def test_a_fault_at_a_module_or_step_the_run_never_reaches_is_refused_early(
     (["no-such-command-here"], "cannot run 'no-such-command-here'"),
     ([sys.executable, "-c", "print('no training here')"], "before its first training step"),
     ([], "needs the command to audit"),
+    (["{no_shebang}"], "Exec format error"),  # an executable script without #!
 ])
 def test_exec_refuses_clearly(tmp_path, command, message):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n")
+    script.chmod(0o755)
+    command = [str(script) if c == "{no_shebang}" else c for c in command]
     done = run_cli("exec", "--out", str(tmp_path / "run"), "--", *command)
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr

@@ -194,6 +194,23 @@ def test_steps_beyond_the_probe_s_data_are_noted(tmp_path, capsys, steps, noted)
     assert (note[6:] in (tmp_path / "report.md").read_text()) is noted
 
 
+def test_junit_calls_a_crash_and_a_run_compared_with_nothing_errors_not_divergences(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    cases = {}
+    for name, options, code in (
+            ("crash", ["--probe", str(PROBES / "crash_second_repeat.py")], 3),
+            ("alone", ["--probe", str(PROBES / "tiny_cnn.py"), "--repeats", "1"], 2)):
+        junit = tmp_path / f"{name}.xml"
+        assert main(["run", *options, "--out", str(tmp_path / name), "--epochs", "1",
+                     "--steps", "3", "--quiet", "--junit", str(junit)]) == code
+        cases[name] = ET.parse(junit).getroot().find("testsuite")
+    for suite, kind in ((cases["crash"], "failed"), (cases["alone"], "not compared")):
+        assert (suite.get("failures"), suite.get("errors")) == ("0", "1")
+        case = suite.find("testcase")
+        assert case.find("failure") is None and case.find("error").get("type") == kind
+
+
 def test_a_crashed_repeat_is_reported_and_the_others_kept(tmp_path, capsys):
     code = main(["run", "--probe", str(PROBES / "crash_second_repeat.py"), "--out", str(tmp_path),
                  "--epochs", "1", "--steps", "3"])

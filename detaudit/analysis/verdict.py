@@ -13,7 +13,7 @@ from .compare import DETERMINISTIC, DIVERGENT, FAILED, ORIGIN, Comparison
 from .ranks import RankAnalysis
 
 MATCH, MISMATCH = "match", "mismatch"  # a run against a baseline or another run
-INTERRUPTED = "interrupted"  # the run was stopped before its end and nothing differs so far
+INTERRUPTED = "interrupted"  # the run was stopped before its end (the headline: what it recorded)
 PROVEN = "nondeterministic op"  # the repeats agreed, but re-execution proved an op is not
 NOT_COMPARED = "not compared"  # one run, nothing to compare it with: neither pass nor divergence
 EXIT_CODES = {
@@ -89,10 +89,16 @@ def judge(
         kind = NOT_COMPARED
         headline = (f"NOT COMPARED: 1 run recorded over {_steps(c)}, and nothing to compare "
                     "it with (an audit needs --repeats 2 or more; the trace is kept)")
-    if interrupted:
-        kind = kind if kind == DIVERGENT else INTERRUPTED
+    if interrupted:  # never a verdict: what was recorded is in the headline (exit 130)
+        kind = INTERRUPTED
         headline = f"INTERRUPTED ({interrupted}); what was recorded: {headline}"
     return Verdict(kind, headline, first, hidden)
+
+
+def junit_error(kind: str) -> str | None:
+    """The JUnit error type of a verdict that is neither a pass nor a divergence (a crash,
+    an interruption, a run compared with nothing); None for the others."""
+    return None if EXIT_CODES.get(kind) in (EXIT_OK, EXIT_DIVERGED) else kind
 
 
 def first_divergence(c: Comparison) -> dict[str, Any] | None:

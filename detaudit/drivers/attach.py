@@ -36,6 +36,7 @@ from torch import nn
 
 from ..config import (
     CALLS_UNSEEN,
+    ENDED,
     FAULT_FIRED,
     JOB_VARIABLE,
     OWNER_VARIABLE,
@@ -673,12 +674,14 @@ class Attachment:
     def stop(self) -> None:
         """The step or epoch limit is reached: save, stop recording, end the loop."""
         self.stopped = True
+        self.trace.probe[ENDED] = True
         self.save()
         if self.on_limit is not None:
             self.on_limit()
 
     def finish(self, failure: str | None = None) -> None:
         """The loop is over (or failed): close the open step, save the trace."""
+        self.trace.probe[ENDED] = True
         if self.stopped:
             self.save()
             return

@@ -22,20 +22,27 @@ class JUnitCase:
     time: float  # seconds
     failure_message: str | None = None  # None: the case passed
     details: str = ""
+    error: str | None = None  # not passed and no divergence: why (a crash, an interruption)
 
 
 def junit_case(
-    name: str, classname: str, seconds: float, passed: bool, headline: str, details: str
+    name: str, classname: str, seconds: float, passed: bool, headline: str, details: str,
+    error: str | None = None,
 ) -> JUnitCase:
-    """The one way a verdict becomes a test case: failed (with the headline) unless it passed."""
-    return JUnitCase(name, classname, seconds, None if passed else headline, details)
+    """The one way a verdict becomes a test case: failed (with the headline) unless it passed;
+    an `error` (the verdict of a run that crashed, was interrupted or compared nothing) is
+    an error of that type, never a divergence."""
+    return JUnitCase(name, classname, seconds, None if passed else headline, details,
+                     None if passed else error)
 
 
 def junit_xml(cases: list[JUnitCase], suite: str = "detaudit") -> str:
     """The cases as one JUnit XML document (testsuites > testsuite > testcase > failure)."""
-    failures = sum(1 for c in cases if c.failure_message is not None)
+    errors = sum(1 for c in cases if c.failure_message is not None and c.error)
+    failures = sum(1 for c in cases if c.failure_message is not None) - errors
     total = f"{sum(c.time for c in cases):.3f}"
-    counts = {"tests": str(len(cases)), "failures": str(failures), "errors": "0", "time": total}
+    counts = {"tests": str(len(cases)), "failures": str(failures), "errors": str(errors),
+              "time": total}
     root = ET.Element("testsuites", {"name": suite, **counts})
     node = ET.SubElement(root, "testsuite", {"name": suite, "skipped": "0", **counts})
     for case in cases:
@@ -43,7 +50,8 @@ def junit_xml(cases: list[JUnitCase], suite: str = "detaudit") -> str:
         element = ET.SubElement(node, "testcase", {k: _clean(v) for k, v in attributes.items()})
         if case.failure_message is not None:
             failure = ET.SubElement(
-                element, "failure", {"message": _clean(case.failure_message), "type": "divergence"}
+                element, "error" if case.error else "failure",
+                {"message": _clean(case.failure_message), "type": case.error or "divergence"},
             )
             failure.text = _clean(case.details)
         elif case.details:

@@ -2,6 +2,7 @@
 workers, loop, gradient accumulation (2 by default) and a scheduler. Seeds nothing unless --seed-self."""
 
 import argparse
+import time
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,7 @@ def main():
     p.add_argument("--accumulate", type=int, default=2, help="batches per optimizer step")
     p.add_argument("--seed-self", action="store_true")
     p.add_argument("--forever", action="store_true", help="loop until stopped, catching exits")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long each step")
     p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
     p.add_argument("--race", action="store_true", help="a duplicate-index gather (2 threads)")
     p.add_argument("--label-noise", action="store_true", help="unseeded noise in the labels")
@@ -109,6 +111,7 @@ def main():
                     opt.step()
                     opt.zero_grad()
                     steps += 1
+                    time.sleep(args.step_seconds)
             except (SystemExit, KeyboardInterrupt):
                 pass  # a script that swallows every way out
         sched.step()
