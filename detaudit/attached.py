@@ -8,7 +8,6 @@ run; ``compare`` analyses traces either way produced, as ``run`` does its own re
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
 import html
@@ -18,10 +17,8 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -332,7 +329,8 @@ def exec_command(
                           f"{seeded}"}, config={**config.to_dict(), "seed": job.seed},
                    command=reproduce or f"detaudit exec -- {_shell_line(command)}", traces=[],
                    run_id=run_id, state="recording")
-    with RunFolder(out, info, overwrite) as folder, _repeated_stdin() as stdin:
+    stdin = _repeated_stdin()
+    with RunFolder(out, info, overwrite) as folder:
         runs: list[Recorded] = []
         try:
             timings = []
@@ -493,27 +491,29 @@ def _zoom_command(
     return compare_traces(traces, comparison.idle_rng) if traces else None
 
 
-@contextlib.contextmanager
-def _repeated_stdin() -> Iterator[Any]:
+@dataclass
+class _Rewound:
+    """Standard input from a file, inherited by each run from where the first began."""
+
+    offset: int
+
+
+def _repeated_stdin() -> Any:
     """What each run of the command reads as its standard input: the same in every run. A
-    terminal is shared; a file is read once and given to each run from its start; a pipe
-    (which only the first run would read) is given to none, and said so."""
+    terminal is shared; a file is inherited, rewound before each run; a pipe (which only
+    the first run would read) is given to none, and said so."""
     try:
         mode = os.fstat(0).st_mode
-    except (OSError, ValueError):  # no standard input
-        yield subprocess.DEVNULL
-        return
+    except OSError:  # no standard input
+        return subprocess.DEVNULL
     if os.isatty(0):
-        yield None
-    elif stat.S_ISREG(mode):
-        with tempfile.TemporaryFile() as saved:
-            saved.write(sys.stdin.buffer.read())
-            yield saved
-    else:
-        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-            print("detaudit: note: the command's standard input is a pipe, which only one run "
-                  "could read: every run reads an empty input", file=sys.stderr)
-        yield subprocess.DEVNULL
+        return None
+    if stat.S_ISREG(mode):
+        return _Rewound(os.lseek(0, 0, os.SEEK_CUR))
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        print("detaudit: note: the command's standard input is a pipe, which only one run "
+              "could read: every run reads an empty input", file=sys.stderr)
+    return subprocess.DEVNULL
 
 
 def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
@@ -537,10 +537,10 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         env.setdefault("PYTHONHASHSEED", str(job.seed % 2**32))
     started = time.perf_counter()
     try:
-        if hasattr(stdin, "seek"):
-            stdin.seek(0)
+        if isinstance(stdin, _Rewound):
+            os.lseek(0, stdin.offset, os.SEEK_SET)
         child = subprocess.Popen(command, env=env, start_new_session=True, stdout=output,
-                                 stdin=stdin)
+                                 stdin=None if isinstance(stdin, _Rewound) else stdin)
     except OSError as exc:  # not found, not executable, no interpreter line (ENOEXEC), ...
         raise DetauditError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
     try:
@@ -564,9 +564,10 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             job.max_epochs is not None and trace.steps
             and trace.steps[-1].epoch + 1 >= job.max_epochs)
         how = "ended" if code == 0 else f"exited with code {code}"
-        if trace.failure is None and not trace.probe.get(ENDED):
+        if trace.failure is None and trace.probe.get(ENDED) is False:
             # os._exit, or a signal no handler sees (SIGKILL): the steps since the last save
             # are lost, so the trace is short of what ran, not different from the others'
+            # (no mark at all: a detaudit in the command's Python that does not mark it)
             trace.failure = (f"the command {how} without detaudit's exit hook running "
                              f"(os._exit, or killed) after step {len(trace.steps) - 1}, the "
                              "last step saved; the steps after it are lost")

@@ -486,6 +486,23 @@ def test_a_run_killed_before_listing_its_traces_still_reports_them(tmp_path, lis
                                           "DETERMINISTIC")
 
 
+def test_a_folder_whose_investigation_failed_renders_failed_never_a_verdict(tmp_path):
+    """The audit found a divergence, then detaudit failed in an investigation: rendered
+    again, the folder is FAILED (exit 3) with what was recorded, not DIVERGENT."""
+    folder = tmp_path / "run"
+    done = run_cli("run", "--probe", str(PROBES / "tiny_cnn.py"), "--out", str(folder),
+                   "--epochs", "1", "--steps", "2", "--quiet", "--no-census",
+                   "--inject-fault", "2@forward:1")  # (the planted fault is the divergence)
+    assert done.returncode == 1, done.stderr
+    info = json.loads((folder / "run.json").read_text())
+    (folder / "run.json").write_text(json.dumps(
+        {**info, "state": "failed during investigating: zoom: DetauditError"}))
+    report = run_cli("report", str(folder))
+    assert report.returncode == 3, report.stdout + report.stderr
+    assert report.stdout.startswith("FAILED (failed during investigating: zoom: DetauditError);"
+                                    " what was recorded: DIVERGENT: first at step 1")
+
+
 def test_an_op_fault_named_on_a_parent_module_says_to_name_the_innermost(tmp_path, capsys):
     probe = _probe_file(tmp_path, (
         "def probe(device):\n"

@@ -52,8 +52,9 @@ def judge(
     zoom_found: dict[str, Any] | None = None,
 ) -> Verdict:
     """The verdict of a comparison, naming the origin op when the drill-down found one and
-    counting the ranks of a distributed audit. A run `interrupted` (its state says where)
-    never passes: it is divergent if what it recorded differs, else interrupted. A scanned
+    counting the ranks of a distributed audit. A run `interrupted` (its state, where it
+    stopped) never passes and is no divergence: it is failed if detaudit failed there, else
+    interrupted, and its headline says what was recorded. A scanned
     run's `zoom` (its first divergent step replayed at module level) names the module; a zoom
     whose replays did not part again (`zoom_found`, the zoom's status) is said to be. An op
     that re-execution proved nondeterministic (``c.proven``) makes agreeing repeats a
@@ -89,9 +90,10 @@ def judge(
         kind = NOT_COMPARED
         headline = (f"NOT COMPARED: 1 run recorded over {_steps(c)}, and nothing to compare "
                     "it with (an audit needs --repeats 2 or more; the trace is kept)")
-    if interrupted:  # never a verdict: what was recorded is in the headline (exit 130)
-        kind = INTERRUPTED
-        headline = f"INTERRUPTED ({interrupted}); what was recorded: {headline}"
+    if interrupted:  # no verdict on what was recorded: the headline says what it was
+        stopped = FAILED if interrupted.startswith("failed") else INTERRUPTED
+        kind = stopped
+        headline = f"{stopped.upper()} ({interrupted}); what was recorded: {headline}"
     return Verdict(kind, headline, first, hidden)
 
 

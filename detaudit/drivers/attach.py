@@ -83,6 +83,7 @@ class Attachment:
     ) -> None:
         self.path = Path(path)
         self.trace = Trace(probe=probe, repeat=repeat, env={})  # what is not yet flushed
+        self.trace.probe[ENDED] = False  # until the loop ends, fails or reaches its limit
         self.stream = TraceStream(self.trace, self.path)
         self.model = model
         self.optimizer = optimizer
@@ -945,6 +946,7 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None) -> Attachment:
     attachment.install()
     sys.excepthook = failure_hook(attachment)
     atexit.register(attachment.finish)
+    attachment._patch(os, "_exit", _exit_saving(attachment))
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_terminate(attachment))
     return attachment
@@ -999,7 +1001,25 @@ def _end_process() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(0)
+    _REAL_EXIT(0)
+
+
+_REAL_EXIT = os._exit
+
+
+def _exit_saving(attachment: Attachment) -> Callable[[int], None]:
+    """``os._exit`` that saves the trace first, in the recording process (a script that
+    ends that way, as distributed ones do to avoid a hang at shutdown, skips the exit hook);
+    its forked children (DataLoader workers) exit as they would."""
+    pid = os.getpid()
+
+    def _exit(code: int) -> None:
+        if os.getpid() == pid:
+            with contextlib.suppress(Exception):
+                attachment.finish()
+        _REAL_EXIT(code)
+
+    return _exit
 
 
 def _data_only(value: Any, made: set[int]) -> Any:
