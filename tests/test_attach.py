@@ -823,9 +823,13 @@ def test_a_fault_planted_in_a_loop_that_updates_by_hand_fires_at_its_step(tmp_pa
 def test_runs_of_different_lengths_are_said_so(tmp_path):
     _train(tmp_path / "runs", steps=6)
     _train(tmp_path / "runs", steps=3)
-    detaudit.compare(tmp_path / "runs", out=tmp_path / "report")
+    result = detaudit.compare(tmp_path / "runs", out=tmp_path / "report")
     assert "2 repeats: 6 steps in 2 epochs and 3 steps in 1 epoch (the runs differ in length)" in (
         tmp_path / "report" / "report.md").read_text()
+    # the shorter run's missing steps are no divergence of data or parameters
+    assert (result.comparison.first_step, result.comparison.cause) == (3, "length")
+    assert "cause: length" in result.verdict.headline
+    assert "parameters diverged" not in result.verdict.headline
 
 
 def test_compare_needs_two_runs(tmp_path):

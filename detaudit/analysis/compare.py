@@ -45,6 +45,9 @@ _CAUSE_TEXT = {
     "forward": "a forward computation gave different results from equal inputs",
     "backward": "a backward computation gave different gradients from equal upstream gradients",
     "optimizer": "the optimizer update differs while gradients agree",
+    "length": "the runs differ in length: a run ended before this step while another went on "
+              "(the loop's length is not reproducible: a step count or an early stop that "
+              "depends on something that differs between runs)",
     "none": "no divergence",
 }
 
@@ -515,7 +518,11 @@ class _StepDiffs:
             first_step=first_step,
             first_by_phase=first_by_phase,
             findings=findings,
-            cause=_cause(first_diffs, findings, first_step, gap),
+            # a run that ended (exit 0) before the first divergent step, while none failed:
+            # its records there are missing, not different
+            cause="length" if first_step is not None and common is None and any(
+                len(t.steps) <= first_step for t in traces) else _cause(
+                first_diffs, findings, first_step, gap),
             loss=_loss_drift(traces, common),
             param_drift_step=self.param_drift,
             fork=min(forks, key=lambda fork: fork[0])[1] if forks else None,

@@ -62,8 +62,9 @@ def judge(
     located = zoom if zoom is not None and zoom.first_step is not None else c
     first = first_divergence(located)
     kind = c.verdict
-    hidden = (
+    hidden = (  # (parameters of a run that ended are missing, not diverged)
         c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
+        and c.cause != "length"
     )
     headline = _headline(kind, located, first, hidden, ops or {})
     if c.proven and kind == DETERMINISTIC:
