@@ -40,7 +40,6 @@ from .config import (
     ENDED,
     FAULT_FIRED,
     JOB_VARIABLE,
-    OP_FAULT_MODULE,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
     SCAN,
@@ -48,6 +47,7 @@ from .config import (
     ExecJob,
     Fault,
     ProbeSpec,
+    fault_not_fired,
 )
 from .errors import DetauditError
 from .report import render_html, summarize
@@ -577,10 +577,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             and not any(t.failure for t in recorded.values()):
         steps = max(len(t.steps) for t in recorded.values())
         raise DetauditError(
-            f"the planted fault never fired: module {fault.module!r}"
-            f"{f' (op {fault.op})' if fault.op else ''} did not run {fault.phase} at step "
-            f"{fault.step} of {steps} recorded steps"
-            + (f" ({OP_FAULT_MODULE})" if fault.op else "")
+            f"the planted fault never fired: {fault_not_fired(fault, steps)}"
             + ("; the model runs inside a compiled function, whose first step runs compiled "
                "before detaudit knows the model: plant at step 1 or later"
                if fault.step == 0 and any(t.probe.get(CALLS_UNSEEN) for t in recorded.values())

@@ -421,9 +421,9 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
 def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit exec -- COMMAND`."""
     from .attached import exec_command
+    from .config import ExecJob
 
     started = time.perf_counter()
-    from .config import ExecJob
 
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:

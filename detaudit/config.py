@@ -27,6 +27,16 @@ FAULT_GRAMMAR = "MODULE[/OP][@forward|@backward][:STEP] or op:OP[@phase][:STEP]"
 OP_FAULT_MODULE = "an op fault names the innermost module the op runs in, not a parent of it"
 
 
+def fault_not_fired(fault: Fault, steps: int) -> str:
+    """Why a planted fault never fired in a run of `steps` steps (after "the planted fault
+    never fired: ")."""
+    if steps <= fault.step:
+        return f"the run has only {steps} steps (0 to {steps - 1})"
+    where = f"op {fault.op!r} in " if fault.op else ""
+    return (f"{where}module {fault.module!r} did not run {fault.phase} at step {fault.step} "
+            f"of {steps} recorded steps" + (f" ({OP_FAULT_MODULE})" if fault.op else ""))
+
+
 @dataclass(frozen=True)
 class Fault:
     """A planted change in one run: 1 ULP at `module`'s output (forward: its first element)

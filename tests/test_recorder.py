@@ -243,21 +243,30 @@ def test_gradients_into_a_call_are_named_by_its_inputs_whatever_python_does_with
     assert not [s for _, s in slots if "?" in s]
 
 
-def test_a_backward_fault_in_a_container_right_after_the_data_fires_in_its_parameters():
-    """A backbone whose input needs no gradient sends none back: the fault lands in the
-    gradient of a parameter inside it (it never fired when planted on the container)."""
+def _mean_square_probe(build):
+    """A probe training `build()` (6 features in) on 3 seeded batches, loss mean(out²), SGD."""
 
     def probe(device):
         torch.manual_seed(0)
-        m = torch.nn.Sequential(
-            torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6)),
-            torch.nn.Linear(6, 1))
+        m = build()
         g = torch.Generator().manual_seed(1)
         return Probe(model=m, batches=[torch.randn(4, 6, generator=g) for _ in range(3)],
                      step=lambda m, b: m(b).pow(2).mean(),
                      optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
 
-    result = module_audit(probe, repeats=2, fault=Fault("0", "backward", 1))
+    return probe
+
+
+def test_a_backward_fault_in_a_container_right_after_the_data_fires_in_its_parameters():
+    """A backbone whose input needs no gradient sends none back: the fault lands in the
+    gradient of a parameter inside it (it never fired when planted on the container)."""
+
+    def build():
+        return torch.nn.Sequential(
+            torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 6)),
+            torch.nn.Linear(6, 1))
+
+    result = module_audit(_mean_square_probe(build), repeats=2, fault=Fault("0", "backward", 1))
     origin = result.comparison.origins[0]
     assert (origin.phase, origin.step) == ("backward", 1)
     assert origin.module.startswith("0.")  # the layer inside it whose gradient it changed
@@ -276,15 +285,7 @@ def test_a_backward_fault_in_a_linear_goes_into_the_gradient_of_its_input():
         def forward(self, x):
             return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
-    def probe(device):
-        torch.manual_seed(0)
-        m = MLP()
-        g = torch.Generator().manual_seed(1)
-        return Probe(model=m, batches=[torch.randn(4, 6, generator=g) for _ in range(3)],
-                     step=lambda m, b: m(b).pow(2).mean(),
-                     optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
-
-    result = module_audit(probe, repeats=2, fault=Fault("fc2", "backward", 1))
+    result = module_audit(_mean_square_probe(MLP), repeats=2, fault=Fault("fc2", "backward", 1))
     origin = result.comparison.origins[0]
     assert (origin.module, origin.phase, origin.step) == ("fc2", "backward", 1)
     assert origin.slots == ["grad_in.0"]

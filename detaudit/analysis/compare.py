@@ -518,11 +518,8 @@ class _StepDiffs:
             first_step=first_step,
             first_by_phase=first_by_phase,
             findings=findings,
-            # a run that ended (exit 0) before the first divergent step, while none failed:
-            # its records there are missing, not different
-            cause="length" if first_step is not None and common is None and any(
-                len(t.steps) <= first_step for t in traces) else _cause(
-                first_diffs, findings, first_step, gap),
+            cause=_cause(first_diffs, findings, first_step, gap, ended=common is None and any(
+                len(t.steps) <= (first_step or 0) for t in traces)),
             loss=_loss_drift(traces, common),
             param_drift_step=self.param_drift,
             fork=min(forks, key=lambda fork: fork[0])[1] if forks else None,
@@ -641,12 +638,15 @@ def _is_ancestor(
 
 def _cause(
     first: list[RecordDiff], findings: list[CallFinding], step: int | None,
-    gap: RngGap | None = None,
+    gap: RngGap | None = None, ended: bool = False,
 ) -> str:
     """The class of cause, from the first records to differ in the first divergent step
-    (and the RNG moving outside any module in it, `gap`)."""
+    (and the RNG moving outside any module in it, `gap`). `ended`: a run ended, none
+    failing, before that step: its records there are missing, not different."""
     if step is None:
         return "none"
+    if ended:
+        return "length"
     state = [d for d in first if d.phase == STATE]
     if step == 0 and any(d.slot.startswith("param.") for d in state):
         return "init"  # before anything ran: the other differences follow from the same cause

@@ -118,8 +118,8 @@ class Attachment:
         # inside a compiled function): recorded once the update names the model
         self._unowned_losses: list[torch.Tensor] = []
         self._placed: set[int] = set()  # optimizers whose model was seen or searched for
-        # the model's trainable parameters and their versions as the open step began, while
-        # no optimizer has stepped (see _updated_by_hand)
+        # the model's trainable parameters and their versions after the open step's last
+        # backward, in a loop that may update by hand (see _updated_by_hand)
         self._by_hand: list[tuple[torch.Tensor, int]] = []
         self._optimizer_used = False  # an optimizer's step has begun (its closure may run)
         self._by_hand_possible: bool | None = None  # see _updates_by_hand
@@ -397,12 +397,9 @@ class Attachment:
             if self.optimizer is not None or model is None:
                 self._by_hand_possible = False
             else:
-                import gc
-
                 mine = {id(p) for p in model.parameters()}
-                self._by_hand_possible = not any(
-                    issubclass(type(o), torch.optim.Optimizer)
-                    and any(id(p) in mine for p in _parameters(o)) for o in gc.get_objects())
+                self._by_hand_possible = not any(any(id(p) in mine for p in _parameters(o))
+                                                 for o in _live(torch.optim.Optimizer))
         return self._by_hand_possible and not self._optimizer_used
 
     def _record_update_by_hand(self, last: bool = False) -> None:
@@ -411,11 +408,10 @@ class Attachment:
         assert self.info is not None and self.recorder is not None
         self.recorder.record_parameters(OPTIMIZER)
         self.info.optimizer_stepped = True
-        self._updated = True  # (the module hooks were set for the next step after backward)
-        if not last and self.max_steps is not None and self.info.step + 1 >= self.max_steps \
-                and self.info.step > 0:
-            self.end_step()
-            self.stop()
+        if last:
+            self._updated = True
+        else:  # found inside the next call: its hooks were set after the backward
+            self._step_done(complete=self.info.step > 0, between_calls=False)
 
     def after_backward(self) -> None:
         """A backward is over, outside any module call. In a loop that may update by hand
@@ -443,17 +439,19 @@ class Attachment:
                 and self.info.step + 1 >= self.max_steps
                 and (self.info.step == 0 or self._optimizers <= self._stepped))
 
-    def _step_done(self, complete: bool) -> None:
+    def _step_done(self, complete: bool, between_calls: bool = True) -> None:
         """The open step has updated (or its update was skipped): the next training call
         begins a new one, and so does a second update by an optimizer that already updated
         (the updates of several optimizers between two forwards are one step); the module
-        hooks are set for the next step now, between calls. At the step limit the run ends
-        here when the step is `complete`, else when the next step would begin."""
+        hooks are set for the next step now, `between_calls` (inside a call they cannot be:
+        see after_backward). At the step limit the run ends here when the step is
+        `complete`, else when the next step would begin."""
         assert self.info is not None and self.recorder is not None
-        self.recorder.hook_for(self._watch(self.info.step + 1))
-        # eager from here when the next step is watched: a compiled function that calls the
-        # model begins before any hook of the step could set it
-        self._run_eagerly(self._watch(self.info.step + 1) != WATCH_NONE)
+        if between_calls:
+            self.recorder.hook_for(self._watch(self.info.step + 1))
+            # eager from here when the next step is watched: a compiled function that calls
+            # the model begins before any hook of the step could set it
+            self._run_eagerly(self._watch(self.info.step + 1) != WATCH_NONE)
         self._updated = True
         if complete and self.max_steps is not None and self.info.step + 1 >= self.max_steps:
             self.end_step()
@@ -530,11 +528,8 @@ class Attachment:
         parameters, found among every live module; its calls with gradients on are the
         step's from then on (those a compiled function makes are seen at a zoomed step,
         which runs eagerly)."""
-        import gc
-
         updated = {id(p) for p in _parameters(optimizer)}
-        owners = [(sum(id(p) in updated for p in m.parameters()), m) for m in gc.get_objects()
-                  if issubclass(type(m), nn.Module)]  # (isinstance fails on a dead weakproxy)
+        owners = [(sum(id(p) in updated for p in m.parameters()), m) for m in _live(nn.Module)]
         owners = [(n, m) for n, m in owners if n]
         if not owners:
             return
@@ -739,6 +734,14 @@ def _step_state(records: StepRecords) -> StepRecords:
 
 def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _live(kind: type) -> list[Any]:
+    """Every live object of `kind` the garbage collector tracks (one pass over them all)."""
+    import gc
+
+    # (issubclass of the type: isinstance fails on a dead weak proxy)
+    return [o for o in gc.get_objects() if issubclass(type(o), kind)]
 
 
 def _unique(name: str, taken: set[str]) -> str:

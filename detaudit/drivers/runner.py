@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import OP_FAULT_MODULE, SCAN, AuditConfig, Fault, ProbeSpec
+from ..config import SCAN, AuditConfig, Fault, ProbeSpec, fault_not_fired
 from ..errors import DetauditError, ProbeError
 from ..probe import Probe
 from ..record.environment import capture_environment
@@ -324,13 +324,8 @@ def run_repeat(
                 trace.failure = describe_user_error(exc, f"step {done}")
         if (fault is not None and not recorder.fault_fired and trace.failure is None
                 and not _replay_stops_before(ops, fault.step)):
-            where = f"op {fault.op!r} in " if fault.op else ""
-            why = (f"the run has only {steps_done} steps (0 to {steps_done - 1})"
-                   if steps_done <= fault.step else
-                   f"{where}module {fault.module!r} did not run "
-                   f"{'forward' if fault.phase == 'forward' else 'backward'} at step {fault.step}"
-                   + (f" ({OP_FAULT_MODULE})" if fault.op else ""))
-            raise DetauditError(f"the planted fault never fired: {why}")
+            raise DetauditError(
+                f"the planted fault never fired: {fault_not_fired(fault, steps_done)}")
     steady = ends[-1] - ends[0] if len(ends) >= 2 else None
     timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes,
                           steady, stress.seconds if stress is not None else 0.0)

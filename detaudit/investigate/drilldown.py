@@ -21,6 +21,7 @@ from ..config import AuditConfig, Fault, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
 from ..record.difference import tensor_difference
 from ..record.oprecorder import op_matches
+from ..record.structure import within
 from ..trace import Trace
 
 MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
@@ -96,14 +97,14 @@ def _outside_dispatcher(
     calls in which Python's or numpy's RNG advanced, the detectable such code; a module
     fault planted there (``--inject-fault`` without an op) is that code, and said so."""
     origin = next((o for o in modules.origins if o.step == step), None)
-    if origin is None or any(_within(op.module, origin.module) for op in op_origins):
+    if origin is None or any(within(op.module, origin.module) for op in op_origins):
         return None
-    draws = sorted({m or "(model)" for m, _ in host_draws if _within(m, origin.module)})
+    draws = sorted({m or "(model)" for m, _ in host_draws if within(m, origin.module)})
     # (a backward fault in a module that sends no gradient back to its input lands in the
     # gradient of a parameter inside it: that parameter's module is the origin)
     if fault is not None and not fault.op and (fault.phase, fault.step) == (
             origin.phase, step) and (origin.module == fault.module or (
-                fault.phase == "backward" and _within(origin.module, fault.module))):
+                fault.phase == "backward" and within(origin.module, fault.module))):
         where = origin.module or "(model)"
         inside = "" if origin.module == fault.module else (
             f" (a parameter's gradient: {fault.module}'s input needs none)")
@@ -123,9 +124,6 @@ def _outside_dispatcher(
             f"; Python or numpy random draws ran in {', '.join(draws)}" if draws else ""),
     }
 
-
-def _within(module: str, ancestor: str) -> bool:
-    return ancestor == "" or module == ancestor or module.startswith(ancestor + ".")
 
 
 def _op_row(f: OpFinding) -> dict[str, Any]:

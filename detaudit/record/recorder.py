@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..config import Fault
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, STATE
 from .fingerprint import Fingerprinter, TensorPrint
-from .structure import iter_tensors, next_ulp, replace_first_float
+from .structure import iter_tensors, next_ulp, replace_first_float, within
 
 WATCH_MODULE, WATCH_CALLS, WATCH_NONE = "module", "calls", "none"
 WATCH_LEVELS = (WATCH_MODULE, WATCH_CALLS, WATCH_NONE)
@@ -413,7 +413,7 @@ class Recorder:
                         # within it (a backbone's first layer, right after the data).
                         planted = next((c for c in chain if calls[c].module == fault.module),
                                        None) if fault_here else None
-                        if planted is not None and not calls[planted].inputs and _within(
+                        if planted is not None and not calls[planted].inputs and within(
                                 params[id(leaf)], fault.module):
                             boundaries.setdefault(node, []).append((k, planted, None))
                         continue
@@ -506,8 +506,3 @@ def _iter_inputs(args: tuple, kwargs: dict):
 
 def _slot(prefix: str, path: str) -> str:
     return f"{prefix}.{path}" if path else prefix
-
-
-def _within(name: str, module: str) -> bool:
-    """Whether the module or parameter owner `name` is `module` or inside it."""
-    return not module or name == module or name.startswith(f"{module}.")

@@ -7,6 +7,7 @@ step numbers, as ``--inject-fault MODULE@phase:STEP`` takes them.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
@@ -35,9 +36,7 @@ def _short_epochs(info: RunInfo, c: Comparison) -> dict[str, Any] | None:
     if not isinstance(asked, int) or c.failures or info.probe.get("kind") not in (
             "builtin", "file"):
         return None
-    per_epoch: dict[int, int] = {}
-    for _, epoch, _ in c.steps:
-        per_epoch[epoch] = per_epoch.get(epoch, 0) + 1
+    per_epoch = Counter(epoch for _, epoch, _ in c.steps)
     short = {str(e + 1): n for e, n in sorted(per_epoch.items()) if n < asked}
     return {"asked": asked, "had": short} if short else None
 
