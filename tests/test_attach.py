@@ -830,6 +830,8 @@ def test_runs_of_different_lengths_are_said_so(tmp_path):
     assert (result.comparison.first_step, result.comparison.cause) == (3, "length")
     assert "cause: length" in result.verdict.headline
     assert "parameters diverged" not in result.verdict.headline
+    # the RNG states the shorter run never reached are missing, not different
+    assert result.comparison.idle_rng == []
 
 
 def test_compare_needs_two_runs(tmp_path):

@@ -353,6 +353,7 @@ class _StepDiffs:
         self.rng: dict[int, set[str]] = {}  # step -> RNG state slots that differ
         self.rng_missing: dict[int, set[str]] = {}
         self.rng_first: dict[str, int] = {}  # slot -> first step it differs in
+        self.rng_valued: set[str] = set()  # slots whose recorded states differ (not only missing)
         # the first record missing somewhere, RNG states aside (and per RNG stream), ranked
         # as the records come: repeat 0's in their order, then those only other repeats have
         self.fork: tuple[tuple[int, int, int], RecordDiff] | None = None
@@ -394,6 +395,8 @@ class _StepDiffs:
             self.rng.setdefault(step, set()).add(d.slot)
             if d.missing:
                 self.rng_missing.setdefault(step, set()).add(d.slot)
+            if len({idx.fp[d.key] for idx in indexes if d.key in idx.fp}) > 1:
+                self.rng_valued.add(d.slot)
         if rest:
             self.counts[step] = len(rest)
             self.missing += sum(1 for d in rest if d.missing)
@@ -531,7 +534,9 @@ class _StepDiffs:
             rng_gap=gap,
             grad_diffs=[(d.step, d.module, d.slot.removeprefix("param.")) for d in kept
                         if d.phase == GRAD],
-            idle_rng=sorted(slot.removeprefix("rng.") for slot in idle),
+            # a stream only missing where a run ended (runs of different lengths) is no
+            # state that differs
+            idle_rng=sorted(slot.removeprefix("rng.") for slot in idle & self.rng_valued),
             detailed_steps=self.detailed if self.more else None,
         )
 
