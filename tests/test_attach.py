@@ -94,9 +94,13 @@ def test_exec_names_a_planted_fault_by_module_phase_step_and_op(tmp_path, fault,
     assert theirs.endswith("--workers 0 --accumulate 1")
 
 
-def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path):
+@pytest.mark.parametrize("update", ["optimizer", "by-hand"])
+def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path, update):
+    # by hand: the gradients are recorded as an optimizer's, so the race is a backward
+    # divergence, zoomed, not "cause: optimizer"
     done = _exec(tmp_path, "--seed", "0", "--max-steps", "2", "--repeats", "3", "--json",
-                 script_args=("--workers", "0", "--race"))
+                 script_args=("--workers", "0", "--race")
+                 + (("--by-hand",) if update == "by-hand" else ()))
     summary = json.loads(done.stdout)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     if done.returncode == 0:  # the race did not fire in any run: nothing to name
@@ -110,6 +114,7 @@ def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path):
     origin = run["extra"]["ops"]["ops"][0]
     assert (origin["module"], origin["op"]) == ("gather", "aten.index_put")
     assert summary["first_divergence"]["module"] == "gather"
+    assert summary["cause"]["kind"] == "backward"
 
 
 @pytest.mark.parametrize("form", ["wrapper", "in-place"])
@@ -732,9 +737,10 @@ def test_a_step_the_loop_ends_in_before_its_update_is_not_counted(tmp_path):
     assert [(s.step, s.optimizer_stepped) for s in w.trace.steps] == [(0, True), (1, True)]
 
 
-def _train_by_hand(out: Path, nudge_at: int | None = None) -> detaudit.watch:
+def _train_by_hand(out: Path, nudge_at: int | None = None,
+                   nudged: str = "update") -> detaudit.watch:
     """SGD the loop does itself (no torch.optim), 2 epochs of 3 batches; `nudge_at`: one
-    update is 1 ULP off."""
+    `nudged` ("update", or "grad": the gradient backward starts from) is 1 ULP off."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
     g = torch.Generator().manual_seed(3)
@@ -742,11 +748,14 @@ def _train_by_hand(out: Path, nudge_at: int | None = None) -> detaudit.watch:
     with detaudit.watch(model, out=out) as w:
         for update in range(6):
             x, y = x_all[update % 3 * 4:][:4], y_all[update % 3 * 4:][:4]
-            (model(x) - y).pow(2).mean().backward()
+            out = model(x)
+            if update == nudge_at and nudged == "grad":
+                out.register_hook(lambda g: torch.nextafter(g, torch.full_like(g, math.inf)))
+            (out - y).pow(2).mean().backward()
             with torch.no_grad():
                 for p in model.parameters():
                     step = 0.1 * p.grad
-                    if update == nudge_at:
+                    if update == nudge_at and nudged == "update":
                         step = torch.nextafter(step, torch.full_like(step, math.inf))
                     p -= step
                     p.grad = None
@@ -762,11 +771,19 @@ def test_a_loop_that_updates_by_hand_has_a_step_per_update(tmp_path):
         (k, True) for k in range(6)]
     records = same.trace.frame()
     assert set(records[records.phase == "optimizer"].step) == set(range(6))
+    # the gradients each update used, as an optimizer's are recorded
+    assert set(records[records.phase == "grad"].step) == set(range(6))
     assert detaudit.compare(tmp_path / "same").exit_code == 0
     _train_by_hand(tmp_path / "nudged")
     _train_by_hand(tmp_path / "nudged", nudge_at=4)
     c = detaudit.compare(tmp_path / "nudged").comparison
     assert (c.first_step, c.cause) == (4, "optimizer")
+    # a gradient that differs is the backward's, not the update's (it was "optimizer")
+    _train_by_hand(tmp_path / "grad")
+    _train_by_hand(tmp_path / "grad", nudge_at=4, nudged="grad")
+    c = detaudit.compare(tmp_path / "grad").comparison
+    assert (c.first_step, c.cause) == (4, "backward")
+    assert {(step, module) for step, module, _ in c.grad_diffs} >= {(4, "0"), (4, "2")}
 
 
 def test_in_place_changes_in_an_optimizer_script_are_no_updates_by_hand(tmp_path):

@@ -45,8 +45,9 @@ from ..config import (
     rank_trace_path,
 )
 from ..record.environment import capture_environment
+from ..record.fingerprint import TensorPrint
 from ..record.oprecorder import OpRecorder
-from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder, StepRecords
+from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder, RecordKey, StepRecords
 from ..record.structure import iter_tensors
 from ..seeding import seed_everything
 from ..trace import (
@@ -123,6 +124,7 @@ class Attachment:
         self._by_hand: list[tuple[torch.Tensor, int]] = []
         self._optimizer_used = False  # an optimizer's step has begun (its closure may run)
         self._by_hand_possible: bool | None = None  # see _updates_by_hand
+        self._grads_by_hand: list[tuple[RecordKey, TensorPrint]] = []  # see after_backward
         # the modules within models found that way: their calls with gradients on are the
         # training calls (in eval mode too; none are seen inside compiled code)
         self._found_modules: set[int] = set()
@@ -406,6 +408,7 @@ class Attachment:
         """The parameters the loop's own update left, as an optimizer's are recorded; the
         step is done (`last`: the run's last, ending now)."""
         assert self.info is not None and self.recorder is not None
+        self.recorder.add_records(self._grads_by_hand)
         self.recorder.record_parameters(OPTIMIZER)
         self.info.optimizer_stepped = True
         if last:
@@ -426,6 +429,10 @@ class Attachment:
         # what the parameters are now: a change from here on is the loop's update
         self._by_hand = [(p, p._version) for p in model.parameters()
                          if p.requires_grad and not p.is_inference()]
+        # the gradients as this backward left them: the update's, if it comes next (a loop's
+        # own update or zero_grad would change them before it is seen)
+        self._grads_by_hand = self.recorder.print_param_grads(
+            stats=self._watch(self.info.step) != WATCH_NONE)
         now, after = self._watch(self.info.step), self._watch(self.info.step + 1)
         if after != WATCH_NONE or now == WATCH_NONE:  # (a watched step keeps its own)
             self.recorder.hook_for(after)
@@ -604,6 +611,7 @@ class Attachment:
         else:
             self._record_changed_parameters()
         self._by_hand = []  # (taken after the step's backward)
+        self._grads_by_hand = []
         return True
 
     def _record_changed_parameters(self) -> None:

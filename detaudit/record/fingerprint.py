@@ -553,6 +553,10 @@ class Fingerprinter:
         self._seen[key] = (weakref.ref(t), version, slot)
         return False
 
+    def add_print(self, print_: TensorPrint) -> None:
+        """Queue a print taken earlier (by another fingerprinter)."""
+        self._done.append(print_)
+
     def add_bytes(self, data: bytes) -> int:
         """Queue the print of raw bytes (an RNG state); return its slot number."""
         self._done.append(TensorPrint(fingerprint_bytes(data), (len(data),), "bytes", None, None, 0))

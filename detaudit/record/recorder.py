@@ -36,6 +36,7 @@ from .structure import iter_tensors, next_ulp, replace_first_float, within
 WATCH_MODULE, WATCH_CALLS, WATCH_NONE = "module", "calls", "none"
 WATCH_LEVELS = (WATCH_MODULE, WATCH_CALLS, WATCH_NONE)
 _AccumulateGrad = torch._C._functions.AccumulateGrad  # the node that fills a leaf's .grad
+RecordKey = tuple[str, str, int, str]  # (phase, module, call, slot)
 
 
 @dataclass
@@ -58,7 +59,7 @@ class Call:
 class StepRecords:
     """Everything recorded during one step, in execution order, prints resolved."""
 
-    keys: list[tuple[str, str, int, str]]  # (phase, module, call, slot)
+    keys: list[RecordKey]
     prints: list[TensorPrint]
     calls: list[Call]
 
@@ -158,7 +159,7 @@ class Recorder:
         return self._watch == WATCH_MODULE
 
     def _reset_step(self) -> None:
-        self._keys: list[tuple[str, str, int, str]] = []
+        self._keys: list[RecordKey] = []
         self._calls: list[Call] = []
         self._stack: list[tuple[int, bytes | None, int | None]] = []
         self._counts: dict[str, int] = {}
@@ -247,9 +248,26 @@ class Recorder:
         when it is given), with stats unless told not to: across machines (`diff --rtol`)
         they are what a gradient difference is measured by; a scan compares bitwise and
         skips their passes over every gradient."""
-        self._record_per_parameter(GRAD, stats, [
-            (name, p.grad) for name, p in self._among(of) if p.grad is not None
-        ])
+        self._record_per_parameter(GRAD, stats, self._grads(of))
+
+    def _grads(self, of: Iterable[torch.Tensor] | None) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p.grad) for name, p in self._among(of) if p.grad is not None]
+
+    def print_param_grads(self, stats: bool) -> list[tuple[RecordKey, TensorPrint]]:
+        """The records :meth:`record_param_grads` would make now, taken aside (fetched at
+        once) for :meth:`add_records` to add to a later step's."""
+        items = self._grads(None)
+        fp = Fingerprinter(stats=stats, algorithm=self.fp.algorithm)
+        with _disable_current_modes():  # (an op-level step's mode: these ops are not the model's)
+            fp.add_many([t for _, t in items], stats)
+            prints = fp.collect()
+        return list(zip(_parameter_keys(GRAD, items), prints))
+
+    def add_records(self, records: list[tuple[RecordKey, TensorPrint]]) -> None:
+        """Add records taken aside by :meth:`print_param_grads` to the step's."""
+        for key, print_ in records:
+            self._keys.append(key)
+            self.fp.add_print(print_)
 
     def _among(self, params: Iterable[torch.Tensor] | None) -> list[tuple[str, Any]]:
         """The named parameters recorded, in model order: those among `params`, or all."""
@@ -303,9 +321,7 @@ class Recorder:
         self, phase: str, stats: bool, items: list[tuple[str, torch.Tensor]]
     ) -> None:
         """One tensor per named parameter, keyed (phase, owning module, 0, param.<name>)."""
-        for name, _ in items:
-            owner, _, local = name.rpartition(".")
-            self._keys.append((phase, owner, 0, f"param.{local}"))
+        self._keys += _parameter_keys(phase, items)
         self.fp.add_many([t for _, t in items], stats)
 
     # -- forward hooks -------------------------------------------------------------------
@@ -502,6 +518,12 @@ def _iter_inputs(args: tuple, kwargs: dict):
     """A call's input tensors: positional ones by index, keyword ones by name."""
     yield from iter_tensors(list(args))
     yield from iter_tensors(kwargs)
+
+
+def _parameter_keys(phase: str, items: list[tuple[str, Any]]) -> list[RecordKey]:
+    """The keys of per-parameter records: (phase, owning module, 0, param.<name>)."""
+    return [(phase, owner, 0, f"param.{local}")
+            for owner, _, local in (name.rpartition(".") for name, _ in items)]
 
 
 def _slot(prefix: str, path: str) -> str:

@@ -63,6 +63,7 @@ def main():
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long each step")
     p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
     p.add_argument("--race", action="store_true", help="a duplicate-index gather (2 threads)")
+    p.add_argument("--by-hand", action="store_true", help="SGD written out, no torch.optim")
     p.add_argument("--label-noise", action="store_true", help="unseeded noise in the labels")
     p.add_argument("--compile", choices=("wrapper", "in-place", "function", "step"),
                    help="torch.compile(model), model.compile(), or torch.compile of the "
@@ -92,8 +93,19 @@ def main():
         loss_of = torch.compile(loss_of, backend="aot_eager")
     elif args.compile == "step":
         backward_of = torch.compile(backward_of, backend="aot_eager")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    opt = None if args.by_hand else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = None if args.by_hand else torch.optim.lr_scheduler.StepLR(opt, 1)
+
+    def update():
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+            return
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.05 * p.grad
+                p.grad = None
+
     loader = torch.utils.data.DataLoader(
         Shapes(16, args.label_noise), batch_size=4, num_workers=args.workers,
         multiprocessing_context="spawn" if args.spawn and args.workers else None,
@@ -108,13 +120,13 @@ def main():
                 if i % args.accumulate == args.accumulate - 1:
                     if steps == args.crash_at:
                         raise RuntimeError("the script's own bug")
-                    opt.step()
-                    opt.zero_grad()
+                    update()
                     steps += 1
                     time.sleep(args.step_seconds)
             except (SystemExit, KeyboardInterrupt):
                 pass  # a script that swallows every way out
-        sched.step()
+        if sched is not None:
+            sched.step()
         model.eval()
         with torch.no_grad():  # evaluation between epochs: not a training step
             model(torch.zeros(2, 3, 16, 16))
