@@ -837,6 +837,36 @@ def test_a_fault_planted_in_a_loop_that_updates_by_hand_fires_at_its_step(tmp_pa
     assert set(records[records.phase == "backward"].step) == {2}
 
 
+def _train_with_batchnorm(out: Path, scale_running_var_at: int | None = None) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(12, 6), torch.randn(12, 2)
+    with detaudit.watch(model, opt, out=out):
+        for step in range(5):
+            if step == scale_running_var_at:  # between steps, outside anything recorded
+                with torch.no_grad():
+                    model[1].running_var *= 1 + 2 ** -20
+            (model(x) - y).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_buffers_are_the_models_state_too(tmp_path):
+    """BatchNorm's running statistics change what the model computes in eval mode: a run
+    whose buffers differ is no bit-identical run (it passed as one)."""
+    _train_with_batchnorm(tmp_path / "same")
+    _train_with_batchnorm(tmp_path / "same")
+    assert detaudit.compare(tmp_path / "same").exit_code == 0
+    _train_with_batchnorm(tmp_path / "changed")
+    _train_with_batchnorm(tmp_path / "changed", scale_running_var_at=3)
+    c = detaudit.compare(tmp_path / "changed").comparison
+    assert (c.first_step, c.cause) == (3, "params")
+    assert [(d.phase, d.module, d.slot) for d in c.first_diffs][0] == (
+        "state", "1", "buffer.running_var")
+    assert "buffers (1.running_var) differ before the step" in c.cause_text
+
+
 def test_runs_of_different_lengths_are_said_so(tmp_path):
     _train(tmp_path / "runs", steps=6)
     _train(tmp_path / "runs", steps=3)

@@ -33,6 +33,7 @@ Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot
 ORIGIN, CONTAINS, PROPAGATED = "origin", "contains-origin", "propagated"
 GRADIENTS_DIFFER = "gradients differ"  # a scanned step's map cell: no module records there
 DETERMINISTIC, DIVERGENT, FAILED = "deterministic", "divergent", "failed"
+MODEL_STATE = ("param.", "buffer.")  # the model's state records, as a step begins
 DETAIL_STEPS = 100  # divergent steps whose differing records are all kept and classified
 _CAUSE_TEXT = {
     "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not reproducible",
@@ -213,7 +214,21 @@ class Comparison:
                     "not seeded (fix: seed every RNG before training, e.g. "
                     "detaudit.seed_everything(0); `detaudit exec --seed 0` does it for a whole "
                     "script)")
+        buffers = sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
+                          for d in self.first_diffs if d.phase == STATE
+                          and d.slot.startswith("buffer.")})
+        if self.cause in ("init", "params") and buffers and not any(
+                d.phase == STATE and d.slot.startswith("param.") for d in self.first_diffs):
+            return (f"the model's buffers ({_listed(buffers)}) differ before the step while its "
+                    "parameters agree: running statistics, counters or averages a module keeps, "
+                    + ("loaded or set differently before the first step" if self.cause == "init"
+                       else "changed between steps, or updated by a forward whose recorded "
+                       "results agreed") + "; they change what the model computes in eval mode")
         return _CAUSE_TEXT[self.cause]
+
+
+def _listed(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 class _Index:
@@ -653,13 +668,13 @@ def _cause(
     if ended:
         return "length"
     state = [d for d in first if d.phase == STATE]
-    if step == 0 and any(d.slot.startswith("param.") for d in state):
+    if step == 0 and any(d.slot.startswith(MODEL_STATE) for d in state):
         return "init"  # before anything ran: the other differences follow from the same cause
     if any(d.slot.startswith("batch") for d in state):
         return "data"
     if any(d.slot.startswith("rng.") for d in state):
         return "rng"
-    if any(d.slot.startswith("param.") for d in state):
+    if any(d.slot.startswith(MODEL_STATE) for d in state):
         return "params"
     if gap is not None:
         return "rng"

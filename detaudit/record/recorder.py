@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch._C._autograd import _get_sequence_nr
+from torch.nn.parameter import UninitializedBuffer
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import Fault
@@ -116,6 +117,7 @@ class Recorder:
         self.watch_host_rng = False
         self.host_draws: set[tuple[str, int]] = set()
         self._models = [uncompiled(model)]
+        self._prefixes = [""]  # each model's names begin with its own
         self._names = {id(m): name for name, m in self._models[0].named_modules()}
         self._params = dict(self._models[0].named_parameters())
         self._handles: list[Any] = []
@@ -233,6 +235,22 @@ class Recorder:
         for name, state in rng_states().items():
             self._keys.append((STATE, "", 0, f"rng.{name}"))
             self.fp.add_bytes(state)
+        self._record_buffers()
+
+    def _record_buffers(self) -> None:
+        """Every buffer as the step begins (BatchNorm's running statistics, counters, an
+        EMA a module keeps), keyed (state, owning module, 0, buffer.<name>): the model's
+        state besides its parameters, read whole at each step (they are looked up anew,
+        since a module may assign a new tensor to a buffer's name)."""
+        seen: set[int] = set()
+        items = []
+        for prefix, model in zip(self._prefixes, self._models):
+            for name, buffer in model.named_buffers(prefix=prefix):
+                if id(buffer) not in seen and not isinstance(buffer, UninitializedBuffer):
+                    seen.add(id(buffer))
+                    items.append((name, buffer))
+        self._keys += _parameter_keys(STATE, items, kind="buffer")
+        self.fp.add_many([t for _, t in items], stats=False)
 
     def record_parameters(self, phase: str, of: Iterable[torch.Tensor] | None = None) -> None:
         """Every parameter, keyed by its owning module (all before step 0, trainable ones after
@@ -283,6 +301,7 @@ class Recorder:
         hooked = {id(m) for root in self._models for m in root.modules()}
         model = uncompiled(model)
         self._models.append(model)
+        self._prefixes.append(name)
         self._names.update({id(m): n for n, m in model.named_modules(prefix=name)
                             if id(m) not in hooked})
         self._params.update(model.named_parameters(prefix=name))
@@ -520,9 +539,11 @@ def _iter_inputs(args: tuple, kwargs: dict):
     yield from iter_tensors(kwargs)
 
 
-def _parameter_keys(phase: str, items: list[tuple[str, Any]]) -> list[RecordKey]:
-    """The keys of per-parameter records: (phase, owning module, 0, param.<name>)."""
-    return [(phase, owner, 0, f"param.{local}")
+def _parameter_keys(phase: str, items: list[tuple[str, Any]], kind: str = "param"
+                    ) -> list[RecordKey]:
+    """The keys of per-parameter (or per-buffer) records: (phase, owning module, 0,
+    <kind>.<name>)."""
+    return [(phase, owner, 0, f"{kind}.{local}")
             for owner, _, local in (name.rpartition(".") for name, _ in items)]
 
 
