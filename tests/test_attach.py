@@ -862,9 +862,35 @@ def test_buffers_are_the_models_state_too(tmp_path):
     _train_with_batchnorm(tmp_path / "changed", scale_running_var_at=3)
     c = detaudit.compare(tmp_path / "changed").comparison
     assert (c.first_step, c.cause) == (3, "params")
-    assert [(d.phase, d.module, d.slot) for d in c.first_diffs][0] == (
-        "state", "1", "buffer.running_var")
+    first = c.first_diffs[0]
+    assert (first.phase, first.module, first.slot) == ("state", "1", "buffer.running_var")
     assert "buffers (1.running_var) differ before the step" in c.cause_text
+
+
+def test_a_sparse_embedding_trains_under_watch_and_its_gradients_are_compared(tmp_path):
+    """nn.Embedding(sparse=True) with SparseAdam: the sparse gradient crashed the loop."""
+    def train(out, nudge_at=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 4, sparse=True), nn.Flatten(), nn.Linear(8, 1))
+        opts = [torch.optim.SparseAdam(model[0].parameters(), lr=0.01),
+                torch.optim.SGD(model[2].parameters(), lr=0.01)]
+        tokens = torch.randint(0, 20, (6, 2), generator=torch.Generator().manual_seed(1))
+        with detaudit.watch(model, out=out):
+            for step in range(3):
+                out = model(tokens)
+                if step == nudge_at:
+                    out.register_hook(lambda g: torch.nextafter(g, torch.full_like(g, 1.0)))
+                out.pow(2).mean().backward()
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+
+    train(tmp_path / "same"), train(tmp_path / "same")
+    assert detaudit.compare(tmp_path / "same").exit_code == 0
+    train(tmp_path / "nudged"), train(tmp_path / "nudged", nudge_at=1)
+    c = detaudit.compare(tmp_path / "nudged").comparison
+    assert (c.first_step, c.cause) == (1, "backward")
+    assert (1, "0", "weight") in c.grad_diffs  # the sparse gradient, compared
 
 
 def test_runs_of_different_lengths_are_said_so(tmp_path):

@@ -521,3 +521,28 @@ def test_the_fused_kernel_builds_for_a_hopper_gpu_without_one():
         source = ASTSource(fn=fused._kernel(), signature=signature,
                            constexprs={"BLOCK": fused.BLOCK})
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sparse_nested_and_quantized_tensors_print_by_their_content():
+    """An nn.Embedding(sparse=True) gradient has no strided storage (it crashed the user's
+    loop): such tensors print by their content, shape included, in both algorithms."""
+    def coo(values, size=(3, 3)):
+        return torch.sparse_coo_tensor(torch.tensor([[0, 2, 1], [1, 0, 0]]),
+                                       torch.tensor(values), size)
+
+    a = coo([1.0, 2.0, 3.0])
+    one_ulp = coo([1.0, 2.0, torch.nextafter(torch.tensor(3.0), torch.tensor(4.0)).item()])
+    for algorithm in ("xxh3", "wsum"):
+        def fp(t, algorithm=algorithm):
+            return fingerprint(t, algorithm=algorithm).fp
+
+        assert fp(a) == fp(a.clone()) == fp(a.coalesce())  # the same content
+        assert fp(a) == fp(a.to_dense().to_sparse_csr())
+        assert len({fp(a), fp(one_ulp), fp(coo([1.0, 2.0, 3.0], (3, 4)))}) == 3
+        nested = [torch.ones(2), torch.zeros(3)]
+        assert fp(torch.nested.nested_tensor(nested)) != fp(
+            torch.nested.nested_tensor([torch.ones(3), torch.zeros(2)]))
+        q = torch.quantize_per_tensor(torch.linspace(-1, 1, 8), 0.1, 0, torch.qint8)
+        assert fp(q) != fp(torch.quantize_per_tensor(torch.linspace(-1, 1, 8), 0.2, 0,
+                                                     torch.qint8))

@@ -464,6 +464,29 @@ def _exact_dtype(t: torch.Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex())
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or where its content is not one strided buffer (a sparse gradient of
+    ``nn.Embedding(sparse=True)``, a nested or a quantized tensor) a flat uint8 tensor of
+    its content, after its shape: a sparse tensor's coalesced indices then values, a nested
+    tensor's components in order (each after its shape), a quantized tensor's dequantized
+    values."""
+    if t.layout is torch.strided and not (t.is_nested or t.is_quantized):
+        return t
+    t = t.detach()
+    if t.is_nested:
+        parts = [part for c in t.unbind() for part in (_shape_of(c), c)]
+    elif t.is_quantized:
+        parts = [_shape_of(t), t.dequantize()]
+    else:
+        coo = (t if t.layout is torch.sparse_coo else t.to_sparse_coo()).coalesce()
+        parts = [_shape_of(t), coo.indices(), coo.values()]
+    return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
+
+
+def _shape_of(t: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(t.shape, dtype=torch.int64, device=t.device)
+
+
 class Fingerprinter:
     """Fingerprints tensors; device results are fetched once, in :meth:`collect`.
 
@@ -495,6 +518,7 @@ class Fingerprinter:
         `algorithm` ("xxh3" or "wsum") overrides the fingerprinter's for this tensor."""
         slot = len(self._done)
         want_stats = self.stats if stats is None else stats
+        t = _plain(t)
         xxh3 = self._by_xxh3(t, algorithm)
         if self._reuse(t, want_stats, slot, xxh3):
             return slot
@@ -516,7 +540,7 @@ class Fingerprinter:
         want_stats = self.stats if stats is None else stats
         batch: list[tuple[int, torch.Tensor]] = []
         on_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-        for t in tensors:
+        for t in map(_plain, tensors):
             xxh3 = self._by_xxh3(t, algorithm)
             if not written and self._reuse(t, want_stats, len(self._done), xxh3):
                 continue
