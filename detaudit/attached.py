@@ -66,6 +66,7 @@ from .trace import (
     PROBE_CONFIG,
     PROBE_RUN,
     PROBE_SPEC,
+    STATE,
     AnyTrace,
     Trace,
     TraceFile,
@@ -113,8 +114,17 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
     if len(names) > 1:
         raise DetauditError(f"these are runs of different trainings ({', '.join(names)}): "
                             "compare runs of one training (`detaudit diff A B` tells two apart)")
+    _refuse_other_models(traces)
     run_id = new_run_id()
     traces = [_as_repeat(t, i, run_id) for i, t in enumerate(traces)]
+    for trace in traces:
+        if trace.failure is None and trace.probe.get(ENDED) is False:
+            # killed (SIGTERM, SIGKILL), os._exit, or still running: the steps since its
+            # last save are missing, so it is short of what ran, not different
+            trace.failure = ("the run ended without its recording closing (killed, or "
+                             "os._exit; or it is still running) after step "
+                             f"{len(trace.steps) - 1}, the last step saved; the steps after it "
+                             "are lost")
     named = " ".join(str(r) for r in runs if not isinstance(r, (Trace, TraceFile)))
     info = _info(traces[0], run_id, f"detaudit compare {named}", f"{len(traces)} runs compared")
     if out is None:
@@ -149,6 +159,39 @@ def _load_all(runs: tuple[str | Path | AnyTrace, ...]) -> list[AnyTrace]:
     _refuse_twice([g for g in given if isinstance(g, Path)])
     traces = [open_trace(g) if isinstance(g, Path) else g for g in given]
     return traces
+
+
+def _refuse_other_models(traces: list[AnyTrace]) -> None:
+    """Runs whose parameters differ in name or shape before their first step trained
+    different models (a notebook's class edited between the runs): refused, not compared
+    (their differences would read as an unseeded initialisation)."""
+    shapes = [_parameter_shapes(t) for t in traces]
+    for trace, theirs in zip(traces[1:], shapes[1:]):
+        if theirs == shapes[0]:
+            continue
+        name = next(n for n in sorted(shapes[0].keys() | theirs.keys())
+                    if shapes[0].get(n) != theirs.get(n))
+        first, other = (str(of.get(name, "absent")) for of in (shapes[0], theirs))
+        raise DetauditError(
+            f"these runs trained different models: parameter {name} is {first} in "
+            f"{_source(traces[0])} and {other} in {_source(trace)}; compare runs of one "
+            "model (`detaudit diff A B` tells two apart)")
+
+
+def _parameter_shapes(trace: AnyTrace) -> dict[str, list[int]]:
+    """Each parameter's shape before the first step, by name."""
+    for _, cut in trace.by_step():
+        r = cut.records
+        return {f"{module}.{slot.removeprefix('param.')}".lstrip("."): shape
+                for phase, module, slot, shape in zip(r["phase"], r["module"], r["slot"],
+                                                      r["shape"])
+                if phase == STATE and slot.startswith("param.")}
+    return {}
+
+
+def _source(trace: AnyTrace) -> str:
+    path = getattr(trace, "path", None)
+    return path.name if path is not None else f"run {trace.repeat}"
 
 
 def _refuse_twice(paths: list[Path]) -> None:
@@ -229,6 +272,9 @@ class watch:
     def __enter__(self) -> watch:  # noqa: PYI034
         from .drivers.attach import Attachment
 
+        if id(self.model) in _WATCHED:  # both would record the one run: a pass of nothing
+            raise DetauditError(f"this {type(self.model).__name__} is already watched (a watch "
+                                "inside another on the same model): one watch records one run")
         self.out.mkdir(parents=True, exist_ok=True)
         self.path = _free_trace_path(self.out)
         config = AuditConfig(repeats=1, steps=self.max_steps, granularity=SCAN, stress=0)
@@ -237,6 +283,7 @@ class watch:
         self._attachment = Attachment(self.path, probe, model=self.model,
                                       optimizer=self.optimizer, max_steps=self.max_steps,
                                       on_limit=self._limit).install()
+        _WATCHED.add(id(self.model))
         return self
 
     def step(self, losses: dict[str, Any] | Any = None) -> None:
@@ -276,6 +323,7 @@ class watch:
         try:
             self._attachment.finish(failure)
         finally:
+            _WATCHED.discard(id(self.model))
             self._attachment.uninstall()
             if self.path is not None and self.path.stat().st_size == 0:
                 self.path.unlink()  # nothing was recorded: no trace, not an empty file
@@ -286,6 +334,9 @@ class watch:
                           "never called in training mode, so no batch was recorded: give "
                           "watch the module your loop calls", stacklevel=2)
         return isinstance(exc, WatchLimit)
+
+
+_WATCHED: set[int] = set()  # the ids of the models inside a watch block now
 
 
 def _free_trace_path(folder: Path) -> Path:

@@ -893,6 +893,63 @@ def test_a_sparse_embedding_trains_under_watch_and_its_gradients_are_compared(tm
     assert (1, "0", "weight") in c.grad_diffs  # the sparse gradient, compared
 
 
+KILLED_WATCH = """
+import os, signal, sys, torch
+from torch import nn
+import detaudit
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with detaudit.watch(model, opt, out=sys.argv[1]):
+    for step in range(5):
+        if step == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGKILL)  # preempted: nothing can save
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_a_watched_run_that_was_killed_is_a_failed_run(tmp_path):
+    """Its trace holds the steps of its last save only: compared as whole, two killed runs
+    passed as bit-identical, and a killed run beside a whole one was a divergence."""
+    def train(killed_at):
+        subprocess.run([sys.executable, "-c", KILLED_WATCH, str(tmp_path), str(killed_at)],
+                       check=False, timeout=120)
+
+    train(killed_at=3), train(killed_at=3)
+    result = detaudit.compare(tmp_path)
+    assert (result.verdict.kind, result.exit_code) == ("failed", 3)
+    assert "without its recording closing (killed" in result.verdict.headline
+    train(killed_at=99)  # whole
+    result = detaudit.compare(tmp_path / "trace-2.json.gz", tmp_path / "trace-0.json.gz")
+    assert (result.verdict.kind, result.exit_code) == ("failed", 3)
+
+
+def test_a_watch_inside_another_on_the_same_model_is_refused(tmp_path):
+    model = nn.Linear(4, 1)
+    outer = detaudit.watch(model, out=tmp_path)
+    with outer, pytest.raises(detaudit.DetauditError, match="already watched"), \
+            detaudit.watch(model, out=tmp_path):
+        pass
+    with detaudit.watch(model, out=tmp_path):  # one after the other: each its own run
+        pass
+
+
+def test_runs_of_models_whose_parameters_differ_in_shape_are_refused(tmp_path):
+    """A notebook's class edited between two runs: not 'unseeded initialisation'."""
+    for hidden in (8, 16):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detaudit.watch(model, opt, out=tmp_path):
+            model(torch.ones(3, 6)).sum().backward()
+            opt.step()
+    with pytest.raises(detaudit.DetauditError, match=r"different models: parameter 0.bias is "
+                       r"\[8\] in trace-0.json.gz and \[16\] in trace-1.json.gz"):
+        detaudit.compare(tmp_path)
+
+
 def test_runs_of_different_lengths_are_said_so(tmp_path):
     _train(tmp_path / "runs", steps=6)
     _train(tmp_path / "runs", steps=3)
