@@ -99,6 +99,7 @@ PHASES = (STATE, FORWARD, BACKWARD, GRAD, OPTIMIZER, OUTPUT, *OP_PHASES)
 PROBE_SPEC, PROBE_CONFIG, PROBE_DISTRIBUTED = "info", "config", "distributed"
 PROBE_RUN = "run"  # the id of the run the trace belongs to (run.json has the same)
 
+_BACKWARD_LOSS = re.compile(r"loss(\.\d+)?")  # the names of the tensors backward was called on
 RECORD_COLUMNS = (
     "step", "phase", "module", "call", "slot", "fp", "shape", "dtype", "norm", "absmax", "nonfinite",
 )
@@ -124,6 +125,14 @@ class StepInfo:
     def loss_values(self) -> dict[str, float]:
         """The exact loss values as floats."""
         return {name: float.fromhex(v) for name, v in self.losses.items()}
+
+    def loss_total(self) -> float:
+        """The loss the step minimised: the sum of what backward was called on (``loss``,
+        ``loss.1``, ... under exec and watch, whose named terms are parts of it), else of
+        every term (a probe's loss dict)."""
+        values = self.loss_values()
+        backward = [v for name, v in values.items() if _BACKWARD_LOSS.fullmatch(name)]
+        return sum(backward or values.values())
 
     def keep_losses(self, values: dict[str, Any]) -> None:
         """Keep the exact values of the scalar loss copies (`runner.loss_copy`). Called

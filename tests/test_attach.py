@@ -406,6 +406,10 @@ def test_watch_twice_in_one_process_compares_deterministic(tmp_path):
     assert first.trace.steps[0].losses.keys() == {"loss", "mse"}
     result = detaudit.compare(tmp_path)
     assert result.exit_code == 0 and result.verdict.kind == "deterministic"
+    # the loss curve is the loss backward was called on; the named term is a part of it
+    # (it was drawn as their sum, twice the loss)
+    losses = first.trace.steps[0].loss_values()
+    assert result.summary["loss"]["curves"]["0"][0]["loss"] == losses["loss"] == losses["mse"]
     shown = result._repr_html_()
     assert "DETERMINISTIC" in shown
     # in a frame of its own: the report's page styles would restyle the notebook around it

@@ -97,7 +97,7 @@ def summarize(
             if c.repeats > 1 else [],
             "curves": {
                 str(t.repeat): [
-                    {"step": s.step, "loss": sum(s.loss_values().values())} for s in t.steps
+                    {"step": s.step, "loss": s.loss_total()} for s in t.steps
                     if s.losses
                 ]
                 for t in traces
