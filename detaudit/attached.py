@@ -287,9 +287,12 @@ class watch:
         return self
 
     def step(self, losses: dict[str, Any] | Any = None) -> None:
-        """Name the current step's loss terms (a dict, or one tensor) and end the step."""
+        """Name the current step's loss terms (a dict, or one tensor) and end the step (or,
+        called between backward and the optimizer's update, let the update end it)."""
         if losses is not None:
             self._attachment.name_losses(losses if isinstance(losses, dict) else {"loss": losses})
+        if self._attachment.awaits_update():
+            return
         self._attachment.end_step()
         if self.max_steps is not None and self.steps >= self.max_steps:
             self._attachment.stop()

@@ -954,6 +954,31 @@ def test_runs_of_models_whose_parameters_differ_in_shape_are_refused(tmp_path):
         detaudit.compare(tmp_path)
 
 
+@pytest.mark.parametrize("optimizer_given", [True, False])
+def test_w_step_before_the_update_leaves_the_step_to_the_update(tmp_path, optimizer_given):
+    """A loop that names its losses between backward and opt.step(): each iteration was
+    two steps, and a difference at iteration 3 was reported at step 6."""
+    def train(out, nudge_at=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+        with detaudit.watch(model, opt if optimizer_given else None, out=out) as w:
+            for iteration in range(5):
+                loss = model(x).pow(2).mean()
+                if iteration == nudge_at:
+                    loss = loss + loss.detach() * torch.finfo(loss.dtype).eps
+                loss.backward()
+                w.step({"mse": loss})
+                opt.step()
+                opt.zero_grad()
+        return w
+
+    assert [s.step for s in train(tmp_path / "a").trace.steps] == [0, 1, 2, 3, 4]
+    train(tmp_path / "a", nudge_at=3)
+    assert detaudit.compare(tmp_path / "a").comparison.first_step == 3
+
+
 def test_runs_of_different_lengths_are_said_so(tmp_path):
     _train(tmp_path / "runs", steps=6)
     _train(tmp_path / "runs", steps=3)

@@ -655,6 +655,14 @@ class Attachment:
     def fault_fired(self) -> bool:
         return self.recorder is not None and self.recorder.fault_fired
 
+    def awaits_update(self) -> bool:
+        """The open step has run backward and its update is still to come: an optimizer
+        was given or has updated, or one holds the model's parameters (a loop that names
+        its losses before ``opt.step()``)."""
+        return (self.info is not None and self._losses > 0 and not self._updated
+                and (self.optimizer is not None or bool(self._optimizers)
+                     or self._by_hand_possible is False))
+
     def end_step(self) -> None:
         """Close the open step and keep its records."""
         if self.info is None or self.recorder is None:
