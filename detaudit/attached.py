@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from .analysis.compare import Comparison
+from .analysis.compare import DIVERGENT, Comparison
 from .analysis.compare import compare as compare_traces
 from .analysis.ranks import RankAnalysis
 from .analysis.verdict import Verdict, judge
@@ -62,6 +62,7 @@ from .runfolder import (
     zoom_name,
 )
 from .trace import (
+    BACKWARD,
     FORWARD,
     PROBE_CONFIG,
     PROBE_RUN,
@@ -128,7 +129,7 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
     named = " ".join(str(r) for r in runs if not isinstance(r, (Trace, TraceFile)))
     info = _info(traces[0], run_id, f"detaudit compare {named}", f"{len(traces)} runs compared")
     if out is None:
-        return _conclude(traces, info, None)
+        return _conclude(traces, info, None, replayed=False)
     inside = [t.path for t in traces if isinstance(t, TraceFile)
               and t.path.resolve().parent == Path(out).resolve()]
     if inside:
@@ -137,7 +138,7 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
     with RunFolder(out, info, overwrite) as folder:
         for trace in traces:
             folder.add_trace(trace, None)
-        return _conclude(traces, info, folder)
+        return _conclude(traces, info, folder, replayed=False)
 
 
 def _load_all(runs: tuple[str | Path | AnyTrace, ...]) -> list[AnyTrace]:
@@ -226,13 +227,21 @@ def _info(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:
 def _conclude(traces: list[AnyTrace], info: RunInfo, folder: RunFolder | None,
               timings: list[dict[str, Any]] | None = None,
               zoom: Comparison | None = None, ranks: RankAnalysis | None = None,
-              comparison: Comparison | None = None) -> Compared:
+              comparison: Comparison | None = None, replayed: bool = True) -> Compared:
+    """The verdict and reports of compared traces (`replayed`: a divergence in forward or
+    backward could be zoomed: exec's runs, not those compare is given)."""
     comparison = comparison or compare_traces(traces)
     info.state = COMPLETE
     if folder is not None:
         folder.save()
     verdict = judge(comparison, info.extra.get("ops"), ranks, zoom=zoom,
                     zoom_found=info.extra.get("zoom"))
+    if not replayed and verdict.kind == DIVERGENT and comparison.cause in ZOOMED_CAUSES and not (
+            any(d.phase in (FORWARD, BACKWARD) for d in comparison.first_diffs)):
+        verdict = replace(verdict, headline=(
+            f"{verdict.headline}; the runs were recorded at scan level and compare cannot "
+            "replay them, so the module and op are not named (`detaudit exec -- python "
+            "train.py` replays that step module by module)"))
     summary = summarize(info, comparison, traces, verdict, ranks, zoom=zoom)
     if folder is not None:
         write_run_reports(folder, summary)

@@ -785,9 +785,17 @@ def test_a_loop_that_updates_by_hand_has_a_step_per_update(tmp_path):
     # a gradient that differs is the backward's, not the update's (it was "optimizer")
     _train_by_hand(tmp_path / "grad")
     _train_by_hand(tmp_path / "grad", nudge_at=4, nudged="grad")
-    c = detaudit.compare(tmp_path / "grad").comparison
+    result = detaudit.compare(tmp_path / "grad")
+    c = result.comparison
     assert (c.first_step, c.cause) == (4, "backward")
     assert {(step, module) for step, module, _ in c.grad_diffs} >= {(4, "0"), (4, "2")}
+    # a scanned step's gradients cannot say backward from a forward too small to change
+    # the loss, nor which module: said so, with the module backward reaches first
+    assert c.cause_text.startswith("the gradients differ while the loss and everything")
+    assert ("grad, 2 (nearest the output of the gradients that differ)"
+            in result.verdict.headline)
+    assert "compare cannot replay them, so the module and op are not named" in (
+        result.verdict.headline)
 
 
 def test_in_place_changes_in_an_optimizer_script_are_no_updates_by_hand(tmp_path):

@@ -214,6 +214,11 @@ class Comparison:
                     "not seeded (fix: seed every RNG before training, e.g. "
                     "detaudit.seed_everything(0); `detaudit exec --seed 0` does it for a whole "
                     "script)")
+        if self.cause == "backward" and not any(d.phase == BACKWARD for d in self.first_diffs):
+            return ("the gradients differ while the loss and everything before it agree: a "
+                    "backward computation, or a forward one whose difference was too small to "
+                    "change the loss (a scanned step: its module records, which a zoom takes, "
+                    "tell them apart)")
         buffers = sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
                           for d in self.first_diffs if d.phase == STATE
                           and d.slot.startswith("buffer.")})

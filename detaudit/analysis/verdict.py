@@ -9,12 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from ..trace import GRAD, OPTIMIZER
 from .compare import DETERMINISTIC, DIVERGENT, FAILED, ORIGIN, Comparison
 from .ranks import RankAnalysis
 
 MATCH, MISMATCH = "match", "mismatch"  # a run against a baseline or another run
 INTERRUPTED = "interrupted"  # the run was stopped before its end (the headline: what it recorded)
 PROVEN = "nondeterministic op"  # the repeats agreed, but re-execution proved an op is not
+# a scanned step whose gradients alone differ: the parameter nearest the output among them
+LAST_GRADIENT = "nearest the output of the gradients that differ"
 NOT_COMPARED = "not compared"  # one run, nothing to compare it with: neither pass nor divergence
 EXIT_CODES = {
     DETERMINISTIC: EXIT_OK, MATCH: EXIT_OK,
@@ -127,10 +130,16 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
             "module": o.module, "call": o.call, "slots": o.slots, "role": ORIGIN,
             "differing": o.differing, "repeats": o.repeats,
         }
-    d = c.first_diffs[0]
+    d, role = c.first_diffs[0], "first record"
+    grads = [d for d in c.first_diffs if d.phase == GRAD]
+    if grads and all(d.phase in (GRAD, OPTIMIZER) for d in c.first_diffs):
+        # gradients (and the update made from them) in a scanned step: backward reaches the
+        # parameters nearest the output first, so the last in the model's order is where
+        # the difference can begin
+        d, role = grads[-1], LAST_GRADIENT
     return {
         "step": d.step, "epoch": epoch, "index": step_index, "phase": d.phase,
-        "module": d.module, "call": d.call, "slots": [d.slot], "role": "first record",
+        "module": d.module, "call": d.call, "slots": [d.slot], "role": role,
         "differing": d.differing, "repeats": d.repeats,
     }
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from ..analysis.compare import GRADIENTS_DIFFER
-from ..analysis.verdict import crash_line
+from ..analysis.verdict import LAST_GRADIENT, crash_line
 
 SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 120
@@ -23,6 +23,9 @@ ROLE_TEXT = {
     "contains-origin": "contains an origin further down its calls",
     "propagated": "propagated: it only passes on a difference that started earlier",
     "first record": "first differing record (no single origin call was found)",
+    LAST_GRADIENT: "of the parameters whose gradients differ (a scanned step: no module "
+    "records), the one nearest the output in the model's order: backward reaches it first, so "
+    "the difference begins there or nearer the output",
     "rng draw outside any module": "the torch RNG moved outside any module (the step "
     "function, a hook, a logger): the next module that draws only starts from another state",
 }
