@@ -526,8 +526,11 @@ def _zoom_command(
     from .investigate.zoom import zoom_by_replay
 
     def replay(step: int) -> list[AnyTrace]:
-        runs = [_run_once(command, replace(job, max_steps=step + 1), folder.path, r, probe,
-                          output, zoom=step, stdin=stdin)[0] for r in range(job.repeats)]
+        # a fault planted after the step (a real divergence came first) is not reached
+        planted = job.fault if job.fault is not None and job.fault.step <= step else None
+        runs = [_run_once(command, replace(job, max_steps=step + 1, fault=planted),
+                          folder.path, r, probe, output, zoom=step, stdin=stdin)[0]
+                for r in range(job.repeats)]
         replayed = _of_rank(runs, rank)
         for trace in replayed:
             folder.add_zoom_trace(trace)  # moved out of the command's own files, cleared next

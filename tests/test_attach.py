@@ -117,6 +117,22 @@ def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path, update)
     assert summary["cause"]["kind"] == "backward"
 
 
+def test_a_real_divergence_before_a_planted_fault_is_the_verdict(tmp_path):
+    """The race parts the runs at step 0, before the fault planted at step 1: the zoom's
+    replays stop at step 0, where the fault is not reached (that was 'the planted fault
+    never fired', exit 2, and no report)."""
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "2", "--json", "--inject-fault",
+                 "head@forward:1", script_args=("--workers", "0", "--race"))
+    assert done.returncode == 1, done.stderr
+    summary = json.loads(done.stdout)
+    first = summary["first_divergence"]
+    if first["step"] == 0:  # the race fired (else the planted fault is what was found)
+        assert first["module"] == "gather"
+    else:
+        assert (first["step"], first["module"]) == (1, "head")
+    assert (tmp_path / "run" / "report.html").exists()
+
+
 @pytest.mark.parametrize("form", ["wrapper", "in-place"])
 def test_exec_of_a_compiled_model_names_a_planted_fault_by_the_users_names(tmp_path, form):
     # torch.compile would trace the global hooks into its graph (and the recorder's module
