@@ -582,6 +582,42 @@ def test_a_checkpoint_recomputing_in_backward_is_no_second_batch(tmp_path, reent
     assert sorted(set(zip(batches.step, batches.call))) == [(0, 0), (1, 0)]
 
 
+def test_parametrized_layers_and_a_part_called_first_are_not_taken_for_the_model(tmp_path):
+    """spectral_norm's parametrization is called as the model is built, and the loop calls
+    the backbone alone first: the model is still the module the optimizer trains (the
+    ParametrizationList was, so modules were named Net.conv and no batch was recorded)."""
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = spectral_norm(nn.Linear(4, 8))
+            self.head = weight_norm(nn.Linear(8, 1))
+
+        def forward(self, x):
+            return self.head(torch.relu(self.backbone(x)))
+
+    attachment = Attachment(tmp_path / "trace.json.gz", {}).install()  # as exec attaches
+    try:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.backbone(torch.ones(2, 4))  # a sanity check of one part
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        attachment.finish()
+    finally:
+        attachment.uninstall()
+    records = Trace.load(tmp_path / "trace.json.gz").frame()
+    params = set(records[records.slot.str.startswith("param.")].module)
+    assert params == {"backbone", "backbone.parametrizations.weight", "head",
+                      "head.parametrizations.weight"}
+    batches = records[(records.phase == "state") & records.slot.str.startswith("batch")]
+    assert sorted(set(batches.step)) == [0, 1]
+
+
 def test_a_failure_inside_detaudits_own_hook_is_never_blamed_on_the_users_code(
         tmp_path, monkeypatch):
     from detaudit.record import recorder

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from ..config import (
     CALLS_UNSEEN,
@@ -230,7 +231,9 @@ class Attachment:
 
     # -- what the hooks see ----------------------------------------------------------------
     def _global_pre(self, module: nn.Module, args: tuple) -> None:
-        if _transformed():  # not a top-level call of the loop (see _transformed)
+        if _transformed() or isinstance(module, ParametrizationList):
+            # not a top-level call of the loop (see _transformed), nor the computing of a
+            # parametrized weight (each read of it calls its parametrizations)
             return
         # a call inside a backward (a checkpoint recomputing its forward) is no new batch
         if self._depth == 0 and not self.stopped and not self.in_backward:
@@ -511,10 +514,13 @@ class Attachment:
         if self.model is not None:
             return
         updated = {id(p) for p in _parameters(optimizer)}
-        owners = [m for m in self._candidates if any(id(p) in updated for p in m.parameters())]
-        if not owners:
+        owned = [(sum(id(p) in updated for p in m.parameters()), m) for m in self._candidates]
+        if not any(n for n, _ in owned):
             return
-        self.model = owners[0]
+        # the one that owns the most of them (not a part of the model called on its own
+        # first, a sanity check of the backbone), the first called of those
+        most = max(n for n, _ in owned)
+        self.model = next(m for n, m in owned if n == most)
         if self.recorder is not None and self.recorder.model is not self.model:
             # the step began at another module's call (a frozen teacher, a GAN's generator):
             # its batch and RNG states are the step's; the model's parameters as they were
