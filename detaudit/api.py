@@ -217,8 +217,17 @@ def run(
             mark_interrupted(folder)
             raise
         except BaseException as exc:
-            folder.set_state(f"failed during {folder.info.state}: {type(exc).__name__}")
+            folder.set_state(f"failed during {folder.info.state}: {failure_line(exc)}")
             raise
+
+
+def failure_line(exc: BaseException) -> str:
+    """What stopped a run, in one line: a detaudit error's own message (it names the user's
+    file and line when it was theirs), otherwise the exception's type and message."""
+    message = next(iter(str(exc).splitlines()), "")
+    if isinstance(exc, DetauditError) and message:
+        return message
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def _run_here(
@@ -314,14 +323,54 @@ def mark_interrupted(folder: RunFolder | _Unsaved) -> None:
         pass  # run.json says what happened; `detaudit report` will say what is missing
 
 
+@dataclass
+class BaselineResult:
+    """A stored baseline: where, its trace (repeat 0), and the audit that recorded it."""
+
+    path: Path
+    trace: AnyTrace
+    audit: AuditResult
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the recording found that makes a check against this baseline flaky: its own
+        repeats differ, one failed, or an op was proven nondeterministic by re-execution."""
+        comparison = self.audit.comparison
+        found = []
+        if comparison.first_step is not None:
+            found.append(
+                f"the baseline's own {comparison.repeats} repeats differ from step "
+                f"{comparison.first_step} ({comparison.cause}): the model is not deterministic, "
+                "so a check against this baseline can fail with unchanged code")
+        found += [f"repeat {repeat} of the baseline's recording failed: {why}"
+                  for repeat, why in sorted(comparison.failures.items())]
+        found += [f"proven nondeterministic while recording the baseline: {op.line()}; a check "
+                  "against this baseline can fail with unchanged code"
+                  for op in comparison.proven[:3]]
+        return found
+
+
+def check_baseline_config(config: AuditConfig) -> None:
+    """Refuse what a baseline must not store: a planted fault, which every check would plant
+    again (and then match)."""
+    if config.fault is not None:
+        raise DetauditError("a baseline records the model as it is; a planted fault "
+                            "(--inject-fault) would be stored and planted again by every check: "
+                            "plant faults with `detaudit run`")
+
+
 def baseline(
     spec: ProbeSpec, config: AuditConfig, path: str | Path, *, out: str | Path,
     launch: Launch | None = None, command: str = "", progress: Progress | None = None,
-) -> tuple[Path, Trace]:
-    """Run the probe and store repeat 0 as a baseline at `path`; return it and its trace.
+) -> BaselineResult:
+    """Run the probe and store repeat 0 as a baseline at `path`.
 
     A baseline is compared later with code that has changed, so it cannot be replayed to
-    zoom: it keeps every module call of every step (a scan configuration becomes module)."""
+    zoom: it keeps every module call of every step (a scan configuration becomes module).
+    It records the model as it is (see :func:`check_baseline_config`). Its repeats are
+    compared and its risky ops stressed as in `run`; what they find is in the result's
+    warnings."""
+    check_baseline_config(config)
     if config.granularity == SCAN:
         config = replace(config, granularity="module")
     result = run(spec, config, out=out, investigations=Investigations(drill_down=False),
@@ -329,7 +378,7 @@ def baseline(
     trace = result.traces[0]
     if trace.failure:
         raise DetauditError(f"the baseline run failed: {trace.failure}")
-    return save_baseline(path, spec, config, trace), trace
+    return BaselineResult(save_baseline(path, spec, config, trace), trace, result)
 
 
 def check(
@@ -347,6 +396,11 @@ def check(
     progress = progress or Progress()
     if stored.spec.kind == "file":
         source = Path(stored.spec.source or "")
+        if not source.is_file():
+            raise DetauditError(
+                f"the baseline {path} names the probe file {source}, which does not exist; keep "
+                "the probe file where it was, relative to the baseline, when the baseline was "
+                "recorded")
         progress.note(f"the baseline runs the probe file {source} ({stored.spec.func})")
         if not allow_external_probe and not source.resolve().is_relative_to(Path.cwd().resolve()):
             raise DetauditError(
@@ -365,6 +419,9 @@ def check(
         )
     for op in result.comparison.proven[:3]:
         gate.message += f"\nnote: proven by re-execution in this run: {op.line()}"
+    if stored.config.fault is not None:  # stored before baselines refused one
+        gate.message += ("\nnote: this baseline stores a planted fault, which the check planted "
+                         "again: record the baseline again without --inject-fault")
     if result.folder is not None:  # the folder's reports give the check's verdict
         checked = {"baseline": str(path), "verdict": gate.verdict, "headline": gate.headline,
                    "message": gate.message}

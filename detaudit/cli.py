@@ -477,16 +477,27 @@ def cmd_baseline(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit baseline`: run, then store repeat 0 as the baseline."""
     from . import api
 
+    if args.verify_fix:
+        raise DetauditError("--verify-fix is an investigation of `detaudit run`; a baseline "
+                            "records the model as it is (run `detaudit run --verify-fix` first)")
     launch = Launch(args.isolation)
     spec, config, _ = _audit_setup(args, launch, repeats=1)
+    api.check_baseline_config(config)
     _check_output_file(args.out, "--out")
+    folder = _out_folder(None, f"{spec.name}-baseline")
     with _stdout_kept_for(args.json):
-        path, trace = api.baseline(
-            spec, config, args.out, out=_out_folder(None, f"{spec.name}-baseline"),
-            launch=launch, command=_reproduce_command(argv),
-            progress=_Bar(args.quiet or args.json),
-        )
-    print(f"baseline written: {path} ({len(trace)} records, {len(trace.steps)} steps)")
+        made = api.baseline(spec, config, args.out, out=folder, launch=launch,
+                            command=_reproduce_command(argv),
+                            progress=_Bar(args.quiet or args.json))
+    for warning in made.warnings:
+        print(f"detaudit: warning: {_safe(warning)} (reports: {folder})", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"path": str(made.path), "records": len(made.trace),
+                          "steps": len(made.trace.steps), "warnings": made.warnings},
+                         indent=1, sort_keys=True))
+    else:
+        print(f"baseline written: {made.path} ({len(made.trace)} records, "
+              f"{len(made.trace.steps)} steps)")
     return EXIT_OK
 
 

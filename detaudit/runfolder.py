@@ -14,7 +14,7 @@ import platform
 import re
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -403,13 +403,28 @@ class Baseline:
 
 
 def save_baseline(path: str | Path, spec: ProbeSpec, config: AuditConfig, trace: Trace) -> Path:
-    """Store `trace` as a baseline (gzip when the name ends in .gz)."""
+    """Store `trace` as a baseline (gzip when the name ends in .gz). A probe file is named
+    relative to the baseline's folder, so that the baseline and the probe committed together
+    check out anywhere."""
     path = Path(path)
+    if spec.kind == "file" and spec.source:
+        spec = replace(spec, source=_relative_to(Path(spec.source), path.parent))
+    stored = trace.to_dict()
+    stored["probe"] = {**stored["probe"], PROBE_SPEC: jsonable(spec.to_dict())}
     data = {
         "format": BASELINE_FORMAT, "version": BASELINE_VERSION, "probe": jsonable(spec.to_dict()),
-        "config": config.to_dict(), "env": jsonable(trace.env), "trace": trace.to_dict(),
+        "config": config.to_dict(), "env": jsonable(trace.env), "trace": stored,
     }
     return atomic_write(path, dump_json(data, compress=path.suffix == ".gz"))
+
+
+def _relative_to(source: Path, folder: Path) -> str:
+    """`source` as a path relative to `folder` (``/``-separated), or absolute where there is
+    none (another drive)."""
+    try:
+        return Path(os.path.relpath(source.resolve(), folder.resolve())).as_posix()
+    except ValueError:
+        return str(source.resolve())
 
 
 def load_baseline(path: str | Path) -> Baseline:
@@ -425,4 +440,6 @@ def load_baseline(path: str | Path) -> Baseline:
         config = AuditConfig.from_dict(data["config"])
     except (TypeError, ValueError) as exc:
         raise TraceError(f"baseline {path} is damaged: {exc}") from None
+    if spec.kind == "file" and isinstance(spec.source, str):  # relative to the baseline's folder
+        spec = replace(spec, source=str((path.parent / spec.source).resolve()))
     return Baseline(spec, config, data["env"], trace)

@@ -99,6 +99,7 @@ def test_process_isolation_finds_hash_seed_dependence(tmp_path):
     (["run", "--model", "fasterrcnn_mobilenet", "--weights", "/nonexistent/w.pth"], "/nonexistent/w.pth"),
     (["run", "--probe", "/nonexistent/probe.py"], "does not exist"),
     (["run", "--model", "maskrcnn", "--inject-fault", "a@sideways:1"], "--inject-fault"),
+    (["run", "--probe", str(PROBES)], "probe_files is a folder"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path)]) == 2
@@ -233,3 +234,38 @@ def test_a_probe_file_that_is_not_python_or_breaks_the_contract_is_bad_input(tmp
     assert main(["run", "--probe", str(wrong), "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "returned int, not detaudit.Probe" in err
+
+
+def test_a_probe_function_that_does_not_take_the_device_is_bad_input(tmp_path, capsys):
+    """Exit 2, one line naming the file, the line and the contract; not a crash in detaudit."""
+    probe = tmp_path / "no_device.py"
+    probe.write_text("import detaudit\n\n\ndef probe():\n    return None\n")
+    assert main(["run", "--probe", str(probe), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"{probe}:4: probe() does not take the device" in err and "probe(device)" in err
+
+
+def test_a_probe_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    """As `python probe.py` would: in this process and in a fresh one per repeat."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the probe's folder joins it
+    (tmp_path / "tiny_cnn_beside.py").write_text((PROBES / "tiny_cnn.py").read_text())
+    (tmp_path / "uses_beside.py").write_text("from tiny_cnn_beside import probe  # noqa: F401\n")
+    for isolation in ("inprocess", "process"):
+        assert main(["run", "--probe", str(tmp_path / "uses_beside.py"), "--isolation",
+                     isolation, "--out", str(tmp_path / isolation), "--epochs", "1",
+                     "--no-census", "--stress", "0", "--quiet"]) == 0, isolation
+
+
+def test_a_failed_run_keeps_its_error_for_the_report(tmp_path, capsys):
+    """The error that stopped a run (here a usage error found once recording ended) is in
+    run.json, and `detaudit report` says it."""
+    folder = tmp_path / "run"
+    assert main(["run", "--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "0:5",
+                 "--epochs", "1", "--out", str(folder), "--quiet"]) == 2
+    said = capsys.readouterr().err.strip().removeprefix("detaudit: error: ")
+    assert said.startswith("the planted fault never fired")
+    state = json.loads((folder / "run.json").read_text())["state"]
+    assert state == f"failed during recording: {said}"
+    main(["report", str(folder)])
+    assert f"FAILED (failed during recording: {said})" in capsys.readouterr().out

@@ -342,3 +342,117 @@ def test_check_notes_an_op_proven_nondeterministic_in_the_new_run(tmp_path, thre
     assert result.audit.comparison.proven
     assert "note: proven by re-execution in this run: aten.index_put in gather" in (
         result.gate.message)
+
+
+def test_runs_recorded_at_different_granularities_compare_the_records_both_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scan and a module-level run of the same code match on the step state both kept; the
+    module calls only one recorded are counted apart, never as differences."""
+    options: dict[str, Any] = {"repeats": 1, "epochs": 2, "steps": 2, "stress": 0}
+    api.audit(conv_probe, granularity="scan", out=tmp_path / "scan", **options)
+    module_audit(conv_probe, out=tmp_path / "module", **options)
+    gate = api.diff(tmp_path / "scan", tmp_path / "module")
+    assert gate.exit_code == 0, gate.message
+    only_module = gate.finer_only[1]
+    assert gate.finer_only[0] == 0 and only_module > 0
+    assert f"on {gate.total_records} records over 4 steps" in gate.headline
+    assert (f"not compared: {only_module} records only {tmp_path / 'module'} recorded"
+            in gate.message)
+    assert api.diff(tmp_path / "module", tmp_path / "scan").exit_code == 0
+    module_audit(conv_probe, out=tmp_path / "shorter", **{**options, "epochs": 1})
+    shorter = api.diff(tmp_path / "scan", tmp_path / "shorter")  # its step state is missing
+    assert shorter.exit_code == 1 and shorter.first is not None and shorter.first.step == 2
+    monkeypatch.setattr(Act, "forward", lambda self, x: torch.relu(x) * (1 + 2**-20))
+    module_audit(conv_probe, out=tmp_path / "changed", **options)
+    changed = api.diff(tmp_path / "scan", tmp_path / "changed")
+    assert changed.exit_code == 1 and changed.first is not None and not changed.first.missing
+
+
+def test_a_baseline_checks_out_in_another_folder_with_its_probe_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CI flow: baseline and probe committed together, checked in a fresh checkout."""
+    import shutil
+
+    from detaudit.cli import main
+    from detaudit.config import AuditConfig
+    from detaudit.drivers.loading import file_spec
+
+    recorded, checkout = tmp_path / "recorded", tmp_path / "checkout"
+    for folder in (recorded, checkout):
+        (folder / "baselines").mkdir(parents=True)
+        shutil.copy(Path(__file__).parent / "probe_files" / "tiny_cnn.py", folder)
+    spec = file_spec(str(recorded / "tiny_cnn.py"))
+    config = AuditConfig(repeats=1, epochs=1, steps=2, stress=0)
+    made = api.baseline(spec, config, recorded / "baselines" / "tiny.json",
+                        out=tmp_path / "baseline-run")
+    assert json.loads(made.path.read_text())["probe"]["source"] == "../tiny_cnn.py"
+    shutil.copy(made.path, checkout / "baselines")
+    shutil.rmtree(recorded)
+    monkeypatch.chdir(checkout)
+    capsys.readouterr()
+    assert main(["check", "baselines/tiny.json", "--out", str(tmp_path / "check")]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("MATCH") and f"probe file {checkout / 'tiny_cnn.py'}" in err
+    (checkout / "tiny_cnn.py").unlink()
+    assert main(["check", "baselines/tiny.json", "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tiny_cnn.py, which does not exist" in err
+
+
+NOT_REPEATABLE = '''
+import torch
+from torch import nn
+
+import detaudit
+
+built = []  # global state the repeats of one process share
+
+
+def probe(device):
+    built.append(1)
+    model = nn.Linear(4, 2).to(device)
+    with torch.no_grad():
+        model.bias.add_(len(built))
+    batches = [(torch.ones(3, 4), torch.zeros(3, 2))]
+    return detaudit.Probe(model=model, batches=batches,
+                          step=lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(),
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+'''
+
+
+def test_baseline_honours_its_options_or_refuses_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--repeats and --stress are recorded and reported, --json is JSON, and what a baseline
+    cannot keep (a planted fault, --verify-fix) is one line, exit 2."""
+    from detaudit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "drifts.py").write_text(NOT_REPEATABLE)
+    common = ["baseline", "--probe", "drifts.py", "--epochs", "1", "--steps", "1"]
+    assert main([*common, "--repeats", "2", "--stress", "0", "--out", "b.json", "--json"]) == 0
+    out, err = capsys.readouterr()
+    made = json.loads(out)
+    assert (made["path"], made["steps"]) == ("b.json", 1) and made["records"] > 0
+    assert made["warnings"] and "the baseline's own 2 repeats differ from step 0" in err
+    assert load_baseline(tmp_path / "b.json").config.repeats == 2
+    for refused, said in ((["--inject-fault", "head:0"], "planted fault"),
+                          (["--verify-fix"], "--verify-fix")):
+        assert main([*common, *refused, "--out", "refused.json"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and said in err
+        assert not (tmp_path / "refused.json").exists()
+
+
+def test_a_check_of_a_baseline_that_stores_a_planted_fault_says_so(tmp_path: Path) -> None:
+    """Baselines recorded before `baseline` refused --inject-fault plant it again in every
+    check, which then matches: the check says so."""
+    from detaudit.config import Fault
+
+    planted = module_audit(conv_probe, repeats=1, steps=1, stress=0, fault=Fault.parse("act:0"))
+    gate = check_conv(store_baseline(tmp_path / "planted.json", planted))
+    assert gate.ok and "note: this baseline stores a planted fault" in gate.message
+    clean = module_audit(conv_probe, repeats=1, steps=1, stress=0)
+    assert "planted fault" not in check_conv(store_baseline(tmp_path / "clean.json", clean)).message

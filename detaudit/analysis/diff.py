@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ..trace import AnyTrace, Trace
+from ..config import SCAN
+from ..trace import BACKWARD, FORWARD, OP_PHASES, OPTIMIZER, PROBE_CONFIG, AnyTrace, Trace
 from .compare import Comparison, aligned_steps, compare
 from .verdict import MATCH, MISMATCH, exit_code
 
@@ -61,6 +62,9 @@ class GateResult:
     labels: tuple[str, str] = ("A", "B")
     failures: list[str] = field(default_factory=list)
     not_comparable: int = 0  # differing records tolerance cannot judge: never a match
+    # records only A (only B) has, of a kind the other run's granularity does not keep
+    # (module calls, ops, a scan's optimizer state between epoch ends): not compared
+    finer_only: tuple[int, int] = (0, 0)
     zoom: dict[str, Any] | None = None  # diff --zoom: both runs replayed to the first step
 
     @property
@@ -112,7 +116,8 @@ def diff_traces(
 ) -> GateResult:
     """Compare run B against run A (repeat 0 of each), bitwise or within rtol/atol. `zoom`,
     given the first step where they part, returns what a replay of both at that step found."""
-    ta, tb = (t[0] if isinstance(t, list) else t for t in (a, b))
+    whole_a, whole_b = (t[0] if isinstance(t, list) else t for t in (a, b))
+    ta, tb = _AtCommonLevel(whole_a, whole_b), _AtCommonLevel(whole_b, whole_a)
     algorithms = fingerprint_algorithm(ta.env), fingerprint_algorithm(tb.env)
     mixed = None not in algorithms and algorithms[0] != algorithms[1]
     tolerance = mixed or rtol > 0 or atol > 0
@@ -135,13 +140,65 @@ def diff_traces(
         origin_phase=origin.phase if origin else None,
         differing_records=comparison.differing_records, total_records=comparison.total_records,
         tolerance=tolerance, within_tolerance=accepted, headline="", message="", labels=labels,
-        failures=failures, not_comparable=unjudged,
+        failures=failures, not_comparable=unjudged, finer_only=(ta.left_out, tb.left_out),
     )
     if zoom is not None and first is not None:
         result.zoom = zoom(first.step)
     result.headline = _headline(result, len(comparison.steps), rtol, atol)
     result.message = _message(result, algorithms if mixed else None)
     return result
+
+
+def recorded_granularity(trace: AnyTrace) -> str | None:
+    """The granularity a trace was recorded at (None: not said)."""
+    config = trace.probe.get(PROBE_CONFIG)
+    return config.get("granularity") if isinstance(config, dict) else None
+
+
+def granularity_keeps(granularity: str | None, phase: str, slot: str) -> bool:
+    """Whether a run recorded at `granularity` keeps a record of this kind at every step: a
+    scan keeps the step state (batch, RNGs, losses, gradients, parameters after the update)
+    but no module call, and the optimizer's own state (momentum, lr) only at epoch ends;
+    module keeps every module call; op every op too. Unknown: everything."""
+    if granularity not in (SCAN, "module"):
+        return True
+    if phase in OP_PHASES:
+        return False
+    if granularity == SCAN:
+        return phase not in (FORWARD, BACKWARD) and not (
+            phase == OPTIMIZER and slot.startswith(("state.", "lr.")))
+    return True
+
+
+class _AtCommonLevel:
+    """One run of two as the comparison reads it (:meth:`by_step` and its steps, failure,
+    repeat and stress), a step at a time beside the other run: without the records the
+    other run lacks because its granularity does not keep them (recorded by this run alone,
+    at a finer level). A record the other run's granularity keeps, missing there, stays: a
+    run that is shorter or skipped something differs. How many were left out is known once
+    every step was read."""
+
+    def __init__(self, trace: AnyTrace, other: AnyTrace) -> None:
+        self.trace, self.other = trace, other
+        self.other_granularity = recorded_granularity(other)
+        self.steps, self.failure, self.repeat = trace.steps, trace.failure, trace.repeat
+        self.env = trace.env
+        self.stress_rows = trace.stress_rows
+        self.left_out = 0
+
+    def by_step(self) -> Iterator[tuple[int, Trace]]:
+        self.left_out = 0
+        keys = ("step", "phase", "module", "call", "slot")
+        for step, (cut, other) in aligned_steps([self.trace, self.other], None):
+            theirs = set(zip(*(other.records[c] for c in keys)))
+            r = cut.records
+            kept = [i for i, key in enumerate(zip(*(r[c] for c in keys))) if key in theirs
+                    or granularity_keeps(self.other_granularity, key[1], key[4])]
+            if len(kept) < len(cut):
+                self.left_out += len(cut) - len(kept)
+                cut = replace(cut, records={c: [r[c][i] for i in kept] for c in r})
+            if len(cut) or cut.calls["step"]:  # else a step only the other run has
+                yield step, cut
 
 
 class _WithinTolerance:
@@ -243,6 +300,10 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
         )
     lines += result.failures
     lines.append(result.headline)
+    for label, other, count in ((la, lb, result.finer_only[0]), (lb, la, result.finer_only[1])):
+        if count:
+            lines.append(f"not compared: {count} records only {label} recorded (module calls, "
+                         f"ops or optimizer state that {other}'s granularity does not keep)")
     first = result.first
     if first is None:
         return "\n".join(lines)

@@ -7,6 +7,7 @@ check next month, can rebuild exactly the same probe.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ def file_spec(target: str) -> ProbeSpec:
     """The description of a user probe file given as ``FILE.py[:FUNC]``."""
     path, _, func = target.partition(":") if not Path(target).exists() else (target, "", "")
     path_obj = Path(path)
+    if path_obj.is_dir():
+        raise DetauditError(f"probe file {path} is a folder; give the probe file in it "
+                            "(FILE.py[:FUNC])")
     if not path_obj.is_file():
         raise DetauditError(f"probe file {path} does not exist")
     return ProbeSpec("file", path_obj.stem, source=str(path_obj.resolve()), func=func or "probe")
@@ -65,11 +69,16 @@ def make_factory(spec: ProbeSpec) -> ProbeFactory:
 
 
 def _load_file_function(source: str, func: str) -> ProbeFactory:
+    """The probe function `func` of the file `source`, imported as Python runs a script:
+    with the file's folder on ``sys.path``, so that it can import the modules beside it."""
     path = Path(source)
     module_name = f"detaudit_probe_{abs(hash(str(path.resolve())))}"
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:
         raise DetauditError(f"cannot load probe file {path} (is it a .py file?)")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # kept, as for a script: the probe may import when called
+        sys.path.insert(0, folder)
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
     try:
@@ -81,4 +90,26 @@ def _load_file_function(source: str, func: str) -> ProbeFactory:
     fn = getattr(module, func, None)
     if not callable(fn):
         raise DetauditError(f"probe file {path} defines no function {func!r}")
+    _check_contract(fn, path, func)
     return fn
+
+
+def _check_contract(fn: ProbeFactory, path: Path, func: str) -> None:
+    """A probe function must take the device, ``func(device)``, or the rank-aware
+    ``func(device, rank, world_size)``; anything else is bad input, named in one line."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call will tell
+        return
+    for args in ((None,), (None, None, None)):
+        try:
+            signature.bind(*args)
+            return
+        except TypeError:
+            continue
+    code = getattr(fn, "__code__", None)
+    where = f"{path}:{code.co_firstlineno}" if code is not None else str(path)
+    raise DetauditError(
+        f"{where}: {func}{signature} does not take the device; a probe file defines "
+        f"{func}(device) returning detaudit.Probe (or {func}(device, rank, world_size) for a "
+        "distributed set-up that shards its own data)")
