@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import gather_probe, small_cnn_probe
 from test_cli import PROBES, run_cli
-from test_recorder import _maskrcnn_probe
+from test_recorder import _Checkpointed, _maskrcnn_probe, _mean_square_probe, _Spectral
 from torch import nn
 
 from detaudit import Fault, Probe, audit, seed_everything
@@ -330,3 +330,55 @@ def test_an_unseeded_rng_nothing_draws_from_does_not_become_the_cause_in_the_zoo
     assert result.summary["cause"]["kind"] == "forward", result.verdict.headline
     assert "cause: forward" in result.verdict.headline
     assert "op: aten.index_put_ in scatter" in result.verdict.headline
+
+
+def test_a_backward_op_under_a_reentrant_checkpoint_is_named_with_its_module():
+    """The graph a reentrant checkpoint builds in backward: the module-level origin is the
+    module whose op the drill-down names (it was the layer before the checkpoint, 'outside
+    the dispatcher')."""
+    fault = Fault("block.2", "backward", 1, op="aten.mm")
+    result = audit(_mean_square_probe(_Checkpointed), repeats=2, epochs=1, fault=fault,
+                   drill_down=True)
+    assert result.comparison.origins[0].module == "block.2"
+    drill = result.investigations["ops"]
+    origin = drill["ops"][0]
+    assert (origin["op"], origin["module"], origin["phase"]) == ("aten.mm", "block.2", "backward")
+    assert drill["outside_dispatcher"] is None
+
+
+def test_an_op_fault_in_a_complex_output_is_one_ulp_and_measured_so():
+    """A complex op output is moved by 1 ULP in one part (two elements were swapped), and
+    the difference is measured on the complex values (the imaginary parts were dropped)."""
+    fault = Fault("to_freq", "forward", 1, op="aten._fft_r2c")
+    result = audit(_mean_square_probe(_Spectral), repeats=2, epochs=1, fault=fault,
+                   drill_down=True)
+    origin = result.investigations["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["planted"]) == ("aten._fft_r2c", "to_freq", True)
+    assert (origin["elements"], origin["max_ulp"]) == (1, 1)
+    assert 0 < origin["max_abs_diff"] < 1e-5
+
+
+def test_tensor_difference_of_complex_values_counts_the_ulps_of_their_parts():
+    a = torch.tensor([1 + 1j, 2 + 2j], dtype=torch.complex64)
+    b = a.clone()
+    b[1] = torch.complex(torch.tensor(2.0), torch.nextafter(torch.tensor(2.0), torch.tensor(3.0)))
+    diff = tensor_difference(a, b)
+    assert (diff["elements"], diff["max_ulp"]) == (1, 1)
+    assert diff["max_abs_diff"] == pytest.approx(2.0 ** -22)
+
+
+def test_an_origin_op_in_another_module_leaves_the_dispatcher_unblamed():
+    """Module records that place a backward difference where the op records do not (as a
+    reentrant checkpoint once made them) must not be called code outside the dispatcher."""
+    from types import SimpleNamespace
+
+    from detaudit.analysis.compare import OpFinding
+    from detaudit.investigate.drilldown import _outside_dispatcher
+
+    modules = SimpleNamespace(origins=[SimpleNamespace(step=0, module="block.fc",
+                                                       phase="backward")])
+    op = OpFinding(0, "backward", "block.gather", 0, 3, "aten.index_put", ORIGIN, 1, 2,
+                   ["out.0"], 1)
+    assert _outside_dispatcher(modules, 0, [op], set()) is None
+    forward_op = OpFinding(0, "forward", "head", 0, 0, "aten.mm", ORIGIN, 1, 2, ["out.0"], 1)
+    assert _outside_dispatcher(modules, 0, [forward_op], set())["module"] == "block.fc"

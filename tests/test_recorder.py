@@ -289,3 +289,112 @@ def test_a_backward_fault_in_a_linear_goes_into_the_gradient_of_its_input():
     origin = result.comparison.origins[0]
     assert (origin.module, origin.phase, origin.step) == ("fc2", "backward", 1)
     assert origin.slots == ["grad_in.0"]
+
+
+class _Checkpointed(torch.nn.Module):
+    """fc1, then a block of two layers run under a reentrant checkpoint (or plainly)."""
+
+    def __init__(self, checkpointed: bool = True):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 6)
+        self.block = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(),
+                                         torch.nn.Linear(6, 1))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if not self.checkpointed:
+            return self.block(h)
+        return torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+
+
+@pytest.mark.parametrize("module", ["block", "block.2"])
+def test_a_backward_fault_under_a_reentrant_checkpoint_fires_in_its_module(module):
+    """A reentrant checkpoint runs the block again inside backward: the fault fires there
+    (it never fired) and the block's own gradient, not fc1's, is the origin."""
+    result = module_audit(_mean_square_probe(_Checkpointed), repeats=2,
+                          fault=Fault(module, "backward", 1))
+    origin = result.comparison.origins[0]
+    assert (origin.module, origin.phase, origin.step) == (module, "backward", 1)
+    assert origin.slots == ["grad_in.0"]
+
+
+def _one_step_records(checkpointed):
+    torch.manual_seed(0)
+    model = _Checkpointed(checkpointed)
+    with Recorder(model) as recorder:
+        recorder.begin_step(0)
+        loss = model(torch.randn(4, 6)).pow(2).mean()
+        recorder.before_backward(loss)
+        loss.backward()
+        records = recorder.end_step()
+    return {key: p.fp for key, p in zip(records.keys, records.prints)}, [
+        (c.module, c.index, c.parent) for c in records.calls]
+
+
+def test_a_reentrant_checkpoint_records_what_the_plain_model_records():
+    """Recomputed in backward, the block's calls keep their forward identity: its backward
+    records are keyed (and valued) as without the checkpoint, and the call tree is the
+    forward's, without the recomputation."""
+    plain, plain_calls = _one_step_records(checkpointed=False)
+    checkpointed, calls = _one_step_records(checkpointed=True)
+    assert checkpointed == plain
+    assert calls == plain_calls
+
+
+class _Spectral(torch.nn.Module):
+    """A linear layer, rfft, a complex filter, irfft: complex outputs and gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.to_freq = _Call(lambda x: torch.fft.rfft(x, dim=-1))
+        self.filt = _Call(lambda f: f * self.filt.weight)
+        self.filt.weight = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        self.from_freq = _Call(lambda f: torch.fft.irfft(f, n=6, dim=-1))
+
+    def forward(self, x):
+        return self.from_freq(self.filt(self.to_freq(self.fc(x))))
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("module,phase,slot", [("to_freq", "forward", "out"),
+                                               ("filt", "forward", "out"),
+                                               ("filt", "backward", "grad_in.0")])
+def test_a_fault_in_a_module_with_complex_values_changes_one_part_by_one_ulp(module, phase, slot):
+    """A module whose output (or input gradient) is complex has no real floating tensor:
+    the fault moves one real part by 1 ULP (it never fired)."""
+    result = module_audit(_mean_square_probe(_Spectral), repeats=2, fault=Fault(module, phase, 1))
+    origin = result.comparison.origins[0]
+    assert (origin.module, origin.phase, origin.step, origin.slots) == (module, phase, 1, [slot])
+
+
+def test_labels_beside_the_tensors_of_an_inference_output_are_compared():
+    """An inference step's output holds labels and counts beside its tensors: each is a
+    record under its path, so detections whose labels differ diverge (they passed)."""
+    labels = iter(["cat", "dog"])  # one per repeat
+
+    def probe(device):
+        model = torch.nn.Linear(4, 2)
+        label = next(labels)
+
+        def step(m, batch):
+            return [{"scores": m(batch), "label": label, "rank": 3, "box": None}]
+
+        return Probe(model=model, batches=[torch.ones(2, 4)], step=step)
+
+    result = module_audit(probe, repeats=2, mode="infer")
+    slots = [s for p, s in zip(result.traces[0].records["phase"], result.traces[0].records["slot"])
+             if p == "output"]
+    assert slots == ["detections.0.scores", "detections.0.label", "detections.0.rank",
+                     "detections.0.box"]
+    assert not result.deterministic
+    assert [d.slot for d in result.comparison.first_diffs] == ["detections.0.label"]

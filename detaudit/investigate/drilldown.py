@@ -95,9 +95,12 @@ def _outside_dispatcher(
     """A module the replay shows as an origin again, with no op inside it differing on equal
     inputs: its difference comes from code the dispatcher does not see. With the module
     calls in which Python's or numpy's RNG advanced, the detectable such code; a module
-    fault planted there (``--inject-fault`` without an op) is that code, and said so."""
+    fault planted there (``--inject-fault`` without an op) is that code, and said so. An
+    origin op of the same phase in another module claims nothing: the module records then
+    place the difference where the op records do not, and the op is the evidence."""
     origin = next((o for o in modules.origins if o.step == step), None)
-    if origin is None or any(within(op.module, origin.module) for op in op_origins):
+    if origin is None or any(within(op.module, origin.module) or op.phase == origin.phase
+                             for op in op_origins):
         return None
     draws = sorted({m or "(model)" for m, _ in host_draws if within(m, origin.module)})
     # (a backward fault in a module that sends no gradient back to its input lands in the

@@ -11,23 +11,28 @@ _INT_OF_FLOAT = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
 
 
 def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
-    """How two versions of one tensor differ: elements, max |a-b|, max ULP, relative error."""
+    """How two versions of one tensor differ: elements, max |a-b|, max ULP, relative error
+    (complex: |a-b| as a modulus, ULPs of the real and imaginary parts)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return {"elements": None, "of": a.numel(),
                 "note": f"{tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"}
     differ = a != b
-    if a.is_floating_point():
+    if a.is_floating_point() or a.is_complex():
         differ = differ & ~(a.isnan() & b.isnan())
     out: dict[str, Any] = {"elements": int(differ.sum()), "of": a.numel(),
                            "max_abs_diff": None, "max_ulp": None, "rel_error": None}
     if not out["elements"]:
         return out
-    wide = torch.float64 if a.is_floating_point() or a.is_complex() else torch.int64
+    wide = (torch.complex128 if a.is_complex() else
+            torch.float64 if a.is_floating_point() else torch.int64)
     diff = (a.to(wide) - b.to(wide)).abs()
     out["max_abs_diff"] = float(diff.max())
-    if a.dtype in _INT_OF_FLOAT:
-        out["max_ulp"] = int((_ordered_bits(a) - _ordered_bits(b)).abs().max())
-        norm = float(a.to(torch.float64).norm())
+    # a complex number's ULPs are those of its real and imaginary parts
+    parts_a, parts_b = ((torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj()))
+                        if a.is_complex() else (a, b))
+    if parts_a.dtype in _INT_OF_FLOAT:
+        out["max_ulp"] = int((_ordered_bits(parts_a) - _ordered_bits(parts_b)).abs().max())
+        norm = float(a.to(wide).norm())
         out["rel_error"] = float(diff.norm()) / norm if norm else None
     return out
 

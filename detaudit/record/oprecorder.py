@@ -3,10 +3,11 @@
 Runs on top of the module-level :class:`~detaudit.recorder.Recorder`, which says where each
 op runs: in forward, the innermost module call on the hook stack; in backward, the module
 call whose forward created the autograd node now executing
-(``torch._C._current_autograd_node()``, matched by sequence number). Records go into the
-same step records as the module level, under the phases ``op.forward`` / ``op.backward``
-and slots ``op<k>/<namespace.op>/in.<i>`` or ``.../out.<i>``, where k counts the ops of
-that module call in execution order.
+(``torch._C._current_autograd_node()``, matched by sequence number, or marked by the
+recorder where a checkpoint recomputed it). Records go into the same step records as the
+module level, under the phases ``op.forward`` / ``op.backward`` and slots
+``op<k>/<namespace.op>/in.<i>`` or ``.../out.<i>``, where k counts the ops of that module
+call in execution order.
 
 The same mode, with recording off, plants op-level faults and runs the census
 (op counts per module, and the deterministic-algorithms alerts each op raised).
@@ -26,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..config import Fault
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD
 from .recorder import Call, Recorder
-from .structure import iter_tensors, next_ulp
+from .structure import has_ulps, iter_tensors, next_ulp
 
 # Ops that only re-label memory or metadata: their outputs are their inputs.
 PASSTHROUGH_OPS = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}
@@ -109,10 +110,12 @@ class ModelOpMode(TorchDispatchMode):
 
     def where(self) -> tuple[str, Call | None]:
         """The phase of the op now dispatched and its module call: in forward the innermost
-        call on the hook stack, in backward the call whose forward made the running node."""
+        call on the hook stack, in backward the call whose forward made the running node --
+        but a forward run again inside backward (a checkpoint's recomputation) is forward."""
         node = torch._C._current_autograd_node()
-        if node is None:
-            return FORWARD, self.recorder.current_call()
+        call = self.recorder.current_call(node)
+        if node is None or call is not None:
+            return FORWARD, call
         return BACKWARD, self.recorder.call_for_node(node)
 
 
@@ -248,7 +251,7 @@ def accumulate_arg(func: Any, args: tuple, kwargs: dict) -> bool | None:
 def _perturbed(t: torch.Tensor, largest: bool = False) -> torch.Tensor | None:
     if not t.numel():
         return None
-    if t.is_floating_point():  # an all-zero output (a gradient nothing reached) is skipped:
+    if has_ulps(t):  # an all-zero output (a gradient nothing reached) is skipped:
         return next_ulp(t, largest) if bool((t != 0).any()) else None  # 1 ULP of 0 vanishes
     flat = t.reshape(-1)
     different = (flat != flat[0]).nonzero()

@@ -10,6 +10,11 @@ a node created inside the call (by sequence number) whose edge leads to a node c
 before it. This gives each consumer's own contribution, even for inputs that several
 modules share (FPN features feed the RPN and both RoI poolers), and it adds nothing to the
 graph, so gradient accumulation order -- and so the numbers -- stay exactly as without us.
+
+A reentrant checkpoint runs its forward without grad and again inside backward, where the
+graph backward then runs is built. Such a recomputation takes the identity of the call it
+runs again (its records are that call's backward records), and the graph it builds is
+hooked, as the forward's is before backward, when its outermost call returns.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import bisect
 import random
 import sys
 import threading
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -32,12 +37,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..config import Fault
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, STATE
 from .fingerprint import Fingerprinter, TensorPrint
-from .structure import iter_tensors, next_ulp, replace_first_float, within
+from .structure import has_ulps, iter_leaves, iter_tensors, next_ulp, replace_first_float, within
 
 WATCH_MODULE, WATCH_CALLS, WATCH_NONE = "module", "calls", "none"
 WATCH_LEVELS = (WATCH_MODULE, WATCH_CALLS, WATCH_NONE)
 _AccumulateGrad = torch._C._functions.AccumulateGrad  # the node that fills a leaf's .grad
 RecordKey = tuple[str, str, int, str]  # (phase, module, call, slot)
+SeqIndex = tuple[list[int], list[list[int]]]  # sequence numbers -> enclosing calls from there
+_CALL_OF_NODE = "detaudit.call"  # a recomputed node's metadata: the Call that made it
 
 
 @dataclass
@@ -54,6 +61,10 @@ class Call:
     # dies with its last reference, and the graph walk before backward would then meet the
     # same node under a new id (and another node could take the old one).
     edge_objects: list[Any] = field(default_factory=list)
+    # Inside backward: the autograd node running (None in forward), and the position of the
+    # forward call this call runs again, a checkpoint's recomputation (-1: a call of its own).
+    backward_node: Any = None
+    original: int = -1
 
 
 @dataclass
@@ -165,7 +176,12 @@ class Recorder:
         self._calls: list[Call] = []
         self._stack: list[tuple[int, bytes | None, int | None]] = []
         self._counts: dict[str, int] = {}
-        self._seq_index: tuple[int, list[int], list[list[int]]] | None = None
+        self._seq_index: SeqIndex | None = None
+        # calls by (parent position, module) and by (first sequence number, module), where a
+        # recomputation finds the calls it runs again
+        self._children: dict[tuple[int, str], list[int]] = {}
+        self._starting: dict[tuple[int, str], list[int]] = {}
+        self._recomputed = False  # some nodes of this step's graph carry their call
 
     def begin_step(self, step: int, watch: str | None = None, rehook: bool = True) -> None:
         """Start recording global step `step`, watching its modules as `watch` says (default:
@@ -198,34 +214,64 @@ class Recorder:
         prints = self.fp.collect()
         for call in self._calls:  # a graph never run backward would keep its saved tensors
             call.edge_objects.clear()
-        out = StepRecords(self._keys, prints, self._calls if self._records_modules else [])
+            call.backward_node = None
+        out = StepRecords(self._keys, prints, self._call_tree() if self._records_modules else [])
         self._reset_step()
         return out
 
+    def _call_tree(self) -> list[Call]:
+        """The step's calls but recomputations, each parent a position among them (a call
+        made anew inside a recomputation sits in the call recomputed)."""
+        calls = self._calls
+        kept = {i: n for n, i in enumerate(i for i, c in enumerate(calls) if c.original < 0)}
+        if len(kept) == len(calls):
+            return calls
+
+        def place(p: int) -> int:
+            return -1 if p < 0 else kept[p if calls[p].original < 0 else calls[p].original]
+
+        return [replace(c, parent=place(c.parent)) for c in calls if c.original < 0]
+
     # -- where execution is now (for the op-level recorder) ------------------------------
-    def current_call(self) -> Call | None:
-        """The innermost module call running forward right now, if any."""
-        return self._calls[self._stack[-1][0]] if self._stack else None
+    def current_call(self, node: Any = None) -> Call | None:
+        """The innermost module call running forward right now, if any: in forward, or (with
+        `node`) inside the backward of autograd `node`, as a checkpoint recomputes."""
+        if not self._stack:
+            return None
+        call = self._calls[self._stack[-1][0]]
+        return call if call.backward_node is node else None
 
     def call_for_node(self, node: Any) -> Call | None:
         """The innermost module call whose forward created autograd `node`."""
         if node is None or not self._calls:
             return None
+        if self._recomputed:
+            metadata = node.metadata
+            if _CALL_OF_NODE in metadata:
+                return metadata[_CALL_OF_NODE]
         chain = self._enclosing_calls(node._sequence_nr())
         return self._calls[chain[0]] if chain else None
 
     # -- generic records ---------------------------------------------------------------
     def record(
         self, phase: str, module: str, call: int, slot: str, value: Any, stats: bool = True,
-        algorithm: str | None = None, written: bool = False,
+        algorithm: str | None = None, written: bool = False, plain: bool = False,
     ) -> None:
         """Fingerprint every tensor in `value` under (phase, module, call, slot[.path]);
-        `algorithm` and `written` as :meth:`Fingerprinter.add_many` takes them."""
-        tensors = []
-        for path, tensor in iter_tensors(value):
-            self._keys.append((phase, module, call, _slot(slot, path)))
-            tensors.append(tensor)
+        `algorithm` and `written` as :meth:`Fingerprinter.add_many` takes them. With `plain`,
+        its str, int, float, bool and None values too, each printed by its repr after the
+        tensors (a label that differs is a divergence)."""
+        tensors, values = [], []
+        for path, leaf in (iter_leaves if plain else iter_tensors)(value):
+            if isinstance(leaf, torch.Tensor):
+                self._keys.append((phase, module, call, _slot(slot, path)))
+                tensors.append(leaf)
+            else:
+                values.append((path, leaf))
         self.fp.add_many(tensors, stats, algorithm, written)
+        for path, leaf in values:
+            self._keys.append((phase, module, call, _slot(slot, path)))
+            self.fp.add_bytes(repr(leaf).encode())
 
     def record_state(self, batch: Any, as_loaded: bool = False) -> None:
         """Step-boundary state: the batch and every RNG. A batch `as_loaded` (as the data
@@ -346,24 +392,38 @@ class Recorder:
     # -- forward hooks -------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         name = self._names.get(id(module), type(module).__name__)
-        index = self._counts.get(name, 0)
-        self._counts[name] = index + 1
+        node = torch._C._current_autograd_node()
         parent = self._stack[-1][0] if self._stack else -1
-        call = Call(name, index, parent, seq_start=_get_sequence_nr())
+        if parent >= 0 and self._calls[parent].backward_node is not node:
+            parent = -1  # begun anew in backward (or after it), not in the calls left open
+        original = self._recomputes(name, node, parent) if node is not None else -1
+        if original >= 0:
+            index = self._calls[original].index
+        else:
+            index = self._counts.get(name, 0)
+            self._counts[name] = index + 1
+            if node is None:
+                self._seq_index = None
+        position = len(self._calls)
+        call = Call(name, index, parent, seq_start=_get_sequence_nr(), backward_node=node,
+                    original=original)
+        self._children.setdefault((parent, name), []).append(position)
+        self._starting.setdefault((call.seq_start, name), []).append(position)
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             inputs: Any = (("0", args[0]),)  # the common case, without walking the structure
         else:
             inputs = _iter_inputs(args, kwargs)
         recording = self._records_modules
         for path, tensor in inputs if recording else ():
-            self._keys.append((FORWARD, name, index, f"in.{path}"))
-            self.fp.add(tensor)
+            if original < 0:  # a recomputation's forward records would be its original's
+                self._keys.append((FORWARD, name, index, f"in.{path}"))
+                self.fp.add(tensor)
             if tensor.requires_grad:
                 edge = (tensor.grad_fn, tensor.output_nr) if tensor.grad_fn else (tensor, 0)
                 call.inputs.setdefault((id(edge[0]), edge[1]), path)
                 call.edge_objects.append(edge[0])
         self._calls.append(call)
-        rng = _module_rng_state() if self.track_rng and recording else None
+        rng = _module_rng_state() if self.track_rng and recording and original < 0 else None
         host = _host_rng_state() if self.watch_host_rng else None
         self._stack.append((len(self._calls) - 1, rng, host))
 
@@ -375,7 +435,8 @@ class Recorder:
         if host_before is not None and _host_rng_state() != host_before:
             self.host_draws.add((call.module, call.index))
         call.seq_end = _get_sequence_nr()
-        self._seq_index = None
+        if call.backward_node is None:
+            self._seq_index = None
         replaced = None
         fault = self.fault
         if (
@@ -388,13 +449,15 @@ class Recorder:
                 output, self.fault_fired = replaced, True
             else:
                 replaced = None
+        if call.original >= 0 and call.parent < 0:
+            self._hook_recomputation(position, output)
         if not self._records_modules:
             return replaced
         outputs = (("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)
         for path, tensor in outputs:
-            slot = _slot("out", path)
-            self._keys.append((FORWARD, call.module, call.index, slot))
-            self.fp.add(tensor)
+            if call.original < 0:
+                self._keys.append((FORWARD, call.module, call.index, _slot("out", path)))
+                self.fp.add(tensor)
             if tensor.requires_grad:
                 handle = tensor.register_hook(self._grad_out_hook(call, _slot("grad_out", path)))
                 self._step_handles.append(handle)
@@ -414,27 +477,80 @@ class Recorder:
 
         return hook
 
+    def _recomputes(self, name: str, node: Any, parent: int) -> int:
+        """The position of the forward call that a call of `name` starting now, inside the
+        backward of autograd `node`, runs again (a reentrant checkpoint's), or -1. Inside a
+        recomputation it is the next call of `name` inside the call its parent runs again;
+        one begins with the next call of `name` that `node`'s own forward made (an autograd
+        Function's forward runs without grad: all its calls begin right after `node`)."""
+        calls = self._calls
+        if parent >= 0:
+            scope = calls[parent].original
+            if scope < 0:
+                return -1
+            candidates = self._children.get((scope, name), [])
+            done = len(self._children.get((parent, name), ()))
+        else:
+            seq = node._sequence_nr() + 1
+            candidates = [i for i in self._starting.get((seq, name), ())
+                          if calls[i].parent < 0 or calls[calls[i].parent].seq_start != seq]
+            done = sum(1 for i in self._children.get((-1, name), ())
+                       if calls[i].backward_node is node and calls[i].original >= 0)
+        if done >= len(candidates):
+            return -1
+        match = candidates[done]
+        return calls[match].original if calls[match].original >= 0 else match
+
     # -- backward ------------------------------------------------------------------------
     def before_backward(self, loss: torch.Tensor) -> None:
         """Walk the graph once and hook every autograd node on a module call's boundary."""
         if loss.grad_fn is None or not self._calls:
             return
+        if self._records_modules or self._backward_fault_now():
+            self._hook_graph([loss.grad_fn], self._enclosing_calls)
+
+    def _backward_fault_now(self) -> bool:
+        fault = self.fault
+        return fault is not None and fault.phase == BACKWARD and fault.step == self._step
+
+    def _hook_recomputation(self, position: int, output: Any) -> None:
+        """Hook the graph that a recomputation (its outermost call at `position`) has just
+        built, which backward runs next, and mark each node with the call that made it for
+        the op level (on a GPU, their sequence numbers count on the thread of backward)."""
+        calls = self._calls
+        floor = calls[position].seq_start
+        index = self._seq_index_of(list(range(position, len(calls))))
+        roots = [t.grad_fn for _, t in iter_tensors(output)
+                 if t.grad_fn is not None and t.grad_fn._sequence_nr() >= floor]
+        outside = self.call_for_node(calls[position].backward_node)
+        self._recomputed = True
+        self._hook_graph(roots, lambda seq: _chain_at(index, seq), floor, outside,
+                         boundaries=self._records_modules or self._backward_fault_now())
+
+    def _hook_graph(
+        self, roots: list[Any], chain_of: Callable[[int], list[int]], floor: int | None = None,
+        outside: Call | None = None, boundaries: bool = True,
+    ) -> None:
+        """Walk the graph from `roots` and hook every node on a module call's boundary (only
+        mark the nodes without `boundaries`); `chain_of` gives the calls that made a node.
+        With a `floor` (a recomputation's first sequence number) the walk stays among nodes
+        made from there on and marks each with its innermost call (`outside` if none)."""
         calls = self._calls
         params = {id(p): name.rpartition(".")[0] for name, p in self._params.items()}
         fault = self.fault
-        fault_here = fault is not None and fault.phase == BACKWARD and fault.step == self._step
-        if not (self._records_modules or fault_here):
-            return
-        boundaries: dict[Any, list[tuple[int, int, str | None]]] = {}
+        fault_here = self._backward_fault_now()
+        edges_of: dict[Any, list[tuple[int, int, str | None]]] = {}
         # One call can send several gradients to the same input (x + f(x)): they are told
         # apart as slot, slot#1, ... in the order of this walk, not in the order backward
         # happens to deliver them (which varies when several threads run it).
         sent: dict[tuple[int, str], int] = {}
-        seen = {loss.grad_fn}
-        todo = [loss.grad_fn]
+        seen = set(roots)
+        todo = list(roots)
         while todo:
             node = todo.pop()
-            chain = self._enclosing_calls(node._sequence_nr())
+            chain = chain_of(node._sequence_nr())
+            if floor is not None:
+                node.metadata[_CALL_OF_NODE] = calls[chain[0]] if chain else outside
             for k, (nxt, nr) in enumerate(node.next_functions):
                 if nxt is None:
                     continue
@@ -450,37 +566,41 @@ class Recorder:
                                        None) if fault_here else None
                         if planted is not None and not calls[planted].inputs and within(
                                 params[id(leaf)], fault.module):
-                            boundaries.setdefault(node, []).append((k, planted, None))
+                            edges_of.setdefault(node, []).append((k, planted, None))
                         continue
                     target, created = (id(leaf), 0), -1  # a leaf: outside every call
                 else:
                     target, created = (id(nxt), nr), nxt._sequence_nr()
-                    if nxt not in seen:
+                    if nxt not in seen and (floor is None or created >= floor):
                         seen.add(nxt)
                         todo.append(nxt)
-                for c in chain:  # innermost first: stop at the first call that made `nxt`
-                    if calls[c].seq_start <= created:
+                for c in chain if boundaries else ():  # innermost first: stop at the first
+                    if calls[c].seq_start <= created:  # call that made `nxt`
                         break
                     slot = _slot("grad_in", calls[c].inputs.get(target, f"?{nxt.name()}"))
                     n = sent[(c, slot)] = sent.get((c, slot), -1) + 1
-                    boundaries.setdefault(node, []).append((k, c, f"{slot}#{n}" if n else slot))
-        for node, edges in boundaries.items():
+                    edges_of.setdefault(node, []).append((k, c, f"{slot}#{n}" if n else slot))
+        for node, edges in edges_of.items():
             self._step_handles.append(node.register_hook(self._boundary_hook(edges)))
 
     def _enclosing_calls(self, seq: int) -> list[int]:
-        """The calls (innermost first) whose forward created the node with sequence nr `seq`.
+        """The forward calls (innermost first) that created the node with sequence nr `seq`.
 
         Which calls enclose `seq` changes only where a call starts or ends, so the answer is
-        kept per interval between those points, rebuilt when calls were added."""
-        index = self._seq_index
-        if index is None or index[0] != len(self._calls):
-            points = sorted({p for c in self._calls for p in (c.seq_start, c.seq_end)})
-            order = sorted(range(len(self._calls)), key=lambda i: self._calls[i].seq_start)
-            starts = [self._calls[i].seq_start for i in order]
-            chains = [self._enclosing_at(p, order, starts) for p in points]
-            index = self._seq_index = (len(self._calls), points, chains)
-        i = bisect.bisect_right(index[1], seq) - 1
-        return index[2][i] if i >= 0 else []
+        kept per interval between those points, rebuilt when a forward call began or ended."""
+        if self._seq_index is None:
+            self._seq_index = self._seq_index_of(
+                [i for i, c in enumerate(self._calls) if c.backward_node is None])
+        return _chain_at(self._seq_index, seq)
+
+    def _seq_index_of(self, positions: list[int]) -> SeqIndex:
+        """For the calls at `positions`: each point where one starts or ends, and the calls
+        enclosing the sequence numbers from there to the next point."""
+        calls = self._calls
+        points = sorted({p for i in positions for p in (calls[i].seq_start, calls[i].seq_end)})
+        order = sorted(positions, key=lambda i: calls[i].seq_start)
+        starts = [calls[i].seq_start for i in order]
+        return points, [self._enclosing_at(p, order, starts) for p in points]
 
     def _enclosing_at(self, seq: int, order: list[int], starts: list[int]) -> list[int]:
         """`_enclosing_calls(seq)` the slow way: the last call started, then its ancestors."""
@@ -509,7 +629,7 @@ class Recorder:
                 if (
                     fault is not None and fault.phase == BACKWARD and fault.step == self._step
                     and fault.module == call.module and call.index == 0 and not self.fault_fired
-                    and grad.is_floating_point()
+                    and has_ulps(grad)
                 ):
                     with _disable_current_modes():  # the fault's own ops are not the model's
                         # an all-zero gradient (nothing reached that input) cannot carry 1 ULP
@@ -545,6 +665,12 @@ def _parameter_keys(phase: str, items: list[tuple[str, Any]], kind: str = "param
     <kind>.<name>)."""
     return [(phase, owner, 0, f"{kind}.{local}")
             for owner, _, local in (name.rpartition(".") for name, _ in items)]
+
+
+def _chain_at(index: SeqIndex, seq: int) -> list[int]:
+    """The calls (innermost first) enclosing sequence number `seq` in `index`."""
+    i = bisect.bisect_right(index[0], seq) - 1
+    return index[1][i] if i >= 0 else []
 
 
 def _slot(prefix: str, path: str) -> str:

@@ -7,26 +7,41 @@ from typing import Any, Callable
 
 import torch
 
+PLAIN_VALUES = (str, int, float, bool, type(None))  # what a label, a count or a score is
+
 
 def iter_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor inside `obj` with a stable path such as ``0.boxes`` or ``features.p2``."""
+    return _leaves(obj, path, plain=False)
+
+
+def iter_leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Every tensor inside `obj`, as :func:`iter_tensors` finds them, and every str, int,
+    float, bool and None among them, each with its path (``0.label``)."""
+    return _leaves(obj, path, plain=True)
+
+
+def _leaves(obj: Any, path: str, plain: bool) -> Iterator[tuple[str, Any]]:
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, dict):
         for key, value in obj.items():
-            yield from iter_tensors(value, _join(path, str(key)))
+            yield from _leaves(value, _join(path, str(key)), plain)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            yield from iter_tensors(value, _join(path, str(i)))
+            yield from _leaves(value, _join(path, str(i)), plain)
     elif hasattr(obj, "tensors") and isinstance(obj.tensors, torch.Tensor):
         # torchvision's ImageList: the padded batch plus the original sizes.
-        yield from iter_tensors(obj.tensors, _join(path, "tensors"))
+        yield from _leaves(obj.tensors, _join(path, "tensors"), plain)
+    elif plain and isinstance(obj, PLAIN_VALUES):
+        yield path, obj
 
 
 def replace_first_float(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Any, bool]:
-    """A copy of `obj` with `fn` applied to its first non-empty floating tensor; (new, found)."""
+    """A copy of `obj` with `fn` applied to its first non-empty floating (or complex) tensor;
+    (new, found)."""
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.numel() > 0:
+        if has_ulps(obj) and obj.numel() > 0:
             return fn(obj), True
         return obj, False
     if isinstance(obj, dict):
@@ -53,20 +68,28 @@ def replace_first_float(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) ->
     return obj, False
 
 
+def has_ulps(t: torch.Tensor) -> bool:
+    """Whether `t` holds floating-point numbers (real or complex) that :func:`next_ulp` moves."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def next_ulp(t: torch.Tensor, largest: bool = False) -> torch.Tensor:
     """`t` with one element moved up by one ULP, as a graph-preserving new tensor: the
     first element, or with `largest` the one of largest magnitude (the first of them) --
     for gradients, which are often zero where nothing reached, and 1 ULP of zero vanishes
-    in the next sum."""
-    flat = t.detach().reshape(-1)
+    in the next sum. Of a complex tensor, one real or imaginary part (the first element's
+    real part)."""
+    parts = torch.view_as_real(t.detach().resolve_conj()) if t.is_complex() else t.detach()
+    flat = parts.reshape(-1)
     i = int(torch.nan_to_num(flat.abs().float(), nan=0.0, posinf=0.0).argmax()) if (
         largest and flat.numel() > 1) else 0
     x = flat[i:i + 1]
     delta = torch.full_like(flat, -0.0)
     delta[i:i + 1] = torch.nextafter(x, torch.full_like(x, float("inf"))) - x
     # x + (-0.0) is exactly x (signed zeros included) and x0 + (next(x0) - x0) == next(x0),
-    # so exactly one element changes.
-    return t + delta.reshape(t.shape)
+    # so exactly one element changes (complex addition adds the parts apart).
+    delta = delta.reshape(parts.shape)
+    return t + (torch.view_as_complex(delta) if t.is_complex() else delta)
 
 
 def within(name: str, module: str) -> bool:
