@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .analysis.compare import Comparison, compare
 from .analysis.diff import GateResult, diff_traces
 from .analysis.ranks import RankAnalysis
-from .analysis.verdict import Verdict, judge, junit_error
+from .analysis.verdict import REFUSED, Verdict, judge, junit_error
 from .config import SCAN, AuditConfig, Fault, Investigations, Launch, ProbeSpec
 from .errors import DetauditError, ProbeError
 from .report import render_console, summarize, write_reports
@@ -68,6 +68,13 @@ STAGE_NAMES = {"ops": "op-level replay of the first divergent step", "census": "
                "verify": "fix verification",
                "zoom": "zoom: replay to the first divergent step, module and op level"}
 ZOOMED_CAUSES = ("forward", "backward")  # what the scan's step state cannot locate
+
+
+def needs_zoom(comparison: Comparison) -> bool:
+    """Whether the first divergent step of a scan needs a zoom to be located: it parted in
+    forward or backward, or drew a different amount of randomness although it began alike."""
+    return comparison.cause in ZOOMED_CAUSES or (
+        comparison.cause == "rng" and bool(comparison.drawn))
 
 
 @dataclass
@@ -217,8 +224,15 @@ def run(
             mark_interrupted(folder)
             raise
         except BaseException as exc:
-            folder.set_state(f"failed during {folder.info.state}: {failure_line(exc)}")
+            folder.set_state(stopped_state(folder.info.state, exc))
             raise
+
+
+def stopped_state(state: str, exc: BaseException) -> str:
+    """A run folder's state once `exc` stopped it during `state`: refused for bad input
+    found on the way (exit 2 when rendered again, as it was live), else failed."""
+    how = REFUSED if isinstance(exc, DetauditError) else "failed"
+    return f"{how} during {state}: {failure_line(exc)}"
 
 
 def failure_line(exc: BaseException) -> str:
@@ -241,7 +255,7 @@ def _run_here(
     traces, timings = _record(spec, factory, config, folder, launch.isolation, progress)
     comparison = compare(traces)
     check_fault_seen(config.fault, comparison)
-    zoomed = _zoom(spec, factory, config, comparison, wanted, folder, progress)
+    zoomed = _zoom(spec, factory, config, comparison, wanted, folder, progress, launch.isolation)
     found = _investigate(spec, factory, config, comparison, traces, wanted, folder, progress)
     folder.info.state = COMPLETE
     folder.save()
@@ -594,17 +608,21 @@ def _isolate_the_rest(
 def _zoom(
     spec: ProbeSpec, factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
     wanted: Investigations, folder: RunFolder | _Unsaved, progress: Progress,
+    isolation: str = "inprocess",
 ) -> Comparison | None:
-    """A scanned run that parted in forward or backward: replay to that step and record it
-    at module and op level (the zoomed traces join the run folder); their comparison."""
+    """A scanned run that parted in forward or backward (or drew a different amount of
+    randomness in a step that began alike): replay to that step and record it at module and
+    op level (the zoomed traces join the run folder); their comparison. Runs recorded each in
+    its own process are replayed so too when a replay here does not part."""
     if not (config.granularity == SCAN and wanted.drill_down and comparison.first_step
-            is not None and not comparison.failures and comparison.cause in ZOOMED_CAUSES):
+            is not None and not comparison.failures and needs_zoom(comparison)):
         return None
     from .investigate.zoom import zoom
 
     folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
     progress.stage("zoom")
-    found, traces = zoom(factory, config, comparison, spec, wanted.zoom_tries)
+    apart = isolation == "process" or "isolation" in folder.info.extra
+    found, traces = zoom(factory, config, comparison, spec, wanted.zoom_tries, apart)
     found["traces"] = [zoom_name(t.repeat) for t in traces]
     for trace in traces:
         folder.add_zoom_trace(trace)

@@ -29,13 +29,16 @@ from .analysis.ranks import RankAnalysis
 from .analysis.verdict import Verdict, judge
 from .api import (
     STAGE_NAMES,
-    ZOOMED_CAUSES,
     Progress,
     check_fault_seen,
     mark_interrupted,
+    needs_zoom,
+    stopped_state,
     write_run_reports,
 )
 from .config import (
+    ATTACH_MODES,
+    AUTO,
     CALLS_UNSEEN,
     ENDED,
     FAULT_FIRED,
@@ -94,6 +97,11 @@ class Compared:
     def exit_code(self) -> int:
         return self.verdict.exit_code
 
+    def __repr__(self) -> str:
+        """The verdict line (a console or terminal IPython shows this, not the report)."""
+        where = f"; reports: {self.folder}" if self.folder is not None else ""
+        return f"<detaudit.Compared {self.verdict.headline} (exit {self.exit_code}){where}>"
+
     def _repr_html_(self) -> str:
         """The HTML report in a frame of its own: a notebook shows it inline, and the
         report's styles stay off the notebook's page."""
@@ -117,8 +125,8 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
                             "compare runs of one training (`detaudit diff A B` tells two apart)")
     _refuse_other_models(traces)
     run_id = new_run_id()
-    traces = [_as_repeat(t, i, run_id) for i, t in enumerate(traces)]
-    for trace in traces:
+    originals, traces = traces, [_as_repeat(t, i, run_id) for i, t in enumerate(traces)]
+    for trace, given in zip(traces, originals):
         if trace.failure is None and trace.probe.get(ENDED) is False:
             # killed (SIGTERM, SIGKILL), os._exit, or still running: the steps since its
             # last save are missing, so it is short of what ran, not different
@@ -126,6 +134,8 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
                              "os._exit; or it is still running) after step "
                              f"{len(trace.steps) - 1}, the last step saved; the steps after it "
                              "are lost")
+        if trace.failure is not None and isinstance(given, TraceFile):  # which one to leave out
+            trace.failure += f" (its trace: {given.path.name})"
     named = " ".join(str(r) for r in runs if not isinstance(r, (Trace, TraceFile)))
     info = _info(traces[0], run_id, f"detaudit compare {named}", f"{len(traces)} runs compared")
     if out is None:
@@ -236,7 +246,7 @@ def _conclude(traces: list[AnyTrace], info: RunInfo, folder: RunFolder | None,
         folder.save()
     verdict = judge(comparison, info.extra.get("ops"), ranks, zoom=zoom,
                     zoom_found=info.extra.get("zoom"))
-    if not replayed and verdict.kind == DIVERGENT and comparison.cause in ZOOMED_CAUSES and not (
+    if not replayed and verdict.kind == DIVERGENT and needs_zoom(comparison) and not (
             any(d.phase in (FORWARD, BACKWARD) for d in comparison.first_diffs)):
         verdict = replace(verdict, headline=(
             f"{verdict.headline}; the runs were recorded at scan level and compare cannot "
@@ -265,11 +275,15 @@ class watch:
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, out: str | Path = "reports/watch",
-                 max_steps: int | None = None, name: str | None = None) -> None:
+                 max_steps: int | None = None, name: str | None = None, mode: str = AUTO
+                 ) -> None:
         from torch import nn
 
         if not isinstance(model, nn.Module):
             raise DetauditError(f"watch needs the nn.Module being trained, not {type(model).__name__}")
+        if mode not in ATTACH_MODES:
+            raise DetauditError(f"mode must be one of {', '.join(ATTACH_MODES)}, not {mode!r}")
+        self.mode = mode
         if max_steps is not None and max_steps < 1:
             raise DetauditError("max_steps must be at least 1")
         self.model, self.optimizer = model, optimizer
@@ -291,7 +305,7 @@ class watch:
         del probe[PROBE_CONFIG]["seed"]  # watch seeds nothing: the user's code does, or not
         self._attachment = Attachment(self.path, probe, model=self.model,
                                       optimizer=self.optimizer, max_steps=self.max_steps,
-                                      on_limit=self._limit).install()
+                                      on_limit=self._limit, mode=self.mode).install()
         _WATCHED.add(id(self.model))
         return self
 
@@ -340,6 +354,10 @@ class watch:
             if self.path is not None and self.path.stat().st_size == 0:
                 self.path.unlink()  # nothing was recorded: no trace, not an empty file
         trace = self._attachment.trace
+        if self._attachment.given_optimizer_idle:
+            warnings.warn("detaudit.watch: the optimizer given never stepped while another one "
+                          "did, so no update was recorded: give watch the optimizer your loop "
+                          "steps, or none (watch finds it)", stacklevel=2)
         if self.model is not None and self.steps and not self._attachment.batches_seen and (
                 not trace.probe.get(CALLS_UNSEEN)):  # (then the report says why)
             warnings.warn(f"detaudit.watch: the model given ({type(self.model).__name__}) was "
@@ -434,7 +452,7 @@ def exec_command(
                 folder.info.traces = [trace_name(t.repeat, primary) for t in traces]
             zoomed = None
             if (job.zoom and comparison.first_step is not None and not comparison.failures
-                    and comparison.cause in ZOOMED_CAUSES):
+                    and needs_zoom(comparison)):
                 folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
                 progress.stage("zoom")
                 zoomed = _zoom_command(command, job, folder, probe, comparison, config, spec,
@@ -444,7 +462,7 @@ def exec_command(
             mark_interrupted(folder)
             raise
         except BaseException as exc:
-            folder.set_state(f"failed during {folder.info.state}: {type(exc).__name__}")
+            folder.set_state(stopped_state(folder.info.state, exc))
             raise
         return _conclude(traces, info, folder, timings, zoomed, ranks, comparison)
 
@@ -596,7 +614,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         "trace": str(path), "probe": probe, "repeat": repeat, "seed": job.seed,
         "max_steps": job.max_steps, "max_epochs": job.max_epochs, "zoom": zoom,
         "fault": asdict(fault) if fault is not None else None,
-        "planted_step": job.fault.step if job.fault is not None else None,
+        "planted_step": job.fault.step if job.fault is not None else None, "mode": job.mode,
     })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:
@@ -621,9 +639,11 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     if not recorded:
         how = "ended" if code == 0 else f"exited with code {code}"
         raise DetauditError(
-            f"repeat {repeat}: {_shell_line(command)!r} {how} before its first training step "
-            "(no optimizer step and no training-mode call of a module was seen; the Python "
-            f"that runs it must have detaudit installed, as {sys.executable} does)"
+            f"repeat {repeat}: {_shell_line(command)!r} {how} before its first step (no "
+            "optimizer step, no training-mode call of a module and, in a script without an "
+            "optimizer, no eval-mode call was seen; --mode infer takes every top-level call of "
+            "the model for a step; the Python that runs it must have detaudit installed, as "
+            f"{sys.executable} does)"
         )
     for trace in recorded.values():
         at_limit = (job.max_steps is not None and len(trace.steps) >= job.max_steps) or (

@@ -18,7 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from .api import STAGE_NAMES, Progress
-from .config import AuditConfig, Fault, Investigations, Launch, Preset, ProbeSpec, preset_for
+from .config import (
+    ATTACH_MODES,
+    AUTO,
+    AuditConfig,
+    Fault,
+    Investigations,
+    Launch,
+    Preset,
+    ProbeSpec,
+    preset_for,
+)
 from .errors import EXIT_CRASH, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DetauditError
 
 ALL_STEPS = "all"  # --steps all: every batch of each epoch
@@ -210,8 +220,13 @@ def _parser() -> argparse.ArgumentParser:
                          help="seed python, numpy, torch and CUDA before your code runs, and "
                          "PYTHONHASHSEED for the process tree (default: leave them as your code "
                          "sets them)")
+    execute.add_argument("--mode", choices=ATTACH_MODES, default=AUTO,
+                         help="what a step is: an optimizer step (train), or a top-level call "
+                         "of the model (infer: its inputs and outputs are recorded); auto "
+                         "(default): infer if the model's first call is in eval mode and the "
+                         "script has no optimizer")
     execute.add_argument("--max-steps", type=int, metavar="K",
-                         help="end each run cleanly after K optimizer steps")
+                         help="end each run cleanly after K steps")
     execute.add_argument("--max-epochs", type=int, metavar="E",
                          help="end each run cleanly when its training DataLoader starts pass E+1")
     execute.add_argument("--inject-fault", metavar="MODULE[/OP][@forward|@backward][:STEP]",
@@ -435,7 +450,7 @@ def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
         raise DetauditError("--zoom-tries must be at least 1")
     job = ExecJob(repeats=args.repeats, seed=args.seed, max_steps=args.max_steps,
                   max_epochs=args.max_epochs, fault=_fault(args.inject_fault), zoom=args.zoom,
-                  zoom_tries=args.zoom_tries)
+                  zoom_tries=args.zoom_tries, mode=args.mode)
     result = exec_command(command, job, out=out, overwrite=args.overwrite,
                           progress=_Bar(args.quiet or args.json),
                           output=sys.stderr if args.json else None,

@@ -13,6 +13,8 @@ from .errors import DetauditError
 from .trace import BACKWARD, FORWARD
 
 TRAIN, INFER = "train", "infer"
+AUTO = "auto"  # exec and watch: inference if the model's first call is in eval mode, no optimizer
+ATTACH_MODES = (AUTO, TRAIN, INFER)
 SCAN = "scan"  # step state only, every step; module and op level at the zoomed step
 GRANULARITIES = (SCAN, "module", "op")
 SEED_RANGE = (-(2**63), 2**64)  # what torch.manual_seed accepts
@@ -250,5 +252,8 @@ class ExecJob:
     max_steps: int | None = None
     max_epochs: int | None = None
     fault: Fault | None = None  # planted in the last run (and in the last run of each replay)
+    # a step is an optimizer step (train) or a call of the model (infer); auto: infer if the
+    # model's first call is in eval mode and no optimizer exists
+    mode: str = AUTO
     zoom: bool = True  # after a forward or backward divergence, re-run to record that step
     zoom_tries: int = 3

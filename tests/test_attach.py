@@ -117,6 +117,57 @@ def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path, update)
     assert summary["cause"]["kind"] == "backward"
 
 
+INFER_SCRIPT = Path(__file__).parent / "scripts" / "infer_plain.py"
+
+
+def test_exec_of_an_inference_script_has_a_step_per_call_of_the_model(tmp_path):
+    """No optimizer, the model in eval mode: each top-level call is a step, its batch and
+    outputs recorded (it was 'ended before its first training step', exit 2)."""
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--max-steps", "4",
+                   "--inject-fault", "body@forward:2", "--", sys.executable, str(INFER_SCRIPT))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "first at step 2 (epoch 1), forward, body (origin)" in done.stdout
+    traces = [Trace.load(tmp_path / "run" / f"trace-{r}.json.gz") for r in (0, 1)]
+    assert [len(t.steps) for t in traces] == [4, 4]  # --max-steps: model calls
+    records = traces[0].frame()
+    assert set(records[records.slot == "output"].step) == {0, 1, 2, 3}
+    assert set(records[records.slot.str.startswith("batch")].step) == {0, 1, 2, 3}
+
+
+def test_exec_of_an_inference_script_finds_a_real_race_in_its_forward(tmp_path):
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--json", "--repeats",
+                   "3", "--", sys.executable, str(INFER_SCRIPT), "--race")
+    summary = json.loads(done.stdout)
+    if done.returncode == 0:  # the race did not fire in any run: nothing to name
+        assert summary["verdict"] == "deterministic"
+        return
+    assert done.returncode == 1, done.stderr
+    assert (summary["first_divergence"]["module"], summary["cause"]["kind"]) == (
+        "splat", "forward")
+
+
+def test_watch_of_inference_records_each_call_of_the_model(tmp_path):
+    def infer(out, nudge_at=None, **options):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+        with detaudit.watch(model, out=out, **options) as w, torch.no_grad():
+            for call in range(5):
+                model(x if call != nudge_at else torch.nextafter(x, x + 1))
+        return w
+
+    assert len(infer(tmp_path / "a").trace.steps) == 5
+    infer(tmp_path / "a", nudge_at=3)
+    c = detaudit.compare(tmp_path / "a").comparison
+    assert (c.first_step, c.cause) == (3, "data")
+    # with an optimizer about (a script that also trains: its evaluation is no step),
+    # inference is asked for
+    trains = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    assert infer(tmp_path / "b").steps == 0
+    assert len(infer(tmp_path / "b", mode="infer", max_steps=2).trace.steps) == 2
+    del trains
+
+
 def test_a_real_divergence_before_a_planted_fault_is_the_verdict(tmp_path):
     """The race parts the runs at step 0, before the fault planted at step 1: the zoom's
     replays stop at step 0, where the fault is not reached (that was 'the planted fault
@@ -375,7 +426,7 @@ def test_a_fault_at_a_module_or_step_the_run_never_reaches_is_refused_early(
 
 @pytest.mark.parametrize(("command", "message"), [
     (["no-such-command-here"], "cannot run 'no-such-command-here'"),
-    ([sys.executable, "-c", "print('no training here')"], "before its first training step"),
+    ([sys.executable, "-c", "print('no training here')"], "before its first step (no optimizer step"),
     ([], "needs the command to audit"),
     (["{no_shebang}"], "Exec format error"),  # an executable script without #!
 ])
@@ -426,6 +477,8 @@ def test_watch_twice_in_one_process_compares_deterministic(tmp_path):
     # (it was drawn as their sum, twice the loss)
     losses = first.trace.steps[0].loss_values()
     assert result.summary["loss"]["curves"]["0"][0]["loss"] == losses["loss"] == losses["mse"]
+    assert repr(result) == ("<detaudit.Compared DETERMINISTIC: 2 repeats bit-identical over 6 "
+                            "steps (exit 0)>")  # not a dump of every field
     shown = result._repr_html_()
     assert "DETERMINISTIC" in shown
     # in a frame of its own: the report's page styles would restyle the notebook around it
@@ -616,6 +669,38 @@ def test_parametrized_layers_and_a_part_called_first_are_not_taken_for_the_model
                       "head.parametrizations.weight"}
     batches = records[(records.phase == "state") & records.slot.str.startswith("batch")]
     assert sorted(set(batches.step)) == [0, 1]
+
+
+def test_a_model_built_anew_to_resume_in_the_same_process_takes_the_models_place(tmp_path):
+    """A loop that saves, builds the model and optimizer again and loads them (a restart
+    after a NaN): the new model is the model, under the same names, its batches recorded
+    (it was a second model 'Sequential.0', and its first step had no batch)."""
+    def build():
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    attachment = Attachment(tmp_path / "trace.json.gz", {}).install()  # as exec attaches
+    try:
+        torch.manual_seed(0)
+        model, opt = build()
+        for step in range(4):
+            if step == 2:  # resume from what was saved
+                saved = {"model": model.state_dict(), "opt": opt.state_dict()}
+                model, opt = build()
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["opt"])
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        attachment.finish()
+    finally:
+        attachment.uninstall()
+    records = Trace.load(tmp_path / "trace.json.gz").frame()
+    assert set(records.module) == {"", "0", "2"}
+    batches = records[(records.phase == "state") & records.slot.str.startswith("batch")]
+    assert sorted(set(batches.step)) == [0, 1, 2, 3]
+    state = records[(records.phase == "state") & records.slot.str.startswith("param.")]
+    assert sorted(set(state.step)) == [0, 2]  # the resumed model's parameters, as it begins
 
 
 def test_a_failure_inside_detaudits_own_hook_is_never_blamed_on_the_users_code(
@@ -916,6 +1001,29 @@ def _train_with_batchnorm(out: Path, scale_running_var_at: int | None = None) ->
             opt.zero_grad()
 
 
+def test_a_weight_changed_between_steps_in_one_run_is_its_state_not_a_fork(tmp_path):
+    """The changed weight is recorded again in that run only: the headline named the update
+    after it, and a 'control flow forked' note blamed the record the other run lacks."""
+    for nudged in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+        with detaudit.watch(model, opt, out=tmp_path):
+            for step in range(5):
+                if nudged and step == 3:
+                    with torch.no_grad():
+                        model[2].weight[0, 0] = torch.nextafter(model[2].weight[0, 0],
+                                                                torch.tensor(math.inf))
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    result = detaudit.compare(tmp_path)
+    assert result.comparison.fork is None
+    assert result.verdict.headline.startswith(
+        "DIVERGENT: first at step 3 (epoch 1), state, 2 (first record); cause: params")
+
+
 def test_buffers_are_the_models_state_too(tmp_path):
     """BatchNorm's running statistics change what the model computes in eval mode: a run
     whose buffers differ is no bit-identical run (it passed as one)."""
@@ -985,9 +1093,28 @@ def test_a_watched_run_that_was_killed_is_a_failed_run(tmp_path):
     result = detaudit.compare(tmp_path)
     assert (result.verdict.kind, result.exit_code) == ("failed", 3)
     assert "without its recording closing (killed" in result.verdict.headline
+    assert "(its trace: trace-0.json.gz)" in result.verdict.headline  # the one to leave out
     train(killed_at=99)  # whole
     result = detaudit.compare(tmp_path / "trace-2.json.gz", tmp_path / "trace-0.json.gz")
     assert (result.verdict.kind, result.exit_code) == ("failed", 3)
+
+
+def test_watch_says_when_the_optimizer_given_is_not_the_one_the_loop_steps(tmp_path):
+    """A notebook that made a new optimizer after giving watch the old one: one step was
+    recorded for the whole loop, without a word."""
+    model = nn.Linear(4, 1)
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train():
+        with detaudit.watch(model, stale, out=tmp_path):
+            fresh = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+                fresh.step()
+                fresh.zero_grad()
+
+    with pytest.warns(UserWarning, match="the optimizer given never stepped while another"):
+        train()
 
 
 def test_a_watch_inside_another_on_the_same_model_is_refused(tmp_path):

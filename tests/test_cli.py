@@ -259,13 +259,13 @@ def test_a_probe_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
 
 def test_a_failed_run_keeps_its_error_for_the_report(tmp_path, capsys):
     """The error that stopped a run (here a usage error found once recording ended) is in
-    run.json, and `detaudit report` says it."""
+    run.json, and `detaudit report` says it, with the run's exit code."""
     folder = tmp_path / "run"
     assert main(["run", "--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "0:5",
                  "--epochs", "1", "--out", str(folder), "--quiet"]) == 2
     said = capsys.readouterr().err.strip().removeprefix("detaudit: error: ")
     assert said.startswith("the planted fault never fired")
     state = json.loads((folder / "run.json").read_text())["state"]
-    assert state == f"failed during recording: {said}"
-    main(["report", str(folder)])
-    assert f"FAILED (failed during recording: {said})" in capsys.readouterr().out
+    assert state == f"refused during recording: {said}"
+    assert main(["report", str(folder)]) == 2  # as the run itself exited (it was 3, a crash)
+    assert f"REFUSED (refused during recording: {said})" in capsys.readouterr().out

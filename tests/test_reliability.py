@@ -18,8 +18,9 @@ from conftest import small_cnn_probe
 from detaudit import Probe, api, audit
 from detaudit.cli import main
 from detaudit.config import AuditConfig
-from detaudit.errors import TraceError
+from detaudit.errors import DetauditError, TraceError
 from detaudit.runfolder import LOCK_FILE, RunFolder, RunInfo, load_run, new_folder
+from detaudit.seeding import seed_everything
 from detaudit.trace import open_trace
 
 PROBES = Path(__file__).parent / "probe_files"
@@ -301,6 +302,45 @@ def test_global_settings_a_probe_changes_are_restored_between_repeats():
     assert seen == [before] * 3
     assert (torch.get_num_threads(), torch.get_default_dtype()) == before
     assert [t.env["threads"] for t in result.traces] == [1, 1, 1]  # as the repeats ran
+
+
+def _step_lr_probe(**interval):
+    """A linear model trained under StepLR(step_size=1, gamma=0.5), 2 batches an epoch."""
+    def probe(device):
+        model = torch.nn.Linear(4, 1)
+        g = torch.Generator().manual_seed(0)
+        batches = [torch.randn(3, 4, generator=g) for _ in range(2)]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return Probe(model=model, batches=batches, step=lambda m, x: m(x).pow(2).mean(),
+                     optimizer=optimizer, scheduler=scheduler, **interval)
+    return probe
+
+
+def test_the_scheduler_steps_as_the_probe_says_and_each_step_records_the_lr_it_used():
+    def lrs(result):
+        return [s.lr for s in result.traces[0].steps]
+
+    per_step = audit(_step_lr_probe(), repeats=1, epochs=2, stress=0)
+    assert lrs(per_step) == [[0.1], [0.05], [0.025], [0.0125]]  # the default, as before
+    per_epoch = audit(_step_lr_probe(scheduler_interval="epoch"), repeats=1, epochs=2,
+                      stress=0)
+    assert lrs(per_epoch) == [[0.1], [0.1], [0.05], [0.05]]
+    # what was audited is the user's own loop with a per-epoch scheduler
+    seed_everything(0)
+    own = _step_lr_probe(scheduler_interval="epoch")("cpu")
+    losses = []
+    for _ in range(2):
+        for x in own.batches:
+            loss = own.step(own.model, x)
+            losses.append(loss.item())
+            loss.backward()
+            own.optimizer.step()
+            own.optimizer.zero_grad()
+        own.scheduler.step()
+    assert [s.loss_values()["loss"] for s in per_epoch.traces[0].steps] == losses
+    with pytest.raises(DetauditError, match="scheduler_interval is 'epochs'"):
+        _step_lr_probe(scheduler_interval="epochs")("cpu")
 
 
 def test_api_run_without_a_folder_writes_nothing(tmp_path, monkeypatch):

@@ -3,7 +3,9 @@ where the runs part, with the same findings as recording every module on every s
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Callable
 
 import pytest
 import torch
@@ -227,6 +229,55 @@ def test_a_step_that_never_parts_again_is_intermittent():
     assert ("intermittent: replayed 3 time(s), step 2 did not part again, so the module and op "
             "are not named (the cause is the scan's)") in result.verdict.headline
     assert result.summary["headline"] == result.verdict.headline  # the reports say it too
+    # the scan's loss alone cannot tell a forward op from the step function's own code
+    assert "unconfirmed from the step's state alone" in result.summary["cause"]["text"]
+
+
+def _stray_draw(draws_in: Callable[[int], bool]):
+    """A probe whose step function draws from the torch RNG, outside any module, before the
+    model (which has a dropout) runs at its second step, in the builds `draws_in` picks."""
+    def probe(device):
+        _RUNS["built"] += 1
+        draws = draws_in(_RUNS["built"])
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+        g = torch.Generator().manual_seed(0)
+        data = [torch.randn(4, 8, generator=g) for _ in range(3)]
+
+        def step(model, x):
+            step.calls += 1
+            if step.calls == 2 and draws:
+                torch.rand(1)
+            return model(x).pow(2).mean()
+
+        step.calls = 0
+        return Probe(model=model, batches=data, step=step,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    return probe
+
+
+def test_a_stray_draw_outside_any_module_is_found_there_after_a_scan_too():
+    results = []
+    for granularity in ("module", "scan"):
+        _RUNS["built"] = 0  # every second build draws, in the runs and in the replays
+        results.append(audit(_stray_draw(lambda n: n % 2 == 0), repeats=2,
+                             granularity=granularity))
+    assert results[1].investigations["zoom"]["status"] == "found"  # the scan's
+    for result in results:
+        assert result.summary["cause"]["kind"] == "rng"
+        assert result.verdict.first["outside"] == (
+            "outside any module, between the start of step 1 and (model)")
+
+
+def test_a_stray_draw_the_zoom_cannot_replay_is_an_rng_cause_never_a_forward_one():
+    _RUNS["built"] = 0  # only the second build draws: the replays never part
+    result = _scan(_stray_draw(lambda n: n == 2), repeats=2)
+    assert result.investigations["zoom"]["status"] == "intermittent"
+    assert "cause: rng; intermittent" in result.verdict.headline
+    cause = result.summary["cause"]
+    assert cause["kind"] == "rng"
+    assert ("step 1 began alike in every repeat, yet the torch RNG state differs as the next "
+            "step begins: the step drew a different amount of randomness") in cause["text"]
 
 
 def test_a_zoomed_run_folder_renders_the_same_again(tmp_path):
@@ -291,6 +342,29 @@ def test_diff_zoom_replays_two_scanned_runs_and_names_the_module_and_op(tmp_path
     code, refused = cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
     assert code == 1
     assert "zoom (not possible): B was recorded from command" in refused
+
+
+def test_runs_that_part_only_between_processes_depend_on_per_process_state(
+        tmp_path, capsys, monkeypatch):
+    """Loss weights zipped with a set: every repeat in its own process parts from the others,
+    replays in one process agree; the zoom replays them as they ran and says what that means."""
+    from test_cli import PROBES
+
+    from detaudit.cli import main
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # each process draws its own
+    code = main(["run", "--probe", str(PROBES / "set_order_loss_weights.py"), "--isolation",
+                 "process", "--repeats", "2", "--epochs", "1", "--steps", "1", "--stress", "0",
+                 "--no-census", "--out", str(tmp_path), "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert [a["outcome"] for a in summary["zoom"]["attempts"]] == [
+        "did not part this time (replayed in this process)",
+        "parted again (each repeat replayed in its own process)"]
+    assert summary["cause"]["kind"] == "process" and "cause: process" in summary["headline"]
+    assert "PYTHONHASHSEED" in summary["cause"]["text"]
+    assert "iterate sorted(...) rather than a set" in summary["cause"]["text"]
+    assert api.render_folder(tmp_path) == summary  # the zoomed traces keep what they showed
 
 
 class _Tiny(nn.Module):

@@ -23,6 +23,7 @@ from ..trace import (
     OUTPUT,
     STATE,
     AnyTrace,
+    StepInfo,
     Trace,
 )
 from .rnggap import RngGap, rng_gap
@@ -35,6 +36,9 @@ GRADIENTS_DIFFER = "gradients differ"  # a scanned step's map cell: no module re
 DETERMINISTIC, DIVERGENT, FAILED = "deterministic", "divergent", "failed"
 MODEL_STATE = ("param.", "buffer.")  # the model's state records, as a step begins
 DETAIL_STEPS = 100  # divergent steps whose differing records are all kept and classified
+# a zoomed trace's probe entry: the in-process replay of its step agreed, while the replays
+# each in its own process parted (the audited runs ran each in its own process)
+PER_PROCESS = "per_process"
 _CAUSE_TEXT = {
     "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not reproducible",
     "rng": "an RNG stream differs: something drew a different amount of randomness",
@@ -46,6 +50,13 @@ _CAUSE_TEXT = {
     "forward": "a forward computation gave different results from equal inputs",
     "backward": "a backward computation gave different gradients from equal upstream gradients",
     "optimizer": "the optimizer update differs while gradients agree",
+    "process": "the runs part only between processes: replayed in one process the step agrees "
+               "in every repeat, replayed each in a fresh process (as the audited runs ran) it "
+               "parts, so the difference depends on per-process state: PYTHONHASHSEED (the "
+               "iteration order of a set of strings, or of a dict built from one: loss terms, "
+               "class names), process-level randomness (os.urandom, uuid, hash() or id() of "
+               "objects) or the environment (fix: set PYTHONHASHSEED to a fixed value, e.g. "
+               "PYTHONHASHSEED=0, for training, and iterate sorted(...) rather than a set)",
     "length": "the runs differ in length: a run ended before this step while another went on "
               "(the loop's length is not reproducible: a step count or an early stop that "
               "depends on something that differs between runs)",
@@ -156,6 +167,12 @@ class Comparison:
     # one had after one of its steps (the model trained on, or restored from a checkpoint an
     # earlier run wrote, not built anew: a notebook cell re-run, a script that resumes)
     continued_from: Continued | None = None
+    # RNG streams (``torch``, ``numpy``...) that agreed as the first divergent step began,
+    # as did everything else, and differ as the next one begins: that step drew a different
+    # amount of randomness from them
+    drawn: list[str] = field(default_factory=list)
+    # the zoomed step parted only in replays each in its own process (see PER_PROCESS)
+    per_process: str | None = None
 
     @property
     def proven(self) -> list[StressedOp]:
@@ -214,6 +231,20 @@ class Comparison:
                     "not seeded (fix: seed every RNG before training, e.g. "
                     "detaudit.seed_everything(0); `detaudit exec --seed 0` does it for a whole "
                     "script)")
+        if self.cause == "rng" and self.drawn and self.rng_gap is None and not any(
+                o.rng for o in self.origins):
+            return (f"step {self.first_step} began alike in every repeat, yet the "
+                    f"{', '.join(self.drawn)} RNG state differs as the next step begins: the "
+                    "step drew a different amount of randomness (a draw in the step function, "
+                    "a hook, a logger or a module whose count differs between the runs), or a "
+                    "forward difference changed how much a sampler draws; where, the step's "
+                    "state cannot say (a zoom's module records do, when the step parts again)")
+        if self.cause == "forward" and not any(d.phase == FORWARD for d in self.first_diffs):
+            return ("the loss (or the output) differs while everything the step began with "
+                    "agrees (the batch, every RNG state, the parameters): a forward computation, "
+                    "or the step function's own code, gave different results; unconfirmed from "
+                    "the step's state alone (a zoom's module and op records, when the step "
+                    "parts again, say which)")
         if self.cause == "backward" and not any(d.phase == BACKWARD for d in self.first_diffs):
             return ("the gradients differ while the loss and everything before it agree: a "
                     "backward computation, or a forward one whose difference was too small to "
@@ -407,7 +438,9 @@ class _StepDiffs:
                  if (d := self._diff(key, ref, others, stats))]
         diffs = [d for _, _, d in found]
         for o, j, d in found:
-            if d.missing:
+            # (a parameter is recorded as a later step begins only where it was changed
+            # since its update: missing there is a value that differs, not a fork)
+            if d.missing and not (step > 0 and d.phase == STATE and d.slot.startswith("param.")):
                 self._note_fork((o, step, j), d)
         rng = [d for d in diffs if _rng_state(d)]
         rest = [d for d in diffs if not _rng_state(d)]
@@ -525,6 +558,10 @@ class _StepDiffs:
         forks = [fork for slot, fork in self.rng_forks.items() if slot not in idle]
         if self.fork:
             forks.append(self.fork)
+        drawn = self._drawn_during(first_step, first_diffs, traces[0].steps[:common], idle)
+        # (the views of traces that diff compares have no probe of their own)
+        per_process = (getattr(traces[0], "probe", None) or {}).get(PER_PROCESS)
+        per_process = per_process if isinstance(per_process, str) else None
         gap = None
         if self.first_cut is not None and self.first_cut[0] == first_step:
             step, cut, keys = self.first_cut
@@ -542,7 +579,8 @@ class _StepDiffs:
             first_by_phase=first_by_phase,
             findings=findings,
             cause=_cause(first_diffs, findings, first_step, gap, ended=common is None and any(
-                len(t.steps) <= (first_step or 0) for t in traces)),
+                len(t.steps) <= (first_step or 0) for t in traces), drawn=bool(drawn),
+                per_process=bool(per_process)),
             loss=_loss_drift(traces, common),
             param_drift_step=self.param_drift,
             fork=min(forks, key=lambda fork: fork[0])[1] if forks else None,
@@ -558,7 +596,21 @@ class _StepDiffs:
             # state that differs
             idle_rng=sorted(slot.removeprefix("rng.") for slot in idle & self.rng_valued),
             detailed_steps=self.detailed if self.more else None,
+            drawn=drawn,
+            per_process=per_process,
         )
+
+    def _drawn_during(
+        self, step: int | None, first_diffs: list[RecordDiff], steps: list[StepInfo],
+        idle: set[str],
+    ) -> list[str]:
+        """The RNG streams `step` drew a different amount from: they differ first as the
+        step after it begins, while nothing differed as it began."""
+        if step is None or any(d.phase == STATE for d in first_diffs):
+            return []
+        following = next((s.step for s in steps if s.step > step), None)
+        return sorted(slot.removeprefix("rng.") for slot, first in self.rng_first.items()
+                      if first == following and slot not in idle)
 
 
 def _rng_state(d: RecordDiff) -> bool:
@@ -663,15 +715,20 @@ def _is_ancestor(
 
 def _cause(
     first: list[RecordDiff], findings: list[CallFinding], step: int | None,
-    gap: RngGap | None = None, ended: bool = False,
+    gap: RngGap | None = None, ended: bool = False, drawn: bool = False,
+    per_process: bool = False,
 ) -> str:
     """The class of cause, from the first records to differ in the first divergent step
     (and the RNG moving outside any module in it, `gap`). `ended`: a run ended, none
-    failing, before that step: its records there are missing, not different."""
+    failing, before that step: its records there are missing, not different. `drawn`: the
+    step drew a different amount of randomness (seen as the next step begins).
+    `per_process`: the step parted only in replays each in its own process."""
     if step is None:
         return "none"
     if ended:
         return "length"
+    if per_process:
+        return "process"
     state = [d for d in first if d.phase == STATE]
     if step == 0 and any(d.slot.startswith(MODEL_STATE) for d in state):
         return "init"  # before anything ran: the other differences follow from the same cause
@@ -687,6 +744,8 @@ def _cause(
     forward = [f for f in origins if f.phase == FORWARD]
     if forward:
         return "rng" if forward[0].rng else "forward"
+    if drawn and not origins:  # no module call to blame: the draw is the first difference
+        return "rng"
     # A loss that differs is a forward difference (in a scanned step the loss is the only
     # forward record); gradients alone are backward; parameters alone, the optimizer.
     if any(d.phase in (FORWARD, OUTPUT) for d in first):

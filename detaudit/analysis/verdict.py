@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
-from ..trace import GRAD, OPTIMIZER
+from ..trace import GRAD, OPTIMIZER, STATE
 from .compare import DETERMINISTIC, DIVERGENT, FAILED, ORIGIN, Comparison
 from .ranks import RankAnalysis
 
@@ -19,10 +19,12 @@ PROVEN = "nondeterministic op"  # the repeats agreed, but re-execution proved an
 # a scanned step whose gradients alone differ: the parameter nearest the output among them
 LAST_GRADIENT = "nearest the output of the gradients that differ"
 NOT_COMPARED = "not compared"  # one run, nothing to compare it with: neither pass nor divergence
+# stopped by bad input found once recording had begun (a planted fault that never fired)
+REFUSED = "refused"
 EXIT_CODES = {
     DETERMINISTIC: EXIT_OK, MATCH: EXIT_OK,
     DIVERGENT: EXIT_DIVERGED, MISMATCH: EXIT_DIVERGED, PROVEN: EXIT_DIVERGED, FAILED: EXIT_CRASH,
-    INTERRUPTED: EXIT_INTERRUPTED, NOT_COMPARED: EXIT_USAGE,
+    INTERRUPTED: EXIT_INTERRUPTED, NOT_COMPARED: EXIT_USAGE, REFUSED: EXIT_USAGE,
 }
 
 
@@ -95,7 +97,8 @@ def judge(
         headline = (f"NOT COMPARED: 1 run recorded over {_steps(c)}, and nothing to compare "
                     "it with (an audit needs --repeats 2 or more; the trace is kept)")
     if interrupted:  # no verdict on what was recorded: the headline says what it was
-        stopped = FAILED if interrupted.startswith("failed") else INTERRUPTED
+        stopped = (FAILED if interrupted.startswith("failed") else
+                   REFUSED if interrupted.startswith(REFUSED) else INTERRUPTED)
         kind = stopped
         headline = f"{stopped.upper()} ({interrupted}); what was recorded: {headline}"
     return Verdict(kind, headline, first, hidden)
@@ -130,7 +133,10 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
             "module": o.module, "call": o.call, "slots": o.slots, "role": ORIGIN,
             "differing": o.differing, "repeats": o.repeats,
         }
-    d, role = c.first_diffs[0], "first record"
+    # the step's state comes before anything it computes (a parameter changed between steps
+    # in one run only is that run's record alone, listed after repeat 0's)
+    d = next((d for d in c.first_diffs if d.phase == STATE), c.first_diffs[0])
+    role = "first record"
     grads = [d for d in c.first_diffs if d.phase == GRAD]
     if grads and all(d.phase in (GRAD, OPTIMIZER) for d in c.first_diffs):
         # gradients (and the update made from them) in a scanned step: backward reaches the

@@ -36,12 +36,16 @@ from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
 from ..config import (
+    ATTACH_MODES,
+    AUTO,
     CALLS_UNSEEN,
     ENDED,
     FAULT_FIRED,
+    INFER,
     JOB_VARIABLE,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
+    TRAIN,
     Fault,
     rank_trace_path,
 )
@@ -81,8 +85,10 @@ class Attachment:
         max_steps: int | None = None, max_epochs: int | None = None,
         on_limit: Callable[[], None] | None = None, zoom: int | None = None,
         fault: Fault | None = None, rank: RankWatch | None = None,
-        planted_step: int | None = None,
+        planted_step: int | None = None, mode: str = AUTO,
     ) -> None:
+        if mode not in ATTACH_MODES:
+            raise ValueError(f"mode must be one of {', '.join(ATTACH_MODES)}, not {mode!r}")
         self.path = Path(path)
         self.trace = Trace(probe=probe, repeat=repeat, env={})  # what is not yet flushed
         self.trace.probe[ENDED] = False  # until the loop ends, fails or reaches its limit
@@ -134,6 +140,7 @@ class Attachment:
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
         self._depth = 0
         self._candidates: list[nn.Module] = []
+        self._adopted = False  # a model built anew took the model's place (see _adopt)
         self._others: list[tuple[str, nn.Module]] = []  # further models recorded, by name
         self._train_loader: int | None = None
         self._latest_loader: int | None = None
@@ -146,6 +153,10 @@ class Attachment:
         self.installed = False
         self.in_backward = False
         self._eager: Any = None  # torch.compile's stance while a step runs eagerly
+        # whether a step is a call of the model (inference) rather than an optimizer step:
+        # as `mode` says, or (auto) decided at the first top-level call of a module with
+        # parameters (see _inference_at)
+        self.inferring: bool | None = {TRAIN: False, INFER: True}.get(mode)
         self._out_of_graphs = False  # see keep_out_of_graphs
 
     # -- installing ----------------------------------------------------------------------
@@ -236,11 +247,17 @@ class Attachment:
             # parametrized weight (each read of it calls its parametrizations)
             return
         # a call inside a backward (a checkpoint recomputing its forward) is no new batch
-        if self._depth == 0 and not self.stopped and not self.in_backward:
+        if self._depth == 0 and not self.stopped and not self.in_backward and (
+                self._inference_at(module)):
+            if module is self.model:  # a step: this call
+                self._on_batch(module, args, {})
+        elif self._depth == 0 and not self.stopped and not self.in_backward:
             found = id(module) in self._found_modules and torch.is_grad_enabled()
             if module.training or found:
                 if module not in self._candidates and any(True for _ in module.parameters()):
                     self._candidates.append(module)
+                    if self._replaces_model(module):
+                        self._adopt(module)
                 # A step begins at the model's call, or at the first call after an update
                 # of another model an optimizer trains (a GAN's generator called before its
                 # discriminator): that call's work belongs to the step it starts.
@@ -256,9 +273,57 @@ class Attachment:
         if _transformed():
             return
         self._depth = max(0, self._depth - 1)
+        if self._depth == 0 and self.inferring and module is self.model and (
+                self.info is not None and self.recorder is not None):
+            self.recorder.record(OUTPUT, "", 0, "output", output, plain=True)
+            self._updated = True  # the call is the step: it is over
+            self.end_step()
+            if self.max_steps is not None and self.stream.steps >= self.max_steps:
+                self.stop()
+            return
         if self._depth == 0 and self.info is not None and module.training:
             self._step_outputs.extend(
                 s for s in (t.untyped_storage() for _, t in iter_tensors(output)) if s.data_ptr())
+
+    def _replaces_model(self, module: nn.Module) -> bool:
+        """Whether `module`, called in training for the first time, takes the model's place:
+        built anew like it (its class, its parameters' names and shapes) once no optimizer
+        holds the model's parameters any more (a loop that resumes from a checkpoint in the
+        same process; two such models trained side by side each keep their optimizer)."""
+        model = self.model
+        if model is None or self.optimizer is not None or type(module) is not type(model):
+            return False
+        def shapes(m: nn.Module) -> list[tuple[str, torch.Size]]:
+            return [(name, p.shape) for name, p in m.named_parameters()]
+        if shapes(module) != shapes(model):
+            return False
+        mine = {id(p) for p in model.parameters()}
+        return not any(any(id(p) in mine for p in _parameters(o))
+                       for o in _live(torch.optim.Optimizer))
+
+    def _adopt(self, module: nn.Module) -> None:
+        """`module` is the model from now on, recorded under the same names; the open step
+        is over, and the next records the new model's parameters as it begins."""
+        if self.info is not None:
+            self.end_step()
+        if self.recorder is not None:
+            self.recorder.__exit__(None, None, None)
+            self.recorder = None
+        self.model = module
+        self._versions = {}
+        self._adopted = True
+
+    def _inference_at(self, module: nn.Module) -> bool:
+        """Whether the loop infers: decided (in auto mode) at the first top-level call of a
+        module with parameters. It infers if that call is in eval mode and no optimizer
+        exists; the model is then that module, and each of its top-level calls a step."""
+        if self.inferring is None and not isinstance(module, ParametrizationList) and any(
+                True for _ in module.parameters()):
+            self.inferring = not module.training and self.optimizer is None and not any(
+                True for _ in _live(torch.optim.Optimizer))
+        if self.inferring and self.model is None and any(True for _ in module.parameters()):
+            self.model = module
+        return bool(self.inferring)
 
     def _on_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A top-level training call: a new step begins if the last one has updated."""
@@ -612,8 +677,9 @@ class Attachment:
         for loader, batch in waiting:
             if loader == self._train_loader:
                 self._record_loader_batch(batch)
-        if step == 0:
+        if step == 0 or self._adopted:
             self.recorder.record_parameters(STATE)
+            self._adopted = False
         else:
             self._record_changed_parameters()
         self._by_hand = []  # (taken after the step's backward)
@@ -660,6 +726,13 @@ class Attachment:
     @property
     def fault_fired(self) -> bool:
         return self.recorder is not None and self.recorder.fault_fired
+
+    @property
+    def given_optimizer_idle(self) -> bool:
+        """The optimizer given never updated while another one did (the loop steps an
+        optimizer made anew, not the one given)."""
+        return (self.optimizer is not None and self._optimizer_used
+                and id(self.optimizer) not in self._optimizers)
 
     def awaits_update(self) -> bool:
         """The open step has run backward and its update is still to come: an optimizer
@@ -967,7 +1040,8 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None) -> Attachment:
     attachment = Attachment(path, job["probe"], int(job.get("repeat", 0)),
                             max_steps=job.get("max_steps"), max_epochs=job.get("max_epochs"),
                             on_limit=_end_process, zoom=job.get("zoom"), fault=fault,
-                            rank=rank, planted_step=job.get("planted_step"))
+                            rank=rank, planted_step=job.get("planted_step"),
+                            mode=job.get("mode", AUTO))
     attachment.install()
     sys.excepthook = failure_hook(attachment)
     atexit.register(attachment.finish)

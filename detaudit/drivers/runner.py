@@ -351,6 +351,7 @@ def _run_steps(
 ) -> int:
     step = 0
     for epoch in range(config.epochs):
+        epoch_start = step
         for index, batch in enumerate(probe.epoch_batches(epoch)):
             if config.steps is not None and index >= config.steps:
                 break
@@ -373,7 +374,7 @@ def _run_steps(
             else:
                 with torch.no_grad(), scope:
                     outputs = probe.step(probe.model, batch)
-                recorder.record(OUTPUT, "", 0, "detections", outputs)
+                recorder.record(OUTPUT, "", 0, "detections", outputs, plain=True)
             store_records(trace, step, recorder.end_step())
             info.keep_losses(losses)
             trace.steps.append(info)
@@ -394,6 +395,9 @@ def _run_steps(
             recorder.begin_step(step - 1, WATCH_NONE)
             recorder.record_optimizer(probe.optimizer)
             store_records(trace, step - 1, recorder.end_step())
+        if (train and probe.scheduler is not None and probe.scheduler_interval == "epoch"
+                and step > epoch_start):
+            probe.scheduler.step()
     return step
 
 
@@ -501,10 +505,10 @@ def _train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if probe.scheduler is not None:
-        probe.scheduler.step()
     info.optimizer_stepped = stepped
-    info.lr = [_finite(float(group["lr"])) for group in optimizer.param_groups]
+    info.lr = [_finite(float(group["lr"])) for group in optimizer.param_groups]  # what it used
+    if probe.scheduler is not None and probe.scheduler_interval == "step":
+        probe.scheduler.step()
     recorder.record_parameters(OPTIMIZER)
     if modules:
         recorder.record_optimizer(optimizer)

@@ -6,16 +6,35 @@ module and the op. Replays can race differently from the scanned run, so their s
 before the zoomed one are compared first: if a replay parted earlier, the zoom moves to that
 step; if the zoomed step does not part again, it is tried again, and after `tries` attempts
 reported as intermittent, with what the scan found.
+
+Runs that were recorded each in its own process are replayed here first, then, when that
+replay does not part, each repeat in a fresh interpreter as they ran: a step that parts only
+so depends on per-process state (``PYTHONHASHSEED``...), which the zoomed traces say. Run as
+``python -m detaudit.investigate.zoom JOB`` for one such replay.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable
 
-from ..analysis.compare import ORIGIN, Comparison, compare, compare_ops, fingerprints_before
+from ..analysis.compare import (
+    ORIGIN,
+    PER_PROCESS,
+    Comparison,
+    compare,
+    compare_ops,
+    fingerprints_before,
+)
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
+from ..errors import DetauditError
+from ..storage import atomic_write, dump_json
 from ..trace import Trace
 from .drilldown import drill_down
 
@@ -25,48 +44,78 @@ NOT_REPRODUCED, NOT_POSSIBLE = "not reproduced", "not possible"
 
 def zoom(
     factory: ProbeFactory, config: AuditConfig, comparison: Comparison,
-    spec: ProbeSpec | None = None, tries: int = 3,
+    spec: ProbeSpec | None = None, tries: int = 3, apart: bool = False,
 ) -> tuple[dict[str, Any], list[Trace]]:
     """Plain data for the report (status, zoomed step, attempts, and the op drill-down under
-    ``ops``) and the zoomed traces (module and op records at the zoomed step)."""
+    ``ops``) and the zoomed traces (module and op records at the zoomed step). With `apart`
+    (the runs were recorded each in its own process) replays that do not part here are
+    made each in its own process too (a probe file or a built-in probe: `spec`)."""
     plans: dict[int, OpPlan] = {}
+    replayed_apart = False
 
     def replay(step: int) -> list[Trace]:
-        at = frozenset({step})
-        plans[step] = OpPlan(steps=at, last_step=step, zoom=at, stress=at)
+        nonlocal replayed_apart
+        replayed_apart, plans[step] = False, _plan(step)
         return [run_repeat(factory, config, r, spec, ops=plans[step])[0]
                 for r in range(config.repeats)]
 
+    def replay_apart(step: int) -> list[Trace]:
+        nonlocal replayed_apart
+        replayed_apart, plans[step] = True, _plan(step)
+        traces = []
+        for repeat in range(config.repeats):
+            trace, draws = _replay_in_own_process(spec, config, repeat, step)
+            plans[step].host_draws.setdefault(step, set()).update(draws)
+            traces.append(trace)
+        return traces
+
     def drill(zoomed: Comparison, traces: list[Trace]) -> dict[str, Any] | None:
         step = zoomed.first_step
-        return drill_down(factory, replace(config, granularity="module"), zoomed, spec, traces,
+        # an op's difference is captured by replaying here, where apart ones need not part
+        return drill_down(None if replayed_apart else factory,
+                          replace(config, granularity="module"), zoomed, spec, traces,
                           plans[step].host_draws.get(step, set()))
 
-    return zoom_by_replay(comparison, replay, drill, tries)
+    can_part = apart and spec is not None and spec.kind != "python"
+    return zoom_by_replay(comparison, replay, drill, tries, replay_apart if can_part else None)
 
 
 def zoom_by_replay(
     comparison: Comparison, replay: Callable[[int], list[Trace]],
     drill: Callable[[Comparison, list[Trace]], dict[str, Any] | None], tries: int = 3,
+    apart: Callable[[int], list[Trace]] | None = None,
 ) -> tuple[dict[str, Any], list[Trace]]:
     """The zoom, whatever replays the runs: `replay(step)` returns every repeat's trace with
-    `step` recorded at module and op level; `drill` names the op from them."""
+    `step` recorded at module and op level; `drill` names the op from them. `apart(step)`,
+    for runs recorded each in its own process, replays them so: once a replay here does not
+    part, the tries left (one at least) are made apart, and a step that parts only apart is
+    marked :data:`PER_PROCESS` in its traces."""
     step = comparison.first_step
     assert step is not None, "zoom needs a divergent step"
     attempts: list[dict[str, Any]] = []
-    for _ in range(max(1, tries)):
-        traces = replay(step)
+    agreed_here: set[int] = set()  # steps a replay in this process did not part at
+    for _ in range(max(2 if apart else 1, tries)):
+        here = apart is None or not agreed_here
+        traces = replay(step) if here else apart(step)
+        how = "" if apart is None else (" (replayed in this process)" if here else
+                                        " (each repeat replayed in its own process)")
         zoomed = compare(traces, comparison.idle_rng)
         if zoomed.first_step is not None and zoomed.first_step < step:
             attempts.append({"step": step, "outcome": f"parted earlier, at step "
-                             f"{zoomed.first_step}: zooming there"})
+                             f"{zoomed.first_step}: zooming there{how}"})
             step = zoomed.first_step
             continue
         if zoomed.first_step == step:
-            attempts.append({"step": step, "outcome": "parted again"})
+            attempts.append({"step": step, "outcome": f"parted again{how}"})
+            if not here and step in agreed_here:
+                for trace in traces:
+                    trace.probe[PER_PROCESS] = (f"replayed in one process, step {step} agreed "
+                                                "in every repeat")
             return {"status": FOUND, "step": step, "attempts": attempts,
                     "ops": drill(zoomed, traces)}, traces
-        attempts.append({"step": step, "outcome": "did not part this time"})
+        attempts.append({"step": step, "outcome": f"did not part this time{how}"})
+        if here:
+            agreed_here.add(step)
     return {"status": INTERMITTENT, "step": step, "attempts": attempts, "ops": None}, []
 
 
@@ -103,3 +152,54 @@ def zoom_between(
         "op": ops[0].op if ops else None, "op_module": ops[0].module if ops else None,
         "op_phase": ops[0].phase if ops else None,
     }
+
+
+def _plan(step: int) -> OpPlan:
+    """A zoom's replay: scanned to `step`, which is recorded at module and op level (and
+    its risky ops re-executed in the last repeat), then stop."""
+    at = frozenset({step})
+    return OpPlan(steps=at, last_step=step, zoom=at, stress=at)
+
+
+def _replay_in_own_process(
+    spec: ProbeSpec | None, config: AuditConfig, repeat: int, step: int,
+) -> tuple[Trace, set[tuple[str, int]]]:
+    """One repeat's zoom replay in a fresh interpreter, as a run recorded in its own process
+    ran (its own hash seed, no state left by other repeats): its trace, and the module calls
+    of `step` during which Python's or numpy's RNG advanced."""
+    assert spec is not None, "a replay in another process rebuilds the probe from its spec"
+    with tempfile.TemporaryDirectory(prefix="detaudit-zoom-") as scratch:
+        job, out, draws = (Path(scratch) / name for name in (
+            "job.json", "trace.json.gz", "draws.json"))
+        job.write_text(json.dumps({"spec": spec.to_dict(), "config": config.to_dict(),
+                                   "repeat": repeat, "step": step, "trace": str(out),
+                                   "draws": str(draws)}))
+        done = subprocess.run([sys.executable, "-m", "detaudit.investigate.zoom", str(job)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not out.exists():
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise DetauditError(f"the zoom's replay of repeat {repeat} in its own process "
+                                f"failed (exit code {done.returncode}): {last}")
+        return Trace.load(out), {(m, c) for m, c in json.loads(draws.read_text())}
+
+
+def _child(job_path: str) -> int:
+    """Run the zoom replay a job file describes and write its trace and host draws."""
+    from ..drivers.loading import make_factory
+
+    job = json.loads(Path(job_path).read_text())
+    spec, config, step = (ProbeSpec.from_dict(job["spec"]), AuditConfig.from_dict(job["config"]),
+                          job["step"])
+    plan = _plan(step)
+    try:
+        trace, _ = run_repeat(make_factory(spec), config, job["repeat"], spec, ops=plan)
+    except DetauditError as exc:
+        print(f"detaudit: {exc}", file=sys.stderr)
+        return 2
+    trace.save(job["trace"])
+    atomic_write(job["draws"], dump_json(sorted(plan.host_draws.get(step, set()))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1]))
