@@ -270,8 +270,11 @@ class watch:
 
     Steps are optimizer steps (found through torch's optimizer hooks); ``w.step(losses)``
     names the loss terms of the current step and ends it, ``w.epoch(i)`` says which epoch
-    the next steps belong to. After `max_steps` steps the loop is ended cleanly. Run the
-    same loop twice (two processes, or twice in one), then ``detaudit.compare(out)``.
+    the next steps belong to. After `max_steps` steps the loop is ended cleanly. `mode`:
+    ``"infer"`` makes each call of the model a step (its outputs recorded), ``"train"``
+    never does; ``"auto"`` infers when the model's first call is in eval mode and no
+    optimizer exists. Run the same loop twice (two processes, or twice in one), then
+    ``detaudit.compare(out)``.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, out: str | Path = "reports/watch",

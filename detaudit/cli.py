@@ -209,7 +209,8 @@ def _parser() -> argparse.ArgumentParser:
         "recording attached before your code starts (nothing in it changes). Every optimizer "
         "step is recorded at scan level: the batch the top-level model is called with, every "
         "RNG, the loss backward is called on, the gradients as the optimizer gets them and the "
-        "parameters after the update; then the runs are compared as `run` compares its repeats. "
+        "parameters after the update (in an inference script, every call of the model: its "
+        "inputs and outputs); then the runs are compared as `run` compares its repeats. "
         "A command that starts ranks (torchrun, torch.multiprocessing.spawn) is recorded per "
         "rank, and the ranks are checked against each other as with `run --nproc`.",
         epilog="examples: `detaudit exec --seed 0 --max-steps 20 -- python train.py --epochs 1`; "
