@@ -8,7 +8,7 @@ import os
 import sys
 
 if os.environ.get("DETAUDIT_ATTACH"):
-    from detaudit.drivers.attach import activate_from_environment
+    from detaudit.drivers.attach_process import activate_from_environment
 
     activate_from_environment()
 

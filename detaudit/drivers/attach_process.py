@@ -1,0 +1,167 @@
+"""The process a ``detaudit exec`` run records in: the bootstrap's entry point, which
+attaches before the user's code runs (in the command's own process, in each rank's first
+process, in ``torch.multiprocessing.spawn`` children), and the ways that process ends with
+its trace saved (exit, ``os._exit``, SIGTERM, the step limit)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import signal
+import sys
+from typing import Any, Callable
+
+from ..config import (
+    AUTO,
+    JOB_VARIABLE,
+    OWNER_VARIABLE,
+    RANK_OWNER_VARIABLE,
+    Fault,
+    rank_trace_path,
+)
+from ..seeding import seed_everything
+from .attach import Attachment
+from .rankprobe import RankWatch
+from .runner import describe_user_error
+
+
+def failure_hook(attachment: Attachment) -> Callable[..., None]:
+    """A ``sys.excepthook`` that keeps the user's uncaught error in the trace."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        with contextlib.suppress(Exception):
+            attachment.trace.failure = describe_user_error(exc.with_traceback(tb), "running")
+        previous(kind, exc, tb)
+
+    return hook
+
+
+def activate_from_environment() -> Attachment | None:
+    """In a process started by ``detaudit exec`` (the bootstrap calls this before the user's
+    code runs): seed if asked, attach, and save the trace at exit.
+
+    The command's own process records, and so does the first process of each rank a
+    launcher such as torchrun starts (``RANK`` and ``WORLD_SIZE`` set), into a trace of its
+    own; ``torch.multiprocessing.spawn`` children record from their entry point (see
+    :func:`_spawned_rank`). Other children, which inherit the job (DataLoader workers,
+    subprocesses), do not record.
+    """
+    text = os.environ.get(JOB_VARIABLE)
+    if not text:
+        return None
+    job = json.loads(text)
+    if os.environ.get(OWNER_VARIABLE) in (None, str(os.getpid())):  # execv keeps the pid
+        _claim(None)
+        attachment = _attach(job)
+        _spawn_ranks_through(_spawned_rank)
+        return attachment
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if (rank is not None and rank.isdigit() and world is not None and world.isdigit()
+            and os.environ.get(RANK_OWNER_VARIABLE) != rank):
+        _claim(rank)
+        return _attach(job, RankWatch(int(rank), int(world), "unknown"))
+    if job.get("seed") is not None:  # a spawned child: seeded before its code runs, too
+        seed_everything(int(job["seed"]))
+    return None
+
+
+def _claim(rank: str | None) -> None:
+    """This process records (for `rank`); its children inherit that and do not."""
+    os.environ[OWNER_VARIABLE] = str(os.getpid())
+    if rank is not None:
+        os.environ[RANK_OWNER_VARIABLE] = rank
+
+
+def _attach(job: dict[str, Any], rank: RankWatch | None = None) -> Attachment:
+    if job.get("seed") is not None:
+        seed_everything(int(job["seed"]))
+    fault = Fault(**job["fault"]) if job.get("fault") else None
+    path = job["trace"] if rank is None else rank_trace_path(job["trace"], rank.rank)
+    if rank is not None:
+        rank.wrapped_by = "script"  # the user's code builds its DDP model
+    attachment = Attachment(path, job["probe"], int(job.get("repeat", 0)),
+                            max_steps=job.get("max_steps"), max_epochs=job.get("max_epochs"),
+                            on_limit=_end_process, zoom=job.get("zoom"), fault=fault,
+                            rank=rank, planted_step=job.get("planted_step"),
+                            mode=job.get("mode", AUTO))
+    attachment.install()
+    sys.excepthook = failure_hook(attachment)
+    atexit.register(attachment.finish)
+    attachment._patch(os, "_exit", _exit_saving(attachment))
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_terminate(attachment))
+    return attachment
+
+
+def _spawn_ranks_through(entry: Callable[..., Any]) -> None:
+    """``torch.multiprocessing.spawn`` starts each rank at `entry` instead of torch's own
+    wrapper (the child unpickles it by name), so that the rank records from its start."""
+    spawning = importlib.import_module("torch.multiprocessing.spawn")  # the module, not
+    global _TORCH_SPAWN_ENTRY  # torch.multiprocessing.spawn, the function
+    if _TORCH_SPAWN_ENTRY is None:
+        _TORCH_SPAWN_ENTRY = spawning._wrap
+        spawning._wrap = entry
+
+
+_TORCH_SPAWN_ENTRY: Callable[..., Any] | None = None
+
+
+def _spawned_rank(fn: Callable[..., Any], i: int, args: tuple, error_file: str) -> None:
+    """A ``torch.multiprocessing.spawn`` child: process `i` records as rank `i` (the world
+    size is the number of processes spawned, unknown here until it joins a group)."""
+    spawning = importlib.import_module("torch.multiprocessing.spawn")
+    job = json.loads(os.environ.get(JOB_VARIABLE) or "null")
+    attachment = None
+    if job is not None and os.environ.get(RANK_OWNER_VARIABLE) != str(i):
+        _claim(str(i))
+        attachment = _attach(job, RankWatch(i, 0, "unknown"))
+    failure = None
+    try:
+        (_TORCH_SPAWN_ENTRY or spawning._wrap)(fn, i, args, error_file)
+    except SystemExit as exc:  # torch's wrapper exits 1 when the rank's function raised
+        failure = f"rank {i} failed (exit code {exc.code})" if exc.code else None
+        raise
+    finally:
+        if attachment is not None:
+            attachment.finish(failure)
+
+
+def _on_terminate(attachment: Attachment) -> Callable[..., None]:
+    """SIGTERM (detaudit exec after Ctrl-C): save what was recorded and end now, whatever
+    the script would catch."""
+    def handler(signum: int, frame: Any) -> None:
+        attachment.finish("interrupted (Ctrl-C or SIGTERM)")
+        _end_process()
+
+    return handler
+
+
+def _end_process() -> None:
+    """The limit is reached and the trace saved: end the process now, whatever the script
+    would catch (``detaudit exec`` then ends the rest of its process group)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    _REAL_EXIT(0)
+
+
+_REAL_EXIT = os._exit
+
+
+def _exit_saving(attachment: Attachment) -> Callable[[int], None]:
+    """``os._exit`` that saves the trace first, in the recording process (a script that
+    ends that way, as distributed ones do to avoid a hang at shutdown, skips the exit hook);
+    its forked children (DataLoader workers) exit as they would."""
+    pid = os.getpid()
+
+    def _exit(code: int) -> None:
+        if os.getpid() == pid:
+            with contextlib.suppress(Exception):
+                attachment.finish()
+        _REAL_EXIT(code)
+
+    return _exit
