@@ -22,7 +22,7 @@ from .analysis.diff import GateResult, diff_traces
 from .analysis.ranks import RankAnalysis
 from .analysis.verdict import REFUSED, Verdict, judge, junit_error
 from .config import SCAN, AuditConfig, Fault, Investigations, Launch, ProbeSpec
-from .errors import DetauditError, ProbeError
+from .errors import EXIT_USAGE, DetauditError, ProbeError
 from .report import render_console, summarize, write_reports
 from .report.junit import JUnitCase, junit_case
 from .runfolder import (
@@ -231,7 +231,7 @@ def run(
 def stopped_state(state: str, exc: BaseException) -> str:
     """A run folder's state once `exc` stopped it during `state`: refused for bad input
     found on the way (exit 2 when rendered again, as it was live), else failed."""
-    how = REFUSED if isinstance(exc, DetauditError) else "failed"
+    how = REFUSED if isinstance(exc, DetauditError) and exc.exit_code == EXIT_USAGE else "failed"
     return f"{how} during {state}: {failure_line(exc)}"
 
 

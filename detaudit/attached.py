@@ -42,10 +42,12 @@ from .config import (
     CALLS_UNSEEN,
     ENDED,
     FAULT_FIRED,
+    INFER,
     JOB_VARIABLE,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
     SCAN,
+    TRAIN,
     AuditConfig,
     ExecJob,
     Fault,
@@ -176,16 +178,19 @@ def _refuse_other_models(traces: list[AnyTrace]) -> None:
     """Runs whose parameters differ in name or shape before their first step trained
     different models (a notebook's class edited between the runs): refused, not compared
     (their differences would read as an unseeded initialisation)."""
-    shapes = [_parameter_shapes(t) for t in traces]
-    for trace, theirs in zip(traces[1:], shapes[1:]):
-        if theirs == shapes[0]:
+    recorded = [(t, shapes) for t in traces if (shapes := _parameter_shapes(t))]
+    if not recorded:  # (runs that failed before their first step are failed runs)
+        return
+    first, shapes_first = recorded[0]
+    for trace, theirs in recorded[1:]:
+        if theirs == shapes_first:
             continue
-        name = next(n for n in sorted(shapes[0].keys() | theirs.keys())
-                    if shapes[0].get(n) != theirs.get(n))
-        first, other = (str(of.get(name, "absent")) for of in (shapes[0], theirs))
+        name = next(n for n in sorted(shapes_first.keys() | theirs.keys())
+                    if shapes_first.get(n) != theirs.get(n))
+        was, now = (str(of.get(name, "absent")) for of in (shapes_first, theirs))
         raise DetauditError(
-            f"these runs trained different models: parameter {name} is {first} in "
-            f"{_source(traces[0])} and {other} in {_source(trace)}; compare runs of one "
+            f"these runs trained different models: parameter {name} is {was} in "
+            f"{_source(first)} and {now} in {_source(trace)}; compare runs of one "
             "model (`detaudit diff A B` tells two apart)")
 
 
@@ -357,6 +362,10 @@ class watch:
             if self.path is not None and self.path.stat().st_size == 0:
                 self.path.unlink()  # nothing was recorded: no trace, not an empty file
         trace = self._attachment.trace
+        if not self.steps and self._attachment.batches_seen == 0 and exc is None:
+            warnings.warn("detaudit.watch recorded no step: no optimizer step was seen, nor "
+                          "calls of the model to infer (mode='infer' takes every call of the "
+                          "model for a step)", stacklevel=2)
         if self._attachment.given_optimizer_idle:
             warnings.warn("detaudit.watch: the optimizer given never stepped while another one "
                           "did, so no update was recorded: give watch the optimizer your loop "
@@ -446,7 +455,7 @@ def exec_command(
             comparison = compare_traces(traces)
             check_fault_seen(job.fault, comparison)
             # what the command did, not the stand-ins its traces' configuration holds
-            folder.info.config.update(seed=job.seed, deterministic=bool(
+            folder.info.config.update(mode=_mode_of(traces), seed=job.seed, deterministic=bool(
                 traces[0].env.get("deterministic_algorithms")), epochs=max(
                 (t.steps[-1].epoch + 1 for t in traces if t.steps), default=0))
             if ranks is not None:  # the primary rank's repeats, as compared across ranks
@@ -468,6 +477,11 @@ def exec_command(
             folder.set_state(stopped_state(folder.info.state, exc))
             raise
         return _conclude(traces, info, folder, timings, zoomed, ranks, comparison)
+
+
+def _mode_of(traces: list[AnyTrace]) -> str:
+    """What the runs recorded: inference (a step per call of the model) or training."""
+    return INFER if any(t.probe.get(PROBE_CONFIG, {}).get("mode") == INFER for t in traces) else TRAIN
 
 
 Recorded = dict[Optional[int], AnyTrace]  # rank (None: the command's own process) -> its trace
@@ -642,10 +656,14 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     if not recorded:
         how = "ended" if code == 0 else f"exited with code {code}"
         raise DetauditError(
-            f"repeat {repeat}: {_shell_line(command)!r} {how} before its first step (no "
-            "optimizer step, no training-mode call of a module and, in a script without an "
-            "optimizer, no eval-mode call was seen; --mode infer takes every top-level call of "
-            "the model for a step; the Python that runs it must have detaudit installed, as "
+            f"repeat {repeat}: {_shell_line(command)!r} {how} before its first step ("
+            + ("no optimizer step was seen, and --mode train takes nothing else for a step"
+               if job.mode == TRAIN else
+               "no optimizer step and no call of a model was seen" if job.mode == INFER else
+               "no optimizer step was seen, and its model's calls were no inference: a script "
+               "with an optimizer, or whose model was first called in training mode with "
+               "gradients on; --mode infer takes every top-level call of the model for a step")
+            + "; the Python that runs it must have detaudit installed, as "
             f"{sys.executable} does)"
         )
     for trace in recorded.values():

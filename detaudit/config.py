@@ -234,6 +234,7 @@ RANK_OWNER_VARIABLE = "DETAUDIT_ATTACH_RANK"  # the rank whose first process rec
 FAULT_FIRED = "fault_fired"
 ENDED = "ended"  # a trace's recording ended as it should (its loop ended, failed or hit a limit)
 CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (compiled code)
+INFERRED = "inferred"  # a trace recorded as inference because auto mode took it for one
 
 
 def rank_trace_path(path: str | Path, rank: int) -> Path:

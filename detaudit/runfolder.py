@@ -21,7 +21,17 @@ from typing import Any
 from .config import AuditConfig, ProbeSpec
 from .errors import TraceError
 from .storage import atomic_write, check_format, describe, dump_json, jsonable, read_json
-from .trace import PROBE_CONFIG, PROBE_RUN, PROBE_SPEC, AnyTrace, Trace, TraceFile, open_trace
+from .trace import (
+    PROBE_CONFIG,
+    PROBE_RECORD_SET,
+    PROBE_RUN,
+    PROBE_SPEC,
+    RECORD_SET,
+    AnyTrace,
+    Trace,
+    TraceFile,
+    open_trace,
+)
 
 # History:
 #   1: first format.
@@ -59,7 +69,8 @@ def timing_name(repeat: int | str, rank: int | str | None = None) -> str:
 
 def trace_probe(spec: ProbeSpec | None, config: AuditConfig, run_id: str = "") -> dict[str, Any]:
     """What a trace says about its probe, its configuration and the run it belongs to."""
-    probe = {PROBE_SPEC: spec.to_dict() if spec else {}, PROBE_CONFIG: config.to_dict()}
+    probe = {PROBE_SPEC: spec.to_dict() if spec else {}, PROBE_CONFIG: config.to_dict(),
+             PROBE_RECORD_SET: RECORD_SET}
     if run_id:
         probe[PROBE_RUN] = run_id
     return probe

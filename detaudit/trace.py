@@ -98,6 +98,9 @@ OP_PHASES = (OP_FORWARD, OP_BACKWARD)
 PHASES = (STATE, FORWARD, BACKWARD, GRAD, OPTIMIZER, OUTPUT, *OP_PHASES)
 PROBE_SPEC, PROBE_CONFIG, PROBE_DISTRIBUTED = "info", "config", "distributed"
 PROBE_RUN = "run"  # the id of the run the trace belongs to (run.json has the same)
+# which records a trace holds: 2 adds the buffers written in a step and plain (non-tensor)
+# output values; a trace without it (older) has neither
+PROBE_RECORD_SET, RECORD_SET = "record_set", 2
 
 _BACKWARD_LOSS = re.compile(r"loss(\.\d+)?")  # the names of the tensors backward was called on
 RECORD_COLUMNS = (
@@ -473,6 +476,14 @@ class TraceStream:
     @property
     def steps(self) -> int:
         return self.flushed_steps + len(self.trace.steps)
+
+    def restart(self) -> None:
+        """Forget every step recorded so far, flushed or not: the next flush starts the
+        file anew."""
+        self._started, self.flushed_steps, self._flushed_at = False, 0, -math.inf
+        self.trace.steps = []
+        self.trace.records = {c: [] for c in RECORD_COLUMNS}
+        self.trace.calls = {c: [] for c in CALL_COLUMNS}
 
     def flush(self) -> Path:
         """Append what is new, and the trace's probe, environment and failure as they stand."""

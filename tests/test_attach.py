@@ -12,6 +12,7 @@ import time
 import warnings
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -166,6 +167,103 @@ def test_watch_of_inference_records_each_call_of_the_model(tmp_path):
     assert infer(tmp_path / "b").steps == 0
     assert len(infer(tmp_path / "b", mode="infer", max_steps=2).trace.steps) == 2
     del trains
+
+
+def _attached(path: Path, loop: Callable[[], None]) -> Trace:
+    """`loop` run as exec attaches (no model given), and its trace."""
+    attachment = Attachment(path, {}).install()
+    try:
+        loop()
+        attachment.finish()
+    finally:
+        attachment.uninstall()
+    return Trace.load(path)
+
+
+def test_an_evaluation_before_the_optimizer_is_made_is_no_inference_run(tmp_path):
+    """A baseline evaluation first, then the optimizer and training: the run is training
+    (taken for inference, its training was never recorded)."""
+    def loop():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        model.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.ones(2, 4))
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    trace = _attached(tmp_path / "t.json.gz", loop)
+    assert [(s.step, s.optimizer_stepped) for s in trace.steps] == [(0, True), (1, True), (2, True)]
+    assert trace.probe["config"]["mode"] == "train" and not trace.probe["inferred"]
+
+
+def test_inference_records_every_model_called_and_one_left_in_training_mode(tmp_path):
+    """Calls without gradients and no optimizer are inference even in training mode (a
+    script that forgot eval()); an ensemble's or a pipeline's second model is recorded too
+    (only the first was, so a difference in the second passed)."""
+    def loop():
+        torch.manual_seed(0)
+        backbone, head = nn.Linear(4, 8), nn.Linear(8, 2)
+        with torch.no_grad():
+            for _ in range(2):
+                head(backbone(torch.ones(2, 4)))
+
+    trace = _attached(tmp_path / "t.json.gz", loop)
+    records = trace.frame()
+    outputs = records[records.slot == "output"]
+    assert list(zip(outputs.step, outputs.module)) == [(0, ""), (1, "Linear"), (2, ""), (3, "Linear")]
+    assert trace.probe["config"]["mode"] == "infer" and trace.probe["inferred"]
+
+
+def test_inference_outputs_in_a_dataclass_are_compared(tmp_path):
+    """A model returning a dataclass (a detection library's result type): its tensors and
+    labels are the step's outputs (none was recorded, so any difference passed)."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Detections:
+        scores: torch.Tensor
+        label: str
+
+    class Detector(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return Detections(self.fc(x), "cat")
+
+    def loop():
+        model = Detector().eval()
+        with torch.no_grad():
+            model(torch.ones(1, 4))
+
+    records = _attached(tmp_path / "t.json.gz", loop).frame()
+    assert set(records[records.phase == "output"].slot) == {"output.scores", "output.label"}
+
+
+def test_two_models_trained_in_turn_are_one_step_per_iteration(tmp_path):
+    """Co-teaching: both forwards, then each model's backward and update: one step (each
+    iteration was two, so faults and limits landed in the wrong place)."""
+    def loop():
+        torch.manual_seed(0)
+        nets = [nn.Linear(4, 1), nn.Linear(4, 1)]
+        opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in nets]
+        for _ in range(3):
+            losses = [n(torch.ones(2, 4)).sum() for n in nets]
+            for loss, opt in zip(losses, opts):
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+    trace = _attached(tmp_path / "t.json.gz", loop)
+    assert len(trace.steps) == 3
+    assert all(set(s.losses) == {"loss", "loss.1"} for s in trace.steps)
 
 
 def test_a_real_divergence_before_a_planted_fault_is_the_verdict(tmp_path):
@@ -1037,6 +1135,36 @@ def test_buffers_are_the_models_state_too(tmp_path):
     first = c.first_diffs[0]
     assert (first.phase, first.module, first.slot) == ("state", "1", "buffer.running_var")
     assert "buffers (1.running_var) differ before the step" in c.cause_text
+
+
+class _Scratch(nn.Module):
+    """Buffers made by torch.empty: one never used, one overwritten before it is read."""
+
+    def __init__(self, garbage: float):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("unused", torch.full((8,), garbage))
+        self.register_buffer("scratch", torch.full((4,), garbage))
+
+    def forward(self, x):
+        self.scratch.copy_(x.mean(0))
+        return self.fc(x - self.scratch)
+
+
+def test_buffers_never_written_or_overwritten_before_use_are_no_divergence(tmp_path):
+    """torch.empty leaves other bytes in each process: what a buffer held before anything
+    wrote it is not compared (it was a false 'init' divergence)."""
+    for garbage in (0.0, 1.0):
+        torch.manual_seed(0)
+        model = _Scratch(garbage)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detaudit.watch(model, opt, out=tmp_path):
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    result = detaudit.compare(tmp_path)
+    assert result.exit_code == 0, result.verdict.headline
 
 
 def test_a_sparse_embedding_trains_under_watch_and_its_gradients_are_compared(tmp_path):

@@ -456,3 +456,35 @@ def test_a_check_of_a_baseline_that_stores_a_planted_fault_says_so(tmp_path: Pat
     assert gate.ok and "note: this baseline stores a planted fault" in gate.message
     clean = module_audit(conv_probe, repeats=1, steps=1, stress=0)
     assert "planted fault" not in check_conv(store_baseline(tmp_path / "clean.json", clean)).message
+
+
+def test_a_baseline_recorded_before_buffers_were_recorded_still_matches(tmp_path):
+    """A trace of record set 1 (no buffers, no plain output values) against a new one of
+    the same training: MATCH, the buffers said to be recorded by one run alone (every CI
+    gate with an older baseline turned red)."""
+    import detaudit
+    from detaudit.trace import PROBE_RECORD_SET, Trace
+
+    def train():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detaudit.watch(model, opt, out=tmp_path) as w:
+            for _ in range(3):
+                model(torch.randn(5, 4, generator=torch.Generator().manual_seed(1))).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return w.trace
+
+    old, new = train(), train()
+    assert any(slot.startswith("buffer.") for slot in new.records["slot"])
+    keep = [i for i, slot in enumerate(old.records["slot"]) if not slot.startswith("buffer.")]
+    old = Trace(probe={k: v for k, v in old.probe.items() if k != PROBE_RECORD_SET},
+                repeat=0, env=old.env, steps=old.steps,
+                records={c: [col[i] for i in keep] for c, col in old.records.items()})
+    result = diff_traces(old, new)
+    assert result.exit_code == 0, result.message
+    assert result.finer_only[1] > 0 and "an older A did not record" in result.message
+    new_too = Trace(probe=new.probe, repeat=0, env=old.env, steps=old.steps,
+                    records=old.records)  # a new trace lacking them differs
+    assert diff_traces(new_too, new).exit_code == 1

@@ -438,9 +438,10 @@ class _StepDiffs:
                  if (d := self._diff(key, ref, others, stats))]
         diffs = [d for _, _, d in found]
         for o, j, d in found:
-            # (a parameter is recorded as a later step begins only where it was changed
-            # since its update: missing there is a value that differs, not a fork)
-            if d.missing and not (step > 0 and d.phase == STATE and d.slot.startswith("param.")):
+            # (a parameter or buffer is recorded as a later step begins only where it was
+            # changed: missing there is a value that differs, not a fork)
+            if d.missing and not (step > 0 and d.phase == STATE
+                                  and d.slot.startswith(MODEL_STATE)):
                 self._note_fork((o, step, j), d)
         rng = [d for d in diffs if _rng_state(d)]
         rest = [d for d in diffs if not _rng_state(d)]

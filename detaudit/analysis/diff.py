@@ -11,7 +11,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..config import SCAN
-from ..trace import BACKWARD, FORWARD, OP_PHASES, OPTIMIZER, PROBE_CONFIG, AnyTrace, Trace
+from ..trace import (
+    BACKWARD,
+    FORWARD,
+    OP_PHASES,
+    OPTIMIZER,
+    OUTPUT,
+    PROBE_CONFIG,
+    PROBE_RECORD_SET,
+    STATE,
+    AnyTrace,
+    Trace,
+)
 from .compare import Comparison, aligned_steps, compare
 from .verdict import MATCH, MISMATCH, exit_code
 
@@ -181,6 +192,8 @@ class _AtCommonLevel:
     def __init__(self, trace: AnyTrace, other: AnyTrace) -> None:
         self.trace, self.other = trace, other
         self.other_granularity = recorded_granularity(other)
+        # an older trace holds no buffers and no plain output values: not compared to it
+        self.other_older = PROBE_RECORD_SET not in other.probe
         self.steps, self.failure, self.repeat = trace.steps, trace.failure, trace.repeat
         self.env = trace.env
         self.stress_rows = trace.stress_rows
@@ -193,12 +206,19 @@ class _AtCommonLevel:
             theirs = set(zip(*(other.records[c] for c in keys)))
             r = cut.records
             kept = [i for i, key in enumerate(zip(*(r[c] for c in keys))) if key in theirs
-                    or granularity_keeps(self.other_granularity, key[1], key[4])]
+                    or (granularity_keeps(self.other_granularity, key[1], key[4])
+                        and not (self.other_older and _newer_kind(key[1], key[4],
+                                                                  r["dtype"][i])))]
             if len(kept) < len(cut):
                 self.left_out += len(cut) - len(kept)
                 cut = replace(cut, records={c: [r[c][i] for i in kept] for c in r})
             if len(cut) or cut.calls["step"]:  # else a step only the other run has
                 yield step, cut
+
+
+def _newer_kind(phase: str, slot: str, dtype: str) -> bool:
+    """A record of a kind traces hold since record set 2: a buffer, a plain output value."""
+    return (phase == STATE and slot.startswith("buffer.")) or (phase == OUTPUT and dtype == "bytes")
 
 
 class _WithinTolerance:
@@ -303,7 +323,8 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
     for label, other, count in ((la, lb, result.finer_only[0]), (lb, la, result.finer_only[1])):
         if count:
             lines.append(f"not compared: {count} records only {label} recorded (module calls, "
-                         f"ops or optimizer state that {other}'s granularity does not keep)")
+                         f"ops or optimizer state that {other}'s granularity does not keep, or "
+                         f"buffers and plain output values an older {other} did not record)")
     first = result.first
     if first is None:
         return "\n".join(lines)

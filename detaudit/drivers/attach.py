@@ -40,6 +40,7 @@ from ..config import (
     ENDED,
     FAULT_FIRED,
     INFER,
+    INFERRED,
     TRAIN,
     Fault,
 )
@@ -51,6 +52,7 @@ from ..record.structure import iter_tensors
 from ..trace import (
     OPTIMIZER,
     OUTPUT,
+    PROBE_CONFIG,
     STATE,
     StepInfo,
     Trace,
@@ -150,6 +152,8 @@ class Attachment:
         # as `mode` says, or (auto) decided at the first top-level call of a module with
         # parameters (see _inference_at)
         self.inferring: bool | None = {TRAIN: False, INFER: True}.get(mode)
+        self._auto = mode == AUTO
+        self._given_model = model is not None
         self._out_of_graphs = False  # see keep_out_of_graphs
 
     # -- installing ----------------------------------------------------------------------
@@ -210,10 +214,12 @@ class Attachment:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._global_pre(module, args)
+            output = None
             try:
-                return compiled(*args, **kwargs)
+                output = compiled(*args, **kwargs)
+                return output
             finally:
-                self._global_post(module, args, None)
+                self._global_post(module, args, output)
 
         self._patch(module, "_compiled_call_impl", call)
 
@@ -240,9 +246,12 @@ class Attachment:
             # parametrized weight (each read of it calls its parametrizations)
             return
         # a call inside a backward (a checkpoint recomputing its forward) is no new batch
+        if (self._depth == 0 and self._auto and self.inferring and module.training
+                and torch.is_grad_enabled() and any(True for _ in module.parameters())):
+            self._trains_after_all()
         if self._depth == 0 and not self.stopped and not self.in_backward and (
                 self._inference_at(module)):
-            if module is self.model:  # a step: this call
+            if self._inferred_name(module) is not None:  # a step: this call
                 self._on_batch(module, args, {})
         elif self._depth == 0 and not self.stopped and not self.in_backward:
             found = id(module) in self._found_modules and torch.is_grad_enabled()
@@ -266,9 +275,9 @@ class Attachment:
         if _transformed():
             return
         self._depth = max(0, self._depth - 1)
-        if self._depth == 0 and self.inferring and module is self.model and (
-                self.info is not None and self.recorder is not None):
-            self.recorder.record(OUTPUT, "", 0, "output", output, plain=True)
+        name = self._inferred_name(module) if self._depth == 0 and self.inferring else None
+        if name is not None and self.info is not None and self.recorder is not None:
+            self.recorder.record(OUTPUT, name, 0, "output", output, plain=True)
             self._updated = True  # the call is the step: it is over
             self.end_step()
             if self.max_steps is not None and self.stream.steps >= self.max_steps:
@@ -308,15 +317,53 @@ class Attachment:
 
     def _inference_at(self, module: nn.Module) -> bool:
         """Whether the loop infers: decided (in auto mode) at the first top-level call of a
-        module with parameters. It infers if that call is in eval mode and no optimizer
-        exists; the model is then that module, and each of its top-level calls a step."""
-        if self.inferring is None and not isinstance(module, ParametrizationList) and any(
-                True for _ in module.parameters()):
-            self.inferring = not module.training and self.optimizer is None and not any(
-                True for _ in _live(torch.optim.Optimizer))
-        if self.inferring and self.model is None and any(True for _ in module.parameters()):
-            self.model = module
+        module with parameters. It infers if that call is in eval mode or without gradients
+        and no optimizer exists; the model is then that module."""
+        if self.inferring is None and any(True for _ in module.parameters()):
+            self.inferring = (not module.training or not torch.is_grad_enabled()) and (
+                self.optimizer is None and not any(True for _ in _live(torch.optim.Optimizer)))
+        if self.inferring:  # (what the reports say of the run)
+            self.trace.probe.setdefault(PROBE_CONFIG, {})["mode"] = INFER
+            self.trace.probe[INFERRED] = self._auto
         return bool(self.inferring)
+
+    def _trains_after_all(self) -> None:
+        """The loop, taken for inference (auto), trains: a call in training mode with
+        gradients on, a backward or an optimizer step (an evaluation before training, the
+        optimizer made after it). The calls recorded as steps are forgotten, and the run is
+        recorded from here as training (a limit of steps reached before it had stopped the
+        run as inference)."""
+        self.inferring = False
+        self.trace.probe.setdefault(PROBE_CONFIG, {})["mode"] = TRAIN
+        self.trace.probe[INFERRED] = False
+        self._end_ops()
+        if self.recorder is not None:
+            self.recorder.__exit__(None, None, None)
+        self.recorder, self.info = None, None
+        if self.optimizer is None and not self._given_model:
+            self.model = None
+        self._others, self._candidates = [], []
+        self._train_loader, self.epoch, self.index = None, 0, 0
+        self._updated, self._batches, self._losses = False, 0, 0
+        self._loss_values, self._step_outputs = {}, []
+        self.stream.restart()
+
+    def _inferred_name(self, module: nn.Module) -> str | None:
+        """In inference, each top-level call of a module with parameters is a step: of the
+        model (named "") or of another model (an ensemble's), recorded too under its class's
+        name; None for a module without parameters (a post-processing step)."""
+        if module is self.model:
+            return ""
+        if self.model is None and any(True for _ in module.parameters()):
+            self.model = module
+            return ""
+        name = next((n for n, m in self._others if m is module), None)
+        if name is None and any(True for _ in module.parameters()):
+            name = _unique(type(module).__name__, {n for n, _ in self._others})
+            self._others.append((name, module))
+            if self.recorder is not None:
+                self.recorder.add_model(name, module)
+        return name
 
     def _on_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A top-level training call: a new step begins if the last one has updated."""
@@ -342,9 +389,15 @@ class Attachment:
     def on_backward(self, tensor: Any) -> None:
         """backward is called on `tensor`: the loss (each one of an accumulated step; a
         tensor of several values too, whose curve is not drawn)."""
-        if self.stopped or not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
+        if self._auto and self.inferring and isinstance(tensor, torch.Tensor):
+            self._trains_after_all()
+        if self.stopped or self.inferring or not isinstance(tensor, torch.Tensor) or (
+                tensor.grad_fn is None):
             return
-        if self._updated:
+        if self._updated and self._batches == 0:
+            # the model's calls are not seen (compiled): backward is where a step begins;
+            # else the next call begins it (two models' backward and update in turn, as
+            # co-teaching does, are one step)
             self.end_step()
         if self.info is None and self._current_model() is None and not self._candidates:
             # kept until an update names the model: scalars only, and a bounded number (a
@@ -378,7 +431,10 @@ class Attachment:
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_used = True  # (any optimizer: the loop does not update by hand)
-        if self.stopped or (self.optimizer is not None and optimizer is not self.optimizer):
+        if self._auto and self.inferring:
+            self._trains_after_all()
+        if self.stopped or self.inferring or (
+                self.optimizer is not None and optimizer is not self.optimizer):
             return
         self._choose_model(optimizer)
         if self._updated and id(optimizer) in self._stepped:
@@ -410,7 +466,7 @@ class Attachment:
                                          of=params)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.stopped or self.info is None or self.recorder is None or (
+        if self.stopped or self.inferring or self.info is None or self.recorder is None or (
                 self.optimizer is not None and optimizer is not self.optimizer):
             return
         params = _parameters(optimizer)
@@ -772,10 +828,11 @@ class Attachment:
         self.trace.failure = failure or self.trace.failure
         if self.info is not None and not self._updated and self._updated_by_hand():
             self._record_update_by_hand(last=True)
-        if (self.trace.failure or self._optimizers) and self.info is not None and (
-                self.recorder is not None and not self._updated):
+        if (self.trace.failure or self._optimizers or not self._losses) and (
+                self.info is not None and self.recorder is not None and not self._updated):
             # the step that failed, or that the process ended in before its update (a script
-            # that exits on a NaN loss before backward), is not kept half-recorded
+            # that exits on a NaN loss before backward), is not kept half-recorded; nor calls
+            # in training mode that no backward or update followed (nothing trained)
             self.recorder.end_step()
             self.info = None
         self.end_step()

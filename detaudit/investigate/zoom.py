@@ -96,7 +96,15 @@ def zoom_by_replay(
     agreed_here: set[int] = set()  # steps a replay in this process did not part at
     for _ in range(max(2 if apart else 1, tries)):
         here = apart is None or not agreed_here
-        traces = replay(step) if here else apart(step)
+        if here:
+            traces = replay(step)
+        else:
+            try:
+                traces = apart(step)
+            except DetauditError as exc:  # the scan's verdict stands; the tries left, here
+                attempts.append({"step": step, "outcome": f"not replayed apart: {exc}"})
+                apart = None
+                continue
         how = "" if apart is None else (" (replayed in this process)" if here else
                                         " (each repeat replayed in its own process)")
         zoomed = compare(traces, comparison.idle_rng)

@@ -468,19 +468,28 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     """`t`, or where its content is not one strided buffer (a sparse gradient of
     ``nn.Embedding(sparse=True)``, a nested or a quantized tensor) a flat uint8 tensor of
     its content, after its shape: a sparse tensor's coalesced indices then values, a nested
-    tensor's components in order (each after its shape), a quantized tensor's dequantized
-    values."""
+    tensor's components in order (each after its shape), a quantized tensor's integers,
+    scales and zero points."""
     if t.layout is torch.strided and not (t.is_nested or t.is_quantized):
         return t
     t = t.detach()
     if t.is_nested:
         parts = [part for c in t.unbind() for part in (_shape_of(c), c)]
     elif t.is_quantized:
-        parts = [_shape_of(t), t.dequantize()]
+        parts = [_shape_of(t), t.int_repr(), *_quantization(t)]
     else:
         coo = (t if t.layout is torch.sparse_coo else t.to_sparse_coo()).coalesce()
         parts = [_shape_of(t), coo.indices(), coo.values()]
     return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
+
+
+def _quantization(t: torch.Tensor) -> list[torch.Tensor]:
+    """A quantized tensor's scales and zero points (per tensor, or per channel)."""
+    if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return [torch.tensor([t.q_scale()], dtype=torch.float64, device=t.device),
+                torch.tensor([t.q_zero_point()], dtype=torch.int64, device=t.device)]
+    return [t.q_per_channel_scales().to(torch.float64),
+            t.q_per_channel_zero_points().to(torch.int64)]
 
 
 def _shape_of(t: torch.Tensor) -> torch.Tensor:

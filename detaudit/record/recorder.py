@@ -23,6 +23,7 @@ import bisect
 import random
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch._C._autograd import _get_sequence_nr
+from torch.autograd.function import BackwardCFunction
 from torch.nn.parameter import UninitializedBuffer
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -129,6 +131,8 @@ class Recorder:
         self.host_draws: set[tuple[str, int]] = set()
         self._models = [uncompiled(model)]
         self._prefixes = [""]  # each model's names begin with its own
+        # each buffer as the last step began and its version then (see _record_buffers)
+        self._buffers_seen: dict[str, tuple[weakref.ref, int | None]] = {}
         self._names = {id(m): name for name, m in self._models[0].named_modules()}
         self._params = dict(self._models[0].named_parameters())
         self._handles: list[Any] = []
@@ -284,19 +288,27 @@ class Recorder:
         self._record_buffers()
 
     def _record_buffers(self) -> None:
-        """Every buffer as the step begins (BatchNorm's running statistics, counters, an
-        EMA a module keeps), keyed (state, owning module, 0, buffer.<name>): the model's
-        state besides its parameters, read whole at each step (they are looked up anew,
-        since a module may assign a new tensor to a buffer's name)."""
+        """The buffers written since the last step began (BatchNorm's running statistics,
+        counters, an EMA a module keeps), keyed (state, owning module, 0, buffer.<name>):
+        the model's state besides its parameters. A buffer is recorded once something wrote
+        to it (its version moved, or a new tensor took its name), not as first seen: one
+        never written (a cached mask, a scratch buffer made by torch.empty) shows in what
+        the model computes, if anywhere, and is not read each step."""
         seen: set[int] = set()
-        items = []
+        changed = []
         for prefix, model in zip(self._prefixes, self._models):
             for name, buffer in model.named_buffers(prefix=prefix):
-                if id(buffer) not in seen and not isinstance(buffer, UninitializedBuffer):
-                    seen.add(id(buffer))
-                    items.append((name, buffer))
-        self._keys += _parameter_keys(STATE, items, kind="buffer")
-        self.fp.add_many([t for _, t in items], stats=False)
+                if id(buffer) in seen or isinstance(buffer, UninitializedBuffer):
+                    continue
+                seen.add(id(buffer))
+                version = None if buffer.is_inference() else buffer._version
+                before = self._buffers_seen.get(name)
+                self._buffers_seen[name] = (weakref.ref(buffer), version)
+                if before is not None and (before[0]() is not buffer or version is None
+                                           or version != before[1]):
+                    changed.append((name, buffer))
+        self._keys += _parameter_keys(STATE, changed, kind="buffer")
+        self.fp.add_many([t for _, t in changed], stats=False)
 
     def record_parameters(self, phase: str, of: Iterable[torch.Tensor] | None = None) -> None:
         """Every parameter, keyed by its owning module (all before step 0, trainable ones after
@@ -396,7 +408,10 @@ class Recorder:
         parent = self._stack[-1][0] if self._stack else -1
         if parent >= 0 and self._calls[parent].backward_node is not node:
             parent = -1  # begun anew in backward (or after it), not in the calls left open
-        original = self._recomputes(name, node, parent) if node is not None else -1
+        # (a recomputation is run by an autograd Function's backward, as a reentrant
+        # checkpoint's; a non-reentrant one recomputes from a built-in node: new calls)
+        original = (self._recomputes(name, node, parent)
+                    if isinstance(node, BackwardCFunction) else -1)
         if original >= 0:
             index = self._calls[original].index
         else:

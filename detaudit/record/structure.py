@@ -1,7 +1,9 @@
-"""Walking the nested values detection models pass around (lists, dicts, tuples, ImageList)."""
+"""Walking the nested values detection models pass around (lists, dicts, tuples, dataclasses,
+ImageList, detectron2's Instances)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -35,6 +37,13 @@ def _leaves(obj: Any, path: str, plain: bool) -> Iterator[tuple[str, Any]]:
         yield from _leaves(obj.tensors, _join(path, "tensors"), plain)
     elif plain and isinstance(obj, PLAIN_VALUES):
         yield path, obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _leaves(getattr(obj, f.name), _join(path, f.name), plain)
+    elif callable(getattr(obj, "get_fields", None)):  # detectron2's Instances
+        fields = obj.get_fields()
+        if isinstance(fields, dict):
+            yield from _leaves(fields, path, plain)
 
 
 def replace_first_float(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Any, bool]:

@@ -8,6 +8,7 @@ from tabulate import tabulate
 
 from .sections import (
     CALLS_UNSEEN_NOTE,
+    INFERRED_NOTE,
     SIDE_HEADERS,
     nonfinite_line,
     short_epochs_note,
@@ -61,6 +62,8 @@ def render_console(summary: dict[str, Any]) -> str:
         lines.append(f"note: {short_epochs_note(summary['short_epochs'])}")
     if summary.get("calls_unseen"):
         lines.append(f"note: {CALLS_UNSEEN_NOTE}")
+    if summary.get("inferred"):
+        lines.append(f"note: {INFERRED_NOTE}")
     flagged = summary.get("env_risks") or {}
     if flagged:
         lines.append("")

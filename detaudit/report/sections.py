@@ -175,6 +175,8 @@ def _verdict(s: dict[str, Any]) -> Section:
         blocks.append(Text(f"Note: {short_epochs_note(s['short_epochs'])}"))
     if s.get("calls_unseen"):
         blocks.append(Text(f"Note: {CALLS_UNSEEN_NOTE}"))
+    if s.get("inferred"):
+        blocks.append(Text(f"Note: {INFERRED_NOTE}"))
     return Section("verdict", "Verdict", blocks)
 
 
@@ -185,6 +187,13 @@ CALLS_UNSEEN_NOTE = (
     "recorded from the batches the training DataLoader yields, the losses, the gradients and "
     "the parameters, and a zoomed step module by module where its calls can be seen "
     "(compiled code runs eagerly there; calls inside a torch.func transform are not seen).")
+
+
+INFERRED_NOTE = (
+    "recorded as inference, a step per call of the model: its first call was in eval mode or "
+    "without gradients and no optimizer existed (a run that trains after it is recorded as "
+    "training from there, unless a step limit ended it first: give --mode train, or "
+    "watch(mode='train'), to record only training).")
 
 
 def short_epochs_note(short: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, one_based, stressed_ops
-from ..config import CALLS_UNSEEN
+from ..config import CALLS_UNSEEN, INFERRED
 from ..runfolder import RunInfo
 from ..trace import Trace
 
@@ -81,6 +81,7 @@ def summarize(
         "updates_without_backward": _updates_without_backward(traces),
         "short_epochs": _short_epochs(info, c),
         "calls_unseen": any(t.probe.get(CALLS_UNSEEN) for t in traces),
+        "inferred": any(t.probe.get(INFERRED) for t in traces),
         "zoom": (info.extra or {}).get("zoom"),
         "loss": {
             "nonfinite": None if c.loss.nonfinite is None else dict(zip(
