@@ -360,6 +360,7 @@ def test_runs_that_part_only_between_processes_depend_on_per_process_state(
     assert code == 1
     assert [a["outcome"] for a in summary["zoom"]["attempts"]] == [
         "did not part this time (replayed in this process)",
+        "did not part this time (replayed in this process)",  # twice: a race might, once
         "parted again (each repeat replayed in its own process)"]
     assert summary["cause"]["kind"] == "process" and "cause: process" in summary["headline"]
     assert "PYTHONHASHSEED" in summary["cause"]["text"]

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._C._autograd import _get_sequence_nr
 from torch.nn.utils.parametrize import ParametrizationList
 
 from ..config import (
@@ -102,6 +103,7 @@ class Attachment:
         self.explicit_epoch: int | None = None
         self.index = 0  # step within its epoch
         self._updated = False  # the open step's optimizer has stepped
+        self._updated_at = 0  # the autograd sequence number when it did
         # the storage of what the open step's top-level training calls returned: a later
         # call given it (a discriminator given the generator's fakes) is given the step's
         # work, not data
@@ -394,10 +396,11 @@ class Attachment:
         if self.stopped or self.inferring or not isinstance(tensor, torch.Tensor) or (
                 tensor.grad_fn is None):
             return
-        if self._updated and self._batches == 0:
-            # the model's calls are not seen (compiled): backward is where a step begins;
-            # else the next call begins it (two models' backward and update in turn, as
-            # co-teaching does, are one step)
+        if self._updated and (self._batches == 0 or tensor.grad_fn._sequence_nr() >= (
+                self._updated_at)):
+            # a loss computed after the update, by calls not seen (compiled): backward is
+            # where the next step begins; one computed before it is the step's (two models'
+            # backward and update in turn, as co-teaching does, are one step)
             self.end_step()
         if self.info is None and self._current_model() is None and not self._candidates:
             # kept until an update names the model: scalars only, and a bounded number (a
@@ -577,6 +580,7 @@ class Attachment:
             # the model begins before any hook of the step could set it
             self._run_eagerly(self._watch(self.info.step + 1) != WATCH_NONE)
         self._updated = True
+        self._updated_at = _get_sequence_nr()  # autograd nodes made later: the next step's
         if complete and self.max_steps is not None and self.info.step + 1 >= self.max_steps:
             self.end_step()
             self.stop()

@@ -7,8 +7,8 @@ before the zoomed one are compared first: if a replay parted earlier, the zoom m
 step; if the zoomed step does not part again, it is tried again, and after `tries` attempts
 reported as intermittent, with what the scan found.
 
-Runs that were recorded each in its own process are replayed here first, then, when that
-replay does not part, each repeat in a fresh interpreter as they ran: a step that parts only
+Runs that were recorded each in its own process are replayed here first, then, when those
+replays do not part, each repeat in a fresh interpreter as they ran: a step that parts only
 so depends on per-process state (``PYTHONHASHSEED``...), which the zoomed traces say. Run as
 ``python -m detaudit.investigate.zoom JOB`` for one such replay.
 """
@@ -40,6 +40,7 @@ from .drilldown import drill_down
 
 FOUND, INTERMITTENT = "found", "intermittent"
 NOT_REPRODUCED, NOT_POSSIBLE = "not reproduced", "not possible"
+HERE_FIRST = 2  # replays in this process that agree before runs recorded apart are replayed so
 
 
 def zoom(
@@ -87,15 +88,17 @@ def zoom_by_replay(
 ) -> tuple[dict[str, Any], list[Trace]]:
     """The zoom, whatever replays the runs: `replay(step)` returns every repeat's trace with
     `step` recorded at module and op level; `drill` names the op from them. `apart(step)`,
-    for runs recorded each in its own process, replays them so: once a replay here does not
-    part, the tries left (one at least) are made apart, and a step that parts only apart is
-    marked :data:`PER_PROCESS` in its traces."""
+    for runs recorded each in its own process, replays them so: once replays here did not
+    part :data:`HERE_FIRST` times, the tries left (one at least) are made apart, and a step
+    that parts only apart is marked :data:`PER_PROCESS` in its traces."""
     step = comparison.first_step
     assert step is not None, "zoom needs a divergent step"
     attempts: list[dict[str, Any]] = []
-    agreed_here: set[int] = set()  # steps a replay in this process did not part at
-    for _ in range(max(2 if apart else 1, tries)):
-        here = apart is None or not agreed_here
+    # how many replays in this process did not part, per step: two before the tries left
+    # are made apart (one agreeing replay of a race that fires half the time is no proof)
+    agreed_here: dict[int, int] = {}
+    for _ in range(max(HERE_FIRST + 1 if apart else 1, tries)):
+        here = apart is None or agreed_here.get(step, 0) < HERE_FIRST
         if here:
             traces = replay(step)
         else:
@@ -115,7 +118,7 @@ def zoom_by_replay(
             continue
         if zoomed.first_step == step:
             attempts.append({"step": step, "outcome": f"parted again{how}"})
-            if not here and step in agreed_here:
+            if not here and agreed_here.get(step, 0) >= HERE_FIRST:
                 for trace in traces:
                     trace.probe[PER_PROCESS] = (f"replayed in one process, step {step} agreed "
                                                 "in every repeat")
@@ -123,7 +126,7 @@ def zoom_by_replay(
                     "ops": drill(zoomed, traces)}, traces
         attempts.append({"step": step, "outcome": f"did not part this time{how}"})
         if here:
-            agreed_here.add(step)
+            agreed_here[step] = agreed_here.get(step, 0) + 1
     return {"status": INTERMITTENT, "step": step, "attempts": attempts, "ops": None}, []
 
 
