@@ -144,7 +144,8 @@ def fixed_cost(tmp: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="paired plain and exec runs (0: the in-process table only)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--inside-steps", type=int, default=30,
                         help="steps of the in-process view of detaudit's own time")
@@ -157,6 +158,8 @@ def main() -> None:
     # The low-noise view first, each pair as it ends: a run cut short still tells something.
     print(tabulate(time_inside(args.inside_steps, args.device, args.size, args.batch_size),
                    headers=["per step, one process", "ms", ""]) + "\n", flush=True)
+    if args.pairs < 1:
+        return
     rows, ratios, cpu_ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         def audited(name: str, *options: str) -> list[str]:
