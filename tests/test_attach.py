@@ -718,17 +718,15 @@ def test_a_checkpoint_recomputing_in_backward_is_no_second_batch(tmp_path, reent
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.ones(2, 4, requires_grad=True)
-    attachment = Attachment(tmp_path / "trace.json.gz", {}).install()  # as exec attaches
-    try:
+
+    def loop():
         for _ in range(2):
             torch.utils.checkpoint.checkpoint_sequential(
                 model, 2, x, use_reentrant=reentrant).sum().backward()
             opt.step()
             opt.zero_grad()
-        attachment.finish()
-    finally:
-        attachment.uninstall()
-    records = Trace.load(tmp_path / "trace.json.gz").frame()
+
+    records = _attached(tmp_path / "trace.json.gz", loop).frame()
     batches = records[(records.phase == "state") & records.slot.str.startswith("batch")]
     assert sorted(set(zip(batches.step, batches.call))) == [(0, 0), (1, 0)]
 
@@ -748,8 +746,7 @@ def test_parametrized_layers_and_a_part_called_first_are_not_taken_for_the_model
         def forward(self, x):
             return self.head(torch.relu(self.backbone(x)))
 
-    attachment = Attachment(tmp_path / "trace.json.gz", {}).install()  # as exec attaches
-    try:
+    def loop():
         torch.manual_seed(0)
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -758,10 +755,8 @@ def test_parametrized_layers_and_a_part_called_first_are_not_taken_for_the_model
             model(torch.ones(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-        attachment.finish()
-    finally:
-        attachment.uninstall()
-    records = Trace.load(tmp_path / "trace.json.gz").frame()
+
+    records = _attached(tmp_path / "trace.json.gz", loop).frame()
     params = set(records[records.slot.str.startswith("param.")].module)
     assert params == {"backbone", "backbone.parametrizations.weight", "head",
                       "head.parametrizations.weight"}
@@ -777,8 +772,7 @@ def test_a_model_built_anew_to_resume_in_the_same_process_takes_the_models_place
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
-    attachment = Attachment(tmp_path / "trace.json.gz", {}).install()  # as exec attaches
-    try:
+    def loop():
         torch.manual_seed(0)
         model, opt = build()
         for step in range(4):
@@ -790,10 +784,8 @@ def test_a_model_built_anew_to_resume_in_the_same_process_takes_the_models_place
             model(torch.ones(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-        attachment.finish()
-    finally:
-        attachment.uninstall()
-    records = Trace.load(tmp_path / "trace.json.gz").frame()
+
+    records = _attached(tmp_path / "trace.json.gz", loop).frame()
     assert set(records.module) == {"", "0", "2"}
     batches = records[(records.phase == "state") & records.slot.str.startswith("batch")]
     assert sorted(set(batches.step)) == [0, 1, 2, 3]
@@ -1371,24 +1363,21 @@ def test_exec_of_a_script_that_spawns_its_ranks_finds_unsharded_data(tmp_path):
 def test_a_first_step_whose_forward_runs_inside_the_closure_records_its_gradients(tmp_path):
     """Lightning calls optimizer.step(closure) before the model was ever called: the step
     begins inside the closure, and its gradients are still recorded."""
-    from detaudit.drivers.attach import Attachment
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    attachment = Attachment(tmp_path / "t.json.gz", {}).install()  # no model given: found
-    try:
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.ones(2, 3)).sum()
+        loss.backward()
+        return loss
+
+    def loop():  # no model given: found
         for _ in range(2):
-            def closure():
-                opt.zero_grad()
-                loss = model(torch.ones(2, 3)).sum()
-                loss.backward()
-                return loss
             opt.step(closure)
-        attachment.finish()
-    finally:
-        attachment.uninstall()
-    records = Trace.load(tmp_path / "t.json.gz").frame()
+
+    records = _attached(tmp_path / "t.json.gz", loop).frame()
     grads = records[records.phase == "grad"]
     assert sorted(set(grads.step)) == [0, 1]
     assert set(grads[grads.step == 0].module) == {"0", "1"}
@@ -1566,14 +1555,12 @@ def test_a_loss_given_to_autograd_backward_in_a_list_is_the_steps_loss(tmp_path)
 def test_a_step_that_begins_at_another_modules_call_keeps_its_batch_rng_and_parameters(tmp_path):
     """A frozen teacher called before the model: the model is only known at the first
     update, by then the step's state was taken at the teacher's call."""
-    from detaudit.drivers.attach import Attachment
-
     torch.manual_seed(0)
     teacher = nn.Linear(4, 2).requires_grad_(False)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    attachment = Attachment(tmp_path / "trace-0.json.gz", {}).install()
-    try:
+
+    def loop():
         for _ in range(2):
             x = torch.randn(8, 4)
             target = teacher(x)  # called first
@@ -1581,10 +1568,8 @@ def test_a_step_that_begins_at_another_modules_call_keeps_its_batch_rng_and_para
             loss.backward()
             opt.step()
             opt.zero_grad()
-    finally:
-        attachment.uninstall()
-    attachment.finish()
-    records = Trace.load(tmp_path / "trace-0.json.gz").frame()
+
+    records = _attached(tmp_path / "trace-0.json.gz", loop).frame()
     state = records[(records.step == 0) & (records.phase == "state")]
     assert {"batch.0", "rng.torch"} <= set(state.slot)
     assert {(m, sl) for m, sl in zip(state.module, state.slot) if sl.startswith("param.")} == {

@@ -64,6 +64,20 @@ _CAUSE_TEXT = {
 }
 
 
+# A scanned step's forward or backward cause, which its step state alone cannot confirm.
+_SCANNED_CAUSE_TEXT = {
+    "forward": "the loss (or the output) differs while everything the step began with agrees "
+               "(the batch, every RNG state, the parameters): a forward computation, or the "
+               "step function's own code, gave different results; unconfirmed from the step's "
+               "state alone (a zoom's module and op records, when the step parts again, say "
+               "which)",
+    "backward": "the gradients differ while the loss and everything before it agree: a "
+                "backward computation, or a forward one whose difference was too small to "
+                "change the loss (a scanned step: its module records, which a zoom takes, tell "
+                "them apart)",
+}
+
+
 class Continued(NamedTuple):
     """Repeat `repeat` began with the parameters repeat `earlier` had after its `step`
     (its `last`, or not)."""
@@ -239,17 +253,9 @@ class Comparison:
                     "a hook, a logger or a module whose count differs between the runs), or a "
                     "forward difference changed how much a sampler draws; where, the step's "
                     "state cannot say (a zoom's module records do, when the step parts again)")
-        if self.cause == "forward" and not any(d.phase == FORWARD for d in self.first_diffs):
-            return ("the loss (or the output) differs while everything the step began with "
-                    "agrees (the batch, every RNG state, the parameters): a forward computation, "
-                    "or the step function's own code, gave different results; unconfirmed from "
-                    "the step's state alone (a zoom's module and op records, when the step "
-                    "parts again, say which)")
-        if self.cause == "backward" and not any(d.phase == BACKWARD for d in self.first_diffs):
-            return ("the gradients differ while the loss and everything before it agree: a "
-                    "backward computation, or a forward one whose difference was too small to "
-                    "change the loss (a scanned step: its module records, which a zoom takes, "
-                    "tell them apart)")
+        scanned = _SCANNED_CAUSE_TEXT.get(self.cause)
+        if scanned and not any(d.phase in (FORWARD, BACKWARD) for d in self.first_diffs):
+            return scanned  # a step without module records: the step state alone says it
         buffers = sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
                           for d in self.first_diffs if d.phase == STATE
                           and d.slot.startswith("buffer.")})

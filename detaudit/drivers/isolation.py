@@ -12,7 +12,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..config import AuditConfig, ProbeSpec
 from ..errors import DetauditError
@@ -36,30 +36,34 @@ def run_isolated(
     folder.mkdir(parents=True, exist_ok=True)
     traces, timings = [], []
     for repeat in range(first, config.repeats):
-        job = folder / f"job-{repeat}.json"
-        job.write_text(json.dumps({"spec": spec.to_dict(), "config": config.to_dict(),
-                                   "repeat": repeat, "folder": str(folder), "run": run_id}))
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "detaudit.drivers.isolation", str(job)],
-                capture_output=True, text=True, check=False,
-            )
-        finally:
-            job.unlink(missing_ok=True)
+        code, last = run_child("detaudit.drivers.isolation", folder / f"job-{repeat}.json", {
+            "spec": spec.to_dict(), "config": config.to_dict(), "repeat": repeat,
+            "folder": str(folder), "run": run_id})
         trace_path = folder / trace_name(repeat)
         timing_path = folder / timing_name(repeat)
-        if done.returncode == 0 and trace_path.exists():
+        if code == 0 and trace_path.exists():
             traces.append(open_trace(trace_path))
             timings.append(RepeatTiming(**json.loads(timing_path.read_text())))
             timing_path.unlink()
         else:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            why = f"repeat {repeat} crashed (exit code {done.returncode}): {last}"
+            why = f"repeat {repeat} crashed (exit code {code}): {last}"
             traces.append(save_crashed(folder, spec, config, repeat, why, run_id))
             timings.append(RepeatTiming(repeat, 0.0, 0))
         if on_repeat:
             on_repeat(traces[-1], timings[-1])
     return traces, timings
+
+
+def run_child(module: str, job_path: Path, job: dict[str, Any]) -> tuple[int, str]:
+    """Run ``python -m <module> JOB`` in a fresh interpreter with `job` written to
+    `job_path` (removed after); its exit code and the last line it wrote to stderr."""
+    job_path.write_text(json.dumps(job))
+    try:
+        done = subprocess.run([sys.executable, "-m", module, str(job_path)],
+                              capture_output=True, text=True, check=False)
+    finally:
+        job_path.unlink(missing_ok=True)
+    return done.returncode, (done.stderr.strip().splitlines() or ["no output"])[-1]
 
 
 def _child(job_path: str) -> int:

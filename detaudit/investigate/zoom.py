@@ -16,7 +16,6 @@ so depends on per-process state (``PYTHONHASHSEED``...), which the zoomed traces
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from dataclasses import replace
@@ -32,6 +31,7 @@ from ..analysis.compare import (
     fingerprints_before,
 )
 from ..config import AuditConfig, ProbeSpec
+from ..drivers.isolation import run_child
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
 from ..errors import DetauditError
 from ..storage import atomic_write, dump_json
@@ -182,15 +182,12 @@ def _replay_in_own_process(
     with tempfile.TemporaryDirectory(prefix="detaudit-zoom-") as scratch:
         job, out, draws = (Path(scratch) / name for name in (
             "job.json", "trace.json.gz", "draws.json"))
-        job.write_text(json.dumps({"spec": spec.to_dict(), "config": config.to_dict(),
-                                   "repeat": repeat, "step": step, "trace": str(out),
-                                   "draws": str(draws)}))
-        done = subprocess.run([sys.executable, "-m", "detaudit.investigate.zoom", str(job)],
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0 or not out.exists():
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        code, last = run_child("detaudit.investigate.zoom", job, {
+            "spec": spec.to_dict(), "config": config.to_dict(), "repeat": repeat,
+            "step": step, "trace": str(out), "draws": str(draws)})
+        if code != 0 or not out.exists():
             raise DetauditError(f"the zoom's replay of repeat {repeat} in its own process "
-                                f"failed (exit code {done.returncode}): {last}")
+                                f"failed (exit code {code}): {last}")
         return Trace.load(out), {(m, c) for m, c in json.loads(draws.read_text())}
 
 

@@ -46,6 +46,8 @@ WATCH_LEVELS = (WATCH_MODULE, WATCH_CALLS, WATCH_NONE)
 _AccumulateGrad = torch._C._functions.AccumulateGrad  # the node that fills a leaf's .grad
 RecordKey = tuple[str, str, int, str]  # (phase, module, call, slot)
 SeqIndex = tuple[list[int], list[list[int]]]  # sequence numbers -> enclosing calls from there
+# calls by (parent position, module) and by (first sequence number, module): see _indexed
+CallIndex = tuple[dict[tuple[int, str], list[int]], dict[tuple[int, str], list[int]]]
 _CALL_OF_NODE = "detaudit.call"  # a recomputed node's metadata: the Call that made it
 
 
@@ -181,10 +183,7 @@ class Recorder:
         self._stack: list[tuple[int, bytes | None, int | None]] = []
         self._counts: dict[str, int] = {}
         self._seq_index: SeqIndex | None = None
-        # calls by (parent position, module) and by (first sequence number, module), where a
-        # recomputation finds the calls it runs again
-        self._children: dict[tuple[int, str], list[int]] = {}
-        self._starting: dict[tuple[int, str], list[int]] = {}
+        self._call_index: CallIndex | None = None  # see _indexed
         self._recomputed = False  # some nodes of this step's graph carry their call
 
     def begin_step(self, step: int, watch: str | None = None, rehook: bool = True) -> None:
@@ -422,8 +421,8 @@ class Recorder:
         position = len(self._calls)
         call = Call(name, index, parent, seq_start=_get_sequence_nr(), backward_node=node,
                     original=original)
-        self._children.setdefault((parent, name), []).append(position)
-        self._starting.setdefault((call.seq_start, name), []).append(position)
+        if self._call_index is not None:  # (kept up to date once a recomputation needed it)
+            _index_call(self._call_index, position, call)
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             inputs: Any = (("0", args[0]),)  # the common case, without walking the structure
         else:
@@ -499,22 +498,33 @@ class Recorder:
         one begins with the next call of `name` that `node`'s own forward made (an autograd
         Function's forward runs without grad: all its calls begin right after `node`)."""
         calls = self._calls
+        children, starting = self._indexed()
         if parent >= 0:
             scope = calls[parent].original
             if scope < 0:
                 return -1
-            candidates = self._children.get((scope, name), [])
-            done = len(self._children.get((parent, name), ()))
+            candidates = children.get((scope, name), [])
+            done = len(children.get((parent, name), ()))
         else:
             seq = node._sequence_nr() + 1
-            candidates = [i for i in self._starting.get((seq, name), ())
+            candidates = [i for i in starting.get((seq, name), ())
                           if calls[i].parent < 0 or calls[calls[i].parent].seq_start != seq]
-            done = sum(1 for i in self._children.get((-1, name), ())
+            done = sum(1 for i in children.get((-1, name), ())
                        if calls[i].backward_node is node and calls[i].original >= 0)
         if done >= len(candidates):
             return -1
         match = candidates[done]
         return calls[match].original if calls[match].original >= 0 else match
+
+    def _indexed(self) -> CallIndex:
+        """The step's calls by (parent position, module) and by (first sequence number,
+        module), where a recomputation finds the calls it runs again: built at the step's
+        first recomputation (no cost to a step without one), kept up to date from then."""
+        if self._call_index is None:
+            self._call_index = ({}, {})
+            for position, call in enumerate(self._calls):
+                _index_call(self._call_index, position, call)
+        return self._call_index
 
     # -- backward ------------------------------------------------------------------------
     def before_backward(self, loss: torch.Tensor) -> None:
@@ -672,6 +682,12 @@ def _iter_inputs(args: tuple, kwargs: dict):
     """A call's input tensors: positional ones by index, keyword ones by name."""
     yield from iter_tensors(list(args))
     yield from iter_tensors(kwargs)
+
+
+def _index_call(index: CallIndex, position: int, call: Call) -> None:
+    children, starting = index
+    children.setdefault((call.parent, call.module), []).append(position)
+    starting.setdefault((call.seq_start, call.module), []).append(position)
 
 
 def _parameter_keys(phase: str, items: list[tuple[str, Any]], kind: str = "param"
