@@ -1692,7 +1692,7 @@ def test_a_reader_that_closes_the_pipe_early_leaves_the_exit_code_the_verdicts(t
         assert "internal error" not in rest and "Exception ignored" not in rest
 
 
-def _gan(path: Path, fault=None) -> Trace:
+def _gan(path: Path, fault=None, planted_step=2) -> Trace:
     """A GAN's loop: each iteration a discriminator update (on the generator's detached
     fakes), then a generator update; the generator is called first in both. The step a
     `fault` is planted at is recorded module by module (in the run without it too)."""
@@ -1702,7 +1702,7 @@ def _gan(path: Path, fault=None) -> Trace:
     opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
     opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
-    attachment = Attachment(path, {}, fault=fault, planted_step=2).install()
+    attachment = Attachment(path, {}, fault=fault, planted_step=planted_step).install()
     try:
         for _ in range(3):
             z, real = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
@@ -1733,3 +1733,20 @@ def test_a_generator_called_before_the_discriminator_belongs_to_the_step_it_star
     c = compare([plain, faulted])
     assert (c.first_step, c.cause) == (2, "forward")
     assert [(o.module, o.phase) for o in c.origins] == [("Sequential.2", "forward")]
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_model_whose_first_update_comes_later_is_recorded_from_its_first_step(tmp_path, phase):
+    """The generator first trains at step 1, after the discriminator's update: its call
+    then begins step 1 (an optimizer holds its parameters), so a fault planted in it at its
+    first step fires there and is named, as at any later step."""
+    from detaudit.analysis.compare import compare
+    from detaudit.config import Fault
+
+    plain = _gan(tmp_path / "a.json.gz", planted_step=1)
+    faulted = _gan(tmp_path / "b.json.gz", Fault("Sequential.2", phase, 1))
+    assert faulted.probe["fault_fired"]
+    assert len(plain.steps) == len(faulted.steps) == 6
+    c = compare([plain, faulted])
+    assert (c.first_step, c.cause) == (1, phase)
+    assert [(o.module, o.phase) for o in c.origins] == [("Sequential.2", phase)]

@@ -137,6 +137,7 @@ class Attachment:
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
         self._depth = 0
         self._candidates: list[nn.Module] = []
+        self._checked: set[int] = set()  # see _add_models_trained_apart
         self._adopted = False  # a model built anew took the model's place (see _adopt)
         self._others: list[tuple[str, nn.Module]] = []  # further models recorded, by name
         self._train_loader: int | None = None
@@ -344,7 +345,7 @@ class Attachment:
         self.recorder, self.info = None, None
         if self.optimizer is None and not self._given_model:
             self.model = None
-        self._others, self._candidates = [], []
+        self._others, self._candidates, self._checked = [], [], set()
         self._train_loader, self.epoch, self.index = None, 0, 0
         self._updated, self._batches, self._losses = False, 0, 0
         self._loss_values, self._step_outputs = {}, []
@@ -574,6 +575,7 @@ class Attachment:
         see after_backward). At the step limit the run ends here when the step is
         `complete`, else when the next step would begin."""
         assert self.info is not None and self.recorder is not None
+        self._add_models_trained_apart()
         if between_calls:
             self.recorder.hook_for(self._watch(self.info.step + 1))
             # eager from here when the next step is watched: a compiled function that calls
@@ -696,6 +698,19 @@ class Attachment:
             self.recorder.add_model(name, module)
             self.recorder.record_parameters(STATE, of=params)
             updated -= {id(p) for p in params}
+
+    def _add_models_trained_apart(self) -> None:
+        """Models called in training whose parameters an optimizer holds that has not
+        updated yet (a GAN's generator, trained after the discriminator's first update) are
+        recorded from now on: the step of their first update begins at their call and is
+        recorded like any other (a fault planted there fires). Each is looked for once."""
+        new = [m for m in self._candidates if id(m) not in self._checked
+               and m is not self.model and not any(m is o for _, o in self._others)]
+        if not new or self.optimizer is not None:
+            return
+        self._checked |= {id(m) for m in new}
+        held = {id(p) for o in _live(torch.optim.Optimizer) for p in _parameters(o)}
+        self._add_owners([p for m in new for p in m.parameters() if id(p) in held])
 
     def _begin_step(self, model: nn.Module | None) -> bool:
         if model is None:
