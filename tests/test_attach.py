@@ -220,6 +220,48 @@ def test_inference_records_every_model_called_and_one_left_in_training_mode(tmp_
     assert trace.probe["config"]["mode"] == "infer" and trace.probe["inferred"]
 
 
+@pytest.mark.parametrize("op", [None, "aten.tanh"])
+def test_a_fault_in_an_ensemble_members_own_forward_is_named_there(tmp_path, op):
+    """Each call of a model is a step, its hooks set inside that call: the member's own call
+    is entered all the same, so a fault at its output, or in an op of its own forward (not
+    of a submodule), fires there and is recorded under its name (not the first model's)."""
+    from detaudit.analysis.compare import compare
+    from detaudit.config import Fault
+
+    class Member(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x))
+
+    def run(path, fault=None):
+        def loop():
+            torch.manual_seed(0)
+            first, member = nn.Linear(4, 8), Member()
+            with torch.no_grad():
+                for _ in range(2):
+                    member(first(torch.ones(2, 4)))
+
+        attachment = Attachment(path, {}, fault=fault, planted_step=3, zoom=3).install()
+        try:
+            loop()
+            attachment.finish()
+        finally:
+            attachment.uninstall()
+        return Trace.load(path)
+
+    plain = run(tmp_path / "a.json.gz")
+    faulted = run(tmp_path / "b.json.gz", Fault("Member", "forward", 3, op))
+    assert faulted.probe["fault_fired"]
+    c = compare([plain, faulted])
+    assert (c.first_step, c.cause) == (3, "forward")
+    assert [(o.module, o.phase) for o in c.origins] == [("Member", "forward")]
+    ops = plain.frame()
+    assert set(ops[ops.phase == "op.forward"].module) == {"Member", "Member.fc"}
+
+
 def test_inference_outputs_in_a_dataclass_are_compared(tmp_path):
     """A model returning a dataclass (a detection library's result type): its tensors and
     labels are the step's outputs (none was recorded, so any difference passed)."""

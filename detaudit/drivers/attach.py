@@ -217,12 +217,13 @@ class Attachment:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._global_pre(module, args)
-            output = None
             try:
                 output = compiled(*args, **kwargs)
-                return output
-            finally:
-                self._global_post(module, args, output)
+            except BaseException:
+                self._global_post(module, args, None)
+                raise
+            replaced = self._global_post(module, args, output)
+            return output if replaced is None else replaced
 
         self._patch(module, "_compiled_call_impl", call)
 
@@ -248,44 +249,55 @@ class Attachment:
             # not a top-level call of the loop (see _transformed), nor the computing of a
             # parametrized weight (each read of it calls its parametrizations)
             return
-        # a call inside a backward (a checkpoint recomputing its forward) is no new batch
-        if (self._depth == 0 and self._auto and self.inferring and module.training
-                and torch.is_grad_enabled() and any(True for _ in module.parameters())):
-            self._trains_after_all()
-        if self._depth == 0 and not self.stopped and not self.in_backward and (
-                self._inference_at(module)):
-            if self._inferred_name(module) is not None:  # a step: this call
-                self._on_batch(module, args, {})
-        elif self._depth == 0 and not self.stopped and not self.in_backward:
-            found = id(module) in self._found_modules and torch.is_grad_enabled()
-            if module.training or found:
-                if module not in self._candidates and any(True for _ in module.parameters()):
-                    self._candidates.append(module)
-                    if self._replaces_model(module):
-                        self._adopt(module)
-                # A step begins at the model's call, or at the first call after an update
-                # of another model an optimizer trains (a GAN's generator called before its
-                # discriminator): that call's work belongs to the step it starts.
-                if module is self._current_model() or found or (
-                        self._updated and any(module is m for _, m in self._others)):
-                    self._on_batch(module, args, {})
-            elif self._last_step_updated() and module is self._current_model():
-                self.end_step()  # evaluation after the last step's update: the run is over
-                self.stop()
+        if self._depth == 0:
+            hooks_before = set(module._forward_pre_hooks)
+            self._top_level_call(module, args)
+            if self.recorder is not None:
+                self.recorder.join_call(module, args, hooks_before)
         self._depth += 1
 
-    def _global_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _top_level_call(self, module: nn.Module, args: tuple) -> None:
+        """A call outside every other module call: it may begin a step (or end the run)."""
+        if (self._auto and self.inferring and module.training and torch.is_grad_enabled()
+                and any(True for _ in module.parameters())):
+            self._trains_after_all()
+        # a call inside a backward (a checkpoint recomputing its forward) is no new batch
+        if self.stopped or self.in_backward:
+            return
+        if self._inference_at(module):
+            if self._inferred_name(module) is not None:  # a step: this call
+                self._on_batch(module, args, {})
+            return
+        found = id(module) in self._found_modules and torch.is_grad_enabled()
+        if module.training or found:
+            if module not in self._candidates and any(True for _ in module.parameters()):
+                self._candidates.append(module)
+                if self._replaces_model(module):
+                    self._adopt(module)
+            # A step begins at the model's call, or at the first call after an update
+            # of another model an optimizer trains (a GAN's generator called before its
+            # discriminator): that call's work belongs to the step it starts.
+            if module is self._current_model() or found or (
+                    self._updated and any(module is m for _, m in self._others)):
+                self._on_batch(module, args, {})
+        elif self._last_step_updated() and module is self._current_model():
+            self.end_step()  # evaluation after the last step's update: the run is over
+            self.stop()
+
+    def _global_post(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if _transformed():
             return
         self._depth = max(0, self._depth - 1)
         name = self._inferred_name(module) if self._depth == 0 and self.inferring else None
         if name is not None and self.info is not None and self.recorder is not None:
+            replaced = self.recorder.leave_call(module, args, output)
+            output = output if replaced is None else replaced
             self.recorder.record(OUTPUT, name, 0, "output", output, plain=True)
             self._updated = True  # the call is the step: it is over
             self.end_step()
             if self.max_steps is not None and self.stream.steps >= self.max_steps:
                 self.stop()
-            return
+            return replaced
         if self._depth == 0 and self.info is not None and module.training:
             self._step_outputs.extend(
                 s for s in (t.untyped_storage() for _, t in iter_tensors(output)) if s.data_ptr())

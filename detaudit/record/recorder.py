@@ -365,6 +365,24 @@ class Recorder:
         if self._handles:
             self._install([model], skip=hooked)
 
+    def join_call(self, module: nn.Module, args: tuple, hooks_before: set[int]) -> None:
+        """`module`'s call began with the forward pre-hooks `hooks_before` (their ids), and
+        ours were installed inside it (from a global hook): torch runs the post-hooks a call
+        ends with, but only the pre-hooks it began with, so the call is entered here."""
+        if any(key not in hooks_before and getattr(hook, "__self__", None) is self
+               for key, hook in module._forward_pre_hooks.items()):
+            self._pre_hook(module, args, {})
+
+    def leave_call(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """`module`'s call, entered by our pre-hook, ends the step (an inference step's call,
+        seen from a global hook, which torch runs first): our post-hook runs now, in the step,
+        and what it returns (a planted fault's output) is returned; after the step it finds
+        no call open and does nothing."""
+        if self._stack and any(getattr(hook, "__self__", None) is self
+                               for hook in module._forward_hooks.values()):
+            return self._post_hook(module, args, {}, output)
+        return None
+
     def parameter_ids(self) -> set[int]:
         """The ids of the parameters recorded."""
         return {id(p) for p in self._params.values()}
