@@ -186,3 +186,61 @@ def test_forked_control_flow_is_aligned_by_key():
     assert c.fork is not None and c.fork.module == "1" and c.fork.missing == 1
     # what can be paired still is: the Linear before the fork agrees
     assert ("0", "forward") not in {(f.module, f.phase) for f in c.findings}
+
+
+class _SharedHead(nn.Module):
+    """One `shared` head applied to two branches in a forward, as an FPN head over levels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.shared = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(self.a(x)) + self.shared(self.b(x))
+
+
+class _SharedOnData(nn.Module):
+    """`shared` called twice straight on the data: its inputs need no gradient. The second
+    call's gradients are small, so 1 ULP planted in the first's survives their sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(x) + 1e-3 * self.shared(2 * x)
+
+
+def _shared_probe(model: type[nn.Module]):
+    """A factory of probes training a fresh `model` on three random batches."""
+
+    def factory(device: torch.device) -> Probe:
+        net = model().to(device)
+        g = torch.Generator().manual_seed(0)
+        batches = [(torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g))
+                   for _ in range(3)]
+
+        def step(m: nn.Module, batch):
+            x, y = batch
+            return {"mse": (m(x.to(device)) - y.to(device)).pow(2).mean()}
+
+        return Probe(model=net, batches=batches, step=step,
+                     optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+
+    return factory
+
+
+@pytest.mark.parametrize("model, fault, origin", [
+    (_SharedHead, Fault("b", "forward", 1), ("b", "forward")),
+    (_SharedHead, Fault("shared", "forward", 1), ("shared", "forward")),
+    (_SharedHead, Fault("shared", "backward", 1), ("shared", "backward")),
+    (_SharedOnData, Fault("shared", "backward", 1), ("shared", "backward")),
+])
+def test_module_called_twice_is_an_origin_only_where_its_calls_say(model, fault, origin) -> None:
+    """A parameter gradient sums over every call of its module: a difference entering at a
+    later call (b's output into shared's call 1) makes it differ downstream, not at an origin."""
+    c = module_audit(_shared_probe(model), repeats=2, epochs=1, fault=fault).comparison
+    assert c.first_step == 1
+    assert [(o.module, o.phase) for o in c.origins] == [origin]
+    if fault.module == "b":  # shared's parameter gradient did differ, downstream of b
+        assert (1, "shared", "weight") in c.grad_diffs

@@ -665,13 +665,16 @@ def _step_findings(
         pending.append((phase, module, call, ds, propagated))
         if not propagated:
             candidates[phase].append((module, call))
-    # Backward: a module whose own parameter gradients differ, with nothing upstream.
+    # Backward: a module whose own parameter gradients differ, with nothing upstream. They
+    # sum over every call of the module in the step (a head shared by FPN levels), so any
+    # call's changed forward or output gradient is upstream of them.
     for (s, phase, module, call), ds in slots.items():
         if s != step or phase != GRAD or not module_level:
             continue
-        upstream = differs(step, BACKWARD, module, 0, "grad_out") or bool(
-            slots.get((step, FORWARD, module, 0))
-        ) or params_differ(step, module)
+        upstream = params_differ(step, module) or any(
+            p == FORWARD or differs(step, BACKWARD, module, c, "grad_out")
+            for (at, p, m, c) in slots if at == step and m == module
+        )
         if not upstream and (module, 0) not in candidates[BACKWARD]:
             candidates[BACKWARD].append((module, 0))
             pending.append((BACKWARD, module, 0, ds, False))
