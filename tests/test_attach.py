@@ -3,6 +3,7 @@ script, unmodified) and `detaudit.watch(...)` around the user's own loop."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -502,6 +503,61 @@ def test_max_epochs_stops_at_the_start_of_the_next_pass(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr  # one run: not compared
     trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
     assert [s.epoch for s in trace.steps] == [0, 0]
+
+
+class _Limit(Exception):
+    """Raised by an attachment's `on_limit` to end a loop."""
+
+
+def _epochs_loop(path: Path, rebuilt: bool, evaluate: bool, **limits) -> Trace:
+    """3 epochs of 2 steps over a DataLoader, `rebuilt` anew each epoch; with `evaluate`,
+    the model is called without gradients, still in training mode (eval() forgotten), over a
+    validation loader after each epoch."""
+    data = torch.utils.data.TensorDataset(torch.randn(4, 4, generator=torch.Generator(
+        ).manual_seed(1)))
+    val = torch.utils.data.DataLoader(data, batch_size=2)
+
+    def _raise():
+        raise _Limit
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    attachment = Attachment(path, {}, on_limit=_raise, **limits).install()
+    try:
+        loader = torch.utils.data.DataLoader(data, batch_size=2)
+        with contextlib.suppress(_Limit):
+            for _ in range(3):
+                if rebuilt:
+                    loader = torch.utils.data.DataLoader(data, batch_size=2)
+                for (x,) in loader:
+                    model(x).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                with torch.no_grad():
+                    for (x,) in val if evaluate else ():
+                        model(x)
+        attachment.finish()
+    finally:
+        attachment.uninstall()
+    return Trace.load(path)
+
+
+@pytest.mark.parametrize("rebuilt", [False, True], ids=["one-loader", "rebuilt"])
+@pytest.mark.parametrize("evaluate", [False, True], ids=["", "evaluated"])
+def test_epochs_are_counted_over_loaders_built_anew_and_evaluations_are_no_steps(
+        tmp_path, rebuilt, evaluate):
+    """A DataLoader built anew each epoch is the next epoch (the epoch stayed 0, and
+    --max-epochs never stopped it); calls without gradients over a validation loader, in
+    training mode, are an evaluation, not a step (they began one, whose extra batches made
+    a false divergence when only one run evaluated)."""
+    trace = _epochs_loop(tmp_path / "t.json.gz", rebuilt, evaluate)
+    assert [s.epoch for s in trace.steps] == [0, 0, 1, 1, 2, 2]
+    records = trace.frame()
+    batches = records[records.slot.str.startswith("batch.")]
+    assert sorted(batches.groupby("step").size()) == [2] * 6  # the model's, the loader's
+    limited = _epochs_loop(tmp_path / "l.json.gz", rebuilt, evaluate, max_epochs=2)
+    assert [s.epoch for s in limited.steps] == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("ending", ["kill", "os_exit"])

@@ -141,7 +141,12 @@ class Attachment:
         self._adopted = False  # a model built anew took the model's place (see _adopt)
         self._others: list[tuple[str, nn.Module]] = []  # further models recorded, by name
         self._train_loader: int | None = None
-        self._latest_loader: int | None = None
+        self._latest_loader: int | None = None  # the last to begin a pass
+        self._yielded: int | None = None  # the last to yield a batch
+        # loaders whose batches fed steps: a call without gradients after a batch of another
+        # (an evaluation that forgot eval()) is no step (see _evaluating)
+        self._step_loaders: set[int] = set()
+        self._epoch_base = 0  # epochs before the training loader's first pass (see _epoch)
         self._passes: dict[int, int] = {}
         self.rank = rank
         self._samplers: dict[int, list[dict[str, Any]]] = {}  # loader -> its passes' orders
@@ -269,7 +274,7 @@ class Attachment:
                 self._on_batch(module, args, {})
             return
         found = id(module) in self._found_modules and torch.is_grad_enabled()
-        if module.training or found:
+        if (module.training or found) and not self._evaluating():
             if module not in self._candidates and any(True for _ in module.parameters()):
                 self._candidates.append(module)
                 if self._replaces_model(module):
@@ -358,7 +363,7 @@ class Attachment:
         if self.optimizer is None and not self._given_model:
             self.model = None
         self._others, self._candidates, self._checked = [], [], set()
-        self._train_loader, self.epoch, self.index = None, 0, 0
+        self._train_loader, self.epoch, self.index, self._epoch_base = None, 0, 0, 0
         self._updated, self._batches, self._losses = False, 0, 0
         self._loss_values, self._step_outputs = {}, []
         self.stream.restart()
@@ -607,8 +612,8 @@ class Attachment:
         if self.rank is not None:
             self._samplers.setdefault(key, []).append(
                 {"epoch": self._passes[key] - 1, "sampler": sampler_snapshot(loader)})
-        if (key == self._train_loader and self.max_epochs is not None
-                and self._passes[key] > self.max_epochs and not self.stopped):
+        if (key == self._train_loader and self.max_epochs is not None and not self.stopped
+                and self._epoch_base + self._passes[key] > self.max_epochs):
             self.end_step()
             self.stop()
 
@@ -617,13 +622,17 @@ class Attachment:
         state beside what the model is called with: labels that a loss takes outside the
         model are in them. One fetched before its step begins waits for it (the last few)."""
         loader = self._iterators.get(iterator)
-        if self.stopped or loader is None or loader != (
-                self._train_loader or self._latest_loader):
+        if loader is None:
             return
+        self._yielded = loader
         if self.info is not None and not self._updated:
-            self._record_loader_batch(batch)
-        else:
+            self._step_loaders.add(loader)
+        if self.stopped:
+            return
+        if self.info is None or self._updated:  # (which loader is the step's: see _epoch)
             self._waiting = [*self._waiting[1 - _WAITING:], (loader, batch)]
+        elif loader == (self._train_loader or self._latest_loader):
+            self._record_loader_batch(batch)
 
     def _record_loader_batch(self, batch: Any) -> None:
         assert self.recorder is not None
@@ -733,10 +742,12 @@ class Attachment:
         if self.recorder is None:
             self.recorder = self._new_recorder(model)
             self.trace.env = capture_environment(_device_of(model))
-        if self._train_loader is None:
-            self._train_loader = self._latest_loader
-        epoch = (self.explicit_epoch if self.explicit_epoch is not None
-                 else self._passes.get(self._train_loader, 1) - 1 if self._train_loader else 0)
+        epoch = self._epoch()
+        if self._yielded is not None:
+            self._step_loaders.add(self._yielded)
+        if self.max_epochs is not None and epoch >= self.max_epochs:
+            self.stop()  # (a loader built anew for the epoch: no pass of the old one began)
+            return False
         if epoch != self.epoch:
             self.epoch, self.index = epoch, 0
         step = self.stream.steps
@@ -765,6 +776,30 @@ class Attachment:
         self._by_hand = []  # (taken after the step's backward)
         self._grads_by_hand = []
         return True
+
+    def _epoch(self) -> int:
+        """The epoch of the step about to begin: the passes of the training loader (the
+        last to begin a pass before the first step), or as the user said (``w.epoch``). A
+        step fed by another loader, once the training loader's pass is over, means the loop
+        trains on a loader built anew for the epoch: its passes count on from there."""
+        if self._train_loader is None:
+            self._train_loader = self._latest_loader
+        elif self._yielded not in (None, self._train_loader) and (
+                self._train_loader not in self._iterators.values()):
+            self._epoch_base = self.epoch + 2 - self._passes.get(self._yielded, 1)
+            self._train_loader = self._yielded
+        if self.explicit_epoch is not None:
+            return self.explicit_epoch
+        if self._train_loader is None:
+            return 0
+        return self._epoch_base + self._passes.get(self._train_loader, 1) - 1
+
+    def _evaluating(self) -> bool:
+        """A call in training mode without gradients right after a batch of a loader that
+        never fed a step (a validation loader): an evaluation that forgot ``eval()``, which
+        begins no step (a pseudo-labelling call on the step's own batch still does)."""
+        return (not torch.is_grad_enabled() and self._yielded is not None
+                and self._yielded not in self._step_loaders and bool(self._step_loaders))
 
     def _record_changed_parameters(self) -> None:
         """Parameters changed in place since their update, outside the optimizer: recorded
@@ -997,7 +1032,11 @@ def _wrap_loader_next(attachment: Attachment) -> Callable[..., Any]:
     original = _LoaderIterator.__next__
 
     def __next__(self: Any) -> Any:
-        batch = original(self)
+        try:
+            batch = original(self)
+        except StopIteration:
+            attachment._iterators.pop(self, None)  # its pass is over
+            raise
         attachment.on_loader_batch(self, batch)
         return batch
 
