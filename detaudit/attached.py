@@ -671,14 +671,17 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             job.max_epochs is not None and trace.steps
             and trace.steps[-1].epoch + 1 >= job.max_epochs)
         how = "ended" if code == 0 else f"exited with code {code}"
-        if trace.failure is None and trace.probe.get(ENDED) is False:
+        if trace.failure is not None:  # the command's own error: where in the run it came
+            trace.failure += (f" (the last step it completed: {len(trace.steps) - 1})"
+                              if trace.steps else " (before its first step completed)")
+        elif trace.probe.get(ENDED) is False:
             # os._exit, or a signal no handler sees (SIGKILL): the steps since the last save
             # are lost, so the trace is short of what ran, not different from the others'
             # (no mark at all: a detaudit in the command's Python that does not mark it)
             trace.failure = (f"the command {how} without detaudit's exit hook running "
                              f"(os._exit, or killed) after step {len(trace.steps) - 1}, the "
                              "last step saved; the steps after it are lost")
-        elif code != 0 and not at_limit and trace.failure is None:
+        elif code != 0 and not at_limit:
             trace.failure = f"the command {how} after step {len(trace.steps) - 1}"
     if fault is not None and not any(t.probe.get(FAULT_FIRED) for t in recorded.values()) \
             and not any(t.failure for t in recorded.values()):
@@ -698,7 +701,8 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
 def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
     """After a run without the fault (it goes into the last): a step it never reached, or a
     module that did not run at that step, is one clear error now rather than after every
-    run; the module names that did run are offered."""
+    run; the module names that did run are offered. An op fault in any module (no module
+    named) is left to the run itself, which says if the op never ran."""
     trace = recorded[min(recorded, key=_rank_order)]
     if trace.failure is not None:
         return  # the failure is the finding
@@ -713,7 +717,7 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
             r = cut.records
             modules = {m for p, m in zip(r["phase"], r["module"]) if p == FORWARD and m}
             break
-    if modules and fault.module not in modules:
+    if fault.module and modules and fault.module not in modules:
         close = difflib.get_close_matches(fault.module, sorted(modules), n=3, cutoff=0.5)
         hint = (f"did you mean {', '.join(close)}?" if close else
                 f"modules that ran: {', '.join(sorted(modules)[:6])}"

@@ -185,8 +185,13 @@ class Preset:
         options = spec.options
         size = f", {options['image_size']} px, batch {options['batch_size']}" if options else ""
         on_ranks = f", {ranks} ranks" if ranks else ""
-        return (f"{self.name} preset: {config.repeats} repeats x {config.epochs} epochs x "
-                f"{config.steps or 'all'} steps{size}, {config.mode}{on_ranks}")
+        steps = _count(config.steps, "step") if config.steps else "all steps"
+        return (f"{self.name}: {_count(config.repeats, 'repeat')} × "
+                f"{_count(config.epochs, 'epoch')} × {steps}{size}, {config.mode}{on_ranks}")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 CPU_PRESET = Preset("cpu", repeats=2, epochs=2, steps=2, image_size=128, batch_size=1,

@@ -99,8 +99,8 @@ PHASES = (STATE, FORWARD, BACKWARD, GRAD, OPTIMIZER, OUTPUT, *OP_PHASES)
 PROBE_SPEC, PROBE_CONFIG, PROBE_DISTRIBUTED = "info", "config", "distributed"
 PROBE_RUN = "run"  # the id of the run the trace belongs to (run.json has the same)
 # which records a trace holds: 2 adds the buffers written in a step and plain (non-tensor)
-# output values; a trace without it (older) has neither
-PROBE_RECORD_SET, RECORD_SET = "record_set", 2
+# output values, 3 an op's plain arguments; a trace without it (older) has none of them
+PROBE_RECORD_SET, RECORD_SET = "record_set", 3
 
 _BACKWARD_LOSS = re.compile(r"loss(\.\d+)?")  # the names of the tensors backward was called on
 RECORD_COLUMNS = (

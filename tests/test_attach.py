@@ -1848,3 +1848,68 @@ def test_a_model_whose_first_update_comes_later_is_recorded_from_its_first_step(
     c = compare([plain, faulted])
     assert (c.first_step, c.cause) == (1, phase)
     assert [(o.module, o.phase) for o in c.origins] == [("Sequential.2", phase)]
+
+
+@pytest.mark.parametrize("weight, cause, what", [
+    (1.7, "forward", "the loss computed from them differs"),
+    (1.5 + 2**-20, "backward", "the gradient the loss sends into them differs"),
+])
+def test_a_loss_whose_class_weights_differ_is_said_to_differ_outside_the_model(
+        tmp_path, weight, cause, what):
+    """Class weights made in the loop differ from step 1: the zoomed step's model computes
+    the same outputs, so the difference entered outside it (it was "a forward computation
+    gave different results from equal inputs", or the backward's equivalent)."""
+    from detaudit.analysis.compare import compare
+
+    def run(path, second):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        attachment = Attachment(path, {}, zoom=1).install()
+        try:
+            for step in range(3):
+                w = torch.tensor([1.0, second if step else 1.5, 1.0])
+                x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+                y = torch.tensor([0, 1, 2, 0, 1])
+                nn.functional.cross_entropy(model(x), y, weight=w).backward()
+                opt.step()
+                opt.zero_grad()
+            attachment.finish()
+        finally:
+            attachment.uninstall()
+        return Trace.load(path)
+
+    c = compare([run(tmp_path / "a.json.gz", 1.5), run(tmp_path / "b.json.gz", weight)])
+    assert (c.first_step, c.cause) == (1, cause)
+    assert c.cause_text.startswith(f"the model's outputs agree in every repeat, yet {what}")
+
+
+
+@pytest.mark.parametrize("change", ["lr", "reseed"])
+def test_a_change_between_steps_is_said_for_what_it_is(tmp_path, change):
+    """A learning rate set differently at step 2 is named with its values; an RNG reseeded
+    differently after step 1 is said to differ as step 2 begins (both were a generic text)."""
+    from detaudit.analysis.compare import compare
+
+    def loop(second: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            if step == 2 and second:
+                if change == "lr":
+                    opt.param_groups[0]["lr"] = 0.11
+                else:
+                    torch.manual_seed(1)
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    c = compare([_attached(tmp_path / "a.json.gz", lambda: loop(False)),
+                 _attached(tmp_path / "b.json.gz", lambda: loop(True))])
+    if change == "lr":
+        assert (c.first_step, c.cause) == (2, "optimizer")
+        assert "the learning rate differs (0.1 in repeat 0 and 0.11 in repeat 1)" in c.cause_text
+    else:
+        assert (c.first_step, c.cause) == (2, "rng")
+        assert c.cause_text.startswith("the torch RNG state already differs as step 2 begins")

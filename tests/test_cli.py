@@ -54,7 +54,7 @@ def test_maskrcnn_without_fault_is_deterministic(tmp_path):
     census = json.loads((tmp_path / "summary.json").read_text())["census"]
     ran = {(c["module"], c["op"]) for c in census}
     assert {("rpn", "torchvision.nms"), ("roi_heads", "aten.randperm")} <= ran
-    assert "cpu preset" in done.stdout + done.stderr
+    assert "preset: cpu: 2 repeats × 2 epochs × 2 steps" in done.stdout
     for name in ("report.html", "report.github.html", "report.md"):
         assert "DETERMINISTIC" in (tmp_path / name).read_text(), name
 
@@ -219,6 +219,7 @@ def test_a_crashed_repeat_is_reported_and_the_others_kept(tmp_path, capsys):
     assert code == 3  # a crash, not a divergence: the step all repeats completed agrees
     assert out.startswith("FAILED: repeat 1 stopped: RuntimeError while step 1 at")
     assert "repeat 1 failed: RuntimeError while step 1 at" in out and "crash_second_repeat.py" in out
+    assert "\npreset: cpu: 2 repeats × 1 epoch × 3 steps, train\n" in out
     assert (tmp_path / "trace-0.json.gz").exists() and (tmp_path / "trace-1.json.gz").exists()
 
 
@@ -269,3 +270,28 @@ def test_a_failed_run_keeps_its_error_for_the_report(tmp_path, capsys):
     assert state == f"refused during recording: {said}"
     assert main(["report", str(folder)]) == 2  # as the run itself exited (it was 3, a crash)
     assert f"REFUSED (refused during recording: {said})" in capsys.readouterr().out
+
+
+def test_exec_plants_an_op_fault_in_any_module_and_names_the_op_and_its_module(tmp_path):
+    """`op:OP` names no module: exec's check of the fault's target lets it through, and the
+    op fires in the first module that runs it (the stem's convolution)."""
+    script = Path(__file__).parent / "scripts" / "train_plain.py"
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--seed", "0", "--max-steps", "3",
+                   "--inject-fault", "op:aten.convolution@forward:1", "--", sys.executable,
+                   str(script), "--workers", "0", "--accumulate", "1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "op: aten.convolution in stem" in done.stdout
+    assert "no module ''" not in done.stdout + done.stderr
+
+
+def test_exec_names_the_last_step_a_crashed_run_completed(tmp_path):
+    """The script raises in its third step, before the update: steps 0 and 1 were completed."""
+    script = Path(__file__).parent / "scripts" / "train_plain.py"
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--seed", "0", "--", sys.executable,
+                   str(script), "--workers", "0", "--crash-at", "2")
+    assert done.returncode == 3, done.stdout + done.stderr
+    headline = done.stdout.splitlines()[0]
+    assert headline.startswith("FAILED: repeat 0 stopped: RuntimeError while running at ")
+    assert headline.endswith(
+        "the script's own bug (the last step it completed: 1); 2 of 2 repeats did not finish; "
+        "the repeats agree over the 2 step(s) every repeat completed"), headline

@@ -488,3 +488,21 @@ def test_a_baseline_recorded_before_buffers_were_recorded_still_matches(tmp_path
     new_too = Trace(probe=new.probe, repeat=0, env=old.env, steps=old.steps,
                     records=old.records)  # a new trace lacking them differs
     assert diff_traces(new_too, new).exit_code == 1
+
+
+def test_an_op_level_baseline_recorded_before_op_arguments_were_recorded_still_matches():
+    """A trace of record set 2 recorded op by op has no plain op arguments: compared with a
+    new one of the same training it matches, those records left out as the older run's."""
+    from conftest import small_cnn_probe
+
+    from detaudit import audit
+    from detaudit.trace import PROBE_RECORD_SET, Trace
+
+    old, new = (audit(small_cnn_probe, repeats=1, epochs=1, steps=1, granularity="op",
+                      drill_down=False).traces[0] for _ in range(2))
+    assert any(slot.endswith("/in.args") for slot in new.records["slot"])
+    keep = [i for i, slot in enumerate(old.records["slot"]) if not slot.endswith("/in.args")]
+    old = Trace(probe={**old.probe, PROBE_RECORD_SET: 2}, repeat=0, env=old.env,
+                steps=old.steps, records={c: [col[i] for i in keep] for c, col in old.records.items()})
+    result = diff_traces(old, new)
+    assert result.exit_code == 0, result.message

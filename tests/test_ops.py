@@ -382,3 +382,25 @@ def test_an_origin_op_in_another_module_leaves_the_dispatcher_unblamed():
     assert _outside_dispatcher(modules, 0, [op], set()) is None
     forward_op = OpFinding(0, "forward", "head", 0, 0, "aten.mm", ORIGIN, 1, 2, ["out.0"], 1)
     assert _outside_dispatcher(modules, 0, [forward_op], set())["module"] == "block.fc"
+
+
+def test_an_op_given_a_different_python_number_is_not_blamed():
+    """A module scaling by a number drawn on the host (an RNG seeded from the OS): the op
+    that takes it gets a different argument, not equal inputs, so the headline says the
+    difference came from outside the dispatcher (it named aten.mul as the origin)."""
+    import numpy as np
+
+    class Jitter(nn.Module):
+        def forward(self, x):
+            return x * (1 + 1e-3 * float(np.random.default_rng().random()))
+
+    def probe(device):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), Jitter(), nn.Linear(4, 1))
+        return Probe(model=model, batches=[torch.ones(2, 4)], step=lambda m, b: m(b).sum(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    result = audit(probe, repeats=2, epochs=1)
+    headline = result.verdict.headline
+    assert "1 (origin)" in headline and "op: aten.mul" not in headline, headline
+    assert "outside the dispatcher: no op in 1 differs on equal inputs" in headline, headline

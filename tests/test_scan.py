@@ -43,6 +43,7 @@ def test_scan_and_zoom_name_what_full_recording_names(fault):
         assert op["op"] == full.investigations["ops"]["ops"][0]["op"] == "aten.convolution_backward"
         assert f"op: aten.convolution_backward in {fault.module}" in scan.verdict.headline
     assert "zoomed in on step 2 after a scan" in scan.verdict.headline
+    assert "a scanned step" not in scan.summary["cause"]["text"]  # the zoom recorded modules
 
 
 def test_a_scan_records_step_state_only_and_few_records():
@@ -178,7 +179,7 @@ def test_a_real_race_ends_with_its_origin_or_an_honest_intermittent(two_threads)
         assert result.investigations["ops"]["ops"][0]["op"] == "aten.index_put"
     else:
         assert len(zoom["attempts"]) == 3 and "zoomed" not in result.verdict.headline
-        assert "intermittent: replayed 3 time(s)" in result.verdict.headline
+        assert "did not part when replayed" in result.verdict.headline
 
 
 _RUNS = {"built": 0}
@@ -226,11 +227,31 @@ def test_a_step_that_never_parts_again_is_intermittent():
     assert result.comparison.first_step == 2 and zoom["status"] == "intermittent"
     assert [a["outcome"] for a in zoom["attempts"]] == ["did not part this time"] * 3
     assert result.verdict.kind == "divergent"  # the scan's finding stands, and says so
-    assert ("intermittent: replayed 3 time(s), step 2 did not part again, so the module and op "
+    assert ("intermittent: step 2 did not part when replayed (3 tries), so the module and op "
             "are not named (the cause is the scan's)") in result.verdict.headline
     assert result.summary["headline"] == result.verdict.headline  # the reports say it too
     # the scan's loss alone cannot tell a forward op from the step function's own code
     assert "unconfirmed from the step's state alone" in result.summary["cause"]["text"]
+
+
+@pytest.mark.parametrize(("parted", "said"), [
+    # the scanned runs part at step 3, the first replay at step 2, the second at step 0; the
+    # one replay of step 0 that is left agrees
+    ({2: 3, 4: 2, 6: 0}, ("replays parted earlier, at step 2, then step 0 (the runs do differ "
+                          "from run to run); step 0 did not part when replayed (1 try)")),
+    # every replay parts earlier: none is left for the step they reached
+    ({2: 3, 4: 2, 6: 1, 8: 0}, ("replays parted earlier, at step 2, then step 1, then step 0 (the "
+                                "runs do differ from run to run); the tries ran out before step 0 "
+                                "was replayed")),
+])
+def test_an_intermittent_zoom_says_where_its_replays_parted_earlier(parted, said):
+    _RUNS["built"] = 0
+    result = _scan(_parts_at(lambda n: parted.get(n, -1)), repeats=2, steps=4)
+    zoom = result.investigations["zoom"]
+    assert result.comparison.first_step == 3
+    assert (zoom["status"], zoom["step"]) == ("intermittent", 0)
+    assert result.verdict.headline.endswith(
+        f"intermittent: {said}, so the module and op are not named (the cause is the scan's)")
 
 
 def _stray_draw(draws_in: Callable[[int], bool]):

@@ -181,6 +181,9 @@ class Comparison:
     # one had after one of its steps (the model trained on, or restored from a checkpoint an
     # earlier run wrote, not built anew: a notebook cell re-run, a script that resumes)
     continued_from: Continued | None = None
+    # with cause "optimizer": each repeat's learning rates at the first divergent step, when
+    # they differ (a schedule that depends on something that differs between the runs)
+    lr_by_repeat: list[list[float | None]] | None = None
     # RNG streams (``torch``, ``numpy``...) that agreed as the first divergent step began,
     # as did everything else, and differ as the next one begins: that step drew a different
     # amount of randomness from them
@@ -253,9 +256,29 @@ class Comparison:
                     "a hook, a logger or a module whose count differs between the runs), or a "
                     "forward difference changed how much a sampler draws; where, the step's "
                     "state cannot say (a zoom's module records do, when the step parts again)")
+        at_step = [f for f in self.findings if f.step == self.first_step]
+        if self.lr_by_repeat is not None:
+            rates = " and ".join(f"{_rates(r)} in repeat {n}"
+                                 for n, r in enumerate(self.lr_by_repeat[:2]))
+            return (f"{_CAUSE_TEXT['optimizer']}: the learning rate differs ({rates}), so the "
+                    "schedule, or whatever sets it, depends on something that differs between "
+                    "the runs (wall-clock time, a metric of an unseeded evaluation, the order of "
+                    "a set)")
+        began = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
+                        if d.phase == STATE and d.slot.startswith("rng.")})
+        if self.cause == "rng" and began and self.first_step:
+            return (f"the {', '.join(began)} RNG state already differs as step "
+                    f"{self.first_step} begins, while everything recorded before agrees: after "
+                    f"step {self.first_step - 1}'s last record something reseeded it or drew a "
+                    "different amount from it (an evaluation or a logger that ran differently, "
+                    "a reseed from the clock or the process id, a draw that depends on the "
+                    "epoch's results)")
         scanned = _SCANNED_CAUSE_TEXT.get(self.cause)
-        if scanned and not any(d.phase in (FORWARD, BACKWARD) for d in self.first_diffs):
+        if scanned and not at_step:
             return scanned  # a step without module records: the step state alone says it
+        outside = self._outside_the_model(at_step)
+        if outside:
+            return outside
         buffers = sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
                           for d in self.first_diffs if d.phase == STATE
                           and d.slot.startswith("buffer.")})
@@ -267,6 +290,30 @@ class Comparison:
                        else "changed between steps, or updated by a forward whose recorded "
                        "results agreed") + "; they change what the model computes in eval mode")
         return _CAUSE_TEXT[self.cause]
+
+
+    def _outside_the_model(self, at_step: list[CallFinding]) -> str | None:
+        """The text for a step whose model computed the same forward in every repeat (no
+        module's forward differs) while the loss, or the gradient it sends into the model's
+        outputs, differs: the difference entered outside the model; None otherwise."""
+        if self.cause not in ("forward", "backward") or any(f.phase == FORWARD for f in at_step):
+            return None
+        backward = next((d for d in self.first_diffs if d.phase == BACKWARD), None)
+        if any(d.phase == OUTPUT for d in self.first_diffs):
+            what = "the loss computed from them differs"
+        elif backward is not None and backward.module == "" and backward.slot.startswith(
+                "grad_out"):
+            what = "the gradient the loss sends into them differs"
+        else:
+            return None
+        return (f"the model's outputs agree in every repeat, yet {what}: the loss is computed "
+                "outside the model from something else that differs (class weights, targets "
+                "or masks made in the training loop rather than loaded, a value drawn on the "
+                "host), or by code outside the model")
+
+
+def _rates(rates: list[float | None]) -> str:
+    return ", ".join("non-finite" if r is None else f"{r:.9g}" for r in rates) or "none"
 
 
 def _listed(names: list[str], most: int = 3) -> str:
@@ -321,7 +368,15 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
     comparison = seen.comparison(traces, common)
     if comparison.cause == "init":
         comparison.continued_from = _continued(traces)
+    if comparison.cause == "optimizer" and comparison.first_step is not None:
+        comparison.lr_by_repeat = _learning_rates(traces, comparison.first_step)
     return comparison
+
+
+def _learning_rates(traces: list[AnyTrace], step: int) -> list[list[float | None]] | None:
+    """Each trace's learning rates at `step` (as its steps list them), if they differ."""
+    rates = [next((i.lr for i in t.steps if i.step == step), []) for t in traces]
+    return rates if any(r != rates[0] for r in rates) else None
 
 
 def _continued(traces: list[AnyTrace]) -> Continued | None:

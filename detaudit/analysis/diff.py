@@ -192,8 +192,8 @@ class _AtCommonLevel:
     def __init__(self, trace: AnyTrace, other: AnyTrace) -> None:
         self.trace, self.other = trace, other
         self.other_granularity = recorded_granularity(other)
-        # an older trace holds no buffers and no plain output values: not compared to it
-        self.other_older = PROBE_RECORD_SET not in other.probe
+        # an older trace lacks the kinds of records added since (see _newer_kind)
+        self.other_set = other.probe.get(PROBE_RECORD_SET, 1)
         self.steps, self.failure, self.repeat = trace.steps, trace.failure, trace.repeat
         self.env = trace.env
         self.stress_rows = trace.stress_rows
@@ -207,8 +207,7 @@ class _AtCommonLevel:
             r = cut.records
             kept = [i for i, key in enumerate(zip(*(r[c] for c in keys))) if key in theirs
                     or (granularity_keeps(self.other_granularity, key[1], key[4])
-                        and not (self.other_older and _newer_kind(key[1], key[4],
-                                                                  r["dtype"][i])))]
+                        and not _newer_kind(key[1], key[4], r["dtype"][i], self.other_set))]
             if len(kept) < len(cut):
                 self.left_out += len(cut) - len(kept)
                 cut = replace(cut, records={c: [r[c][i] for i in kept] for c in r})
@@ -216,9 +215,13 @@ class _AtCommonLevel:
                 yield step, cut
 
 
-def _newer_kind(phase: str, slot: str, dtype: str) -> bool:
-    """A record of a kind traces hold since record set 2: a buffer, a plain output value."""
-    return (phase == STATE and slot.startswith("buffer.")) or (phase == OUTPUT and dtype == "bytes")
+def _newer_kind(phase: str, slot: str, dtype: str, other_set: int) -> bool:
+    """A record of a kind a trace of record set `other_set` lacks: a buffer or a plain
+    output value (since set 2), an op's plain arguments (since set 3)."""
+    if other_set < 2 and ((phase == STATE and slot.startswith("buffer."))
+                          or (phase == OUTPUT and dtype == "bytes")):
+        return True
+    return other_set < 3 and phase in OP_PHASES and slot.endswith("/in.args")
 
 
 class _WithinTolerance:

@@ -61,7 +61,8 @@ def judge(
     stopped) never passes and is no divergence: it is failed if detaudit failed there, else
     interrupted, and its headline says what was recorded. A scanned
     run's `zoom` (its first divergent step replayed at module level) names the module; a zoom
-    whose replays did not part again (`zoom_found`, the zoom's status) is said to be. An op
+    whose replays did not part where it ended (`zoom_found`, the zoom's status) is said to be,
+    with what its replays did. An op
     that re-execution proved nondeterministic (``c.proven``) makes agreeing repeats a
     divergence found all the same; after a divergence it confirms the origin."""
     located = zoom if zoom is not None and zoom.first_step is not None else c
@@ -78,10 +79,7 @@ def judge(
                                            if p.get("proven")]):
         headline += f"; proven by re-execution: {_confirming(proofs, first)['line']}"
     if zoom is None and (zoom_found or {}).get("status") == "intermittent":
-        tries = len(zoom_found.get("attempts") or [])
-        headline += (f"; intermittent: replayed {tries} time(s), step {zoom_found.get('step')} "
-                     "did not part again, so the module and op are not named (the cause is "
-                     "the scan's)")
+        headline += f"; intermittent: {_intermittent(zoom_found)}"
     if located is zoom:
         headline += f"; zoomed in on step {zoom.first_step} after a scan"
         if c.first_step is not None and zoom.first_step != c.first_step:  # a race fired sooner
@@ -102,6 +100,23 @@ def judge(
         kind = stopped
         headline = f"{stopped.upper()} ({interrupted}); what was recorded: {headline}"
     return Verdict(kind, headline, first, hidden)
+
+
+def _intermittent(zoom_found: dict[str, Any]) -> str:
+    """What the replays of an intermittent zoom did: where they parted before the step the
+    zoom ended at (each such step is where a replay moved it), then how often that step was
+    replayed without parting."""
+    step = zoom_found.get("step")
+    attempts = zoom_found.get("attempts") or []
+    moved_to = list(dict.fromkeys([*(a["step"] for a in attempts), step]))[1:]
+    tries = sum(1 for a in attempts if a["step"] == step and a.get("replayed", True))
+    said = []
+    if moved_to:
+        said.append(f"replays parted earlier, at step {', then step '.join(map(str, moved_to))} "
+                    "(the runs do differ from run to run)")
+    said.append(f"step {step} did not part when replayed ({tries} {'try' if tries == 1 else 'tries'})"
+                if tries else f"the tries ran out before step {step} was replayed")
+    return "; ".join(said) + ", so the module and op are not named (the cause is the scan's)"
 
 
 def junit_error(kind: str) -> str | None:
@@ -226,7 +241,7 @@ def _confirming(proofs: list[dict[str, Any]], first: dict[str, Any] | None) -> d
 def _stopped(c: Comparison) -> str:
     """Which repeats stopped early, and why the first one did."""
     repeat, why = min(c.failures.items())
-    more = f" ({len(c.failures)} of {c.repeats} repeats did not finish)" if len(c.failures) > 1 else ""
+    more = f"; {len(c.failures)} of {c.repeats} repeats did not finish" if len(c.failures) > 1 else ""
     return f"repeat {repeat} stopped: {why}{more}"
 
 

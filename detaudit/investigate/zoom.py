@@ -105,7 +105,8 @@ def zoom_by_replay(
             try:
                 traces = apart(step)
             except DetauditError as exc:  # the scan's verdict stands; the tries left, here
-                attempts.append({"step": step, "outcome": f"not replayed apart: {exc}"})
+                attempts.append({"step": step, "outcome": f"not replayed apart: {exc}",
+                                 "replayed": False})
                 apart = None
                 continue
         how = "" if apart is None else (" (replayed in this process)" if here else

@@ -169,6 +169,8 @@ class OpRecorder(ModelOpMode):
             prefix = f"op{k}/{name}"
             if self.record:
                 inputs = [list(args), kwargs]
+                # its Python numbers too (a scale drawn on the host makes a different op call)
+                self.recorder.record_values(op_phase, module, index, f"{prefix}/in.args", inputs)
                 if self._fresh:
                     inputs = [t for _, t in iter_tensors(inputs) if not self._uninitialized(t)]
                 self.recorder.record(op_phase, module, index, f"{prefix}/in", inputs)

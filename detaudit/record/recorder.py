@@ -276,6 +276,15 @@ class Recorder:
             self._keys.append((phase, module, call, _slot(slot, path)))
             self.fp.add_bytes(repr(leaf).encode())
 
+    def record_values(self, phase: str, module: str, call: int, slot: str, value: Any) -> None:
+        """The plain values in `value` (str, int, float, bool, None: an op's arguments that
+        are no tensors), as one record printed by their paths and reprs; none if it has none."""
+        values = [(path, leaf) for path, leaf in iter_leaves(value)
+                  if not isinstance(leaf, torch.Tensor)]
+        if values:
+            self._keys.append((phase, module, call, slot))
+            self.fp.add_bytes(repr(values).encode())
+
     def record_state(self, batch: Any, as_loaded: bool = False) -> None:
         """Step-boundary state: the batch and every RNG. A batch `as_loaded` (as the data
         pipeline yields it, before the training code moves it to a device) is printed by xxh3
