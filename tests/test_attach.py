@@ -23,7 +23,7 @@ from torch import nn
 import detaudit
 from detaudit.drivers.attach import Attachment
 from detaudit.record.structure import next_ulp
-from detaudit.trace import Trace
+from detaudit.trace import OUTSIDE_MODEL, Trace
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_plain.py"
 
@@ -1879,9 +1879,14 @@ def test_a_loss_whose_class_weights_differ_is_said_to_differ_outside_the_model(
             attachment.uninstall()
         return Trace.load(path)
 
-    c = compare([run(tmp_path / "a.json.gz", 1.5), run(tmp_path / "b.json.gz", weight)])
+    plain = run(tmp_path / "a.json.gz", 1.5)
+    c = compare([plain, run(tmp_path / "b.json.gz", weight)])
     assert (c.first_step, c.cause) == (1, cause)
     assert c.cause_text.startswith(f"the model's outputs agree in every repeat, yet {what}")
+    ops = plain.frame()
+    ops = ops[ops.phase.str.startswith("op.")]  # the loss's ops: not the model's own
+    assert {m for m, s in zip(ops.module, ops.slot) if "nll_loss" in s} == {OUTSIDE_MODEL}
+    assert set(ops[ops.slot.str.contains("addmm")].module) == {""}
 
 
 

@@ -113,6 +113,7 @@ def test_deterministic_run_says_so(clean: dict[str, Any]) -> None:
     for name, text in _renders(clean).items():
         assert "DETERMINISTIC" in text, name
         assert "First divergence" not in text, name
+        assert "steps that differ" not in text, name  # no empty table
 
 
 def test_github_uses_only_kept_tags(planted: tuple[Path, dict[str, Any]]) -> None:

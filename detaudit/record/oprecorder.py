@@ -6,8 +6,9 @@ call whose forward created the autograd node now executing
 (``torch._C._current_autograd_node()``, matched by sequence number, or marked by the
 recorder where a checkpoint recomputed it). Records go into the same step records as the
 module level, under the phases ``op.forward`` / ``op.backward`` and slots
-``op<k>/<namespace.op>/in.<i>`` or ``.../out.<i>``, where k counts the ops of that module
-call in execution order.
+``op<k>/<namespace.op>/in.<i>`` (its plain arguments, ``.../in.args``) or ``.../out.<i>``,
+where k counts the ops of that module call in execution order; an op outside every module
+call (a loss the loop computes) is placed ``(outside the model)``.
 
 The same mode, with recording off, plants op-level faults and runs the census
 (op counts per module, and the deterministic-algorithms alerts each op raised).
@@ -25,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..config import Fault
-from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD
+from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
 from .recorder import Call, Recorder
 from .structure import has_ulps, iter_tensors, next_ulp
 
@@ -158,7 +159,7 @@ class OpRecorder(ModelOpMode):
         name = op_name(func)
         phase, call = self.where()
         op_phase = OP_FORWARD if phase == FORWARD else OP_BACKWARD
-        module, index = (call.module, call.index) if call is not None else ("", 0)
+        module, index = (call.module, call.index) if call is not None else (OUTSIDE_MODEL, 0)
         if self.census:
             self.counts[(module, phase, name, accumulate_arg(func, args, kwargs))] += 1
         skip = func.is_view or name in PASSTHROUGH_OPS

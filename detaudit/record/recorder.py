@@ -4,28 +4,19 @@ Forward: pre/post hooks on every module record the tensors going in and out, the
 place in the call tree, and whether it advanced the torch RNG.
 
 Backward: the gradient w.r.t. each module output comes from a tensor hook registered in
-forward. The gradient a module sends to each of its inputs comes from hooks on the
-autograd nodes at the module's boundary, found by one walk of the graph before backward:
-a node created inside the call (by sequence number) whose edge leads to a node created
-before it. This gives each consumer's own contribution, even for inputs that several
-modules share (FPN features feed the RPN and both RoI poolers), and it adds nothing to the
-graph, so gradient accumulation order -- and so the numbers -- stay exactly as without us.
-
-A reentrant checkpoint runs its forward without grad and again inside backward, where the
-graph backward then runs is built. Such a recomputation takes the identity of the call it
-runs again (its records are that call's backward records), and the graph it builds is
-hooked, as the forward's is before backward, when its outermost call returns.
+forward; the gradient a module sends to each of its inputs, from hooks on the autograd
+nodes at the call's boundary, which :mod:`detaudit.record.backward` finds (as it finds the
+calls a reentrant checkpoint recomputes).
 """
 
 from __future__ import annotations
 
-import bisect
 import random
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -38,37 +29,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import Fault
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, STATE
+from .backward import BackwardBoundaries, Call, CallIndex, SeqIndex, index_call, slot_name
 from .fingerprint import Fingerprinter, TensorPrint
-from .structure import has_ulps, iter_leaves, iter_tensors, next_ulp, replace_first_float, within
+from .structure import iter_leaves, iter_tensors, next_ulp, replace_first_float
 
 WATCH_MODULE, WATCH_CALLS, WATCH_NONE = "module", "calls", "none"
 WATCH_LEVELS = (WATCH_MODULE, WATCH_CALLS, WATCH_NONE)
-_AccumulateGrad = torch._C._functions.AccumulateGrad  # the node that fills a leaf's .grad
 RecordKey = tuple[str, str, int, str]  # (phase, module, call, slot)
-SeqIndex = tuple[list[int], list[list[int]]]  # sequence numbers -> enclosing calls from there
-# calls by (parent position, module) and by (first sequence number, module): see _indexed
-CallIndex = tuple[dict[tuple[int, str], list[int]], dict[tuple[int, str], list[int]]]
-_CALL_OF_NODE = "detaudit.call"  # a recomputed node's metadata: the Call that made it
-
-
-@dataclass
-class Call:
-    """One call of one module within a step."""
-
-    module: str
-    index: int
-    parent: int  # position of the enclosing call in the step's call list, -1 at the top
-    seq_start: int = 0
-    seq_end: int = 0
-    inputs: dict[tuple[int, int], str] = field(default_factory=dict)  # autograd edge -> path
-    # The objects whose ids key `inputs`, held until the step ends: a grad_fn's Python wrapper
-    # dies with its last reference, and the graph walk before backward would then meet the
-    # same node under a new id (and another node could take the old one).
-    edge_objects: list[Any] = field(default_factory=list)
-    # Inside backward: the autograd node running (None in forward), and the position of the
-    # forward call this call runs again, a checkpoint's recomputation (-1: a call of its own).
-    backward_node: Any = None
-    original: int = -1
 
 
 @dataclass
@@ -106,7 +73,7 @@ def _module_rng_state() -> bytes:
     return state
 
 
-class Recorder:
+class Recorder(BackwardBoundaries):
     """Records fingerprints of a model's module calls; use as a context manager.
 
     The runner drives it: ``begin_step`` → (forward runs) → ``before_backward(loss)`` →
@@ -244,17 +211,6 @@ class Recorder:
         call = self._calls[self._stack[-1][0]]
         return call if call.backward_node is node else None
 
-    def call_for_node(self, node: Any) -> Call | None:
-        """The innermost module call whose forward created autograd `node`."""
-        if node is None or not self._calls:
-            return None
-        if self._recomputed:
-            metadata = node.metadata
-            if _CALL_OF_NODE in metadata:
-                return metadata[_CALL_OF_NODE]
-        chain = self._enclosing_calls(node._sequence_nr())
-        return self._calls[chain[0]] if chain else None
-
     # -- generic records ---------------------------------------------------------------
     def record(
         self, phase: str, module: str, call: int, slot: str, value: Any, stats: bool = True,
@@ -267,13 +223,13 @@ class Recorder:
         tensors, values = [], []
         for path, leaf in (iter_leaves if plain else iter_tensors)(value):
             if isinstance(leaf, torch.Tensor):
-                self._keys.append((phase, module, call, _slot(slot, path)))
+                self._keys.append((phase, module, call, slot_name(slot, path)))
                 tensors.append(leaf)
             else:
                 values.append((path, leaf))
         self.fp.add_many(tensors, stats, algorithm, written)
         for path, leaf in values:
-            self._keys.append((phase, module, call, _slot(slot, path)))
+            self._keys.append((phase, module, call, slot_name(slot, path)))
             self.fp.add_bytes(repr(leaf).encode())
 
     def record_values(self, phase: str, module: str, call: int, slot: str, value: Any) -> None:
@@ -415,7 +371,7 @@ class Recorder:
                     if not isinstance(value, torch.Tensor):
                         value = torch.tensor(float(value), dtype=torch.float64)
                     for path, tensor in iter_tensors(value):
-                        keys.append((OPTIMIZER, owner, 0, _slot(f"state.{local}.{key}", path)))
+                        keys.append((OPTIMIZER, owner, 0, slot_name(f"state.{local}.{key}", path)))
                         tensors.append(tensor)
         self._keys += keys
         self.fp.add_many(tensors, stats=False)
@@ -449,7 +405,7 @@ class Recorder:
         call = Call(name, index, parent, seq_start=_get_sequence_nr(), backward_node=node,
                     original=original)
         if self._call_index is not None:  # (kept up to date once a recomputation needed it)
-            _index_call(self._call_index, position, call)
+            index_call(self._call_index, position, call)
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             inputs: Any = (("0", args[0]),)  # the common case, without walking the structure
         else:
@@ -497,10 +453,10 @@ class Recorder:
         outputs = (("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)
         for path, tensor in outputs:
             if call.original < 0:
-                self._keys.append((FORWARD, call.module, call.index, _slot("out", path)))
+                self._keys.append((FORWARD, call.module, call.index, slot_name("out", path)))
                 self.fp.add(tensor)
             if tensor.requires_grad:
-                handle = tensor.register_hook(self._grad_out_hook(call, _slot("grad_out", path)))
+                handle = tensor.register_hook(self._grad_out_hook(call, slot_name("grad_out", path)))
                 self._step_handles.append(handle)
         if rng_before is not None:
             rng_after = _module_rng_state()
@@ -518,185 +474,6 @@ class Recorder:
 
         return hook
 
-    def _recomputes(self, name: str, node: Any, parent: int) -> int:
-        """The position of the forward call that a call of `name` starting now, inside the
-        backward of autograd `node`, runs again (a reentrant checkpoint's), or -1. Inside a
-        recomputation it is the next call of `name` inside the call its parent runs again;
-        one begins with the next call of `name` that `node`'s own forward made (an autograd
-        Function's forward runs without grad: all its calls begin right after `node`)."""
-        calls = self._calls
-        children, starting = self._indexed()
-        if parent >= 0:
-            scope = calls[parent].original
-            if scope < 0:
-                return -1
-            candidates = children.get((scope, name), [])
-            done = len(children.get((parent, name), ()))
-        else:
-            seq = node._sequence_nr() + 1
-            candidates = [i for i in starting.get((seq, name), ())
-                          if calls[i].parent < 0 or calls[calls[i].parent].seq_start != seq]
-            done = sum(1 for i in children.get((-1, name), ())
-                       if calls[i].backward_node is node and calls[i].original >= 0)
-        if done >= len(candidates):
-            return -1
-        match = candidates[done]
-        return calls[match].original if calls[match].original >= 0 else match
-
-    def _indexed(self) -> CallIndex:
-        """The step's calls by (parent position, module) and by (first sequence number,
-        module), where a recomputation finds the calls it runs again: built at the step's
-        first recomputation (no cost to a step without one), kept up to date from then."""
-        if self._call_index is None:
-            self._call_index = ({}, {})
-            for position, call in enumerate(self._calls):
-                _index_call(self._call_index, position, call)
-        return self._call_index
-
-    # -- backward ------------------------------------------------------------------------
-    def before_backward(self, loss: torch.Tensor) -> None:
-        """Walk the graph once and hook every autograd node on a module call's boundary."""
-        if loss.grad_fn is None or not self._calls:
-            return
-        if self._records_modules or self._backward_fault_now():
-            self._hook_graph([loss.grad_fn], self._enclosing_calls)
-
-    def _backward_fault_now(self) -> bool:
-        fault = self.fault
-        return fault is not None and fault.phase == BACKWARD and fault.step == self._step
-
-    def _hook_recomputation(self, position: int, output: Any) -> None:
-        """Hook the graph that a recomputation (its outermost call at `position`) has just
-        built, which backward runs next, and mark each node with the call that made it for
-        the op level (on a GPU, their sequence numbers count on the thread of backward)."""
-        calls = self._calls
-        floor = calls[position].seq_start
-        index = self._seq_index_of(list(range(position, len(calls))))
-        roots = [t.grad_fn for _, t in iter_tensors(output)
-                 if t.grad_fn is not None and t.grad_fn._sequence_nr() >= floor]
-        outside = self.call_for_node(calls[position].backward_node)
-        self._recomputed = True
-        self._hook_graph(roots, lambda seq: _chain_at(index, seq), floor, outside,
-                         boundaries=self._records_modules or self._backward_fault_now())
-
-    def _hook_graph(
-        self, roots: list[Any], chain_of: Callable[[int], list[int]], floor: int | None = None,
-        outside: Call | None = None, boundaries: bool = True,
-    ) -> None:
-        """Walk the graph from `roots` and hook every node on a module call's boundary (only
-        mark the nodes without `boundaries`); `chain_of` gives the calls that made a node.
-        With a `floor` (a recomputation's first sequence number) the walk stays among nodes
-        made from there on and marks each with its innermost call (`outside` if none)."""
-        calls = self._calls
-        params = {id(p): name.rpartition(".")[0] for name, p in self._params.items()}
-        fault = self.fault
-        fault_here = self._backward_fault_now()
-        edges_of: dict[Any, list[tuple[int, int, str | None]]] = {}
-        # One call can send several gradients to the same input (x + f(x)): they are told
-        # apart as slot, slot#1, ... in the order of this walk, not in the order backward
-        # happens to deliver them (which varies when several threads run it).
-        sent: dict[tuple[int, str], int] = {}
-        seen = set(roots)
-        todo = list(roots)
-        while todo:
-            node = todo.pop()
-            chain = chain_of(node._sequence_nr())
-            if floor is not None:
-                node.metadata[_CALL_OF_NODE] = calls[chain[0]] if chain else outside
-            for k, (nxt, nr) in enumerate(node.next_functions):
-                if nxt is None:
-                    continue
-                if type(nxt) is _AccumulateGrad:
-                    leaf = nxt.variable
-                    if id(leaf) in params:
-                        # Parameter gradients are recorded after backward; here only a fault
-                        # planted in a module whose inputs need no gradient can use this edge
-                        # (else it would land in, say, a bias gradient the optimizer of
-                        # another model never reads): a parameter of that module or of one
-                        # within it (a backbone's first layer, right after the data).
-                        planted = next((c for c in chain if calls[c].module == fault.module),
-                                       None) if fault_here else None
-                        if planted is not None and not calls[planted].inputs and within(
-                                params[id(leaf)], fault.module):
-                            edges_of.setdefault(node, []).append((k, planted, None))
-                        continue
-                    target, created = (id(leaf), 0), -1  # a leaf: outside every call
-                else:
-                    target, created = (id(nxt), nr), nxt._sequence_nr()
-                    if nxt not in seen and (floor is None or created >= floor):
-                        seen.add(nxt)
-                        todo.append(nxt)
-                for c in chain if boundaries else ():  # innermost first: stop at the first
-                    if calls[c].seq_start <= created:  # call that made `nxt`
-                        break
-                    slot = _slot("grad_in", calls[c].inputs.get(target, f"?{nxt.name()}"))
-                    n = sent[(c, slot)] = sent.get((c, slot), -1) + 1
-                    edges_of.setdefault(node, []).append((k, c, f"{slot}#{n}" if n else slot))
-        for node, edges in edges_of.items():
-            self._step_handles.append(node.register_hook(self._boundary_hook(edges)))
-
-    def _enclosing_calls(self, seq: int) -> list[int]:
-        """The forward calls (innermost first) that created the node with sequence nr `seq`.
-
-        Which calls enclose `seq` changes only where a call starts or ends, so the answer is
-        kept per interval between those points, rebuilt when a forward call began or ended."""
-        if self._seq_index is None:
-            self._seq_index = self._seq_index_of(
-                [i for i, c in enumerate(self._calls) if c.backward_node is None])
-        return _chain_at(self._seq_index, seq)
-
-    def _seq_index_of(self, positions: list[int]) -> SeqIndex:
-        """For the calls at `positions`: each point where one starts or ends, and the calls
-        enclosing the sequence numbers from there to the next point."""
-        calls = self._calls
-        points = sorted({p for i in positions for p in (calls[i].seq_start, calls[i].seq_end)})
-        order = sorted(positions, key=lambda i: calls[i].seq_start)
-        starts = [calls[i].seq_start for i in order]
-        return points, [self._enclosing_at(p, order, starts) for p in points]
-
-    def _enclosing_at(self, seq: int, order: list[int], starts: list[int]) -> list[int]:
-        """`_enclosing_calls(seq)` the slow way: the last call started, then its ancestors."""
-        i = bisect.bisect_right(starts, seq) - 1
-        if i < 0:
-            return []
-        c = order[i]
-        chain = []
-        while c >= 0:
-            call = self._calls[c]
-            if call.seq_start <= seq < call.seq_end:
-                chain.append(c)
-            c = call.parent
-        return chain
-
-    def _boundary_hook(self, edges: list[tuple[int, int, str | None]]):
-        def hook(grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
-            grads = list(grad_inputs)
-            changed = False
-            fault = self.fault
-            for k, c, slot in edges:
-                call = self._calls[c]
-                grad = grads[k]
-                if grad is None:
-                    continue
-                if (
-                    fault is not None and fault.phase == BACKWARD and fault.step == self._step
-                    and fault.module == call.module and call.index == 0 and not self.fault_fired
-                    and has_ulps(grad)
-                ):
-                    with _disable_current_modes():  # the fault's own ops are not the model's
-                        # an all-zero gradient (nothing reached that input) cannot carry 1 ULP
-                        if bool((grad != 0).any()):
-                            grads[k] = next_ulp(grad, largest=True)
-                            changed = self.fault_fired = True
-                if slot is not None and self._records_modules:
-                    with self._lock:
-                        self._keys.append((BACKWARD, call.module, call.index, slot))
-                        self.fp.add(grads[k])
-            return tuple(grads) if changed else None
-
-        return hook
-
-
 def uncompiled(model: nn.Module) -> nn.Module:
     """The module a ``torch.compile(model)`` wrapper holds: its names are the user's (the
     wrapper's have ``_orig_mod.`` in front), and the wrapper's call is the top-level one.
@@ -711,25 +488,9 @@ def _iter_inputs(args: tuple, kwargs: dict):
     yield from iter_tensors(kwargs)
 
 
-def _index_call(index: CallIndex, position: int, call: Call) -> None:
-    children, starting = index
-    children.setdefault((call.parent, call.module), []).append(position)
-    starting.setdefault((call.seq_start, call.module), []).append(position)
-
-
 def _parameter_keys(phase: str, items: list[tuple[str, Any]], kind: str = "param"
                     ) -> list[RecordKey]:
     """The keys of per-parameter (or per-buffer) records: (phase, owning module, 0,
     <kind>.<name>)."""
     return [(phase, owner, 0, f"{kind}.{local}")
             for owner, _, local in (name.rpartition(".") for name, _ in items)]
-
-
-def _chain_at(index: SeqIndex, seq: int) -> list[int]:
-    """The calls (innermost first) enclosing sequence number `seq` in `index`."""
-    i = bisect.bisect_right(index[0], seq) - 1
-    return index[1][i] if i >= 0 else []
-
-
-def _slot(prefix: str, path: str) -> str:
-    return f"{prefix}.{path}" if path else prefix

@@ -380,7 +380,9 @@ def _loss(s: dict[str, Any]) -> Section | None:
         [[str(e["epoch"]), _loss_diff(e["max_rel_diff"])]
          for e in loss["per_epoch"]],
     ))
-    blocks.append(_per_step(s))
+    differing = _per_step(s)
+    if differing.rows:  # (none in a deterministic run)
+        blocks.append(differing)
     return Section("loss", "Loss drift", blocks)
 
 
