@@ -263,6 +263,23 @@ def test_a_fault_in_an_ensemble_members_own_forward_is_named_there(tmp_path, op)
     assert set(ops[ops.phase == "op.forward"].module) == {"Member", "Member.fc"}
 
 
+def test_a_parametrized_layer_in_inference_leaves_one_model_and_a_step_per_call(tmp_path):
+    """Reading a parametrized weight calls its parametrizations: the layers after it are
+    no top-level calls (each was taken for another model, its output a step of its own)."""
+    def loop():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        nn.utils.parametrizations.weight_norm(model[0])
+        model.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.ones(2, 4))
+
+    records = _attached(tmp_path / "t.json.gz", loop).frame()
+    outputs = records[records.slot == "output"]
+    assert list(zip(outputs.step, outputs.module)) == [(0, ""), (1, ""), (2, "")]
+
+
 def test_inference_outputs_in_a_dataclass_are_compared(tmp_path):
     """A model returning a dataclass (a detection library's result type): its tensors and
     labels are the step's outputs (none was recorded, so any difference passed)."""

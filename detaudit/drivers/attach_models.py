@@ -1,0 +1,188 @@
+"""Which modules are the models of a loop an attachment records (see :mod:`.attach`).
+
+Nothing tells an attachment which module is the model unless the user does: the candidates
+are the top-level modules called in training mode, and the model is the one whose parameters
+the first optimizer step updates (:meth:`ModelFinder.choose`); when no such call is seen (the
+model runs inside a compiled function, or trains in eval mode) it is looked for among every
+live module (:meth:`ModelFinder.find`). Other models an optimizer trains (a head called apart
+from its backbone, a GAN's generator, an ensemble's members in inference) are recorded too,
+under their class's name; a model built anew like the model once no optimizer holds the old
+one (a loop that resumes from a checkpoint) takes its place. The attachment owns the
+recording; a :class:`ModelFinder` only says which modules are which.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# optimizers whose model is looked for among every live object: a loop that makes an
+# optimizer per batch over tensors no module owns (an adversarial perturbation) stops there
+MAX_MODEL_SEARCHES = 8
+
+
+class ModelFinder:
+    """The model recorded (`model`, given or found), the candidates for it, and the other
+    models recorded beside it. `optimizer`, when given, is the only one whose model counts."""
+
+    def __init__(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.given = model is not None
+        self.candidates: list[nn.Module] = []
+        self.others: list[tuple[str, nn.Module]] = []  # further models recorded, by name
+        # the modules within models found among every live module (see find): their calls
+        # with gradients on are the training calls (in eval mode too; none are seen inside
+        # compiled code)
+        self.found_modules: set[int] = set()
+        self.placed: set[int] = set()  # optimizers whose model was seen or searched for
+        self.checked: set[int] = set()  # see trained_apart
+
+    def current(self) -> nn.Module | None:
+        """The model, or until it is known the first candidate."""
+        if self.model is not None:  # (a compiled model's wrapper has no truth value)
+            return self.model
+        return self.candidates[0] if self.candidates else None
+
+    def is_other(self, module: nn.Module) -> bool:
+        return any(module is m for _, m in self.others)
+
+    def found(self, module: nn.Module) -> bool:
+        """Whether `module` is within a model found among every live module (see find)."""
+        return id(module) in self.found_modules
+
+    def add_candidate(self, module: nn.Module) -> bool:
+        """`module` is called in training: a candidate if it has parameters (True if new)."""
+        if module not in self.candidates and any(True for _ in module.parameters()):
+            self.candidates.append(module)
+            return True
+        return False
+
+    def forget(self) -> None:
+        """The loop, taken for inference, trains: the models named so far are forgotten (the
+        model given, or the one the optimizer given updates, is kept)."""
+        if self.optimizer is None and not self.given:
+            self.model = None
+        self.others, self.candidates, self.checked = [], [], set()
+
+    def choose(self, optimizer: torch.optim.Optimizer) -> bool:
+        """At the first optimizer step, the model is the candidate that owns its parameters
+        (True when it is chosen now)."""
+        if self.model is not None:
+            return False
+        updated = {id(p) for p in parameters_of(optimizer)}
+        owned = [(sum(id(p) in updated for p in m.parameters()), m) for m in self.candidates]
+        if not any(n for n, _ in owned):
+            return False
+        # the one that owns the most of them (not a part of the model called on its own
+        # first, a sanity check of the backbone), the first called of those
+        most = max(n for n, _ in owned)
+        self.model = next(m for n, m in owned if n == most)
+        return True
+
+    def find(self, optimizer: torch.optim.Optimizer) -> bool:
+        """An optimizer updates before any training-mode call of a module was seen: the
+        model runs inside a compiled function, where module hooks do not run, or trains in
+        eval mode. The model is the module that owns the most of the optimizer's
+        parameters, found among every live module; its calls with gradients on are the
+        step's from then on (those a compiled function makes are seen at a zoomed step,
+        which runs eagerly). True when one is found."""
+        updated = {id(p) for p in parameters_of(optimizer)}
+        owners = [(sum(id(p) in updated for p in m.parameters()), m)
+                  for m in live_objects(nn.Module)]
+        owners = [(n, m) for n, m in owners if n]
+        if not owners:
+            return False
+        most = max(n for n, _ in owners)
+        # the innermost of the modules that own that many: the model, not a container or a
+        # wrapper of it (torch.compile's, a ModuleDict of models), so that names are its own
+        owning = {id(m) for n, m in owners if n == most}
+        model = next(m for n, m in owners if n == most and not any(
+            id(c) in owning for c in list(m.modules())[1:]))
+        self.candidates.append(model)
+        # its calls, and those of wrappers that hold it (DDP), are the step's
+        self.found_modules |= {id(m) for m in model.modules()} | owning
+        return True
+
+    def owned(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a module seen in a training call owns some of the optimizer's parameters."""
+        updated = {id(p) for p in parameters_of(optimizer)}
+        return any(id(p) in updated for m in self.candidates for p in m.parameters())
+
+    def name_other(self, module: nn.Module) -> str:
+        """Name `module` another model recorded: by its class (`Name2`, ... when taken)."""
+        name = _unique(type(module).__name__, {n for n, _ in self.others})
+        self.others.append((name, module))
+        return name
+
+    def inferred_name(self, module: nn.Module) -> tuple[str | None, bool]:
+        """In inference, each top-level call of a module with parameters is a step: of the
+        model (named "") or of another model (an ensemble's), recorded too under its class's
+        name; None for a module without parameters (a post-processing step). The flag says
+        that `module` is another model named just now (to be recorded from now on)."""
+        if module is self.model:
+            return "", False
+        if self.model is None and any(True for _ in module.parameters()):
+            self.model = module
+            return "", False
+        name = next((n for n, m in self.others if m is module), None)
+        if name is None and any(True for _ in module.parameters()):
+            return self.name_other(module), True
+        return name, False
+
+    def replaces_model(self, module: nn.Module) -> bool:
+        """Whether `module`, called in training for the first time, takes the model's place:
+        built anew like it (its class, its parameters' names and shapes) once no optimizer
+        holds the model's parameters any more (a loop that resumes from a checkpoint in the
+        same process; two such models trained side by side each keep their optimizer)."""
+        model = self.model
+        if model is None or self.optimizer is not None or type(module) is not type(model):
+            return False
+        def shapes(m: nn.Module) -> list[tuple[str, torch.Size]]:
+            return [(name, p.shape) for name, p in m.named_parameters()]
+        if shapes(module) != shapes(model):
+            return False
+        return not held_by_an_optimizer(model)
+
+    def trained_apart(self) -> list[torch.Tensor] | None:
+        """Models called in training whose parameters an optimizer holds that has not
+        updated yet (a GAN's generator, trained after the discriminator's first update) are
+        recorded from now on: the step of their first update begins at their call and is
+        recorded like any other (a fault planted there fires). Each is looked for once: the
+        parameters an optimizer holds of those looked for now, None if none was."""
+        new = [m for m in self.candidates if id(m) not in self.checked
+               and m is not self.model and not self.is_other(m)]
+        if not new or self.optimizer is not None:
+            return None
+        self.checked |= {id(m) for m in new}
+        held = {id(p) for o in live_objects(torch.optim.Optimizer) for p in parameters_of(o)}
+        return [p for m in new for p in m.parameters() if id(p) in held]
+
+
+def parameters_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def live_objects(kind: type) -> list[Any]:
+    """Every live object of `kind` the garbage collector tracks (one pass over them all)."""
+    import gc
+
+    # (issubclass of the type: isinstance fails on a dead weak proxy)
+    return [o for o in gc.get_objects() if issubclass(type(o), kind)]
+
+
+def held_by_an_optimizer(model: nn.Module) -> bool:
+    """Whether a live optimizer holds some of `model`'s parameters."""
+    mine = {id(p) for p in model.parameters()}
+    return any(any(id(p) in mine for p in parameters_of(o))
+               for o in live_objects(torch.optim.Optimizer))
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    """`name`, or `name2`, `name3`, ... if taken."""
+    k = 1
+    while (candidate := name if k == 1 else f"{name}{k}") in taken:
+        k += 1
+    return candidate

@@ -1,0 +1,251 @@
+"""The torch entry points an attachment patches to see a loop it does not run (see
+:mod:`.attach`).
+
+Global module and optimizer hooks do not show everything a step is made of: which tensor is
+the loss (``Tensor.backward``, ``torch.autograd.backward``), which DataLoader pass and batch
+the step belongs to (``DataLoader.__iter__``, its iterators' ``__next__``), a skipped update
+(``GradScaler.update``), compiled code (``torch.compile``, ``Module.compile``) and, in one rank
+of a distributed command, the parameters as built (``DistributedDataParallel.__init__``).
+Each wrapper here calls the original and calls back into the attachment (the
+:class:`Callbacks` it is made for). :class:`Installing`, a part of the attachment (a mixin),
+puts them and the global hooks in and takes them out again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from .rankprobe import RankWatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Self
+
+
+class Callbacks(Protocol):
+    """What the wrappers call back into (an :class:`.attach.Attachment`)."""
+
+    in_backward: bool
+    _iterators: weakref.WeakKeyDictionary[Any, int]  # DataLoader iterator -> its loader's id
+
+    def on_backward(self, tensor: Any) -> None: ...
+    def after_backward(self) -> None: ...
+    def on_loader_pass(self, loader: Any) -> None: ...
+    def on_loader_batch(self, iterator: Any, batch: Any) -> None: ...
+    def on_scaler_update(self, scaler: Any) -> None: ...
+    def keep_out_of_graphs(self) -> None: ...
+    def see_compiled_calls(self, module: nn.Module) -> None: ...
+
+
+_compiling = torch.compiler.is_compiling
+_functorch_level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)
+
+
+def transformed() -> bool:
+    """Whether code runs inside a graph torch.compile traces, or inside a torch.func
+    transform (grad, vmap: its tensors are wrappers without storage): a module called there
+    is a step of a function, not a training call of the loop."""
+    return _compiling() or _functorch_level() is not None
+
+
+LoaderIterator = torch.utils.data.dataloader._BaseDataLoaderIter
+
+
+def wrap_backward(attachment: Callbacks) -> Callable[..., Any]:
+    return _backward_entry(attachment, torch.Tensor.backward, "self")
+
+
+def wrap_autograd_backward(attachment: Callbacks) -> Callable[..., Any]:
+    return _backward_entry(attachment, torch.autograd.backward, "tensors")
+
+
+def _backward_entry(attachment: Callbacks, original: Callable[..., Any], first: str
+                    ) -> Callable[..., Any]:
+    """`original` (a way into backward), telling the attachment what backward is called on
+    (its argument `first`: a tensor or a sequence of them) before, and that it ended after."""
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        # inside a backward (Tensor.backward calls torch.autograd.backward; checkpointing),
+        # or traced (torch.compile keeps it out of its graphs once anything is compiled:
+        # see Attachment.keep_out_of_graphs)
+        if attachment.in_backward or transformed():
+            return original(*args, **kwargs)
+        tensors = args[0] if args else kwargs.get(first)
+        for tensor in [tensors] if isinstance(tensors, torch.Tensor) else tensors or ():
+            attachment.on_backward(tensor)
+        attachment.in_backward = True
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            attachment.in_backward = False
+        attachment.after_backward()
+        return result
+
+    return backward
+
+
+def wrap_loader_iter(attachment: Callbacks) -> Callable[..., Any]:
+    original = torch.utils.data.DataLoader.__iter__
+
+    def __iter__(self: Any) -> Any:
+        attachment.on_loader_pass(self)
+        iterator = original(self)
+        with contextlib.suppress(TypeError):  # an iterator that takes no weak reference
+            attachment._iterators[iterator] = id(self)
+        return iterator
+
+    return __iter__
+
+
+def wrap_loader_next(attachment: Callbacks) -> Callable[..., Any]:
+    original = LoaderIterator.__next__
+
+    def __next__(self: Any) -> Any:
+        try:
+            batch = original(self)
+        except StopIteration:
+            attachment._iterators.pop(self, None)  # its pass is over
+            raise
+        attachment.on_loader_batch(self, batch)
+        return batch
+
+    return __next__
+
+
+def wrap_ddp_init(rank: RankWatch) -> Callable[..., Any]:
+    """DDP's constructor broadcasts rank 0's parameters: note this rank's as built first."""
+    original = torch.nn.parallel.DistributedDataParallel.__init__
+
+    def __init__(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if rank.init is None and isinstance(module, nn.Module):
+            rank.record_init(module)
+        original(self, module, *args, **kwargs)
+
+    return __init__
+
+
+def wrap_torch_compile(attachment: Callbacks) -> Callable[..., Any]:
+    original = torch.compile
+
+    @functools.wraps(original)
+    def compile(*args: Any, **kwargs: Any) -> Any:
+        attachment.keep_out_of_graphs()
+        return original(*args, **kwargs)
+
+    return compile
+
+
+def wrap_module_compile(attachment: Callbacks) -> Callable[..., Any]:
+    original = nn.Module.compile
+
+    def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        attachment.see_compiled_calls(self)
+
+    return compile
+
+
+def wrap_scaler_update(attachment: Callbacks) -> Callable[..., Any]:
+    original = torch.amp.GradScaler.update
+
+    def update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        attachment.on_scaler_update(self)
+        return result
+
+    return update
+
+
+class Installing:
+    """Putting the global hooks and the wrappers above into torch, and taking them out:
+    mixed into :class:`.attach.Attachment` (whose hooks they call)."""
+
+    def install(self) -> Self:
+        """Hook torch: module calls, backward, optimizer steps, DataLoader passes."""
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        # Global module hooks find the top-level calls; the recorder may hook the model's
+        # modules from inside one of them (a zoomed step), which the model's own hooks
+        # could not do while they are being run.
+        self._handles += [
+            nn.modules.module.register_module_forward_pre_hook(self._global_pre),
+            nn.modules.module.register_module_forward_hook(self._global_post, always_call=True),
+        ]
+        self._handles += [register_optimizer_step_pre_hook(self._before_update),
+                          register_optimizer_step_post_hook(self._after_update)]
+        self._patch(torch.Tensor, "backward", wrap_backward(self))
+        self._patch(torch.autograd, "backward", wrap_autograd_backward(self))
+        self._patch(torch.utils.data.DataLoader, "__iter__", wrap_loader_iter(self))
+        self._patch(LoaderIterator, "__next__", wrap_loader_next(self))
+        self._patch(torch.amp.GradScaler, "update", wrap_scaler_update(self))
+        self._patch(nn.Module, "compile", wrap_module_compile(self))
+        self._patch(torch, "compile", wrap_torch_compile(self))
+        for module in self.model.modules() if self.model is not None else ():
+            if getattr(module, "_compiled_call_impl", None) is not None:  # compiled before
+                self.see_compiled_calls(module)
+        # torch.compile(model) warns that global hooks fire for its wrapper too: the wrapper
+        # is the top-level call, the module it wraps a call inside it
+        warnings.filterwarnings("ignore", message=re.escape(
+            "Using `torch.compile(module)` when there are global hooks"))
+        if self.rank is not None:
+            ddp = torch.nn.parallel.DistributedDataParallel
+            self._patch(ddp, "__init__", wrap_ddp_init(self.rank))
+        self.installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Remove every hook and patch (what was recorded stays in the trace)."""
+        self._end_ops()
+        self._run_eagerly(False)
+        if self.recorder is not None:
+            self.recorder.__exit__(None, None, None)  # its module hooks, if a step had any
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+        self._patches = []
+        self.installed = self._out_of_graphs = False
+
+    def see_compiled_calls(self, module: nn.Module) -> None:
+        """`module.compile()` compiles its whole call, global hooks included: its calls are
+        seen from outside the compiled code instead."""
+        compiled = module._compiled_call_impl
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._global_pre(module, args)
+            try:
+                output = compiled(*args, **kwargs)
+            except BaseException:
+                self._global_post(module, args, None)
+                raise
+            replaced = self._global_post(module, args, output)
+            return output if replaced is None else replaced
+
+        self._patch(module, "_compiled_call_impl", call)
+
+    def keep_out_of_graphs(self) -> None:
+        """Something is compiled: the backward entry points are kept out of its graphs
+        (a compiled function that calls backward runs them eagerly, as torch would without
+        detaudit, rather than tracing detaudit's recording into the graph)."""
+        if self._out_of_graphs:
+            return
+        self._out_of_graphs = True
+        from torch._dynamo import disable
+
+        self._patch(torch.Tensor, "backward", disable(torch.Tensor.backward))
+        self._patch(torch.autograd, "backward", disable(torch.autograd.backward))
+
+    def _patch(self, owner: Any, name: str, replacement: Any) -> None:
+        self._patches.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
