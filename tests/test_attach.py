@@ -1935,3 +1935,19 @@ def test_a_change_between_steps_is_said_for_what_it_is(tmp_path, change):
     else:
         assert (c.first_step, c.cause) == (2, "rng")
         assert c.cause_text.startswith("the torch RNG state already differs as step 2 begins")
+
+
+def test_backward_called_by_keyword_is_seen(tmp_path):
+    """torch.autograd.backward(tensors=loss): the loss is recorded (it raised a TypeError
+    in the user's loop)."""
+    def loop():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            torch.autograd.backward(tensors=model(torch.ones(2, 4)).sum())
+            opt.step()
+            opt.zero_grad()
+
+    trace = _attached(tmp_path / "t.json.gz", loop)
+    assert [sorted(s.losses) for s in trace.steps] == [["loss"], ["loss"]]
