@@ -291,7 +291,6 @@ class Comparison:
                        "results agreed") + "; they change what the model computes in eval mode")
         return _CAUSE_TEXT[self.cause]
 
-
     def _outside_the_model(self, at_step: list[CallFinding]) -> str | None:
         """The text for a step whose model computed the same forward in every repeat (no
         module's forward differs) while the loss, or the gradient it sends into the model's
