@@ -216,8 +216,9 @@ def test_a_replay_that_parts_earlier_moves_the_zoom_there():
     assert zoom["attempts"][0]["outcome"].startswith("parted earlier, at step 1")
     # the headline's step (the zoom's) and the scan's loss curves are told apart
     assert result.verdict.headline.endswith(
-        "zoomed in on step 1 after a scan that parted at step 3 (a replay parted earlier: the "
-        "scan's loss and steps are the first runs')")
+        "zoomed in on step 1 after a scan, where a replay parted first (the runs first parted "
+        "at step 3: a race fires at different steps; the loss and step lines below are those of "
+        "the first runs)")
 
 
 def test_a_step_that_never_parts_again_is_intermittent():

@@ -83,8 +83,9 @@ def judge(
     if located is zoom:
         headline += f"; zoomed in on step {zoom.first_step} after a scan"
         if c.first_step is not None and zoom.first_step != c.first_step:  # a race fired sooner
-            headline += (f" that parted at step {c.first_step} (a replay parted earlier: "
-                         "the scan's loss and steps are the first runs')")
+            headline += (f", where a replay parted first (the runs first parted at step "
+                         f"{c.first_step}: a race fires at different steps; the loss and step "
+                         "lines below are those of the first runs)")
     if c.loss.nonfinite is not None:
         step, _, value = c.loss.nonfinite
         headline += f"; loss is {'NaN' if value == 'nan' else 'infinite'} from step {step}"
