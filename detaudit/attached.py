@@ -712,12 +712,19 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
             f"{len(trace.steps)} step{'' if len(trace.steps) == 1 else 's'} "
             f"(0 to {len(trace.steps) - 1})")
     modules: set[str] = set()
+    owners: set[str] = set()  # modules with parameters, called or not
     for step, cut in trace.by_step():
+        r = cut.records
+        owners |= {m for p, m, s in zip(r["phase"], r["module"], r["slot"])
+                   if p == STATE and s.startswith("param.")}
         if step == fault.step:
-            r = cut.records
             modules = {m for p, m in zip(r["phase"], r["module"]) if p == FORWARD and m}
             break
     if fault.module and modules and fault.module not in modules:
+        if fault.module in owners:
+            raise DetauditError(f"--inject-fault: the model has a module {fault.module!r}, but "
+                                f"it did not run at step {fault.step} (a layer the forward "
+                                "never calls, or calls at other steps only)")
         close = difflib.get_close_matches(fault.module, sorted(modules), n=3, cutoff=0.5)
         hint = (f"did you mean {', '.join(close)}?" if close else
                 f"modules that ran: {', '.join(sorted(modules)[:6])}"

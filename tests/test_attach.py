@@ -637,6 +637,31 @@ def test_a_fault_at_a_module_or_step_the_run_never_reaches_is_refused_early(
     assert time.perf_counter() - started < 60
 
 
+def test_a_fault_in_a_module_the_forward_never_calls_says_so(tmp_path):
+    """A layer the model has but never calls: said so (it was "no module ... ran", with a
+    guess at another name, as for a misspelt one)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.used, self.unused = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)\n"
+        "    def forward(self, x):\n"
+        "        return self.used(x)\n"
+        "torch.manual_seed(0)\n"
+        "model = Net()\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    model(torch.ones(2, 4)).sum().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n")
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
+                   "--inject-fault", "unused@forward:1", "--", sys.executable, str(script))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "the model has a module 'unused', but it did not run at step 1" in done.stderr
+
+
 @pytest.mark.parametrize(("command", "message"), [
     (["no-such-command-here"], "cannot run 'no-such-command-here'"),
     ([sys.executable, "-c", "print('no training here')"], "before its first step (no optimizer step"),
