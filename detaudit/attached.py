@@ -691,11 +691,17 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             + ("; the model runs inside a compiled function, whose first step runs compiled "
                "before detaudit knows the model: plant at step 1 or later"
                if fault.step == 0 and any(t.probe.get(CALLS_UNSEEN) for t in recorded.values())
-               else "")
+               else f"; {_KNOWN_LATER}" if fault.step == 0 else "")
         )
     timing = {"repeat": repeat, "seconds": seconds,
               "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}
     return recorded, timing
+
+
+# why a fault at step 0 may find no module: models other than the first are named later
+_KNOWN_LATER = ("at step 0 only the model the first update trains is known before it runs; "
+                "another model, trained by an optimizer of its own, is known from that update "
+                "on: plant at step 1 or later")
 
 
 def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
@@ -722,9 +728,11 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
             break
     if fault.module and modules and fault.module not in modules:
         if fault.module in owners:
-            raise DetauditError(f"--inject-fault: the model has a module {fault.module!r}, but "
-                                f"it did not run at step {fault.step} (a layer the forward "
-                                "never calls, or calls at other steps only)")
+            raise DetauditError(
+                f"--inject-fault: the model has a module {fault.module!r}, but it was not seen "
+                f"running at step {fault.step} (" + (_KNOWN_LATER if fault.step == 0 else
+                                                     "a layer the forward never calls, or "
+                                                     "calls at other steps only") + ")")
         close = difflib.get_close_matches(fault.module, sorted(modules), n=3, cutoff=0.5)
         hint = (f"did you mean {', '.join(close)}?" if close else
                 f"modules that ran: {', '.join(sorted(modules)[:6])}"

@@ -526,10 +526,10 @@ class _Limit(Exception):
     """Raised by an attachment's `on_limit` to end a loop."""
 
 
-def _epochs_loop(path: Path, rebuilt: bool, evaluate: bool, **limits) -> Trace:
+def _epochs_loop(path: Path, rebuilt: bool, evaluate: str, **limits) -> Trace:
     """3 epochs of 2 steps over a DataLoader, `rebuilt` anew each epoch; with `evaluate`,
-    the model is called without gradients, still in training mode (eval() forgotten), over a
-    validation loader after each epoch."""
+    the model is called without gradients, still in training mode (eval() forgotten), after
+    each epoch, over a validation "loader" or on "tensors"."""
     data = torch.utils.data.TensorDataset(torch.randn(4, 4, generator=torch.Generator(
         ).manual_seed(1)))
     val = torch.utils.data.DataLoader(data, batch_size=2)
@@ -552,8 +552,10 @@ def _epochs_loop(path: Path, rebuilt: bool, evaluate: bool, **limits) -> Trace:
                     opt.step()
                     opt.zero_grad()
                 with torch.no_grad():
-                    for (x,) in val if evaluate else ():
+                    for (x,) in val if evaluate == "loader" else ():
                         model(x)
+                    if evaluate == "tensors":
+                        model(data.tensors[0])
         attachment.finish()
     finally:
         attachment.uninstall()
@@ -561,7 +563,7 @@ def _epochs_loop(path: Path, rebuilt: bool, evaluate: bool, **limits) -> Trace:
 
 
 @pytest.mark.parametrize("rebuilt", [False, True], ids=["one-loader", "rebuilt"])
-@pytest.mark.parametrize("evaluate", [False, True], ids=["", "evaluated"])
+@pytest.mark.parametrize("evaluate", ["", "loader", "tensors"])
 def test_epochs_are_counted_over_loaders_built_anew_and_evaluations_are_no_steps(
         tmp_path, rebuilt, evaluate):
     """A DataLoader built anew each epoch is the next epoch (the epoch stayed 0, and
@@ -659,7 +661,35 @@ def test_a_fault_in_a_module_the_forward_never_calls_says_so(tmp_path):
     done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
                    "--inject-fault", "unused@forward:1", "--", sys.executable, str(script))
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "the model has a module 'unused', but it did not run at step 1" in done.stderr
+    assert "the model has a module 'unused', but it was not seen running at step 1 (a layer " \
+        "the forward never calls" in done.stderr
+
+
+def test_a_fault_at_step_0_in_a_model_known_later_says_to_plant_later(tmp_path):
+    """A GAN's generator is known as a model of its own from the first update on: a fault
+    planted in it at step 0 cannot fire, and the message says to plant later (it said only
+    that the module did not run, which was false)."""
+    script = tmp_path / "gan.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "torch.manual_seed(0)\n"
+        "gen = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))\n"
+        "disc = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))\n"
+        "opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)\n"
+        "opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "for _ in range(3):\n"
+        "    z, real = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)\n"
+        "    d_loss = (disc(real) - 1).pow(2).mean() + disc(gen(z).detach()).pow(2).mean()\n"
+        "    opt_d.zero_grad(); d_loss.backward(); opt_d.step()\n"
+        "    g_loss = (disc(gen(z)) - 1).pow(2).mean()\n"
+        "    opt_g.zero_grad(); g_loss.backward(); opt_g.step()\n")
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
+                   "--inject-fault", "Sequential.2@forward:0", "--", sys.executable, str(script))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "'Sequential.2', but it was not seen running at step 0" in done.stderr
+    assert "plant at step 1 or later" in done.stderr
 
 
 @pytest.mark.parametrize(("command", "message"), [

@@ -138,9 +138,11 @@ class Attachment(Installing, Updates):
         self._train_loader: int | None = None
         self._latest_loader: int | None = None  # the last to begin a pass
         self._yielded: int | None = None  # the last to yield a batch
-        # loaders whose batches fed steps: a call without gradients after a batch of another
-        # (an evaluation that forgot eval()) is no step (see _evaluating)
+        # loaders whose batches fed steps, and whether one yielded since the last step began
+        # or updated: a call without gradients without such a batch is no step (see
+        # _evaluating)
         self._step_loaders: set[int] = set()
+        self._fed = False
         self._epoch_base = 0  # epochs before the training loader's first pass (see _epoch)
         self._passes: dict[int, int] = {}
         self.rank = rank
@@ -358,6 +360,7 @@ class Attachment(Installing, Updates):
         self._yielded = loader
         if self.info is not None and not self._updated:
             self._step_loaders.add(loader)
+        self._fed = self._fed or loader in self._step_loaders
         if self.stopped:
             return
         if self.info is None or self._updated:  # (which loader is the step's: see _epoch)
@@ -387,6 +390,7 @@ class Attachment(Installing, Updates):
         epoch = self._epoch()
         if self._yielded is not None:
             self._step_loaders.add(self._yielded)
+        self._fed = False
         if self.max_epochs is not None and epoch >= self.max_epochs:
             self.stop()  # (a loader built anew for the epoch: no pass of the old one began)
             return False
@@ -437,11 +441,12 @@ class Attachment(Installing, Updates):
         return self._epoch_base + self._passes.get(self._train_loader, 1) - 1
 
     def _evaluating(self) -> bool:
-        """A call in training mode without gradients right after a batch of a loader that
-        never fed a step (a validation loader): an evaluation that forgot ``eval()``, which
-        begins no step (a pseudo-labelling call on the step's own batch still does)."""
-        return (not torch.is_grad_enabled() and self._yielded is not None
-                and self._yielded not in self._step_loaders and bool(self._step_loaders))
+        """A call in training mode without gradients that would begin a step, though no
+        loader that feeds steps yielded a batch for it (the loop evaluates on a validation
+        loader or tensors after an update, having forgot ``eval()``): no step begins (a
+        pseudo-labelling call on the next step's own batch still begins one)."""
+        return (not torch.is_grad_enabled() and bool(self._step_loaders) and not self._fed
+                and (self.info is None or self._updated))
 
     def _record_changed_parameters(self) -> None:
         """Parameters changed in place since their update, outside the optimizer: recorded

@@ -182,7 +182,7 @@ class Updates:
             # eager from here when the next step is watched: a compiled function that calls
             # the model begins before any hook of the step could set it
             self._run_eagerly(self._watch(self.info.step + 1) != WATCH_NONE)
-        self._updated = True
+        self._updated, self._fed = True, False  # (a batch for the next step is yet to come)
         self._updated_at = _get_sequence_nr()  # autograd nodes made later: the next step's
         if complete and self.max_steps is not None and self.info.step + 1 >= self.max_steps:
             self.end_step()
