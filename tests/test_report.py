@@ -102,10 +102,12 @@ def _plain(json_text: str) -> Any:
 def test_planted_fault_named_everywhere(planted: tuple[Path, dict[str, Any]]) -> None:
     _, summary = planted
     assert summary["first_divergence"]["module"] == "conv"
+    assert "conv" in summary["modules"]  # the names a planted fault takes, listed
     for name, text in _renders(summary).items():
         assert "first at step 1 (epoch 1)" in text, name
         assert "conv" in text and "backward" in text, name
         assert "detaudit run --probe demo.py" in text, name
+        assert "modules with parameters (for --inject-fault" in text, name
 
 
 def test_deterministic_run_says_so(clean: dict[str, Any]) -> None:

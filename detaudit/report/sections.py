@@ -252,7 +252,12 @@ def _run_line(s: dict[str, Any]) -> str:
 def _reproduce(s: dict[str, Any]) -> Section | None:
     if not s.get("command"):
         return None
-    return Section("reproduce", "Reproduce", [Code(s["command"])])
+    blocks: list[Block] = [Code(s["command"])]
+    if s.get("modules"):  # (what a planted fault, `--inject-fault MODULE@...`, may name)
+        blocks.append(Table(
+            "modules with parameters (for --inject-fault MODULE@forward|backward:STEP)",
+            ["module"], [[m] for m in s["modules"]], key="modules", fold=True))
+    return Section("reproduce", "Reproduce", blocks)
 
 
 def _failures(s: dict[str, Any]) -> Section | None:

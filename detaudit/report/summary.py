@@ -16,7 +16,7 @@ from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, one_based, stressed_ops
 from ..config import CALLS_UNSEEN, INFERRED
 from ..runfolder import RunInfo
-from ..trace import Trace
+from ..trace import STATE, Trace
 
 SUMMARY_SCHEMA = 1
 MAP_LIMIT = 4000  # module x step cells kept for the divergence map
@@ -27,6 +27,16 @@ def _updates_without_backward(traces: list[Trace]) -> list[int]:
     0): the update reused the previous step's gradients."""
     steps = traces[0].steps if traces else []
     return [s.step for s in steps if s.optimizer_stepped and not s.losses]
+
+
+def _modules(traces: list[Trace]) -> list[str]:
+    """The modules with parameters of the first repeat's models as its first step recorded
+    them: the names ``--inject-fault MODULE@phase:STEP`` takes."""
+    for _, cut in traces[0].by_step() if traces else ():
+        r = cut.records
+        return sorted({m for p, m, s in zip(r["phase"], r["module"], r["slot"])
+                       if p == STATE and s.startswith("param.") and m})
+    return []
 
 
 def _short_epochs(info: RunInfo, c: Comparison) -> dict[str, Any] | None:
@@ -83,6 +93,7 @@ def summarize(
         "calls_unseen": any(t.probe.get(CALLS_UNSEEN) for t in traces),
         "inferred": any(t.probe.get(INFERRED) for t in traces),
         "zoom": (info.extra or {}).get("zoom"),
+        "modules": _modules(traces),
         "loss": {
             "nonfinite": None if c.loss.nonfinite is None else dict(zip(
                 ("step", "epoch", "value"), (c.loss.nonfinite[0], c.loss.nonfinite[1] + 1,
