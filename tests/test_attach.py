@@ -527,9 +527,10 @@ class _Limit(Exception):
 
 
 def _epochs_loop(path: Path, rebuilt: bool, evaluate: str, **limits) -> Trace:
-    """3 epochs of 2 steps over a DataLoader, `rebuilt` anew each epoch; with `evaluate`,
-    the model is called without gradients, still in training mode (eval() forgotten), after
-    each epoch, over a validation "loader" or on "tensors"."""
+    """3 epochs of 2 steps over a DataLoader, `rebuilt` anew each epoch, after a peek at one
+    batch of it; with `evaluate`, the model is called without gradients after each epoch:
+    still in training mode (eval() forgotten) over a validation "loader" or on "tensors", or
+    in eval mode over the "training" loader."""
     data = torch.utils.data.TensorDataset(torch.randn(4, 4, generator=torch.Generator(
         ).manual_seed(1)))
     val = torch.utils.data.DataLoader(data, batch_size=2)
@@ -543,6 +544,7 @@ def _epochs_loop(path: Path, rebuilt: bool, evaluate: str, **limits) -> Trace:
     attachment = Attachment(path, {}, on_limit=_raise, **limits).install()
     try:
         loader = torch.utils.data.DataLoader(data, batch_size=2)
+        next(iter(loader))  # (a peek: its pass feeds no step)
         with contextlib.suppress(_Limit):
             for _ in range(3):
                 if rebuilt:
@@ -556,6 +558,10 @@ def _epochs_loop(path: Path, rebuilt: bool, evaluate: str, **limits) -> Trace:
                         model(x)
                     if evaluate == "tensors":
                         model(data.tensors[0])
+                    model.eval()
+                    for (x,) in loader if evaluate == "training" else ():
+                        model(x)
+                    model.train()
         attachment.finish()
     finally:
         attachment.uninstall()
@@ -563,13 +569,14 @@ def _epochs_loop(path: Path, rebuilt: bool, evaluate: str, **limits) -> Trace:
 
 
 @pytest.mark.parametrize("rebuilt", [False, True], ids=["one-loader", "rebuilt"])
-@pytest.mark.parametrize("evaluate", ["", "loader", "tensors"])
+@pytest.mark.parametrize("evaluate", ["", "loader", "tensors", "training"])
 def test_epochs_are_counted_over_loaders_built_anew_and_evaluations_are_no_steps(
         tmp_path, rebuilt, evaluate):
     """A DataLoader built anew each epoch is the next epoch (the epoch stayed 0, and
     --max-epochs never stopped it); calls without gradients over a validation loader, in
     training mode, are an evaluation, not a step (they began one, whose extra batches made
-    a false divergence when only one run evaluated)."""
+    a false divergence when only one run evaluated); a pass that feeds no step (a peek at
+    one batch, an evaluation over the training data) is no epoch (each was one)."""
     trace = _epochs_loop(tmp_path / "t.json.gz", rebuilt, evaluate)
     assert [s.epoch for s in trace.steps] == [0, 0, 1, 1, 2, 2]
     records = trace.frame()
@@ -1468,6 +1475,11 @@ def test_runs_of_different_lengths_are_said_so(tmp_path):
     assert "parameters diverged" not in result.verdict.headline
     # the RNG states the shorter run never reached are missing, not different
     assert result.comparison.idle_rng == []
+    # the shorter run first: the step's epoch is the longer run's (it was "epoch None")
+    runs = tmp_path / "runs"
+    shorter_first = detaudit.compare(runs / "trace-1.json.gz", runs / "trace-0.json.gz")
+    assert "first at step 3 (epoch 2)" in shorter_first.verdict.headline
+    assert shorter_first.summary["first_divergence"]["index"] == 0
 
 
 def test_compare_needs_two_runs(tmp_path):
@@ -2006,3 +2018,57 @@ def test_backward_called_by_keyword_is_seen(tmp_path):
 
     trace = _attached(tmp_path / "t.json.gz", loop)
     assert [sorted(s.losses) for s in trace.steps] == [["loss"], ["loss"]]
+
+
+def test_parameters_that_differ_while_torchs_rng_agrees_say_which_rng_differs(tmp_path):
+    """A script that seeds torch alone and changes one weight in one run: numpy's state
+    differs too, so the text says which RNG agrees and which does not, and that the weights
+    may come from elsewhere (it said, as fact, "initialised from an unseeded RNG")."""
+    import numpy as np
+
+    from detaudit.analysis.compare import compare
+
+    def loop(second: bool):
+        np.random.seed(1 + second)  # (differs, never drawn from)
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        if second:
+            with torch.no_grad():
+                model.bias.copy_(next_ulp(model.bias))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    c = compare([_attached(tmp_path / "a.json.gz", lambda: loop(False)),
+                 _attached(tmp_path / "b.json.gz", lambda: loop(True))])
+    assert (c.first_step, c.cause) == (0, "init")
+    assert c.cause_text.startswith("the parameters differ before the first step; torch's RNG "
+                                   "state agrees, the numpy RNG state differs (not seeded)")
+
+
+
+def test_a_loss_that_is_infinite_at_one_step_only_is_not_a_divergence_of_training(tmp_path):
+    """A GradScaler skips the update of a step whose loss is infinite, and training goes on:
+    the report says the loss is finite again (it said "the training diverged numerically")."""
+    from detaudit.analysis.compare import compare
+    from detaudit.report.sections import nonfinite_line
+
+    def loop():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(4):
+            loss = model(torch.ones(2, 4)).sum() * (math.inf if step == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+    c = compare([_attached(tmp_path / "a.json.gz", loop), _attached(tmp_path / "b.json.gz", loop)])
+    assert c.first_step is None and len(c.steps) == 4
+    assert (c.loss.nonfinite, c.loss.finite_again) == ((1, 0, "inf"), 2)
+    line = nonfinite_line({"step": 1, "epoch": 1, "value": "inf", "finite_again": 2})
+    assert line.startswith("loss is infinite at step 1 (epoch 1), finite again from step 2")

@@ -137,6 +137,7 @@ class LossDrift:
     first_epoch: int | None
     per_step: list[tuple[int, int, float]]  # (step, epoch, max relative difference)
     nonfinite: tuple[int, int, str] | None = None  # first (step, epoch, "nan"/"inf") of repeat 0
+    finite_again: int | None = None  # the first step after it whose losses are all finite
 
     def per_epoch(self) -> list[tuple[int, float]]:
         """(epoch, max relative loss difference in that epoch)."""
@@ -184,6 +185,9 @@ class Comparison:
     # with cause "optimizer": each repeat's learning rates at the first divergent step, when
     # they differ (a schedule that depends on something that differs between the runs)
     lr_by_repeat: list[list[float | None]] | None = None
+    # (step, epoch, index in epoch) of the steps only a longer repeat ran (runs that differ
+    # in length), after repeat 0's `steps`
+    later_steps: list[tuple[int, int, int]] = field(default_factory=list)
     # RNG streams (``torch``, ``numpy``...) that agreed as the first divergent step began,
     # as did everything else, and differ as the next one begins: that step drew a different
     # amount of randomness from them
@@ -214,7 +218,7 @@ class Comparison:
 
     def epoch_of(self, step: int | None) -> int | None:
         """The (0-based) epoch of a global step."""
-        for s, epoch, _ in self.steps:
+        for s, epoch, _ in (*self.steps, *self.later_steps):
             if s == step:
                 return epoch
         return None
@@ -235,11 +239,21 @@ class Comparison:
                     "seed, the model in each run; remove the checkpoints an earlier run left, "
                     "or give each run its own output folder; in a notebook, re-run the cell "
                     "that builds it)")
-        if self.cause == "init" and not any(_rng_state(d) for d in self.first_diffs):
+        differing = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
+                            if _rng_state(d)} - set(self.idle_rng))
+        if self.cause == "init" and not differing:
             return ("the parameters differ before the first step while every RNG state "
                     "agrees: they were not made by the seeded RNGs alone (weights loaded at "
                     "the start that differ between runs, say a checkpoint a run wrote, or set "
                     "from another source; fix: start every run from the same weights)")
+        if self.cause == "init" and not any(s == "torch" or s.startswith("cuda")
+                                            for s in differing):
+            return (f"the parameters differ before the first step; torch's RNG state agrees, "
+                    f"the {', '.join(differing)} RNG state differs (not seeded): the weights "
+                    f"come from {'that RNG' if len(differing) == 1 else 'one of those RNGs'}, "
+                    "or were loaded or set from a source that differs between runs (fix: seed "
+                    "every RNG before building the model, e.g. detaudit.seed_everything(0); if "
+                    "nothing draws weights from it, start every run from the same weights)")
         unseeded = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
                            if d.phase == STATE and d.slot.startswith("rng.")}
                           ) if self.cause == "rng" and self.first_step == 0 else []
@@ -632,6 +646,9 @@ class _StepDiffs:
         return Comparison(
             repeats=self.n,
             steps=[(s.step, s.epoch, s.index) for s in traces[0].steps[:common]],
+            later_steps=[] if common is not None else [
+                (s.step, s.epoch, s.index)
+                for s in max((t.steps for t in traces), key=len)[len(traces[0].steps):]],
             total_records=self.total,
             differing_records=sum(by_step.values()),
             missing_records=self.missing + sum(
@@ -825,7 +842,7 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
     """First step where any loss term differs bitwise, and the relative difference per step."""
     ref = traces[0]
     first_step = first_epoch = None
-    nonfinite = None
+    nonfinite = finite_again = None
     per_step = []
     for i, info in enumerate(ref.steps[:common]):
         values = info.loss_values()
@@ -850,7 +867,9 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
         bad = next((v for v in values.values() if not math.isfinite(v)), None)
         if bad is not None and nonfinite is None:
             nonfinite = (info.step, info.epoch, "nan" if math.isnan(bad) else "inf")
-    return LossDrift(first_step, first_epoch, per_step, nonfinite)
+        elif bad is None and values and nonfinite is not None and finite_again is None:
+            finite_again = info.step  # (a step a GradScaler skipped, one bad batch)
+    return LossDrift(first_step, first_epoch, per_step, nonfinite, finite_again)
 
 
 @dataclass

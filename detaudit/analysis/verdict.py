@@ -88,7 +88,10 @@ def judge(
                          "lines below are those of the first runs)")
     if c.loss.nonfinite is not None:
         step, _, value = c.loss.nonfinite
-        headline += f"; loss is {'NaN' if value == 'nan' else 'infinite'} from step {step}"
+        again = c.loss.finite_again
+        headline += (f"; loss is {'NaN' if value == 'nan' else 'infinite'} "
+                     + (f"at step {step}, finite again from step {again}" if again is not None
+                        else f"from step {step}"))
     if ranks is not None:
         kind, headline = _with_ranks(kind, headline, ranks)
     elif kind == DETERMINISTIC and c.repeats < 2:
@@ -130,7 +133,7 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
     """The first origin (or, without one, the first differing record) of the first step."""
     if c.first_step is None:
         return None
-    step_index = next((i for s, _, i in c.steps if s == c.first_step), None)
+    step_index = next((i for s, _, i in (*c.steps, *c.later_steps) if s == c.first_step), None)
     epoch = one_based(c.epoch_of(c.first_step))
     gap = c.rng_gap
     if gap is not None and not any(o.phase == "forward" and not o.rng for o in c.origins):

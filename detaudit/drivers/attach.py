@@ -117,8 +117,10 @@ class Attachment(Installing, Updates):
         self._batches = 0  # top-level training calls in the open step
         self.batches_seen = 0  # in all steps
         self._fetched = 0  # training loader batches recorded in the open step
-        self._waiting: list[tuple[int, Any]] = []  # (loader, batch) fetched before a step began
-        self._iterators: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._waiting: list[tuple[tuple[int, int], Any]] = []  # (pass, batch) before a step
+        # each DataLoader iterator's pass: (its loader's id, the loader's pass number)
+        self._iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]] = (
+            weakref.WeakKeyDictionary())
         self._losses = 0
         self._loss_values: dict[str, torch.Tensor] = {}  # read once the step is over
         # losses backward was called on before any model call was seen (the model runs
@@ -135,15 +137,16 @@ class Attachment(Installing, Updates):
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
         self._depth = 0
         self._adopted = False  # a model built anew took the model's place (see _adopt)
-        self._train_loader: int | None = None
+        # the pass that feeds the epoch's steps, and how many passes fed steps before it
+        self._train_pass: tuple[int, int] | None = None
+        self._epochs_fed = 0
         self._latest_loader: int | None = None  # the last to begin a pass
-        self._yielded: int | None = None  # the last to yield a batch
+        self._yielded: tuple[int, int] | None = None  # the pass of the last batch yielded
         # loaders whose batches fed steps, and whether one yielded since the last step began
         # or updated: a call without gradients without such a batch is no step (see
         # _evaluating)
         self._step_loaders: set[int] = set()
         self._fed = False
-        self._epoch_base = 0  # epochs before the training loader's first pass (see _epoch)
         self._passes: dict[int, int] = {}
         self.rank = rank
         self._samplers: dict[int, list[dict[str, Any]]] = {}  # loader -> its passes' orders
@@ -258,7 +261,7 @@ class Attachment(Installing, Updates):
             self.recorder.__exit__(None, None, None)
         self.recorder, self.info = None, None
         self.models.forget()
-        self._train_loader, self.epoch, self.index, self._epoch_base = None, 0, 0, 0
+        self._train_pass, self._epochs_fed, self.epoch, self.index = None, 0, 0, 0
         self._updated, self._batches, self._losses = False, 0, 0
         self._loss_values, self._step_outputs = {}, []
         self._fetched, self._by_hand_possible = 0, None
@@ -337,8 +340,13 @@ class Attachment(Installing, Updates):
                 self.recorder.record(OUTPUT, "", 0, f"loss.{name}", value.detach())
                 self._loss_values[name] = loss_copy(value)
 
-    def on_loader_pass(self, loader: Any) -> None:
-        """A DataLoader starts a pass over its data."""
+    @property
+    def _train_loader(self) -> int | None:
+        return self._train_pass[0] if self._train_pass is not None else None
+
+    def on_loader_pass(self, loader: Any) -> tuple[int, int]:
+        """A DataLoader starts a pass over its data: which one it is. The last epoch's pass
+        over, a new pass of the training loader ends the run at the epoch limit."""
         key = id(loader)
         self._passes[key] = self._passes.get(key, 0) + 1
         self._latest_loader = key
@@ -346,25 +354,31 @@ class Attachment(Installing, Updates):
             self._samplers.setdefault(key, []).append(
                 {"epoch": self._passes[key] - 1, "sampler": sampler_snapshot(loader)})
         if (key == self._train_loader and self.max_epochs is not None and not self.stopped
-                and self._epoch_base + self._passes[key] > self.max_epochs):
+                and self._epochs_fed + 1 >= self.max_epochs and not self._pass_open(key)):
             self.end_step()
             self.stop()
+        return key, self._passes[key]
+
+    def _pass_open(self, loader: int) -> bool:
+        """Whether an iterator of `loader` is alive and not exhausted."""
+        return any(key == loader for key, _ in self._iterators.values())
 
     def on_loader_batch(self, iterator: Any, batch: Any) -> None:
         """A DataLoader iterator yielded `batch`. The training loader's batches are step
         state beside what the model is called with: labels that a loss takes outside the
         model are in them. One fetched before its step begins waits for it (the last few)."""
-        loader = self._iterators.get(iterator)
-        if loader is None:
+        started = self._iterators.get(iterator)
+        if started is None:
             return
-        self._yielded = loader
+        self._yielded = started
+        loader = started[0]
         if self.info is not None and not self._updated:
             self._step_loaders.add(loader)
         self._fed = self._fed or loader in self._step_loaders
         if self.stopped:
             return
         if self.info is None or self._updated:  # (which loader is the step's: see _epoch)
-            self._waiting = [*self._waiting[1 - _WAITING:], (loader, batch)]
+            self._waiting = [*self._waiting[1 - _WAITING:], (started, batch)]
         elif loader == (self._train_loader or self._latest_loader):
             self._record_loader_batch(batch)
 
@@ -389,7 +403,7 @@ class Attachment(Installing, Updates):
             self.trace.env = capture_environment(_device_of(model))
         epoch = self._epoch()
         if self._yielded is not None:
-            self._step_loaders.add(self._yielded)
+            self._step_loaders.add(self._yielded[0])
         self._fed = False
         if self.max_epochs is not None and epoch >= self.max_epochs:
             self.stop()  # (a loader built anew for the epoch: no pass of the old one began)
@@ -411,8 +425,8 @@ class Attachment(Installing, Updates):
                                    fault=self.fault)
             self._ops.__enter__()
         waiting, self._waiting = self._waiting, []
-        for loader, batch in waiting:
-            if loader == self._train_loader:
+        for started, batch in waiting:
+            if started == self._train_pass:  # (not a peek's, nor an evaluation's)
                 self._record_loader_batch(batch)
         if step == 0 or self._adopted:
             self.recorder.record_parameters(STATE)
@@ -424,21 +438,19 @@ class Attachment(Installing, Updates):
         return True
 
     def _epoch(self) -> int:
-        """The epoch of the step about to begin: the passes of the training loader (the
-        last to begin a pass before the first step), or as the user said (``w.epoch``). A
-        step fed by another loader, once the training loader's pass is over, means the loop
-        trains on a loader built anew for the epoch: its passes count on from there."""
-        if self._train_loader is None:
-            self._train_loader = self._latest_loader
-        elif self._yielded not in (None, self._train_loader) and (
-                self._train_loader not in self._iterators.values()):
-            self._epoch_base = self.epoch + 2 - self._passes.get(self._yielded, 1)
-            self._train_loader = self._yielded
-        if self.explicit_epoch is not None:
-            return self.explicit_epoch
-        if self._train_loader is None:
-            return 0
-        return self._epoch_base + self._passes.get(self._train_loader, 1) - 1
+        """The epoch of the step about to begin, as the user said (``w.epoch``), or counted
+        in the passes over data that feed steps: the pass that fed the first step is epoch
+        0; a later pass of its loader, or, once that pass is over, a pass of another loader
+        (one built anew for the epoch), begins the next. A pass that feeds no step (a peek at
+        one batch, an evaluation over the training data) counts for nothing."""
+        fed, now = self._yielded, self._train_pass
+        if fed is not None and now is None:
+            self._train_pass = fed
+        elif fed is not None and now is not None and fed != now and (
+                fed[1] > now[1] if fed[0] == now[0] else not self._pass_open(now[0])):
+            self._train_pass = fed
+            self._epochs_fed += 1
+        return self.explicit_epoch if self.explicit_epoch is not None else self._epochs_fed
 
     def _evaluating(self) -> bool:
         """A call in training mode without gradients that would begin a step, though no

@@ -33,11 +33,12 @@ class Callbacks(Protocol):
     """What the wrappers call back into (an :class:`.attach.Attachment`)."""
 
     in_backward: bool
-    _iterators: weakref.WeakKeyDictionary[Any, int]  # DataLoader iterator -> its loader's id
+    # a DataLoader iterator -> its pass: (its loader's id, the loader's pass number)
+    _iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]]
 
     def on_backward(self, tensor: Any) -> None: ...
     def after_backward(self) -> None: ...
-    def on_loader_pass(self, loader: Any) -> None: ...
+    def on_loader_pass(self, loader: Any) -> tuple[int, int]: ...
     def on_loader_batch(self, iterator: Any, batch: Any) -> None: ...
     def on_scaler_update(self, scaler: Any) -> None: ...
     def keep_out_of_graphs(self) -> None: ...
@@ -95,10 +96,10 @@ def wrap_loader_iter(attachment: Callbacks) -> Callable[..., Any]:
     original = torch.utils.data.DataLoader.__iter__
 
     def __iter__(self: Any) -> Any:
-        attachment.on_loader_pass(self)
+        started = attachment.on_loader_pass(self)
         iterator = original(self)
         with contextlib.suppress(TypeError):  # an iterator that takes no weak reference
-            attachment._iterators[iterator] = id(self)
+            attachment._iterators[iterator] = started
         return iterator
 
     return __iter__

@@ -406,6 +406,11 @@ def _per_step(s: dict[str, Any]) -> Table:
 def nonfinite_line(nonfinite: dict[str, Any]) -> str:
     """The finding that the loss stopped being a number."""
     value = "NaN" if nonfinite["value"] == "nan" else "infinite"
+    again = nonfinite.get("finite_again")
+    if again is not None:
+        return (f"loss is {value} at step {nonfinite['step']} (epoch {nonfinite['epoch']}), "
+                f"finite again from step {again}: a step whose update a GradScaler skipped, "
+                "or a bad batch, not a training that diverged")
     return (f"loss is {value} from step {nonfinite['step']} (epoch {nonfinite['epoch']}): "
             "the training diverged numerically")
 

@@ -96,8 +96,9 @@ def summarize(
         "modules": _modules(traces),
         "loss": {
             "nonfinite": None if c.loss.nonfinite is None else dict(zip(
-                ("step", "epoch", "value"), (c.loss.nonfinite[0], c.loss.nonfinite[1] + 1,
-                                             c.loss.nonfinite[2])
+                ("step", "epoch", "value", "finite_again"),
+                (c.loss.nonfinite[0], c.loss.nonfinite[1] + 1, c.loss.nonfinite[2],
+                 c.loss.finite_again)
             )),
             "first_step": c.loss.first_step,
             "first_epoch": None if c.loss.first_epoch is None else c.loss.first_epoch + 1,
