@@ -9,18 +9,18 @@ parameters after the update. The model is the top-level module,
 called in training mode, whose parameters the optimizer updates; the batch is what it is
 called with (each call of an accumulated step), and what the training DataLoader yielded for
 the step (labels a loss takes outside the model are in it); the loss is what backward is
-called on. An epoch is a new pass over the training DataLoader (the loader whose batches
-precede the first step); evaluation passes are not steps. Every step is recorded at scan level (see
+called on. An epoch is a new pass over the data that feeds steps; evaluation passes are not
+steps (see :mod:`.attach_epochs`). Every step is recorded at scan level (see
 :mod:`detaudit.trace`): batch, RNGs, losses, gradients, parameters after the update. In an
 inference script (no optimizer, the model first called in eval mode) a step is one call of
 the model, its outputs recorded. The process an exec run records in is set up and ended by
 :mod:`.attach_process`.
 
-This module keeps the step bookkeeping: where steps begin (the top-level calls, backward,
-DataLoader batches), epochs, limits, inference, saving. Its parts live beside it:
-:mod:`.attach_patches` (installing the hooks and the patched torch entry points),
-:mod:`.attach_updates` (where a step ends: its update) and :mod:`.attach_models` (which
-modules are the models).
+This module keeps the step bookkeeping: where steps begin (the top-level calls, backward),
+limits, inference, saving. Its parts live beside it: :mod:`.attach_patches` (installing the
+hooks and the patched torch entry points), :mod:`.attach_updates` (where a step ends: its
+update), :mod:`.attach_epochs` (the DataLoader batches and epochs) and :mod:`.attach_models`
+(which modules are the models).
 """
 
 from __future__ import annotations
@@ -58,14 +58,15 @@ from ..trace import (
     Trace,
     TraceStream,
 )
+from .attach_epochs import Epochs
 from .attach_models import ModelFinder, live_objects
 from .attach_patches import Installing, transformed
 from .attach_updates import Updates
-from .rankprobe import RankWatch, sampler_snapshot
+from .rankprobe import RankWatch
 from .runner import loss_copy, store_records
 
 
-class Attachment(Installing, Updates):
+class Attachment(Installing, Updates, Epochs):
     """Records the steps of a loop it does not run, into one trace saved at `path`.
 
     `model` and `optimizer`, when given, are the ones recorded; otherwise the first top-level
@@ -340,57 +341,6 @@ class Attachment(Installing, Updates):
                 self.recorder.record(OUTPUT, "", 0, f"loss.{name}", value.detach())
                 self._loss_values[name] = loss_copy(value)
 
-    @property
-    def _train_loader(self) -> int | None:
-        return self._train_pass[0] if self._train_pass is not None else None
-
-    def on_loader_pass(self, loader: Any) -> tuple[int, int]:
-        """A DataLoader starts a pass over its data: which one it is. The last epoch's pass
-        over, a new pass of the training loader ends the run at the epoch limit."""
-        key = id(loader)
-        self._passes[key] = self._passes.get(key, 0) + 1
-        self._latest_loader = key
-        if self.rank is not None:
-            self._samplers.setdefault(key, []).append(
-                {"epoch": self._passes[key] - 1, "sampler": sampler_snapshot(loader)})
-        if (key == self._train_loader and self.max_epochs is not None and not self.stopped
-                and self._epochs_fed + 1 >= self.max_epochs and not self._pass_open(key)):
-            self.end_step()
-            self.stop()
-        return key, self._passes[key]
-
-    def _pass_open(self, loader: int) -> bool:
-        """Whether an iterator of `loader` is alive and not exhausted."""
-        return any(key == loader for key, _ in self._iterators.values())
-
-    def on_loader_batch(self, iterator: Any, batch: Any) -> None:
-        """A DataLoader iterator yielded `batch`. The training loader's batches are step
-        state beside what the model is called with: labels that a loss takes outside the
-        model are in them. One fetched before its step begins waits for it (the last few)."""
-        started = self._iterators.get(iterator)
-        if started is None:
-            return
-        self._yielded = started
-        loader = started[0]
-        if self.info is not None and not self._updated:
-            self._step_loaders.add(loader)
-        self._fed = self._fed or loader in self._step_loaders
-        if self.stopped:
-            return
-        if self.info is None or self._updated:  # (which loader is the step's: see _epoch)
-            self._waiting = [*self._waiting[1 - _WAITING:], (started, batch)]
-        elif loader == (self._train_loader or self._latest_loader):
-            self._record_loader_batch(batch)
-
-    def _record_loader_batch(self, batch: Any) -> None:
-        assert self.recorder is not None
-        self.recorder.record(STATE, "", self._fetched, "batch.loader", batch, algorithm="xxh3")
-        self._fetched += 1
-
-    def set_epoch(self, epoch: int) -> None:
-        """The user said which epoch the next steps belong to (``w.epoch(i)``)."""
-        self.explicit_epoch = epoch
-
     # -- steps -----------------------------------------------------------------------------
     def _begin_step(self, model: nn.Module | None) -> bool:
         if model is None:
@@ -436,29 +386,6 @@ class Attachment(Installing, Updates):
         self._by_hand = []  # (taken after the step's backward)
         self._grads_by_hand = []
         return True
-
-    def _epoch(self) -> int:
-        """The epoch of the step about to begin, as the user said (``w.epoch``), or counted
-        in the passes over data that feed steps: the pass that fed the first step is epoch
-        0; a later pass of its loader, or, once that pass is over, a pass of another loader
-        (one built anew for the epoch), begins the next. A pass that feeds no step (a peek at
-        one batch, an evaluation over the training data) counts for nothing."""
-        fed, now = self._yielded, self._train_pass
-        if fed is not None and now is None:
-            self._train_pass = fed
-        elif fed is not None and now is not None and fed != now and (
-                fed[1] > now[1] if fed[0] == now[0] else not self._pass_open(now[0])):
-            self._train_pass = fed
-            self._epochs_fed += 1
-        return self.explicit_epoch if self.explicit_epoch is not None else self._epochs_fed
-
-    def _evaluating(self) -> bool:
-        """A call in training mode without gradients that would begin a step, though no
-        loader that feeds steps yielded a batch for it (the loop evaluates on a validation
-        loader or tensors after an update, having forgot ``eval()``): no step begins (a
-        pseudo-labelling call on the next step's own batch still begins one)."""
-        return (not torch.is_grad_enabled() and bool(self._step_loaders) and not self._fed
-                and (self.info is None or self._updated))
 
     def _record_changed_parameters(self) -> None:
         """Parameters changed in place since their update, outside the optimizer: recorded
@@ -586,7 +513,6 @@ class Attachment(Installing, Updates):
 
 
 MAX_UNOWNED_LOSSES = 256  # scalar losses kept before the model is known
-_WAITING = 4  # training loader batches kept for a step not begun yet (a prefetching loop's)
 
 
 def _note_group(rank: RankWatch) -> None:
