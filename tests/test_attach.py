@@ -28,9 +28,9 @@ from detaudit.trace import OUTSIDE_MODEL, Trace
 SCRIPT = Path(__file__).parent / "scripts" / "train_plain.py"
 
 
-def _exec(tmp_path, *options, script_args=()):
+def _exec(tmp_path, *options, script_args=(), script=SCRIPT):
     return run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", *options, "--",
-                   sys.executable, str(SCRIPT), *script_args)
+                   sys.executable, str(script), *script_args)
 
 
 # -- exec ------------------------------------------------------------------------------------
@@ -646,57 +646,58 @@ def test_a_fault_at_a_module_or_step_the_run_never_reaches_is_refused_early(
     assert time.perf_counter() - started < 60
 
 
-def test_a_fault_in_a_module_the_forward_never_calls_says_so(tmp_path):
-    """A layer the model has but never calls: said so (it was "no module ... ran", with a
-    guess at another name, as for a misspelt one)."""
-    script = tmp_path / "train.py"
-    script.write_text(
-        "import torch\n"
-        "class Net(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.used, self.unused = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)\n"
-        "    def forward(self, x):\n"
-        "        return self.used(x)\n"
-        "torch.manual_seed(0)\n"
-        "model = Net()\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "for _ in range(3):\n"
-        "    model(torch.ones(2, 4)).sum().backward()\n"
-        "    opt.step()\n"
-        "    opt.zero_grad()\n")
-    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
-                   "--inject-fault", "unused@forward:1", "--", sys.executable, str(script))
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "the model has a module 'unused', but it was not seen running at step 1 (a layer " \
-        "the forward never calls" in done.stderr
+_UNUSED_LAYER = (
+    "import torch\n"
+    "class Net(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.used, self.unused = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)\n"
+    "    def forward(self, x):\n"
+    "        return self.used(x)\n"
+    "torch.manual_seed(0)\n"
+    "model = Net()\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    "for _ in range(3):\n"
+    "    model(torch.ones(2, 4)).sum().backward()\n"
+    "    opt.step()\n"
+    "    opt.zero_grad()\n")
+_GAN = (
+    "import torch\n"
+    "from torch import nn\n"
+    "torch.manual_seed(0)\n"
+    "gen = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))\n"
+    "disc = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))\n"
+    "opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)\n"
+    "opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)\n"
+    "g = torch.Generator().manual_seed(1)\n"
+    "for _ in range(3):\n"
+    "    z, real = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)\n"
+    "    d_loss = (disc(real) - 1).pow(2).mean() + disc(gen(z).detach()).pow(2).mean()\n"
+    "    opt_d.zero_grad(); d_loss.backward(); opt_d.step()\n"
+    "    g_loss = (disc(gen(z)) - 1).pow(2).mean()\n"
+    "    opt_g.zero_grad(); g_loss.backward(); opt_g.step()\n")
 
 
-def test_a_fault_at_step_0_in_a_model_known_later_says_to_plant_later(tmp_path):
-    """A GAN's generator is known as a model of its own from the first update on: a fault
-    planted in it at step 0 cannot fire, and the message says to plant later (it said only
-    that the module did not run, which was false)."""
-    script = tmp_path / "gan.py"
-    script.write_text(
-        "import torch\n"
-        "from torch import nn\n"
-        "torch.manual_seed(0)\n"
-        "gen = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))\n"
-        "disc = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))\n"
-        "opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)\n"
-        "opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)\n"
-        "g = torch.Generator().manual_seed(1)\n"
-        "for _ in range(3):\n"
-        "    z, real = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)\n"
-        "    d_loss = (disc(real) - 1).pow(2).mean() + disc(gen(z).detach()).pow(2).mean()\n"
-        "    opt_d.zero_grad(); d_loss.backward(); opt_d.step()\n"
-        "    g_loss = (disc(gen(z)) - 1).pow(2).mean()\n"
-        "    opt_g.zero_grad(); g_loss.backward(); opt_g.step()\n")
-    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
-                   "--inject-fault", "Sequential.2@forward:0", "--", sys.executable, str(script))
+@pytest.mark.parametrize(("script", "fault", "message"), [
+    # a layer the model has but never calls (it was met with a guess at another name)
+    (_UNUSED_LAYER, "unused@forward:1", ("the model has a module 'unused', but it was not "
+                                         "seen running at step 1 (a layer the forward never "
+                                         "calls")),
+    # a GAN's generator, a model of its own from the first update on, at step 0 (it was
+    # said only not to run, which was false)
+    (_GAN, "Sequential.2@forward:0", ("'Sequential.2', but it was not seen running at step 0 "
+                                      "(at step 0 only the model the first update trains is "
+                                      "known before it runs; another model, trained by an "
+                                      "optimizer of its own, is known from that update on: "
+                                      "plant at step 1 or later)")),
+], ids=["unused-layer", "model-known-later"])
+def test_a_fault_in_a_module_that_exists_but_was_not_seen_says_why(tmp_path, script, fault,
+                                                                   message):
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    done = _exec(tmp_path, "--seed", "0", "--inject-fault", fault, script=path)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "'Sequential.2', but it was not seen running at step 0" in done.stderr
-    assert "plant at step 1 or later" in done.stderr
+    assert message in done.stderr
 
 
 @pytest.mark.parametrize(("command", "message"), [

@@ -239,8 +239,9 @@ class Comparison:
                     "seed, the model in each run; remove the checkpoints an earlier run left, "
                     "or give each run its own output folder; in a notebook, re-run the cell "
                     "that builds it)")
+        # the RNG streams whose state differs as the step begins (never drawn: left out)
         differing = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
-                            if _rng_state(d)} - set(self.idle_rng))
+                            if _rng_state(d)})
         if self.cause == "init" and not differing:
             return ("the parameters differ before the first step while every RNG state "
                     "agrees: they were not made by the seeded RNGs alone (weights loaded at "
@@ -254,11 +255,9 @@ class Comparison:
                     "or were loaded or set from a source that differs between runs (fix: seed "
                     "every RNG before building the model, e.g. detaudit.seed_everything(0); if "
                     "nothing draws weights from it, start every run from the same weights)")
-        unseeded = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
-                           if d.phase == STATE and d.slot.startswith("rng.")}
-                          ) if self.cause == "rng" and self.first_step == 0 else []
-        if unseeded:  # before anything ran: nothing drew differently
-            return (f"the {', '.join(unseeded)} RNG state differs before the first step: it is "
+        if self.cause == "rng" and differing and self.first_step == 0:
+            # before anything ran: nothing drew differently
+            return (f"the {', '.join(differing)} RNG state differs before the first step: it is "
                     "not seeded (fix: seed every RNG before training, e.g. "
                     "detaudit.seed_everything(0); `detaudit exec --seed 0` does it for a whole "
                     "script)")
@@ -278,10 +277,8 @@ class Comparison:
                     "schedule, or whatever sets it, depends on something that differs between "
                     "the runs (wall-clock time, a metric of an unseeded evaluation, the order of "
                     "a set)")
-        began = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
-                        if d.phase == STATE and d.slot.startswith("rng.")})
-        if self.cause == "rng" and began and self.first_step:
-            return (f"the {', '.join(began)} RNG state already differs as step "
+        if self.cause == "rng" and differing and self.first_step:
+            return (f"the {', '.join(differing)} RNG state already differs as step "
                     f"{self.first_step} begins, while everything recorded before agrees: after "
                     f"step {self.first_step - 1}'s last record something reseeded it or drew a "
                     "different amount from it (an evaluation or a logger that ran differently, "
