@@ -49,6 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
+        return _dispatch(args, argv)
+    finally:
+        _forget_interrupts_already_handled()
+
+
+def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the command; each way it can end becomes one line on stderr and its exit code."""
+    try:
         with _sigterm_as_interrupt(), _output_that_outlives_its_reader():
             return args.func(args, argv)
     except DetauditError as exc:
@@ -72,6 +80,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"detaudit: internal error: {type(exc).__name__}: {_safe(str(exc))} "
               "(run with --debug for the traceback)", file=sys.stderr)
         return EXIT_CRASH
+
+
+def _forget_interrupts_already_handled() -> None:
+    """Let the exit code be the one returned. A Ctrl-C that lands while code compiled from
+    a string runs (a dataclass or namedtuple being made, in any import) leaves CPython's
+    "KeyboardInterrupt went uncaught" flag set even though it was caught here, and
+    ``python -m detaudit`` then ends by SIGINT instead of 130. Running any string code
+    clears that flag; an interrupt that really escapes sets it again."""
+    exec("")  # noqa: S102 - the empty program, run for its side effect described above
 
 
 @contextlib.contextmanager

@@ -224,6 +224,15 @@ def test_an_interrupted_audit_leaves_a_folder_that_reports_it(tmp_path, stage, s
                                           for r in recorded)), report.stdout
 
 
+def test_an_interrupt_that_lands_in_string_compiled_code_still_exits_130(tmp_path):
+    """Ctrl-C while code compiled from a string runs (a dataclass being made in some import)
+    leaves CPython's "uncaught KeyboardInterrupt" flag set although `run` caught it, and
+    `python -m detaudit` then died by SIGINT (-2) instead of returning 130."""
+    probe = _probe_file(tmp_path, "def probe(device):\n    exec('raise KeyboardInterrupt')\n")
+    result = run_cli("run", "--probe", str(probe), "--out", str(tmp_path / "run"), "--quiet")
+    assert result.returncode == 130 and "interrupted" in result.stderr, result.stderr
+
+
 def test_an_audit_interrupted_in_its_first_repeat_keeps_what_that_repeat_recorded(tmp_path):
     """Ctrl-C before any repeat ended: the steps the first repeat flushed are kept as its
     trace (marked interrupted), so `report` renders the folder rather than refusing it."""
