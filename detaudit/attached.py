@@ -41,6 +41,7 @@ from .config import (
     AUTO,
     CALLS_UNSEEN,
     ENDED,
+    EXIT_CALL,
     FAULT_FIRED,
     INFER,
     JOB_VARIABLE,
@@ -682,7 +683,8 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
                              f"(os._exit, or killed) after step {len(trace.steps) - 1}, the "
                              "last step saved; the steps after it are lost")
         elif code != 0 and not at_limit:
-            trace.failure = f"the command {how} after step {len(trace.steps) - 1}"
+            trace.failure = f"the command {how} after step {len(trace.steps) - 1}" + (
+                f" ({trace.probe[EXIT_CALL]})" if trace.probe.get(EXIT_CALL) else "")
     if fault is not None and not any(t.probe.get(FAULT_FIRED) for t in recorded.values()) \
             and not any(t.failure for t in recorded.values()):
         steps = max(len(t.steps) for t in recorded.values())

@@ -238,6 +238,7 @@ OWNER_VARIABLE = "DETAUDIT_ATTACH_PID"
 RANK_OWNER_VARIABLE = "DETAUDIT_ATTACH_RANK"  # the rank whose first process records
 FAULT_FIRED = "fault_fired"
 ENDED = "ended"  # a trace's recording ended as it should (its loop ended, failed or hit a limit)
+EXIT_CALL = "exit_call"  # where the command last called sys.exit, and with what
 CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (compiled code)
 INFERRED = "inferred"  # a trace recorded as inference because auto mode took it for one
 

@@ -619,6 +619,32 @@ def test_a_run_that_ends_without_its_exit_hook_is_kept_whole_or_failed(tmp_path,
         assert summary["steps_per_repeat"] == [6, 6]
 
 
+@pytest.mark.parametrize(("ending", "said"), [
+    ("sys.exit(1)", "exited with code 1 after step 2 (sys.exit(1) at {}:9)"),
+    # argparse exits inside the standard library: the user's call of it is named
+    ("argparse.ArgumentParser().parse_args(['--oops'])",
+     "exited with code 2 after step 2 (sys.exit(2) at {}:9)"),
+])
+def test_a_command_that_exits_with_an_error_after_its_steps_says_where(tmp_path, ending, said):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import argparse, sys, torch\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(3):\n"
+        "    model(torch.ones(2, 4)).pow(2).mean().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        f"{ending}\n")
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0", "--json",
+                   "--", sys.executable, str(script))
+    assert done.returncode == 3, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["verdict"] == "failed"
+    assert said.format(script) in summary["headline"], summary["headline"]
+
+
 def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):
     done = _exec(tmp_path, "--seed", "0", "--json", script_args=("--crash-at", "2",
                                                                  "--workers", "0"))

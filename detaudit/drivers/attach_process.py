@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ..config import (
     AUTO,
+    EXIT_CALL,
     JOB_VARIABLE,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
@@ -25,7 +26,7 @@ from ..config import (
 from ..seeding import seed_everything
 from .attach import Attachment
 from .rankprobe import RankWatch
-from .runner import describe_user_error
+from .runner import describe_user_error, user_call_site
 
 
 def failure_hook(attachment: Attachment) -> Callable[..., None]:
@@ -92,6 +93,7 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None) -> Attachment:
     sys.excepthook = failure_hook(attachment)
     atexit.register(attachment.finish)
     attachment._patch(os, "_exit", _exit_saving(attachment))
+    attachment._patch(sys, "exit", _exit_noting_where(attachment))
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_terminate(attachment))
     return attachment
@@ -128,6 +130,22 @@ def _spawned_rank(fn: Callable[..., Any], i: int, args: tuple, error_file: str) 
     finally:
         if attachment is not None:
             attachment.finish(failure)
+
+
+def _exit_noting_where(attachment: Attachment) -> Callable[..., None]:
+    """``sys.exit`` that notes in the trace where the user's code called it (argparse's
+    exit is noted at the ``parse_args`` call), so that a command ending with an error code
+    after its steps says where."""
+    real_exit = sys.exit
+
+    def exit(status: object = None) -> None:
+        with contextlib.suppress(Exception):
+            site = user_call_site(sys._getframe(1))
+            attachment.trace.probe[EXIT_CALL] = f"sys.exit({status!r})" + (
+                f" at {site}" if site else "")
+        real_exit(status)
+
+    return exit
 
 
 def _on_terminate(attachment: Attachment) -> Callable[..., None]:

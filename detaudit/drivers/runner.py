@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable
 
 import torch
@@ -556,8 +557,7 @@ def describe_user_error(exc: BaseException, when: str) -> str:
     if isinstance(exc, SyntaxError) and exc.filename:
         return f"SyntaxError while {when} at {exc.filename}:{exc.lineno}: {exc.msg}"
     frames = traceback.extract_tb(exc.__traceback__)
-    library_dirs = (_PACKAGE_DIR, os.path.dirname(torch.__file__), sys.prefix, sys.base_prefix)
-    user = [f for f in frames if not os.path.abspath(f.filename).startswith(library_dirs)]
+    user = [f for f in frames if not _in_a_library(f.filename)]
     frame = (user or frames or [None])[-1]
     where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
     inner_user = max((i for i, f in enumerate(frames) if f in user), default=-1)
@@ -571,6 +571,19 @@ def describe_user_error(exc: BaseException, when: str) -> str:
     if isinstance(exc, SystemExit):
         return f"the audited code called sys.exit({exc.code!r}) while {when}{where}"
     return f"{type(exc).__name__} while {when}{where}: {_first_line(exc)}".rstrip(": ")
+
+
+def user_call_site(frame: FrameType | None) -> str:
+    """`file:line` of the innermost frame at or above `frame` outside detaudit, torch and
+    the Python installation (where the user's code called into them); "" if none is."""
+    while frame is not None and _in_a_library(frame.f_code.co_filename):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+
+
+def _in_a_library(filename: str) -> bool:
+    library_dirs = (_PACKAGE_DIR, os.path.dirname(torch.__file__), sys.prefix, sys.base_prefix)
+    return os.path.abspath(filename).startswith(library_dirs)
 
 
 def _first_line(exc: BaseException) -> str:
