@@ -22,7 +22,7 @@ _PUBLIC = {
     "Trace": "trace",
     "audit": "api",
     "compare": "attached",
-    "exec_command": "attached",
+    "exec_command": "execution",
     "watch": "attached",
     "seed_everything": "seeding",
     "seed_worker": "seeding",
@@ -38,9 +38,10 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from .analysis.compare import Comparison
     from .api import AuditResult, audit
-    from .attached import compare, exec_command, watch
+    from .attached import compare, watch
     from .config import AuditConfig, Fault, ProbeSpec
     from .errors import DetauditError
+    from .execution import exec_command
     from .probe import Probe
     from .seeding import seed_everything, seed_worker, seeded_loader_kwargs
     from .trace import Trace

@@ -1,72 +1,26 @@
-"""Audits of training detaudit does not drive.
-
-``exec_command`` runs the user's command N times, each a fresh process tree, with recording
-attached before their code starts (a ``sitecustomize`` on ``PYTHONPATH`` that acts only when
-the job variable is set); ``watch`` records the user's own loop in this process, one trace per
-run; ``compare`` analyses traces either way produced, as ``run`` does its own repeats.
+"""Audits of training detaudit does not drive: ``watch`` records the user's own loop in
+this process, one trace per run; ``compare`` analyses traces of separate runs (``watch``'s,
+or ``exec``'s: see :mod:`.execution`) as ``run`` does its own repeats.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import html
-import json
-import os
-import signal
-import stat
-import subprocess
-import sys
-import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from .analysis.compare import DIVERGENT, Comparison
 from .analysis.compare import compare as compare_traces
 from .analysis.ranks import RankAnalysis
 from .analysis.verdict import Verdict, judge
-from .api import (
-    STAGE_NAMES,
-    Progress,
-    check_fault_seen,
-    mark_interrupted,
-    needs_zoom,
-    stopped_state,
-    write_run_reports,
-)
-from .config import (
-    ATTACH_MODES,
-    AUTO,
-    CALLS_UNSEEN,
-    ENDED,
-    EXIT_CALL,
-    FAULT_FIRED,
-    INFER,
-    JOB_VARIABLE,
-    OWNER_VARIABLE,
-    RANK_OWNER_VARIABLE,
-    SCAN,
-    TRAIN,
-    AuditConfig,
-    ExecJob,
-    Fault,
-    ProbeSpec,
-    fault_not_fired,
-)
+from .api import needs_zoom, write_run_reports
+from .config import ATTACH_MODES, AUTO, CALLS_UNSEEN, ENDED, SCAN, AuditConfig, ProbeSpec
 from .errors import DetauditError
 from .report import render_html, summarize
-from .runfolder import (
-    COMPLETE,
-    INTERRUPTED,
-    RunFolder,
-    RunInfo,
-    new_run_id,
-    trace_name,
-    trace_probe,
-    zoom_name,
-)
+from .runfolder import COMPLETE, RunFolder, RunInfo, new_run_id, trace_name, trace_probe
 from .trace import (
     BACKWARD,
     FORWARD,
@@ -79,9 +33,6 @@ from .trace import (
     TraceFile,
     open_trace,
 )
-
-BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"  # holds the sitecustomize
-STOP_GRACE_S = 10.0  # after Ctrl-C, how long the command has to save its trace
 
 
 @dataclass
@@ -142,7 +93,7 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
     named = " ".join(str(r) for r in runs if not isinstance(r, (Trace, TraceFile)))
     info = _info(traces[0], run_id, f"detaudit compare {named}", f"{len(traces)} runs compared")
     if out is None:
-        return _conclude(traces, info, None, replayed=False)
+        return conclude(traces, info, None, replayed=False)
     inside = [t.path for t in traces if isinstance(t, TraceFile)
               and t.path.resolve().parent == Path(out).resolve()]
     if inside:
@@ -151,7 +102,7 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
     with RunFolder(out, info, overwrite) as folder:
         for trace in traces:
             folder.add_trace(trace, None)
-        return _conclude(traces, info, folder, replayed=False)
+        return conclude(traces, info, folder, replayed=False)
 
 
 def _load_all(runs: tuple[str | Path | AnyTrace, ...]) -> list[AnyTrace]:
@@ -240,7 +191,7 @@ def _info(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:
                    traces=[], run_id=run_id, state="comparing")
 
 
-def _conclude(traces: list[AnyTrace], info: RunInfo, folder: RunFolder | None,
+def conclude(traces: list[AnyTrace], info: RunInfo, folder: RunFolder | None,
               timings: list[dict[str, Any]] | None = None,
               zoom: Comparison | None = None, ranks: RankAnalysis | None = None,
               comparison: Comparison | None = None, replayed: bool = True) -> Compared:
@@ -392,391 +343,3 @@ def _free_trace_path(folder: Path) -> Path:
         except FileExistsError:
             continue
     raise DetauditError(f"{folder} has no free trace name")
-
-
-# -- exec ----------------------------------------------------------------------------------
-def exec_command(
-    command: list[str], job: ExecJob, *, out: str | Path, overwrite: bool = False,
-    progress: Progress | None = None, output: Any = None, reproduce: str | None = None,
-) -> Compared:
-    """Run `command` ``job.repeats`` times with recording attached, compare the runs, write
-    the run folder. The command's own output goes to `output` (default: inherited);
-    `reproduce` is the detaudit command line the reports give to run it again."""
-    progress = progress or Progress()
-    if not command:
-        raise DetauditError("exec needs a command after --, e.g. detaudit exec -- python train.py")
-    if job.repeats < 1 or (job.max_steps or 1) < 1 or (job.max_epochs or 1) < 1:
-        raise DetauditError("--repeats, --max-steps and --max-epochs must be at least 1")
-    if job.fault is not None and job.max_steps is not None and job.fault.step >= job.max_steps:
-        raise DetauditError(
-            f"--inject-fault plants at step {job.fault.step}, past --max-steps {job.max_steps} "
-            f"(steps 0 to {job.max_steps - 1})")
-    run_id = new_run_id()
-    config = AuditConfig(repeats=job.repeats, epochs=job.max_epochs or 1, steps=job.max_steps,
-                         seed=job.seed or 0, granularity=SCAN, stress=0, fault=job.fault)
-    spec = ProbeSpec("command", Path(command[0]).name if len(command) == 1 else
-                     _script_name(command), source=_shell_line(command))
-    limits = ", ".join(f"{flag} {v}" for flag, v in (("--max-steps", job.max_steps),
-                       ("--max-epochs", job.max_epochs)) if v) or "to its end"
-    seeded = f"seed {job.seed}" if job.seed is not None else "unseeded"
-    info = RunInfo(probe={**spec.to_dict(), "preset": f"exec: {job.repeats} runs, {limits}, "
-                          f"{seeded}"}, config={**config.to_dict(), "seed": job.seed},
-                   command=reproduce or f"detaudit exec -- {_shell_line(command)}", traces=[],
-                   run_id=run_id, state="recording")
-    stdin = _repeated_stdin()
-    with RunFolder(out, info, overwrite) as folder:
-        runs: list[Recorded] = []
-        try:
-            timings = []
-            progress.start(job.repeats, "run", f"exec: {spec.source}")
-            probe = trace_probe(spec, config, run_id)
-            for repeat in range(job.repeats):
-                recorded, timing = _run_once(command, job, folder.path, repeat, probe, output,
-                                             stdin=stdin)
-                if runs and (None in recorded) != (None in runs[0]):
-                    raise DetauditError(
-                        f"repeat {repeat} recorded {_what(recorded)} and repeat 0 "
-                        f"{_what(runs[0])}: the command must start its ranks the same way "
-                        "every time")
-                runs.append(recorded)
-                timings.append(timing)
-                for rank, trace in recorded.items():
-                    folder.add_trace(trace, timing if rank == min(recorded, key=_rank_order)
-                                     else None, rank)
-                _clear_attached(folder.path, repeat)
-                if job.fault is not None and repeat < job.repeats - 1:
-                    _check_fault_target(job.fault, recorded)
-                steps = len(next(iter(recorded.values())).steps)
-                progress.advance(f"run {repeat + 1}/{job.repeats}: {steps} steps"
-                                 f"{f' on {len(recorded)} ranks' if None not in recorded else ''}")
-            progress.close()
-            ranks = _rank_analysis(runs, command) if None not in runs[0] else None
-            primary = None if ranks is None else ranks.primary_rank
-            traces = _of_rank(runs, primary)
-            comparison = compare_traces(traces)
-            check_fault_seen(job.fault, comparison)
-            # what the command did, not the stand-ins its traces' configuration holds
-            folder.info.config.update(mode=_mode_of(traces), seed=job.seed, deterministic=bool(
-                traces[0].env.get("deterministic_algorithms")), epochs=max(
-                (t.steps[-1].epoch + 1 for t in traces if t.steps), default=0))
-            if ranks is not None:  # the primary rank's repeats, as compared across ranks
-                comparison.failures.update({t.repeat: t.failure for t in traces if t.failure})
-                folder.info.extra["ranks"] = ranks.to_dict()
-                folder.info.traces = [trace_name(t.repeat, primary) for t in traces]
-            zoomed = None
-            if (job.zoom and comparison.first_step is not None and not comparison.failures
-                    and needs_zoom(comparison)):
-                folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
-                progress.stage("zoom")
-                zoomed = _zoom_command(command, job, folder, probe, comparison, config, spec,
-                                       output, primary, stdin)
-        except KeyboardInterrupt:
-            _keep_partial(folder, len(runs))
-            mark_interrupted(folder)
-            raise
-        except BaseException as exc:
-            folder.set_state(stopped_state(folder.info.state, exc))
-            raise
-        return _conclude(traces, info, folder, timings, zoomed, ranks, comparison)
-
-
-def _mode_of(traces: list[AnyTrace]) -> str:
-    """What the runs recorded: inference (a step per call of the model) or training."""
-    return INFER if any(t.probe.get(PROBE_CONFIG, {}).get("mode") == INFER for t in traces) else TRAIN
-
-
-Recorded = dict[Optional[int], AnyTrace]  # rank (None: the command's own process) -> its trace
-
-
-def _rank_order(rank: int | None) -> int:
-    return -1 if rank is None else rank
-
-
-def _what(recorded: Recorded) -> str:
-    return "one process" if None in recorded else f"{len(recorded)} ranks"
-
-
-def _of_rank(runs: list[Recorded], rank: int | None) -> list[Trace]:
-    """Each run's trace of `rank` (None: of the command's own process)."""
-    return [run[rank] for run in runs if rank in run]
-
-
-def _rank_analysis(runs: list[Recorded], command: list[str]) -> RankAnalysis:
-    """Every rank's repeats compared run to run, and every repeat's ranks with each other
-    (the checks of ``run --nproc``)."""
-    from .analysis.ranks import analyse, compare_ranks
-
-    by_rank: dict[int, list[Trace]] = {}
-    for run in runs:
-        for rank, trace in sorted(run.items()):
-            by_rank.setdefault(rank, []).append(trace)
-    analysis = analyse(by_rank, compare_ranks(by_rank))
-    analysis.launch = _shell_line(command)
-    analysis.traces = {str(r): [trace_name(t.repeat, r) for t in ts] for r, ts in by_rank.items()}
-    return analysis
-
-
-def _keep_partial(folder: RunFolder, repeat: int) -> None:
-    """The run that was interrupted joins the folder with what it (or each rank) recorded;
-    a zoom's replay is dropped (its step is the scan's, which the folder keeps)."""
-    if folder.info.state.startswith("investigating"):
-        for path in folder.path.glob(_attach_name("*")):
-            path.unlink(missing_ok=True)
-        return
-    for rank, trace in _recorded(folder.path / _attach_name(repeat)).items():
-        trace.failure = trace.failure or INTERRUPTED
-        folder.add_trace(trace, None, rank)
-    _clear_attached(folder.path, repeat)
-
-
-def _recorded(path: Path) -> Recorded:
-    """What one run of the command left: the traces of its ranks (see
-    :func:`detaudit.config.rank_trace_path`) or, when it started none, its own."""
-    stem = path.name.removesuffix(".json.gz")
-    ranks = {}
-    for found in path.parent.glob(f"{stem}-r*.json.gz"):
-        rank = found.name[len(stem) + 2:-len(".json.gz")]
-        if rank.isdigit():
-            ranks[int(rank)] = open_trace(found)
-    if ranks:
-        return dict(sorted(ranks.items()))
-    return {None: open_trace(path)} if path.exists() else {}
-
-
-def _clear_attached(folder: Path, repeat: int) -> None:
-    """The command's own trace files of one run, once the folder holds them."""
-    stem = _attach_name(repeat).removesuffix(".json.gz")
-    for path in [folder / _attach_name(repeat), *folder.glob(f"{stem}-r*.json.gz")]:
-        path.unlink(missing_ok=True)
-
-
-def _zoom_command(
-    command: list[str], job: ExecJob, folder: RunFolder, probe: dict[str, Any],
-    comparison: Comparison, config: AuditConfig, spec: ProbeSpec, output: Any,
-    rank: int | None = None, stdin: Any = None,
-) -> Comparison | None:
-    """Run the command again, each run recording the first divergent step at module and op
-    level (the scan runs before it must agree again: if a run parts earlier, the zoom moves
-    there; a step that does not part again is retried, then called intermittent)."""
-    from .investigate.drilldown import drill_down
-    from .investigate.zoom import zoom_by_replay
-
-    def replay(step: int) -> list[AnyTrace]:
-        # a fault planted after the step (a real divergence came first) is not reached
-        planted = job.fault if job.fault is not None and job.fault.step <= step else None
-        runs = [_run_once(command, replace(job, max_steps=step + 1, fault=planted),
-                          folder.path, r, probe, output, zoom=step, stdin=stdin)[0]
-                for r in range(job.repeats)]
-        replayed = _of_rank(runs, rank)
-        for trace in replayed:
-            folder.add_zoom_trace(trace)  # moved out of the command's own files, cleared next
-        for r in range(job.repeats):
-            _clear_attached(folder.path, r)
-        return replayed
-
-    def drill(zoomed: Comparison, traces: list[Trace]) -> dict[str, Any] | None:
-        return drill_down(None, replace(config, granularity="module"), zoomed, spec, traces)
-
-    found, traces = zoom_by_replay(comparison, replay, drill, job.zoom_tries)
-    if not traces:  # intermittent: the replays kept nothing to list
-        for path in folder.path.glob(zoom_name("*")):
-            path.unlink()
-    ops = found.pop("ops")
-    if ops is not None:
-        folder.info.extra["ops"] = ops
-    for trace in traces:
-        folder.add_zoom_trace(trace)
-    if traces:
-        found["traces"] = [zoom_name(t.repeat) for t in traces]
-    folder.info.extra["zoom"] = found
-    folder.save()
-    return compare_traces(traces, comparison.idle_rng) if traces else None
-
-
-@dataclass
-class _Rewound:
-    """Standard input from a file, inherited by each run from where the first began."""
-
-    offset: int
-
-
-def _repeated_stdin() -> Any:
-    """What each run of the command reads as its standard input: the same in every run. A
-    terminal is shared; a file is inherited, rewound before each run; a pipe (which only
-    the first run would read) is given to none, and said so."""
-    try:
-        mode = os.fstat(0).st_mode
-    except OSError:  # no standard input
-        return subprocess.DEVNULL
-    if os.isatty(0):
-        return None
-    if stat.S_ISREG(mode):
-        return _Rewound(os.lseek(0, 0, os.SEEK_CUR))
-    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-        print("detaudit: note: the command's standard input is a pipe, which only one run "
-              "could read: every run reads an empty input", file=sys.stderr)
-    return subprocess.DEVNULL
-
-
-def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
-              probe: dict[str, Any], output: Any, zoom: int | None = None, stdin: Any = None,
-              ) -> tuple[Recorded, dict[str, Any]]:
-    """One run of the command in its own process group; its trace, or each rank's. `stdin`:
-    its standard input (see _repeated_stdin), read from the start."""
-    path = folder / _attach_name(repeat)
-    fault = job.fault if job.fault is not None and repeat == job.repeats - 1 else None
-    env = dict(os.environ)
-    env.pop(OWNER_VARIABLE, None)
-    env.pop(RANK_OWNER_VARIABLE, None)
-    env[JOB_VARIABLE] = json.dumps({
-        "trace": str(path), "probe": probe, "repeat": repeat, "seed": job.seed,
-        "max_steps": job.max_steps, "max_epochs": job.max_epochs, "zoom": zoom,
-        "fault": asdict(fault) if fault is not None else None,
-        "planted_step": job.fault.step if job.fault is not None else None, "mode": job.mode,
-    })
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
-    if job.seed is not None:
-        env.setdefault("PYTHONHASHSEED", str(job.seed % 2**32))
-    started = time.perf_counter()
-    try:
-        if isinstance(stdin, _Rewound):
-            os.lseek(0, stdin.offset, os.SEEK_SET)
-        child = subprocess.Popen(command, env=env, start_new_session=True, stdout=output,
-                                 stdin=None if isinstance(stdin, _Rewound) else stdin)
-    except OSError as exc:  # not found, not executable, no interpreter line (ENOEXEC), ...
-        raise DetauditError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
-    try:
-        code = child.wait()
-    except KeyboardInterrupt:  # the command saves its trace on SIGTERM, then ends
-        _stop(child)
-        raise
-    finally:
-        _kill_group(child)
-    seconds = time.perf_counter() - started
-    recorded = _recorded(path)
-    if not recorded:
-        how = "ended" if code == 0 else f"exited with code {code}"
-        raise DetauditError(
-            f"repeat {repeat}: {_shell_line(command)!r} {how} before its first step ("
-            + ("no optimizer step was seen, and --mode train takes nothing else for a step"
-               if job.mode == TRAIN else
-               "no optimizer step and no call of a model was seen" if job.mode == INFER else
-               "no optimizer step was seen, and its model's calls were no inference: a script "
-               "with an optimizer, or whose model was first called in training mode with "
-               "gradients on; --mode infer takes every top-level call of the model for a step")
-            + "; the Python that runs it must have detaudit installed, as "
-            f"{sys.executable} does)"
-        )
-    for trace in recorded.values():
-        at_limit = (job.max_steps is not None and len(trace.steps) >= job.max_steps) or (
-            job.max_epochs is not None and trace.steps
-            and trace.steps[-1].epoch + 1 >= job.max_epochs)
-        how = "ended" if code == 0 else f"exited with code {code}"
-        if trace.failure is not None:  # the command's own error: where in the run it came
-            trace.failure += (f" (the last step it completed: {len(trace.steps) - 1})"
-                              if trace.steps else " (before its first step completed)")
-        elif trace.probe.get(ENDED) is False:
-            # os._exit, or a signal no handler sees (SIGKILL): the steps since the last save
-            # are lost, so the trace is short of what ran, not different from the others'
-            # (no mark at all: a detaudit in the command's Python that does not mark it)
-            trace.failure = (f"the command {how} without detaudit's exit hook running "
-                             f"(os._exit, or killed) after step {len(trace.steps) - 1}, the "
-                             "last step saved; the steps after it are lost")
-        elif code != 0 and not at_limit:
-            trace.failure = f"the command {how} after step {len(trace.steps) - 1}" + (
-                f" ({trace.probe[EXIT_CALL]})" if trace.probe.get(EXIT_CALL) else "")
-    if fault is not None and not any(t.probe.get(FAULT_FIRED) for t in recorded.values()) \
-            and not any(t.failure for t in recorded.values()):
-        steps = max(len(t.steps) for t in recorded.values())
-        raise DetauditError(
-            f"the planted fault never fired: {fault_not_fired(fault, steps)}"
-            + ("; the model runs inside a compiled function, whose first step runs compiled "
-               "before detaudit knows the model: plant at step 1 or later"
-               if fault.step == 0 and any(t.probe.get(CALLS_UNSEEN) for t in recorded.values())
-               else f"; {_KNOWN_LATER}" if fault.step == 0 else "")
-        )
-    timing = {"repeat": repeat, "seconds": seconds,
-              "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}
-    return recorded, timing
-
-
-# why a fault at step 0 may find no module: models other than the first are named later
-_KNOWN_LATER = ("at step 0 only the model the first update trains is known before it runs; "
-                "another model, trained by an optimizer of its own, is known from that update "
-                "on: plant at step 1 or later")
-
-
-def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
-    """After a run without the fault (it goes into the last): a step it never reached, or a
-    module that did not run at that step, is one clear error now rather than after every
-    run; the module names that did run are offered. An op fault in any module (no module
-    named) is left to the run itself, which says if the op never ran."""
-    trace = recorded[min(recorded, key=_rank_order)]
-    if trace.failure is not None:
-        return  # the failure is the finding
-    if len(trace.steps) <= fault.step:
-        raise DetauditError(
-            f"--inject-fault plants at step {fault.step}, but the command ran "
-            f"{len(trace.steps)} step{'' if len(trace.steps) == 1 else 's'} "
-            f"(0 to {len(trace.steps) - 1})")
-    modules: set[str] = set()
-    owners: set[str] = set()  # modules with parameters, called or not
-    for step, cut in trace.by_step():
-        r = cut.records
-        owners |= {m for p, m, s in zip(r["phase"], r["module"], r["slot"])
-                   if p == STATE and s.startswith("param.")}
-        if step == fault.step:
-            modules = {m for p, m in zip(r["phase"], r["module"]) if p == FORWARD and m}
-            break
-    if fault.module and modules and fault.module not in modules:
-        if fault.module in owners:
-            raise DetauditError(
-                f"--inject-fault: the model has a module {fault.module!r}, but it was not seen "
-                f"running at step {fault.step} (" + (_KNOWN_LATER if fault.step == 0 else
-                                                     "a layer the forward never calls, or "
-                                                     "calls at other steps only") + ")")
-        close = difflib.get_close_matches(fault.module, sorted(modules), n=3, cutoff=0.5)
-        hint = (f"did you mean {', '.join(close)}?" if close else
-                f"modules that ran: {', '.join(sorted(modules)[:6])}"
-                f"{', ...' if len(modules) > 6 else ''}")
-        raise DetauditError(
-            f"--inject-fault: no module {fault.module!r} ran at step {fault.step}; {hint}")
-
-
-def _stop(child: subprocess.Popen) -> None:
-    """Ctrl-C: SIGTERM to the command alone (it saves what it recorded, then ends; its
-    DataLoader workers are not signalled first, which it would report as a crash); what is
-    still running after the grace time is killed with its group."""
-    try:
-        child.send_signal(signal.SIGTERM)
-        child.wait(timeout=STOP_GRACE_S)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-
-
-def _kill_group(child: subprocess.Popen) -> None:
-    """Whatever the command left running in its process group (workers, subprocesses)."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _attach_name(repeat: int | str) -> str:
-    return f"attach-{repeat}.json.gz"
-
-
-def _script_name(command: list[str]) -> str:
-    """A short name for the command: its script or module (``train.py``, ``pkg.train``)."""
-    for i, part in enumerate(command[1:], 1):
-        if command[i - 1] == "-m":
-            return part
-        if part.endswith(".py"):
-            return Path(part).name
-    return Path(command[0]).name
-
-
-def _shell_line(command: list[str]) -> str:
-    import shlex
-
-    return " ".join(shlex.quote(c) for c in command)

@@ -453,8 +453,8 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
 
 def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit exec -- COMMAND`."""
-    from .attached import exec_command
     from .config import ExecJob
+    from .execution import exec_command
 
     started = time.perf_counter()
 

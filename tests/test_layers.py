@@ -23,7 +23,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("recording", ("detaudit.record",)),
     ("drivers", ("detaudit.drivers", "detaudit.probes", "detaudit.bootstrap")),
     ("investigations", ("detaudit.investigate",)),
-    ("api", ("detaudit.api", "detaudit.testing", "detaudit.attached")),
+    ("api", ("detaudit.api", "detaudit.testing", "detaudit.attached", "detaudit.execution")),
     ("cli", ("detaudit.cli", "detaudit.__main__", "detaudit")),
 ]
 # What `detaudit report`, `detaudit diff` and the analysis of saved runs need: no torch.
