@@ -56,30 +56,51 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     """Run the command; each way it can end becomes one line on stderr and its exit code."""
+    started = time.perf_counter()
     try:
         with _sigterm_as_interrupt(), _output_that_outlives_its_reader():
             return args.func(args, argv)
     except DetauditError as exc:
         if args.debug:
             raise
-        print(f"detaudit: error: {_safe(str(exc))}", file=sys.stderr)
-        return exc.exit_code
+        code, line = exc.exit_code, f"error: {_safe(str(exc))}"
     except KeyboardInterrupt:
-        print("detaudit: interrupted; what was recorded is kept (see run.json in the run "
-              "folder; `detaudit report FOLDER` renders it)", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        code = EXIT_INTERRUPTED
+        line = ("interrupted; what was recorded is kept (see run.json in the run folder; "
+                "`detaudit report FOLDER` renders it)")
     except SystemExit as exc:  # raised by the user's code outside a repeat
         if args.debug:
             raise
-        print(f"detaudit: error: the audited code exited (SystemExit {exc.code!r}) before "
-              "anything could be compared", file=sys.stderr)
-        return EXIT_CRASH
+        code = EXIT_CRASH
+        line = (f"error: the audited code exited (SystemExit {exc.code!r}) before anything "
+                "could be compared")
     except Exception as exc:
         if args.debug:
             raise
-        print(f"detaudit: internal error: {type(exc).__name__}: {_safe(str(exc))} "
-              "(run with --debug for the traceback)", file=sys.stderr)
-        return EXIT_CRASH
+        code = EXIT_CRASH
+        line = (f"internal error: {type(exc).__name__}: {_safe(str(exc))} (run with --debug "
+                "for the traceback)")
+    print(f"detaudit: {line}", file=sys.stderr)
+    _ended_without_verdict(args, line, code, started)
+    return code
+
+
+def _ended_without_verdict(args: argparse.Namespace, line: str, code: int,
+                           started: float) -> None:
+    """A command that ended before its verdict (an error, Ctrl-C) still gives what a CI job
+    reads: with --json, an object saying so on stdout; with --junit, a test case that is an
+    error of that kind ("usage", "failed", "interrupted"), never a pass or a divergence."""
+    kind = {EXIT_USAGE: "usage", EXIT_INTERRUPTED: "interrupted"}.get(code, "failed")
+    if getattr(args, "json", False):
+        print(json.dumps({"verdict": kind, "headline": line, "exit_code": code}))
+    if getattr(args, "junit", None):
+        from .report.junit import junit_case
+
+        name = getattr(args, "model", None) or getattr(args, "probe", None) or args.command
+        case = junit_case(Path(str(name)).name, f"detaudit.{args.command}",
+                          time.perf_counter() - started, False, line, line, kind)
+        with contextlib.suppress(OSError, DetauditError):  # (an unwritable --junit is the error)
+            _write_junit(args.junit, case)
 
 
 def _forget_interrupts_already_handled() -> None:
@@ -538,6 +559,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit check BASELINE`."""
     from . import api
 
+    started = time.perf_counter()
     _check_output_file(args.junit, "--junit")
     out = _out_folder(args.out, "check")
     result = api.check(args.baseline, out=out, overwrite=args.overwrite,
@@ -547,7 +569,8 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     gate = result.gate
     print(_safe(gate.message + ("" if gate.ok else f"\nreport folder: {out}")))
     if args.junit:
-        _write_junit(args.junit, _gate_case(gate, Path(args.baseline).stem, "detaudit.check"))
+        _write_junit(args.junit, _gate_case(gate, Path(args.baseline).stem, "detaudit.check",
+                                            started))
     return gate.exit_code
 
 
@@ -555,12 +578,13 @@ def cmd_diff(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit diff RUN_A RUN_B`."""
     from . import api
 
+    started = time.perf_counter()
     _check_output_file(args.junit, "--junit")
     gate = api.diff(args.run_a, args.run_b, args.rtol, args.atol, zoom=args.zoom)
     print(_safe(gate.message))
     if args.junit:
         name = f"{Path(args.run_a).name}-vs-{Path(args.run_b).name}"
-        _write_junit(args.junit, _gate_case(gate, name, "detaudit.diff"))
+        _write_junit(args.junit, _gate_case(gate, name, "detaudit.diff", started))
     return gate.exit_code
 
 
@@ -774,10 +798,13 @@ def _print_summary(args: argparse.Namespace, summary: dict[str, Any], out: Path)
         print(f"\nreports: {out}")
 
 
-def _gate_case(gate: Any, name: str, classname: str) -> Any:
+def _gate_case(gate: Any, name: str, classname: str, started: float) -> Any:
+    """The JUnit case of a check or diff; its time is the command's, from `started`."""
+    from .analysis.verdict import junit_error
     from .report.junit import junit_case
 
-    return junit_case(name, classname, 0.0, gate.ok, gate.headline, gate.message)
+    return junit_case(name, classname, time.perf_counter() - started, gate.ok, gate.headline,
+                      gate.message, junit_error(gate.verdict))
 
 
 def _write_junit(path: str, case: Any) -> None:

@@ -167,6 +167,54 @@ def test_a_check_folder_reports_the_checks_verdict(
     assert json.loads((tmp_path / "fail" / "summary.json").read_text())["verdict"] == "mismatch"
 
 
+def test_a_check_whose_run_crashes_is_failed_never_a_mismatch(conv_baseline: Path) -> None:
+    """The new code raising at step 1 is a crash (exit 3), even though the steps both runs
+    completed agree; it was MISMATCH (exit 1), a divergence."""
+    def crashing(device: torch.device) -> Probe:
+        probe = conv_probe(device)
+
+        def step(model: nn.Module, batch: Any) -> torch.Tensor:
+            step.calls += 1
+            if step.calls == 2:
+                raise RuntimeError("out of memory")
+            return mse_step(model, batch)
+
+        step.calls = 0
+        return Probe(model=probe.model, batches=probe.batches, step=step,
+                     optimizer=probe.optimizer)
+
+    gate = api.check(conv_baseline, factory=crashing).gate
+    assert (gate.verdict, gate.exit_code) == ("failed", 3)
+    assert gate.headline.startswith("FAILED: now stopped early: RuntimeError while step 1 at ")
+    case = ET.fromstring(junit_xml([junit_case("conv", "c", 1.0, gate.ok, gate.headline, "",
+                                               "failed")]).encode())
+    assert case.find("testsuite/testcase/error") is not None
+
+
+def test_tolerance_never_passes_a_difference_it_cannot_measure(tmp_path: Path) -> None:
+    """A 1-step baseline, and new code whose lr is 50 times larger: only the parameters
+    after the update differ. They carry stats at module level, so tolerance measures them;
+    a float without stats that differs is a difference (it was counted as agreeing)."""
+    def faster(device: torch.device) -> Probe:
+        probe = conv_probe(device)
+        probe.optimizer.param_groups[0]["lr"] = 5.0
+        return probe
+
+    path = store_baseline(tmp_path / "one.json", module_audit(conv_probe, repeats=1, steps=1))
+    gate = api.check(path, factory=faster, rtol=1e-5, atol=1e-6).gate
+    assert gate.exit_code == 1 and gate.first.phase == "optimizer", gate.message
+    assert "beyond rtol=1e-05, atol=1e-06" in gate.headline and gate.first.norm[0] is not None
+    assert api.check(path, factory=conv_probe, rtol=1e-5, atol=1e-6).gate.ok
+    a, b = (load_baseline(path).trace for _ in range(2))
+    i = a.records["slot"].index("param.weight")
+    for t in (a, b):  # a parameter as a scan records it: no stats
+        t.records["norm"][i] = t.records["absmax"][i] = None
+    b.records["fp"][i] = "f" * 16
+    unmeasured = diff_traces(a, b, rtol=1e-3)
+    assert not unmeasured.ok and unmeasured.first.unmeasured
+    assert "a run stored no stats to measure it within tolerance by" in unmeasured.message
+
+
 class Energy(nn.Module):
     """Mean square of a 1M-element activation: a reduction split across CPU threads."""
 
@@ -225,6 +273,8 @@ def test_mixed_fingerprint_algorithms_force_tolerance_mode(conv_baseline: Path) 
     a = load_baseline(conv_baseline).trace
     b = load_baseline(conv_baseline).trace
     b.env["device"], b.env["fingerprint"] = "cuda:0", "wsum2+state-xxh3"
+    for t in (a, b):  # record 0 as a scan records a float: no stats
+        t.records["norm"][0], t.records["absmax"][0] = None, None
     # Another algorithm for every tensor; RNG states (bytes) are hashed the same way everywhere.
     prints = zip(b.records["fp"], b.records["dtype"])
     b.records["fp"] = [fp if dtype == "bytes" else "0" * 16 for fp, dtype in prints]

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,25 @@ def test_sys_exit_while_building_the_probe_is_a_crash(tmp_path, capsys):
     assert main(["run", "--probe", str(probe), "--out", str(tmp_path / "run")]) == 3
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "sys.exit(0)" in err and "user_probe.py:6" in err
+
+
+def test_a_run_that_ends_before_its_verdict_still_gives_json_and_junit(tmp_path):
+    """A crash at the first step leaves nothing to compare (exit 3, no summary): --json
+    still prints an object, and --junit still writes an error case (both were missing)."""
+    probe = _probe_file(tmp_path, "def probe(device):\n"
+                        "    model = torch.nn.Linear(4, 1)\n"
+                        "    return detaudit.Probe(model=model, batches=[torch.ones(2, 4)] * 2,\n"
+                        "                          step=lambda m, b: 1 / 0)\n")
+    junit = tmp_path / "j.xml"
+    done = run_cli("run", "--probe", str(probe), "--out", str(tmp_path / "run"),
+                   "--json", "--junit", str(junit), "--no-census")
+    assert done.returncode == 3, done.stderr
+    said = json.loads(done.stdout)
+    assert (said["verdict"], said["exit_code"]) == ("failed", 3)
+    assert "ZeroDivisionError while step 0" in said["headline"]
+    error = ET.parse(junit).getroot().find("testsuite/testcase/error")
+    assert error is not None and error.get("type") == "failed"
+    assert "ZeroDivisionError" in error.get("message")
 
 
 def test_an_internal_error_is_exit_3_in_one_line(tmp_path, capsys, monkeypatch):
@@ -197,7 +217,7 @@ def test_an_interrupted_audit_leaves_a_folder_that_reports_it(tmp_path, stage, s
     process = subprocess.Popen(
         [sys.executable, "-m", "detaudit", "run", "--probe", str(PROBES / "slow_steps.py"),
          "--out", str(folder), "--repeats", "3", "--epochs", "1", "--steps", "3", "--quiet",
-         "--verify-fix"],
+         "--verify-fix", "--junit", str(tmp_path / "junit.xml")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "DETAUDIT_TEST_STEP_SECONDS": "0.4"},
     )
@@ -216,6 +236,9 @@ def test_an_interrupted_audit_leaves_a_folder_that_reports_it(tmp_path, stage, s
     if sig != signal.SIGKILL:
         assert process.returncode == 130 and "interrupted" in err, err[-3000:]
         assert not list(folder.glob("*.part")) and not list(folder.glob("job-*"))
+        # what a CI job reads: an error of its kind, never a pass or a divergence
+        error = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite/testcase/error")
+        assert error is not None and error.get("type") == "interrupted"
     report = run_cli("report", str(folder))
     assert report.returncode == 130, report.stdout + report.stderr
     # in recording, the repeats done so far: one (nothing to compare it with) or more

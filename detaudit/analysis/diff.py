@@ -23,7 +23,7 @@ from ..trace import (
     AnyTrace,
     Trace,
 )
-from .compare import Comparison, aligned_steps, compare
+from .compare import FAILED, Comparison, aligned_steps, compare
 from .verdict import MATCH, MISMATCH, exit_code
 
 # Environment keys that can change a run's numbers (PyTorch promises no bit-exactness
@@ -48,6 +48,7 @@ class FirstDifference:
     norm: tuple[float | None, float | None]  # (a, b)
     absmax: tuple[float | None, float | None]
     missing: bool  # present in only one of the runs
+    unmeasured: bool = False  # a tolerance diff, but no stats were stored to measure it by
 
     @property
     def where(self) -> str:
@@ -77,10 +78,15 @@ class GateResult:
     # (module calls, ops, a scan's optimizer state between epoch ends): not compared
     finer_only: tuple[int, int] = (0, 0)
     zoom: dict[str, Any] | None = None  # diff --zoom: both runs replayed to the first step
+    scan_level: bool = False  # a run was recorded at scan level (no module records to name)
 
     @property
     def verdict(self) -> str:
-        return MATCH if self.ok else MISMATCH
+        """MATCH; MISMATCH where a record differs; FAILED where none does but a run
+        stopped early (a crash is never a divergence)."""
+        if self.ok:
+            return MATCH
+        return FAILED if self.first is None and self.failures else MISMATCH
 
     @property
     def exit_code(self) -> int:
@@ -136,14 +142,14 @@ def diff_traces(
     if tolerance:
         exact_ints = _integers_by(algorithms[0]) == _integers_by(algorithms[1])
         common = min(len(t.steps) for t in (ta, tb)) if ta.failure or tb.failure else None
-        within = _WithinTolerance(ta, tb, rtol, atol, not exact_ints, common)
+        within = _WithinTolerance(ta, tb, rtol, atol, not exact_ints, mixed, common)
         comparison = compare([ta, within])
         accepted, unjudged = within.accepted, within.unjudged
     else:
         comparison = compare([ta, tb])
     envs = env_differences(ta.env, tb.env)
     failures = [f"{name} stopped early: {t.failure}" for name, t in zip(labels, (ta, tb)) if t.failure]
-    first = _first(comparison)
+    first = _first(comparison, tolerance)
     origin = comparison.origins[0] if comparison.origins else None
     result = GateResult(
         ok=first is None and ta.failure == tb.failure, env_differences=envs, first=first,
@@ -152,11 +158,12 @@ def diff_traces(
         differing_records=comparison.differing_records, total_records=comparison.total_records,
         tolerance=tolerance, within_tolerance=accepted, headline="", message="", labels=labels,
         failures=failures, not_comparable=unjudged, finer_only=(ta.left_out, tb.left_out),
+        scan_level=SCAN in (recorded_granularity(whole_a), recorded_granularity(whole_b)),
     )
     if zoom is not None and first is not None:
         result.zoom = zoom(first.step)
     result.headline = _headline(result, len(comparison.steps), rtol, atol)
-    result.message = _message(result, algorithms if mixed else None)
+    result.message = _message(result, algorithms if mixed else None, atol)
     return result
 
 
@@ -232,9 +239,9 @@ class _WithinTolerance:
     not read."""
 
     def __init__(self, a: AnyTrace, b: AnyTrace, rtol: float, atol: float,
-                 ints_unjudged: bool, common: int | None) -> None:
+                 ints_unjudged: bool, floats_unjudged: bool, common: int | None) -> None:
         self.a, self.b = a, b
-        self.tolerance = rtol, atol, ints_unjudged
+        self.tolerance = rtol, atol, ints_unjudged, floats_unjudged
         self.common = common
         self.steps, self.failure, self.repeat = b.steps, b.failure, b.repeat
         self.stress_rows = b.stress_rows
@@ -252,7 +259,7 @@ class _WithinTolerance:
 
 
 def _accept_within(
-    a: Trace, b: Trace, rtol: float, atol: float, ints_unjudged: bool
+    a: Trace, b: Trace, rtol: float, atol: float, ints_unjudged: bool, floats_unjudged: bool,
 ) -> tuple[Trace, int, int]:
     """A copy of `b` in which the records tolerance accepts, and those it cannot judge, carry
     `a`'s fingerprint (so the comparison passes over them); how many of each."""
@@ -265,7 +272,7 @@ def _accept_within(
         i = row_a.get(key)
         if i is None or fps[j] == ra["fp"][i]:
             continue
-        judged = _within(ra, i, rb, j, rtol, atol, ints_unjudged)
+        judged = _within(ra, i, rb, j, rtol, atol, ints_unjudged, floats_unjudged)
         if judged is not False:
             fps[j] = ra["fp"][i]
             accepted += judged is True
@@ -275,11 +282,13 @@ def _accept_within(
 
 def _within(
     ra: dict[str, list[Any]], i: int, rb: dict[str, list[Any]], j: int,
-    rtol: float, atol: float, ints_unjudged: bool,
+    rtol: float, atol: float, ints_unjudged: bool, floats_unjudged: bool,
 ) -> bool | None:
     """Whether record i of A and record j of B agree within tolerance by their stored stats;
-    None where tolerance cannot say (a float stored without stats; an integer whose prints
-    came from two algorithms) -- such a record is reported, never counted as a match."""
+    None where tolerance cannot say because the prints came from two algorithms (a float
+    stored without stats, an integer) -- such a record is reported, never counted as a
+    match. A float without stats whose prints, made alike, differ is a difference: nothing
+    measures it within tolerance."""
     if ra["shape"][i] != rb["shape"][j] or ra["dtype"][i] != rb["dtype"][j]:
         return False
     if ra["nonfinite"][i] != rb["nonfinite"][j]:
@@ -289,24 +298,25 @@ def _within(
         return all(abs(x - y) <= atol + rtol * abs(y) for x, y in stats)
     dtype = str(ra["dtype"][i])
     if dtype.startswith(_FLOAT_PREFIXES):
-        return None
+        return None if floats_unjudged else False
     return None if ints_unjudged and dtype != "bytes" else False  # integers compare exactly
 
 
-def _first(comparison: Comparison) -> FirstDifference | None:
+def _first(comparison: Comparison, tolerance: bool) -> FirstDifference | None:
     """The first differing record of the first divergent step."""
     if not comparison.first_diffs:
         return None
     d = comparison.first_diffs[0]
+    norm = (d.ref.get("norm"), d.other.get("norm"))
     return FirstDifference(
-        d.step, d.phase, d.module, d.call, d.slot,
-        norm=(d.ref.get("norm"), d.other.get("norm")),
+        d.step, d.phase, d.module, d.call, d.slot, norm=norm,
         absmax=(d.ref.get("absmax"), d.other.get("absmax")),
-        missing=bool(d.missing),
+        missing=bool(d.missing), unmeasured=tolerance and not d.missing and None in norm,
     )
 
 
-def _message(result: GateResult, algorithms: tuple[str | None, str | None] | None) -> str:
+def _message(result: GateResult, algorithms: tuple[str | None, str | None] | None,
+             atol: float = 0.0) -> str:
     """One screen: environment differences first, then the verdict and where it breaks."""
     la, lb = result.labels
     lines = []
@@ -321,7 +331,8 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
             f"fingerprints were made by different algorithms ({algorithms[0]} vs {algorithms[1]}), "
             "so records are compared by shape, dtype and stats instead of bitwise"
         )
-    lines += result.failures
+    if result.verdict != FAILED:  # (its headline names them)
+        lines += result.failures
     lines.append(result.headline)
     for label, other, count in ((la, lb, result.finer_only[0]), (lb, la, result.finer_only[1])):
         if count:
@@ -336,6 +347,14 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
     for name, (x, y) in (("norm", first.norm), ("absmax", first.absmax)):
         if x is not None and y is not None:
             lines.append(f"  {name}: {la} {x:.9g}  {lb} {y:.9g}  (abs. diff {abs(x - y):.3g})")
+    if first.unmeasured:
+        lines.append("  it differs bitwise, and a run stored no stats to measure it within "
+                     "tolerance by (a run at scan level stores none; baseline records at "
+                     "module level, with them)")
+    elif result.tolerance and not atol and max(abs(v) for v in (*first.norm, *first.absmax)
+                                               if v is not None) < 1e-6:
+        lines.append("  (with --atol 0, a value this close to zero fails any --rtol: give an "
+                     "--atol)")
     if first.phase == "state" and first.slot.startswith("param."):
         # no computation: the model differs as built (or loaded) before this step
         lines.append(f"origin: the parameters of {first.module or '(model)'}, different before "
@@ -343,7 +362,8 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
                      "shows it)")
     elif result.origin_module is not None:
         lines.append(f"origin: {result.origin_module or '(model)'} ({result.origin_phase})")
-    elif result.zoom is None and first.phase not in ("forward", "backward"):
+    elif result.zoom is None and result.scan_level and first.phase not in (
+            "forward", "backward"):
         lines.append("(recorded at scan level: `detaudit diff --zoom` replays both runs to that "
                      "step at module and op level, where this machine can run them)")
     if result.zoom is not None:
@@ -366,7 +386,8 @@ def zoom_line(zoom: dict[str, Any], la: str, lb: str) -> str:
 def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
     """The one-line verdict."""
     la, lb = result.labels
-    mode = f"within rtol={rtol:g}, atol={atol:g}" if result.tolerance else "bitwise"
+    limits = f"rtol={rtol:g}, atol={atol:g}"
+    mode = f"within {limits}" if result.tolerance else "bitwise"
     if result.ok:
         inexact = f" ({result.within_tolerance} not bitwise)" if result.within_tolerance else ""
         unjudged = (
@@ -380,8 +401,12 @@ def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
             f"over {steps} steps{unjudged}"
         )
     if result.first is None:
+        if result.failures:  # a crash, never a divergence
+            return (f"FAILED: {'; '.join(result.failures)}; the records of the steps both "
+                    "completed agree")
         return f"MISMATCH: {lb} and {la} did not run to the same end"
     where = result.origin_module if result.origin_module is not None else result.first.module
+    mode = f"beyond {limits}" if result.tolerance else mode
     return (
         f"MISMATCH: {lb} differs from {la} {mode} at step {result.first.step} in "
         f"{where or '(model)'}; {result.differing_records} of {result.total_records} records differ"

@@ -367,7 +367,7 @@ def _run_steps(
             info = StepInfo(step=step, epoch=epoch, index=index)
             recorder.record_state(batch, as_loaded=True)
             if step == 0:
-                recorder.record_parameters(STATE)
+                recorder.record_parameters(STATE, stats=watch == WATCH_MODULE)
             losses = {}
             if train:
                 losses = _train_step(probe, batch, recorder, info, step, scope,
@@ -510,9 +510,9 @@ def _train_step(
     info.lr = [_finite(float(group["lr"])) for group in optimizer.param_groups]  # what it used
     if probe.scheduler is not None and probe.scheduler_interval == "step":
         probe.scheduler.step()
-    recorder.record_parameters(OPTIMIZER)
+    recorder.record_parameters(OPTIMIZER, stats=modules)
     if modules:
-        recorder.record_optimizer(optimizer)
+        recorder.record_optimizer(optimizer, stats=True)
     return losses
 
 

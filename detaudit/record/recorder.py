@@ -274,11 +274,13 @@ class Recorder(BackwardBoundaries):
         self._keys += _parameter_keys(STATE, changed, kind="buffer")
         self.fp.add_many([t for _, t in changed], stats=False)
 
-    def record_parameters(self, phase: str, of: Iterable[torch.Tensor] | None = None) -> None:
+    def record_parameters(self, phase: str, of: Iterable[torch.Tensor] | None = None,
+                          stats: bool = False) -> None:
         """Every parameter, keyed by its owning module (all before step 0, trainable ones after
-        each update; only those among `of` when it is given). No stats: 3 passes over every
-        weight per step would dominate the cost."""
-        self._record_per_parameter(phase, False, [
+        each update; only those among `of` when it is given). Stats only when asked (a step
+        recorded module by module, which a tolerance diff measures): at scan level, 3 passes
+        over every weight per step would dominate the cost."""
+        self._record_per_parameter(phase, stats, [
             (name, p) for name, p in self._among(of) if phase == STATE or p.requires_grad
         ])
 
@@ -352,8 +354,10 @@ class Recorder(BackwardBoundaries):
         """The ids of the parameters recorded."""
         return {id(p) for p in self._params.values()}
 
-    def record_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Optimizer state (momentum buffers, steps) per parameter, and each group's lr."""
+    def record_optimizer(self, optimizer: torch.optim.Optimizer | None,
+                         stats: bool = False) -> None:
+        """Optimizer state (momentum buffers, steps) per parameter, and each group's lr (with
+        stats when asked, as :meth:`record_parameters`)."""
         if optimizer is None:
             return
         names = {id(p): name for name, p in self._params.items()}
@@ -374,7 +378,7 @@ class Recorder(BackwardBoundaries):
                         keys.append((OPTIMIZER, owner, 0, slot_name(f"state.{local}.{key}", path)))
                         tensors.append(tensor)
         self._keys += keys
-        self.fp.add_many(tensors, stats=False)
+        self.fp.add_many(tensors, stats=stats)
 
     def _record_per_parameter(
         self, phase: str, stats: bool, items: list[tuple[str, torch.Tensor]]
