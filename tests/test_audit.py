@@ -167,6 +167,34 @@ def test_module_drawing_a_varying_amount_of_randomness_is_an_rng_cause():
     assert _roles(c, 0, "forward").get("2") == PROPAGATED  # dropout then draws other values
 
 
+def test_a_generator_reseeded_during_the_step_is_an_rng_cause_named_at_its_draw():
+    """torch.seed() in the step, then noise from it outside the model: every RNG state agrees
+    as the step begins, the drill-down finds aten.rand_like with equal inputs and differing
+    outputs. Its generator is the input that differs (it was `cause: forward`)."""
+    def probe(device):
+        model = nn.Linear(8, 2)
+        g = torch.Generator().manual_seed(0)
+        data = [torch.randn(4, 8, generator=g) for _ in range(2)]
+
+        def step(m, b):
+            torch.seed()
+            return m(b + 0.01 * torch.rand_like(b)).pow(2).mean()
+
+        return Probe(model=model, batches=data, step=step,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    try:
+        result = audit(probe, repeats=2, steps=2)
+    finally:
+        torch.manual_seed(0)  # (torch.seed() left the global generator unseeded)
+    summary = result.summary
+    assert result.verdict.exit_code == 1 and summary["ops"][0]["op"] == "aten.rand_like"
+    assert summary["cause"]["kind"] == "rng" and "cause: rng" in result.verdict.headline
+    assert summary["cause"]["text"].startswith("aten.rand_like in (outside the model) drew "
+                                               "different random numbers from equal inputs")
+    assert "its generator's state differs" in render_console(summary)
+
+
 class Keep(nn.Module):
     """Returns one tensor, or two on some repeats: control flow that forks."""
 

@@ -893,7 +893,14 @@ class OpFinding:
         return (self.step, phase, self.module, self.call, f"op{self.index}/{self.op}")
 
 
-_RANDOM_OPS = ("rand", "normal", "bernoulli", "multinomial", "poisson", "uniform", "dropout")
+_RANDOM_OPS = ("rand", "normal", "bernoulli", "multinomial", "poisson", "uniform", "dropout",
+               "exponential", "geometric", "cauchy", "rrelu")
+
+
+def draws_random_numbers(op: str) -> bool:
+    """Whether an op (``aten.rand_like``, ``aten.bernoulli_``, ...) draws from a generator,
+    whose state is an input its recorded tensor inputs leave out."""
+    return any(word in op for word in _RANDOM_OPS)
 
 
 def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
@@ -918,8 +925,8 @@ def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
         op_index, _, op = prefix.partition("/")
         # An op without tensor inputs that draws no random numbers (arange, zeros, full)
         # takes its arguments from host values made of earlier results: not an origin.
-        made_from_host = not any(k[4].startswith(f"{prefix}/in") for k in keys) and not any(
-            word in op for word in _RANDOM_OPS)
+        made_from_host = not any(k[4].startswith(f"{prefix}/in") for k in keys) and not (
+            draws_random_numbers(op))
         differ = [idx for idx in others if any(idx.fp.get(k) != ref.fp[k] for k in outputs)]
         findings.append(OpFinding(
             step, FORWARD if phase == OP_FORWARD else BACKWARD, module, call, int(op_index[2:]),

@@ -10,7 +10,14 @@ from typing import Any
 
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..trace import GRAD, OPTIMIZER, STATE
-from .compare import DETERMINISTIC, DIVERGENT, FAILED, ORIGIN, Comparison
+from .compare import (
+    DETERMINISTIC,
+    DIVERGENT,
+    FAILED,
+    ORIGIN,
+    Comparison,
+    draws_random_numbers,
+)
 from .ranks import RankAnalysis
 
 MATCH, MISMATCH = "match", "mismatch"  # a run against a baseline or another run
@@ -194,7 +201,7 @@ def _headline(
     where = first.get("outside") or first["module"] or "(model)"
     text = (
         f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "
-        f"{where} ({first['role']}); cause: {c.cause}"
+        f"{where} ({first['role']}); cause: {cause_of(c, ops)[0]}"
     )
     origin_op = (ops.get("ops") or [{}])[0]
     outside = ops.get("outside_dispatcher")
@@ -212,6 +219,30 @@ def _headline(
     if c.failures:
         text += f"; then {_stopped(c)}"
     return text
+
+
+def random_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The drill-down's origin op when it draws random numbers (not a planted fault): its
+    generator's state, an input no record holds, is what differs."""
+    op = ((ops or {}).get("ops") or [{}])[0]
+    if op.get("role") == ORIGIN and not op.get("planted") and draws_random_numbers(op["op"]):
+        return op
+    return None
+
+
+def cause_of(c: Comparison, ops: dict[str, Any] | None) -> tuple[str, str]:
+    """The class of cause and its text: the comparison's, unless the op the drill-down found
+    where a forward or backward part draws random numbers (then the RNG is the cause)."""
+    op = random_origin_op(ops)
+    if op is None or c.cause not in ("forward", "backward"):
+        return c.cause, c.cause_text
+    return "rng", (
+        f"{op['op']} in {op['module']} drew different random numbers from equal inputs: the "
+        "state of the generator it draws from differs there, though every RNG state agreed as "
+        "the step began; something in the step reseeded it (torch.seed(), a generator seeded "
+        "from the clock or os.urandom) or drew a different amount from it before this op (fix: "
+        "seed once before training, never during a step, or give the draw a seeded "
+        "torch.Generator of its own)")
 
 
 def _proven_headline(c: Comparison) -> str:

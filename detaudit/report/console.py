@@ -6,6 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from ..analysis.verdict import random_origin_op
 from .sections import (
     CALLS_UNSEEN_NOTE,
     INFERRED_NOTE,
@@ -116,7 +117,10 @@ def _op_lines(summary: dict[str, Any]) -> list[str]:
     if not ops or ops[0].get("role") != "origin":
         return []
     o = ops[0]
-    lines = ["", f"op: {o['op']} in {o['module']} ({o['phase']}), inputs equal, outputs differ"]
+    drawn = ": it draws random numbers, and its generator's state differs" if (
+        random_origin_op({"ops": ops})) else ""
+    said = f"op: {o['op']} in {o['module']} ({o['phase']}), inputs equal, outputs differ{drawn}"
+    lines = ["", said]
     if o.get("elements") is not None:
         lines.append(
             f"    {o['elements']} of {o['of']} elements differ; max |Δ| {_g(o.get('max_abs_diff'))}, "

@@ -13,7 +13,7 @@ from typing import Any
 from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
-from ..analysis.verdict import Verdict, one_based, stressed_ops
+from ..analysis.verdict import Verdict, cause_of, one_based, stressed_ops
 from ..config import CALLS_UNSEEN, INFERRED
 from ..runfolder import RunInfo
 from ..trace import STATE, Trace
@@ -86,7 +86,7 @@ def summarize(
             }
             for f in located.origins
         ],
-        "cause": {"kind": located.cause, "text": located.cause_text},
+        "cause": dict(zip(("kind", "text"), cause_of(located, ops))),
         "idle_rng": list(c.idle_rng),
         "updates_without_backward": _updates_without_backward(traces),
         "short_epochs": _short_epochs(info, c),
