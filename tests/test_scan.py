@@ -358,6 +358,17 @@ def test_diff_zoom_replays_two_scanned_runs_and_names_the_module_and_op(tmp_path
     assert code == 1
     assert ("replayed to step 2: origin 2 (backward); op aten.convolution_backward in 2 "
             "(backward)") in zoomed
+    # a run whose probe file changed since: its replay cannot reproduce the step where it
+    # parted from A, and that is said, not "the difference did not recur"
+    edited = tmp_path / "edited.py"
+    source = (PROBES / "tiny_cnn.py").read_text()
+    edited.write_text(source.replace("lr=0.1,", "lr=0.2,"))
+    common_edited = [str(edited) if c.endswith("tiny_cnn.py") else c for c in common]
+    assert cli("run", *common_edited, "--out", str(tmp_path / "c"))[0] == 2
+    edited.write_text(source)
+    code, changed = cli("diff", str(tmp_path / "a"), str(tmp_path / "c"), "--zoom")
+    assert code == 1 and "did not recur" not in changed
+    assert "the replay of B does not reproduce what B recorded at step 0: its probe" in changed
     # a run this machine cannot replay (recorded by watch, exec or a Python callable) is said so
     (tmp_path / "b" / "run.json").write_text(
         (tmp_path / "b" / "run.json").read_text().replace('"kind": "file"', '"kind": "command"'))

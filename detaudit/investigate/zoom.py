@@ -151,6 +151,15 @@ def zoom_between(
             return {"status": NOT_REPRODUCED, "step": step,
                     "why": f"the replay of {label} on this machine does not reproduce the steps "
                            f"{label} recorded before step {step}"}
+        # the step itself: the records both hold (the run's scan, within the replay's detail)
+        replayed = fingerprints_before(trace, step + 1)
+        if any(replayed.get(key, fp) != fp
+               for key, fp in fingerprints_before(recorded, step + 1).items()):
+            return {"status": NOT_REPRODUCED, "step": step,
+                    "why": f"the replay of {label} does not reproduce what {label} recorded at "
+                           f"step {step}: its probe (code or data) differs from when {label} "
+                           "was recorded (a replay runs it as it is now), or that step does not "
+                           "reproduce from run to run"}
         replays.append(trace)
     zoomed = compare(replays)
     if zoomed.first_step is None:
