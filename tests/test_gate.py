@@ -215,6 +215,21 @@ def test_tolerance_never_passes_a_difference_it_cannot_measure(tmp_path: Path) -
     assert "a run stored no stats to measure it within tolerance by" in unmeasured.message
 
 
+def test_a_diff_of_two_configurations_says_so_and_names_no_place_it_cannot_locate(
+        conv_baseline: Path) -> None:
+    """Runs of other step counts part where their batches do: the diff says their
+    configurations differ; a first differing record that no origin call explains is called
+    that, not a place ("differs at step 0 in conv" read as a location)."""
+    a, b = (load_baseline(conv_baseline).trace for _ in range(2))
+    b.probe["config"] = {**a.probe["config"], "steps": 3}
+    i = b.records["slot"].index("batch.0")
+    b.records["fp"][i] = "f" * 16
+    result = diff_traces(a, b)
+    assert "configuration differs between A and B" in result.message
+    assert "  steps: 2 -> 3" in result.message
+    assert "at step 0 (its first differing record: state (model) batch.0)" in result.headline
+
+
 class Energy(nn.Module):
     """Mean square of a 1M-element activation: a reduction split across CPU threads."""
 

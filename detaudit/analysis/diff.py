@@ -34,6 +34,8 @@ ENV_KEYS = (
     "cudnn_benchmark", "tf32_matmul", "tf32_cudnn",
 )
 _FLOAT_PREFIXES = ("float", "bfloat", "complex")
+# Configuration keys that change what a run computes (not how many repeats or what is recorded).
+CONFIG_KEYS = ("mode", "device", "seed", "deterministic", "epochs", "steps", "fault")
 
 
 @dataclass
@@ -79,6 +81,7 @@ class GateResult:
     finer_only: tuple[int, int] = (0, 0)
     zoom: dict[str, Any] | None = None  # diff --zoom: both runs replayed to the first step
     scan_level: bool = False  # a run was recorded at scan level (no module records to name)
+    config_differences: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
     @property
     def verdict(self) -> str:
@@ -97,6 +100,16 @@ class GateResult:
 def env_differences(a_env: dict[str, Any], b_env: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """The numerics-relevant environment keys whose values differ: key -> (a, b)."""
     return {k: (a_env.get(k), b_env.get(k)) for k in ENV_KEYS if a_env.get(k) != b_env.get(k)}
+
+
+def config_differences(a: AnyTrace, b: AnyTrace) -> dict[str, tuple[Any, Any]]:
+    """The configuration keys (CONFIG_KEYS) whose values differ between two runs: key ->
+    (a, b); none where either run does not say."""
+    ca, cb = (t.probe.get(PROBE_CONFIG) for t in (a, b))
+    if not isinstance(ca, dict) or not isinstance(cb, dict):
+        return {}
+    return {k: (ca.get(k), cb.get(k)) for k in CONFIG_KEYS
+            if k in ca and k in cb and ca[k] != cb[k]}
 
 
 def fingerprint_algorithm(env: dict[str, Any]) -> str | None:
@@ -159,6 +172,7 @@ def diff_traces(
         tolerance=tolerance, within_tolerance=accepted, headline="", message="", labels=labels,
         failures=failures, not_comparable=unjudged, finer_only=(ta.left_out, tb.left_out),
         scan_level=SCAN in (recorded_granularity(whole_a), recorded_granularity(whole_b)),
+        config_differences=config_differences(whole_a, whole_b),
     )
     if zoom is not None and first is not None:
         result.zoom = zoom(first.step)
@@ -326,6 +340,10 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
             "results across versions, devices, thread counts or these flags):"
         )
         lines += [f"  {k}: {x!r} -> {y!r}" for k, (x, y) in result.env_differences.items()]
+    if result.config_differences:
+        lines.append(f"configuration differs between {la} and {lb} (they ran different "
+                     "trainings; steps are compared by number):")
+        lines += [f"  {k}: {x!r} -> {y!r}" for k, (x, y) in result.config_differences.items()]
     if algorithms:
         lines.append(
             f"fingerprints were made by different algorithms ({algorithms[0]} vs {algorithms[1]}), "
@@ -405,9 +423,16 @@ def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
             return (f"FAILED: {'; '.join(result.failures)}; the records of the steps both "
                     "completed agree")
         return f"MISMATCH: {lb} and {la} did not run to the same end"
-    where = result.origin_module if result.origin_module is not None else result.first.module
+    first = result.first
+    # an origin is a place; without one, the first record that differs is only that
+    if first.phase == STATE and first.slot.startswith("param."):
+        where = f"in the parameters of {first.module or '(model)'}, before the step"
+    elif result.origin_module is not None:
+        where = f"in {result.origin_module or '(model)'} ({result.origin_phase})"
+    else:
+        where = f"(its first differing record: {first.phase} {first.where})"
     mode = f"beyond {limits}" if result.tolerance else mode
     return (
-        f"MISMATCH: {lb} differs from {la} {mode} at step {result.first.step} in "
-        f"{where or '(model)'}; {result.differing_records} of {result.total_records} records differ"
+        f"MISMATCH: {lb} differs from {la} {mode} at step {first.step} {where}; "
+        f"{result.differing_records} of {result.total_records} records differ"
     )
