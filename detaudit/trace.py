@@ -97,6 +97,7 @@ OP_FORWARD, OP_BACKWARD = "op.forward", "op.backward"
 # the module of an op run outside every module call (a loss the loop computes from the
 # model's outputs, and its backward); "" is the model's own call
 OUTSIDE_MODEL = "(outside the model)"
+LOADER_BATCH = "batch.loader"  # a state record: a batch as the DataLoader yielded it (exec, watch)
 OP_PHASES = (OP_FORWARD, OP_BACKWARD)
 PHASES = (STATE, FORWARD, BACKWARD, GRAD, OPTIMIZER, OUTPUT, *OP_PHASES)
 PROBE_SPEC, PROBE_CONFIG, PROBE_DISTRIBUTED = "info", "config", "distributed"

@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 from test_cli import run_cli
@@ -765,6 +766,46 @@ def _train(out: Path, *, nudge_at: int | None = None, steps: int = 6,
                 opt.zero_grad()
                 w.step({"mse": loss})
     return w
+
+
+class _NumpyNoisy(torch.utils.data.Dataset):
+    """Samples with noise from numpy's global RNG (not seeded by the loop)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((4,), float(i)) + float(np.random.rand())
+
+
+@pytest.mark.parametrize("where", ["loop", "dataset"])
+def test_a_batch_that_differs_says_where_it_changed_and_which_rng(tmp_path, where):
+    """Noise added in the loop after the DataLoader (its batches agree): the loop changed
+    the input, not the data pipeline. Noise from numpy's unseeded RNG in the dataset: the
+    numpy RNG is named beside the batch (both read "the data pipeline ... is not
+    reproducible", and nothing more)."""
+    for run in range(2):
+        torch.manual_seed(0)
+        np.random.seed(run)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        noise = torch.Generator().manual_seed(run)
+        data = (_NumpyNoisy() if where == "dataset" else
+                torch.utils.data.TensorDataset(torch.arange(32.0).view(8, 4)))
+        with detaudit.watch(model, opt, out=tmp_path):
+            for batch in torch.utils.data.DataLoader(data, batch_size=4):
+                x = batch if where == "dataset" else batch[0] + torch.rand(4, 4, generator=noise)
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    cause = detaudit.compare(tmp_path).summary["cause"]
+    assert cause["kind"] == "data"
+    if where == "loop":
+        assert cause["text"].startswith("the model's input differs while the batches the "
+                                        "DataLoader yielded agree: the training loop changed")
+    else:
+        assert cause["text"].startswith("the batch differs: the data pipeline")
+        assert "the numpy RNG state differs as well as the step begins" in cause["text"]
 
 
 def test_watch_twice_in_one_process_compares_deterministic(tmp_path):

@@ -16,6 +16,7 @@ from ..trace import (
     BACKWARD,
     FORWARD,
     GRAD,
+    LOADER_BATCH,
     OP_BACKWARD,
     OP_FORWARD,
     OP_PHASES,
@@ -192,6 +193,8 @@ class Comparison:
     # as did everything else, and differ as the next one begins: that step drew a different
     # amount of randomness from them
     drawn: list[str] = field(default_factory=list)
+    # the first divergent step holds a batch as the DataLoader yielded it (exec, watch)
+    loader_batch: bool = False
     # the zoomed step parted only in replays each in its own process (see PER_PROCESS)
     per_process: str | None = None
 
@@ -300,7 +303,27 @@ class Comparison:
                     + ("loaded or set differently before the first step" if self.cause == "init"
                        else "changed between steps, or updated by a forward whose recorded "
                        "results agreed") + "; they change what the model computes in eval mode")
+        if self.cause == "data":
+            return self._data_text(differing)
         return _CAUSE_TEXT[self.cause]
+
+    def _data_text(self, differing_rng: list[str]) -> str:
+        """What a batch that differs says: where it changed (in the DataLoader, or in the
+        loop after it, when the batches the loader yielded agree) and which RNG, not seeded,
+        may have made it differ."""
+        text = _CAUSE_TEXT["data"]
+        differing = [d.slot for d in self.first_diffs if d.phase == STATE
+                     and d.slot.startswith("batch")]
+        if self.loader_batch and not any(slot.startswith(LOADER_BATCH) for slot in differing):
+            text = ("the model's input differs while the batches the DataLoader yielded agree: "
+                    "the training loop changed them after loading (an augmentation, noise or a "
+                    "transform applied in the loop, or a batch mixed with another)")
+        if differing_rng:
+            text += (f"; the {', '.join(differing_rng)} RNG state differs as well as the step "
+                     "begins (not seeded): a transform that draws from it makes the batches "
+                     "differ (fix: seed every RNG, e.g. detaudit.seed_everything(0), and the "
+                     "DataLoader's workers, e.g. detaudit.seeded_loader_kwargs)")
+        return text
 
     def _outside_the_model(self, at_step: list[CallFinding]) -> str | None:
         """The text for a step whose model computed the same forward in every repeat (no
@@ -635,9 +658,11 @@ class _StepDiffs:
         per_process = (getattr(traces[0], "probe", None) or {}).get(PER_PROCESS)
         per_process = per_process if isinstance(per_process, str) else None
         gap = None
+        loader_batch = False
         if self.first_cut is not None and self.first_cut[0] == first_step:
             step, cut, keys = self.first_cut
             gap = rng_gap(cut, {k for k in keys if not (k[1] == STATE and k[4] in idle)}, step)
+            loader_batch = any(s.startswith(LOADER_BATCH) for s in cut.records["slot"])
         order = {FORWARD: 0, BACKWARD: 1}
         findings = sorted(self.findings, key=lambda f: (f.step, order[f.phase], f.role != ORIGIN))
         return Comparison(
@@ -673,6 +698,7 @@ class _StepDiffs:
             detailed_steps=self.detailed if self.more else None,
             drawn=drawn,
             per_process=per_process,
+            loader_batch=loader_batch,
         )
 
     def _drawn_during(

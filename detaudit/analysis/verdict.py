@@ -238,11 +238,11 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None) -> tuple[str, str]:
         return c.cause, c.cause_text
     return "rng", (
         f"{op['op']} in {op['module']} drew different random numbers from equal inputs: the "
-        "state of the generator it draws from differs there, though every RNG state agreed as "
-        "the step began; something in the step reseeded it (torch.seed(), a generator seeded "
-        "from the clock or os.urandom) or drew a different amount from it before this op (fix: "
-        "seed once before training, never during a step, or give the draw a seeded "
-        "torch.Generator of its own)")
+        "state of the generator it draws from differs there, while the global RNG states "
+        "agreed as the step began; it is a torch.Generator of its own that is not seeded, or "
+        "one reseeded during the step (torch.seed(), a seed from the clock or os.urandom), or "
+        "more was drawn from it before this op in one run (fix: seed every generator once, "
+        "before training)")
 
 
 def _proven_headline(c: Comparison) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..trace import STATE
+from ..trace import LOADER_BATCH, STATE
 from .rankprobe import sampler_snapshot
 
 _WAITING = 4  # training loader batches kept for a step not begun yet (a prefetching loop's)
@@ -71,7 +71,7 @@ class Epochs:
 
     def _record_loader_batch(self, batch: Any) -> None:
         assert self.recorder is not None
-        self.recorder.record(STATE, "", self._fetched, "batch.loader", batch, algorithm="xxh3")
+        self.recorder.record(STATE, "", self._fetched, LOADER_BATCH, batch, algorithm="xxh3")
         self._fetched += 1
 
     def set_epoch(self, epoch: int) -> None:
