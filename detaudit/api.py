@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .analysis.compare import Comparison, compare
 from .analysis.diff import GateResult, diff_traces
 from .analysis.ranks import RankAnalysis
-from .analysis.verdict import REFUSED, Verdict, judge, junit_error
+from .analysis.verdict import MISMATCH, REFUSED, Verdict, judge, junit_error
 from .config import SCAN, AuditConfig, Fault, Investigations, Launch, ProbeSpec
 from .errors import EXIT_USAGE, DetauditError, ProbeError
 from .report import render_console, summarize, write_reports
@@ -446,9 +446,18 @@ def check(
 
 
 def with_check(summary: dict[str, Any], checked: dict[str, Any]) -> dict[str, Any]:
-    """A run's summary as the verdict of the baseline check it was run for."""
-    return {**summary, "verdict": checked["verdict"], "headline": checked["headline"],
+    """A run's summary as the verdict of the baseline check it was run for (its cause, where
+    its own repeats agree but the baseline does not: what changed since, and where)."""
+    said = {**summary, "verdict": checked["verdict"], "headline": checked["headline"],
             "check": checked}
+    if checked["verdict"] == MISMATCH and summary["cause"]["kind"] == "none":
+        where = [line for line in checked["message"].splitlines()
+                 if line.startswith(("origin:", "first difference:"))]
+        said["cause"] = {"kind": "baseline", "text": (
+            "the repeats of this run agree, and differ from the baseline: the code, its data "
+            "or the environment changed since the baseline was recorded"
+            + (f" ({where[-1]})" if where else ""))}
+    return said
 
 
 def diff(run_a: str | Path, run_b: str | Path, rtol: float = 0.0, atol: float = 0.0,

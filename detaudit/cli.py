@@ -669,6 +669,9 @@ def _stress(text: str) -> dict[str, Any]:
 
 
 def _fault(text: str | None) -> Fault | None:
+    if text is not None and not text.strip():  # (an unset variable in a CI script, say)
+        raise DetauditError("--inject-fault is empty: give MODULE[/OP][@forward|@backward]"
+                            "[:STEP], or leave the option out")
     try:
         return Fault.parse(text) if text else None
     except DetauditError as exc:

@@ -86,7 +86,7 @@ def exec_command(
                      _script_name(command), source=_shell_line(command))
     limits = ", ".join(f"{flag} {v}" for flag, v in (("--max-steps", job.max_steps),
                        ("--max-epochs", job.max_epochs)) if v) or "to its end"
-    seeded = f"seed {job.seed}" if job.seed is not None else "unseeded"
+    seeded = f"seed {job.seed}" if job.seed is not None else "no --seed"
     info = RunInfo(probe={**spec.to_dict(), "preset": f"exec: {job.repeats} runs, {limits}, "
                           f"{seeded}"}, config={**config.to_dict(), "seed": job.seed},
                    command=reproduce or f"detaudit exec -- {_shell_line(command)}", traces=[],

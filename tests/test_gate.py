@@ -164,7 +164,10 @@ def test_a_check_folder_reports_the_checks_verdict(
         text = (tmp_path / "fail" / name).read_text()
         assert "MISMATCH" in text and "NOT COMPARED" not in text
     assert main(["report", str(tmp_path / "fail")]) == 1
-    assert json.loads((tmp_path / "fail" / "summary.json").read_text())["verdict"] == "mismatch"
+    said = json.loads((tmp_path / "fail" / "summary.json").read_text())
+    assert said["verdict"] == "mismatch"
+    # its repeats agree: the cause is what changed since the baseline, not "no divergence"
+    assert said["cause"]["kind"] == "baseline" and "(origin: act (forward))" in said["cause"]["text"]
 
 
 def test_a_check_whose_run_crashes_is_failed_never_a_mismatch(conv_baseline: Path) -> None:

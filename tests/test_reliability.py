@@ -390,6 +390,8 @@ def test_api_run_without_a_folder_writes_nothing(tmp_path, monkeypatch):
      "never fired: the run has only 4 steps"),
     (["--probe", str(PROBES / "tiny_cnn.py"), "--seed", str(2**64)], "outside torch's range"),
     (["--probe", str(PROBES / "tiny_cnn.py"), "--repeats", "0"], "--repeats must be at least 1"),
+    # an unset variable in a CI script ("--inject-fault $FAULT") was no fault at all, exit 0
+    (["--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", " "], "--inject-fault is empty"),
 ])
 def test_more_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert main(["run", *args, "--out", str(tmp_path), "--no-census"]) == 2
