@@ -82,6 +82,9 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
                 "for the traceback)")
     print(f"detaudit: {line}", file=sys.stderr)
     _ended_without_verdict(args, line, code, started)
+    for folder in _MADE_FOLDERS:  # refused before anything was written: no empty folder left
+        with contextlib.suppress(OSError):
+            folder.rmdir()
     return code
 
 
@@ -707,10 +710,18 @@ def _probe_spec(args: argparse.Namespace, preset: Preset, nproc: int | None) -> 
 
 
 def _out_folder(given: str | None, name: str) -> Path:
-    """The run folder: --out as given, or a new ``reports/<name>-<timestamp>`` folder."""
+    """The run folder: --out as given, or a new ``reports/<name>-<timestamp>`` folder (removed
+    again if the command ends before writing anything into it)."""
     from .runfolder import new_folder
 
-    return Path(given) if given else new_folder("reports", name)
+    if given:
+        return Path(given)
+    folder = new_folder("reports", name)
+    _MADE_FOLDERS.append(folder)
+    return folder
+
+
+_MADE_FOLDERS: list[Path] = []  # default run folders this command made
 
 
 def _check_output_file(path: str | None, flag: str) -> None:

@@ -1554,6 +1554,11 @@ def test_compare_needs_two_runs(tmp_path):
     _train(tmp_path, steps=3)
     with pytest.raises(detaudit.DetauditError, match="at least two runs"):
         detaudit.compare(tmp_path)
+    # refused from the command line, it leaves no empty report folder behind
+    (tmp_path / "cwd").mkdir()
+    refused = run_cli("compare", str(tmp_path), cwd=tmp_path / "cwd")
+    assert refused.returncode == 2 and "at least two runs" in refused.stderr
+    assert not list((tmp_path / "cwd").glob("reports/*"))
     # a run of another training (another model) in the same folder is refused, not compared
     model = nn.Linear(6, 2)
     with detaudit.watch(model, out=tmp_path / "other"):
