@@ -240,6 +240,7 @@ FAULT_FIRED = "fault_fired"
 ENDED = "ended"  # a trace's recording ended as it should (its loop ended, failed or hit a limit)
 EXIT_CALL = "exit_call"  # where the command last called sys.exit, and with what
 CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (compiled code)
+SIDE_MODELS = "side_models"  # models a trace recorded that no optimizer trains (an EMA copy)
 INFERRED = "inferred"  # a trace recorded as inference because auto mode took it for one
 
 

@@ -389,6 +389,20 @@ def test_exec_of_a_compiled_training_function_records_its_steps_and_zooms_eagerl
                                            & (records.phase == "forward")].module)
 
 
+def test_an_unseeded_rng_nothing_draws_from_is_no_cause_where_calls_are_not_seen(tmp_path):
+    """A compiled training function in a script that seeds torch only: numpy's and Python's
+    RNG differ from the start, unused. The scan steps (no call seen) record the RNG states
+    too, so the zoomed step's cause is the planted backward, not "the numpy, python RNG
+    state already differs" (the zoom saw those states first, at that step)."""
+    done = _exec(tmp_path, "--max-steps", "3", "--json", "--inject-fault", "head@backward:1",
+                 script_args=("--workers", "0", "--accumulate", "1", "--compile", "function",
+                              "--seed-self"))
+    assert done.returncode == 1, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["cause"]["kind"] == "backward", summary["cause"]
+    assert {"numpy", "python"} <= set(summary["idle_rng"])
+
+
 def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     done = _exec(tmp_path, "--max-steps", "2", "--json")
     assert done.returncode == 1, done.stderr
@@ -766,6 +780,55 @@ def _train(out: Path, *, nudge_at: int | None = None, steps: int = 6,
                 opt.zero_grad()
                 w.step({"mse": loss})
     return w
+
+
+def _ema_loop(out: Path, decay: float) -> detaudit.watch:
+    """Two epochs of 2 steps; an EMA copy of the model, updated after each step, evaluated
+    after each epoch; the model itself evaluated once before training (a sanity check)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    ema = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).requires_grad_(False)
+    ema.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    with detaudit.watch(model, opt, out=out) as w:
+        with torch.no_grad():
+            model.eval()(x)
+        model.train()
+        for epoch in range(2):
+            w.epoch(epoch)
+            for i in range(2):
+                model(x[4 * i:4 * i + 4]).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    for e, p in zip(ema.parameters(), model.parameters()):
+                        e.mul_(decay).add_(p, alpha=1 - decay)
+            with torch.no_grad():
+                ema.eval()(x)
+    return w
+
+
+def test_a_model_no_optimizer_trains_is_recorded_once_the_loop_calls_it(tmp_path):
+    """An EMA copy evaluated between epochs, whose update differs between runs while the
+    training agrees: its parameters are step state from the step after its first call, so
+    the runs part there, cause params, said to be a model no optimizer trains (the verdict
+    was DETERMINISTIC). The model evaluated before it trains is not taken for one."""
+    first = _ema_loop(tmp_path / "same", 0.9)
+    _ema_loop(tmp_path / "same", 0.9)
+    same = detaudit.compare(tmp_path / "same")
+    assert same.verdict.kind == "deterministic", same.verdict.headline
+    records = first.trace.frame()
+    side = records[records.module.str.startswith("Sequential")]
+    # from the step after the EMA's first call, after each update; the model evaluated
+    # first is no side model (it would be named first, and recorded from step 0)
+    assert set(side.step) == {2, 3} and first.trace.probe["side_models"] == ["Sequential"]
+    _ema_loop(tmp_path / "nudged", 0.9)
+    _ema_loop(tmp_path / "nudged", 0.9 + 2**-20)
+    nudged = detaudit.compare(tmp_path / "nudged")
+    assert (nudged.comparison.first_step, nudged.comparison.cause) == (2, "params")
+    assert nudged.summary["cause"]["text"].startswith(
+        "the parameters of Sequential, called by the loop but trained by no optimizer")
 
 
 class _NumpyNoisy(torch.utils.data.Dataset):

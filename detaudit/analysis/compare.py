@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ..config import SIDE_MODELS
 from ..trace import (
     BACKWARD,
     FORWARD,
@@ -195,6 +196,7 @@ class Comparison:
     drawn: list[str] = field(default_factory=list)
     # the first divergent step holds a batch as the DataLoader yielded it (exec, watch)
     loader_batch: bool = False
+    side_models: list[str] = field(default_factory=list)  # recorded, trained by no optimizer
     # the zoomed step parted only in replays each in its own process (see PER_PROCESS)
     per_process: str | None = None
 
@@ -305,7 +307,21 @@ class Comparison:
                        "results agreed") + "; they change what the model computes in eval mode")
         if self.cause == "data":
             return self._data_text(differing)
+        side = self._side_models_differing()
+        if self.cause == "params" and side:
+            return (f"the parameters of {_listed(side)}, called by the loop but trained by no "
+                    "optimizer (an EMA copy, a teacher, a model restored for evaluation), "
+                    "differ before the step while the trained model's agree: changed in place "
+                    "between steps (an EMA's update: its decay, or what it averages, differs "
+                    "between runs) or loaded differently")
         return _CAUSE_TEXT[self.cause]
+
+    def _side_models_differing(self) -> list[str]:
+        """The side models (see `side_models`) whose state differs first, when only theirs
+        does."""
+        owners = {d.module.split(".")[0] for d in self.first_diffs
+                  if d.phase == STATE and d.slot.startswith(MODEL_STATE)}
+        return sorted(owners) if owners and owners <= set(self.side_models) else []
 
     def _data_text(self, differing_rng: list[str]) -> str:
         """What a batch that differs says: where it changed (in the DataLoader, or in the
@@ -699,6 +715,7 @@ class _StepDiffs:
             drawn=drawn,
             per_process=per_process,
             loader_batch=loader_batch,
+            side_models=list((getattr(traces[0], "probe", None) or {}).get(SIDE_MODELS, [])),
         )
 
     def _drawn_during(

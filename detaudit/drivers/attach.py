@@ -42,6 +42,7 @@ from ..config import (
     FAULT_FIRED,
     INFER,
     INFERRED,
+    SIDE_MODELS,
     TRAIN,
     Fault,
 )
@@ -59,7 +60,7 @@ from ..trace import (
     TraceStream,
 )
 from .attach_epochs import Epochs
-from .attach_models import ModelFinder, live_objects
+from .attach_models import ModelFinder, SideModels, live_objects
 from .attach_patches import Installing, transformed
 from .attach_updates import Updates
 from .rankprobe import RankWatch
@@ -116,6 +117,7 @@ class Attachment(Installing, Updates, Epochs):
         self._carried: StepRecords | None = None  # the open step's state, of another model
         self._grads_pending = False  # step(closure): gradients recorded after the update
         self._batches = 0  # top-level training calls in the open step
+        self._rng_taken = False  # the open step recorded the RNG states as it began
         self.batches_seen = 0  # in all steps
         self._fetched = 0  # training loader batches recorded in the open step
         self._waiting: list[tuple[tuple[int, int], Any]] = []  # (pass, batch) before a step
@@ -138,6 +140,7 @@ class Attachment(Installing, Updates, Epochs):
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
         self._depth = 0
         self._adopted = False  # a model built anew took the model's place (see _adopt)
+        self._side = SideModels()  # models called but trained by no optimizer (an EMA)
         # the pass that feeds the epoch's steps, and how many passes fed steps before it
         self._train_pass: tuple[int, int] | None = None
         self._epochs_fed = 0
@@ -202,6 +205,11 @@ class Attachment(Installing, Updates, Epochs):
         elif self._last_step_updated() and module is self.models.current():
             self.end_step()  # evaluation after the last step's update: the run is over
             self.stop()
+        elif not module.training or not torch.is_grad_enabled():  # (an evaluation)
+            side = self._side.saw(module, self._recorded_parameters(),
+                                  {name for name, _ in self.models.others})
+            if side is not None:
+                self.trace.probe.setdefault(SIDE_MODELS, []).append(side)
 
     def _global_post(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if transformed() or isinstance(module, ParametrizationList):
@@ -284,14 +292,14 @@ class Attachment(Installing, Updates, Epochs):
             self.end_step()
             if self.stopped:
                 return
-        if self.info is None and not self._begin_step(module):
+        if self.info is None and not self._begin_step(module, by_call=True):
             return
         assert self.recorder is not None
         batch = {"args": list(args), "kwargs": kwargs} if kwargs else list(args)
         if self._step_outputs:
             batch = _data_only(batch, {s.data_ptr() for s in self._step_outputs})
         if self._batches == 0:
-            self.recorder.record_state(batch)
+            self.recorder.record_state(batch, rng=not self._rng_taken)
         else:
             self.recorder.record(STATE, "", self._batches, "batch", batch)
         self._batches += 1
@@ -342,7 +350,10 @@ class Attachment(Installing, Updates, Epochs):
                 self._loss_values[name] = loss_copy(value)
 
     # -- steps -----------------------------------------------------------------------------
-    def _begin_step(self, model: nn.Module | None) -> bool:
+    def _begin_step(self, model: nn.Module | None, by_call: bool = False) -> bool:
+        """Open the next step for `model`, begun by its call (`by_call`) or, where its calls
+        are not seen (compiled) or come later (a closure's), by a backward or an update;
+        False where no step may begin (a limit reached)."""
         if model is None:
             return False
         if self.max_steps is not None and self.stream.steps >= self.max_steps:
@@ -383,9 +394,23 @@ class Attachment(Installing, Updates, Epochs):
             self._adopted = False
         else:
             self._record_changed_parameters()
+        side_params, side_buffers = self._side.changed(self._recorded_parameters())
+        if side_params or side_buffers:
+            self.recorder.record_side_state(side_params, side_buffers)
+        self._rng_taken = not by_call  # (a call records them with its batch)
+        if self._rng_taken:
+            self.recorder.record_rng()
         self._by_hand = []  # (taken after the step's backward)
         self._grads_by_hand = []
         return True
+
+    def _recorded_parameters(self) -> set[int]:
+        """The ids of the recorded models' parameters (the model's, before its recording
+        began)."""
+        if self.recorder is not None:
+            return self.recorder.parameter_ids()
+        model = self.models.current()
+        return {id(p) for p in model.parameters()} if model is not None else set()
 
     def _record_changed_parameters(self) -> None:
         """Parameters changed in place since their update, outside the optimizer: recorded

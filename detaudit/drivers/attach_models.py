@@ -13,6 +13,7 @@ recording; a :class:`ModelFinder` only says which modules are which.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -186,3 +187,54 @@ def _unique(name: str, taken: set[str]) -> str:
     while (candidate := name if k == 1 else f"{name}{k}") in taken:
         k += 1
     return candidate
+
+
+class SideModels:
+    """Models the loop calls but no optimizer trains (an EMA copy evaluated between epochs, a
+    frozen teacher, a model restored for evaluation): their parameters and buffers are step
+    state, recorded as a step begins once the model was first seen, then each time they
+    changed in place (an EMA's update after every step). Named by their class, as other
+    models are."""
+
+    def __init__(self) -> None:
+        self._models: dict[int, tuple[str, Any]] = {}  # id -> (name, weakref to the module)
+        self._versions: dict[int, tuple[Any, int]] = {}  # id(tensor) -> (weakref, version)
+
+    def saw(self, module: nn.Module, recorded: set[int], taken: set[str]) -> str | None:
+        """A top-level call of `module` that is no training call: a side model if it has
+        parameters, none of them recorded (`recorded`: their ids) and none an optimizer's;
+        its name if it is new. `taken`: the names of the models recorded already."""
+        if id(module) in self._models:
+            return None
+        params = list(module.parameters())
+        if not params or any(id(p) in recorded for p in params) or held_by_an_optimizer(
+                module):
+            return None
+        name = _unique(type(module).__name__,
+                       taken | {name for name, _ in self._models.values()})
+        self._models[id(module)] = (name, weakref.ref(module))
+        return name
+
+    def changed(self, recorded: set[int]
+                ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        """The side models' parameters and buffers not recorded yet, or changed in place
+        since, by name; a side model whose parameters became a recorded model's (`recorded`:
+        their ids; the model evaluated before its training began) is one no more."""
+        params: list[tuple[str, torch.Tensor]] = []
+        buffers: list[tuple[str, torch.Tensor]] = []
+        for key, (name, ref) in list(self._models.items()):
+            module = ref()
+            if module is None or any(id(p) in recorded for p in module.parameters()):
+                del self._models[key]
+                continue
+            for into, tensors in ((params, module.named_parameters(prefix=name)),
+                                  (buffers, module.named_buffers(prefix=name))):
+                for tensor_name, tensor in tensors:
+                    version = None if tensor.is_inference() else tensor._version
+                    before = self._versions.get(id(tensor))
+                    if before is not None and before[0]() is tensor and before[1] == version:
+                        continue
+                    into.append((tensor_name, tensor))
+                    if version is not None:
+                        self._versions[id(tensor)] = (weakref.ref(tensor), version)
+        return params, buffers

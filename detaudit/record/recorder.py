@@ -241,15 +241,21 @@ class Recorder(BackwardBoundaries):
             self._keys.append((phase, module, call, slot))
             self.fp.add_bytes(repr(values).encode())
 
-    def record_state(self, batch: Any, as_loaded: bool = False) -> None:
-        """Step-boundary state: the batch and every RNG. A batch `as_loaded` (as the data
-        pipeline yields it, before the training code moves it to a device) is printed by xxh3
-        in every dtype where it is on the CPU (see `fingerprint.scheme`)."""
+    def record_state(self, batch: Any, as_loaded: bool = False, rng: bool = True) -> None:
+        """Step-boundary state: the batch and every RNG (unless `rng` is false: taken
+        already). A batch `as_loaded` (as the data pipeline yields it, before the training
+        code moves it to a device) is printed by xxh3 in every dtype where it is on the CPU
+        (see `fingerprint.scheme`)."""
         self.record(STATE, "", 0, "batch", batch, algorithm="xxh3" if as_loaded else None)
+        if rng:
+            self.record_rng()
+        self._record_buffers()
+
+    def record_rng(self) -> None:
+        """The state of every RNG (torch's, each CUDA device's, numpy's, Python's)."""
         for name, state in rng_states().items():
             self._keys.append((STATE, "", 0, f"rng.{name}"))
             self.fp.add_bytes(state)
-        self._record_buffers()
 
     def _record_buffers(self) -> None:
         """The buffers written since the last step began (BatchNorm's running statistics,
@@ -283,6 +289,14 @@ class Recorder(BackwardBoundaries):
         self._record_per_parameter(phase, stats, [
             (name, p) for name, p in self._among(of) if phase == STATE or p.requires_grad
         ])
+
+    def record_side_state(self, params: list[tuple[str, torch.Tensor]],
+                          buffers: list[tuple[str, torch.Tensor]]) -> None:
+        """Parameters and buffers of a model no optimizer trains (see attach's SideModels),
+        named in full, as the step's state."""
+        self._keys += _parameter_keys(STATE, params) + _parameter_keys(STATE, buffers,
+                                                                       kind="buffer")
+        self.fp.add_many([t for _, t in params] + [t for _, t in buffers], stats=False)
 
     def record_param_grads(self, stats: bool = True,
                            of: Iterable[torch.Tensor] | None = None) -> None:
