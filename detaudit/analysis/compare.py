@@ -347,18 +347,18 @@ class Comparison:
         outputs, differs: the difference entered outside the model; None otherwise."""
         if self.cause not in ("forward", "backward") or any(f.phase == FORWARD for f in at_step):
             return None
-        backward = next((d for d in self.first_diffs if d.phase == BACKWARD), None)
         if any(d.phase == OUTPUT for d in self.first_diffs):
             what = "the loss computed from them differs"
-        elif backward is not None and backward.module == "" and backward.slot.startswith(
-                "grad_out"):
+        elif any(d.phase == BACKWARD and d.module == "" and d.slot.startswith("grad_out")
+                 for d in self.first_diffs):  # (the gradient entering the model's output)
             what = "the gradient the loss sends into them differs"
         else:
             return None
         return (f"the model's outputs agree in every repeat, yet {what}: the loss is computed "
                 "outside the model from something else that differs (class weights, targets "
                 "or masks made in the training loop rather than loaded, a value drawn on the "
-                "host), or by code outside the model")
+                "host, the outputs of a model called apart such as a frozen teacher), or by "
+                "code outside the model, forward or backward")
 
 
 def _rates(rates: list[float | None]) -> str:
