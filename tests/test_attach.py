@@ -831,6 +831,79 @@ def test_a_model_no_optimizer_trains_is_recorded_once_the_loop_calls_it(tmp_path
         "the parameters of Sequential, called by the loop but trained by no optimizer")
 
 
+class _Teacher(nn.Module):
+    """A frozen teacher whose outputs the student's loss takes; `nudge` changes them."""
+
+    def __init__(self, nudge: float) -> None:
+        super().__init__()
+        self.lin, self.nudge = nn.Linear(4, 1), nudge
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (1 + self.nudge)
+
+
+@pytest.mark.parametrize("nudge", [0.0, 2**-20])
+def test_a_teacher_called_before_the_step_is_named_where_its_outputs_differ(tmp_path, nudge):
+    """Distillation: a frozen teacher, called before the student in each step, computes
+    differently in one run. Its call is recorded (inputs, output) in the step its outputs
+    feed, so it is the origin (it was "head (first record); cause: backward")."""
+    for run_nudge in (0.0, nudge):
+        torch.manual_seed(0)
+        student, teacher = nn.Linear(4, 1), _Teacher(run_nudge).eval().requires_grad_(False)
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        with detaudit.watch(student, opt, out=tmp_path):
+            for i in range(3):
+                with torch.no_grad():
+                    target = teacher(x)
+                (student(x) - target).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    result = detaudit.compare(tmp_path)
+    if not nudge:
+        assert result.verdict.kind == "deterministic", result.verdict.headline
+        return
+    first = result.summary["first_divergence"]
+    assert (first["step"], first["phase"], first["module"], first["role"]) == (
+        0, "forward", "_Teacher", "origin")
+
+
+def test_exec_says_a_teachers_ops_were_not_recorded_rather_than_outside_the_dispatcher(
+        tmp_path):
+    """The zoom replays the step op by op, but a teacher called before the step began ran
+    before the op recording did: that is said, not "no op inside it differs" (which blamed
+    code outside PyTorch's dispatcher)."""
+    script = tmp_path / "distill.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "torch.manual_seed(0)\n"
+        "runs = open(sys.argv[1]).read() if os.path.exists(sys.argv[1]) else ''\n"
+        "open(sys.argv[1], 'a').write('.')\n"
+        "second = len(runs) % 2  # every other run: the scan's second, the zoom's second\n"
+        "class Teacher(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(4, 1)\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x) * (1 + 2**-20 * second)\n"
+        "student, teacher = torch.nn.Linear(4, 1), Teacher().eval()\n"
+        "opt = torch.optim.SGD(student.parameters(), lr=0.1)\n"
+        "for step in range(3):\n"
+        "    with torch.no_grad():\n"
+        "        target = teacher(torch.ones(2, 4))\n"
+        "    (student(torch.ones(2, 4)) - target).pow(2).mean().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n")
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--json", "--",
+                   sys.executable, str(script), str(tmp_path / "marker"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["first_divergence"]["module"] == "Teacher"
+    assert summary["op_drill_down"]["ops_not_recorded"]["text"].startswith(
+        "the ops of Teacher were not recorded")
+    assert not summary["op_drill_down"]["outside_dispatcher"]
+
+
 class _NumpyNoisy(torch.utils.data.Dataset):
     """Samples with noise from numpy's global RNG (not seeded by the loop)."""
 

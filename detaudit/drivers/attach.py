@@ -228,6 +228,12 @@ class Attachment(Installing, Updates, Epochs):
         if self._depth == 0 and self.info is not None and module.training:
             self._step_outputs.extend(
                 s for s in (t.untyped_storage() for _, t in iter_tensors(output)) if s.data_ptr())
+        if self._depth == 0 and not self.stopped and (records := self._side.call(
+                module, args, output)):
+            if self.info is not None and not self._updated and self.recorder is not None:
+                self.recorder.add_records(records)
+            else:  # (called before the step it works for begins: a teacher's pseudo-labels)
+                self._side.pending += records
 
     def _adopt(self, module: nn.Module) -> None:
         """`module` is the model from now on (see ModelFinder.replaces_model), recorded under
@@ -397,6 +403,8 @@ class Attachment(Installing, Updates, Epochs):
         side_params, side_buffers = self._side.changed(self._recorded_parameters())
         if side_params or side_buffers:
             self.recorder.record_side_state(side_params, side_buffers)
+        self.recorder.add_records(self._side.pending)
+        self._side.pending = []
         self._rng_taken = not by_call  # (a call records them with its batch)
         if self._rng_taken:
             self.recorder.record_rng()
@@ -486,6 +494,7 @@ class Attachment(Installing, Updates, Epochs):
         self._loss_values = {}
         self.trace.steps.append(self.info)
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
+        self._side.step_ended()
         self._step_outputs = []
         self._fetched = 0
         self._stepped = set()

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..record.recorder import call_prints
+
 # optimizers whose model is looked for among every live object: a loop that makes an
 # optimizer per batch over tensors no module owns (an adversarial perturbation) stops there
 MAX_MODEL_SEARCHES = 8
@@ -199,6 +201,24 @@ class SideModels:
     def __init__(self) -> None:
         self._models: dict[int, tuple[str, Any]] = {}  # id -> (name, weakref to the module)
         self._versions: dict[int, tuple[Any, int]] = {}  # id(tensor) -> (weakref, version)
+        self._calls: dict[str, int] = {}  # each side model's calls in the step they join
+        self.pending: list[tuple[Any, Any]] = []  # call records for the step about to begin
+
+    def call(self, module: nn.Module, args: tuple, output: Any) -> list[tuple[Any, Any]]:
+        """The records of a top-level call of `module` (none if it is no side model): its
+        inputs and output, so that one computing differently from equal inputs (a teacher
+        whose outputs the loss takes, an EMA evaluated) is named, as a module is."""
+        known = self._models.get(id(module))
+        if known is None:
+            return []
+        name = known[0]
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        return call_prints(name, call, args, output)
+
+    def step_ended(self) -> None:
+        """Calls after this one join the next step: counted from 0 again."""
+        self._calls = {}
 
     def saw(self, module: nn.Module, recorded: set[int], taken: set[str]) -> str | None:
         """A top-level call of `module` that is no training call: a side model if it has

@@ -22,7 +22,7 @@ from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
 from ..record.difference import tensor_difference
 from ..record.oprecorder import op_matches
 from ..record.structure import within
-from ..trace import Trace
+from ..trace import OP_PHASES, Trace
 
 MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
 
@@ -52,11 +52,14 @@ def drill_down(
     findings = [f for f in compare_ops(traces) if f.step == step]
     origins = [f for f in findings if f.role == ORIGIN]
     draws = plan.host_draws.get(step, set()) | (host_draws or set())
-    outside = _outside_dispatcher(replayed, step, origins, draws, config.fault)
+    unrecorded = _ops_not_recorded(replayed, step, traces)
+    outside = None if unrecorded else _outside_dispatcher(replayed, step, origins, draws,
+                                                          config.fault)
     out: dict[str, Any] = {
         "step": step,
-        "reproduced": bool(findings) or outside is not None,
+        "reproduced": bool(findings) or outside is not None or unrecorded is not None,
         "outside_dispatcher": outside,
+        "ops_not_recorded": unrecorded,
         # the risky ops of the step, re-executed in the last repeat's replay
         "stress": [op.to_dict() for op in stressed_ops(traces)],
         "ops": [_op_row(f) for f in (origins + [f for f in findings if f.role != ORIGIN])
@@ -86,6 +89,24 @@ def _is_planted(fault: Fault | None, op: OpFinding) -> bool:
     return (fault is not None and bool(fault.op) and fault.step == op.step
             and fault.phase == op.phase and fault.module in ("", op.module)
             and op_matches(fault.op, op.op, op.phase))
+
+
+def _ops_not_recorded(modules: Comparison, step: int, traces: list[Trace]
+                      ) -> dict[str, Any] | None:
+    """The origin, a model the loop calls apart (see Comparison.side_models) that ran before
+    the step began, whose ops were not recorded: what can be said instead (None when its
+    ops were recorded, or it is no such model)."""
+    origin = next((o for o in modules.origins if o.step == step), None)
+    if origin is None or origin.module.split(".")[0] not in modules.side_models:
+        return None
+    r = traces[0].records
+    if any(s == step and p in OP_PHASES and within(m, origin.module)
+           for s, p, m in zip(r["step"], r["phase"], r["module"])):
+        return None
+    return {"module": origin.module, "text": (
+        f"the ops of {origin.module} were not recorded: it is a model the loop calls apart, "
+        "and it ran before the step began (its inputs and outputs are recorded, its ops are "
+        "not), so the op is not named")}
 
 
 def _outside_dispatcher(

@@ -506,6 +506,24 @@ def _iter_inputs(args: tuple, kwargs: dict):
     yield from iter_tensors(kwargs)
 
 
+def call_prints(module: str, call: int, args: tuple, output: Any
+                ) -> list[tuple[RecordKey, TensorPrint]]:
+    """The forward records of one call of a module no recorder hooks (a model the loop
+    calls apart, see attach's SideModels), printed now: its inputs (``in.<i>``) and
+    output (``out``), for :meth:`Recorder.add_records` to add to a step's."""
+    keys: list[RecordKey] = []
+    tensors: list[torch.Tensor] = []
+    for slot, value in [*((f"in.{i}", a) for i, a in enumerate(args)), ("out", output)]:
+        for path, tensor in iter_tensors(value):
+            keys.append((FORWARD, module, call, slot_name(slot, path)))
+            tensors.append(tensor)
+    fp = Fingerprinter(stats=False)
+    with _disable_current_modes():
+        fp.add_many(tensors, False)
+        prints = fp.collect()
+    return list(zip(keys, prints))
+
+
 def _parameter_keys(phase: str, items: list[tuple[str, Any]], kind: str = "param"
                     ) -> list[RecordKey]:
     """The keys of per-parameter (or per-buffer) records: (phase, owning module, 0,

@@ -108,6 +108,8 @@ def _op_lines(summary: dict[str, Any]) -> list[str]:
     drill = summary.get("op_drill_down") or {}
     if drill.get("error"):
         return ["", f"op-level replay failed: {drill['error']}"]
+    if drill.get("ops_not_recorded"):
+        return ["", drill["ops_not_recorded"]["text"]]
     if drill and not drill.get("reproduced"):
         return ["", "op-level replay did not reproduce the divergence (intermittent)"]
     outside = drill.get("outside_dispatcher")

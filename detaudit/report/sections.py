@@ -323,6 +323,9 @@ def _first(s: dict[str, Any]) -> Section | None:
             f"The op-level replay of step {drill.get('step')} did not reproduce the divergence: "
             "it is intermittent; run again, or with more --repeats."
         ))
+    elif isinstance(drill.get("ops_not_recorded"), dict):
+        text = str(drill["ops_not_recorded"]["text"])
+        blocks.append(Text(f"{text[0].upper()}{text[1:]}."))
     elif isinstance(drill.get("outside_dispatcher"), dict):
         outside = drill["outside_dispatcher"]
         text = str(outside.get("text"))
