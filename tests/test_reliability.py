@@ -386,8 +386,11 @@ def test_api_run_without_a_folder_writes_nothing(tmp_path, monkeypatch):
 # -- smaller guards -------------------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
     (["--probe", str(PROBES / "tiny_cnn.py"), "--image-size", "64"], "--image-size"),
-    (["--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "stem:99"],
+    (["--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "2:99"],
      "never fired: the run has only 4 steps"),
+    # a module the model lacks is refused before any step, with the names nearest
+    (["--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "stem:1"],
+     "--inject-fault: the model has no module 'stem'; its modules: 0, 1, 2"),
     (["--probe", str(PROBES / "tiny_cnn.py"), "--seed", str(2**64)], "outside torch's range"),
     (["--probe", str(PROBES / "tiny_cnn.py"), "--repeats", "0"], "--repeats must be at least 1"),
     # an unset variable in a CI script ("--inject-fault $FAULT") was no fault at all, exit 0

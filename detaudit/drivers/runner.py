@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import os
 import sys
@@ -298,6 +299,8 @@ def run_repeat(
                 "a run-to-run audit cannot attribute; return the bare model, or audit "
                 "DistributedDataParallel on N ranks (detaudit run --nproc N)"
             )
+        if config.fault is not None:
+            _check_fault_module(config.fault, probe.model)
         train = config.mode == "train"
         probe.model.train(train)
         fingerprinter = Fingerprinter()
@@ -534,6 +537,18 @@ def store_records(trace: Trace, step: int, records: Any) -> None:
         trace.add_record(step, key, print_)
     for call in records.calls:
         trace.add_call(step, call.module, call.index, call.parent)
+
+
+def _check_fault_module(fault: Fault, model: torch.nn.Module) -> None:
+    """A fault planted in a module the model does not have is refused before any step runs
+    (it ran the whole audit, then said the module did not run), with the names nearest."""
+    names = [name for name, _ in model.named_modules() if name]
+    if not fault.module or fault.module in names:
+        return
+    close = difflib.get_close_matches(fault.module, names, n=3, cutoff=0.5)
+    hint = (f"did you mean {', '.join(close)}?" if close else
+            f"its modules: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}")
+    raise DetauditError(f"--inject-fault: the model has no module {fault.module!r}; {hint}")
 
 
 def _replay_stops_before(ops: OpPlan | None, step: int) -> bool:
