@@ -225,6 +225,10 @@ def run(
             raise
         except BaseException as exc:
             folder.set_state(stopped_state(folder.info.state, exc))
+            if folder.path is not None:  # (what a repeat streamed so far: kept, listed)
+                folder.keep_partial_traces(
+                    f"not complete: the run was {folder.info.state.split(' ')[0]} while it "
+                    "was recorded")
             raise
 
 

@@ -100,6 +100,9 @@ class AuditConfig:
             raise DetauditError("epochs and steps must be at least 1")
         if self.mode not in (TRAIN, INFER):
             raise DetauditError(f"mode must be train or infer, not {self.mode!r}")
+        if self.mode == INFER and self.fault is not None and self.fault.phase == BACKWARD:
+            raise DetauditError("--inject-fault plants in backward, but inference runs no "
+                                "backward: plant @forward, or audit training")
         if self.granularity not in GRANULARITIES:
             raise DetauditError(f"granularity must be one of {', '.join(GRANULARITIES)}, "
                                 f"not {self.granularity!r}")

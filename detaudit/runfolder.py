@@ -267,16 +267,17 @@ class RunFolder:
                     old.unlink()
         self.save()
 
-    def keep_partial_traces(self) -> None:
-        """The traces repeats were still streaming when the run was interrupted: kept under
-        their own names as far as they were flushed, marked interrupted, and listed."""
+    def keep_partial_traces(self, why: str = INTERRUPTED) -> None:
+        """The traces repeats were still streaming when the run was interrupted (or stopped
+        otherwise: `why`): kept under their own names as far as they were flushed, their
+        failure `why`, and listed."""
         for partial in sorted(self.path.glob("partial-trace-*.json.gz")):
             match = _TRACE_NAME.fullmatch(partial.name.removeprefix("partial-"))
             if match is None:
                 continue
             rank = match.group("rank")
             kept = keep_partial(self.path, int(match.group("repeat")),
-                                None if rank is None else int(rank), INTERRUPTED)
+                                None if rank is None else int(rank), why)
             if kept is not None and match.group(0) not in self.info.traces:
                 self.info.traces.append(match.group(0))
         self.save()

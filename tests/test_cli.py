@@ -269,7 +269,14 @@ def test_a_failed_run_keeps_its_error_for_the_report(tmp_path, capsys):
     state = json.loads((folder / "run.json").read_text())["state"]
     assert state == f"refused during recording: {said}"
     assert main(["report", str(folder)]) == 2  # as the run itself exited (it was 3, a crash)
-    assert f"REFUSED (refused during recording: {said})" in capsys.readouterr().out
+    rendered = capsys.readouterr().out
+    assert f"REFUSED (refused during recording: {said})" in rendered
+    # the last repeat's streamed trace is kept and listed (it was left as a partial file),
+    # and the report gives no advice about --repeats, which was 2
+    assert not list(folder.glob("partial-*"))
+    assert sorted(json.loads((folder / "run.json").read_text())["traces"]) == [
+        "trace-0.json.gz", "trace-1.json.gz"]
+    assert "needs --repeats 2" not in rendered
 
 
 def test_exec_plants_an_op_fault_in_any_module_and_names_the_op_and_its_module(tmp_path):

@@ -388,6 +388,8 @@ def test_api_run_without_a_folder_writes_nothing(tmp_path, monkeypatch):
     (["--probe", str(PROBES / "tiny_cnn.py"), "--image-size", "64"], "--image-size"),
     (["--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "2:99"],
      "never fired: the run has only 4 steps"),
+    (["--probe", str(PROBES / "tiny_cnn.py"), "--mode", "infer", "--inject-fault",
+      "2@backward:1"], "inference runs no backward"),
     # a module the model lacks is refused before any step, with the names nearest
     (["--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "stem:1"],
      "--inject-fault: the model has no module 'stem'; its modules: 0, 1, 2"),

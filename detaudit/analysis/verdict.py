@@ -104,7 +104,8 @@ def judge(
     elif kind == DETERMINISTIC and c.repeats < 2:
         kind = NOT_COMPARED
         headline = (f"NOT COMPARED: 1 run recorded over {_steps(c)}, and nothing to compare "
-                    "it with (an audit needs --repeats 2 or more; the trace is kept)")
+                    "it with" + ("" if interrupted else  # (stopped before the next repeat)
+                                 " (an audit needs --repeats 2 or more; the trace is kept)"))
     if interrupted:  # no verdict on what was recorded: the headline says what it was
         stopped = (FAILED if interrupted.startswith("failed") else
                    REFUSED if interrupted.startswith(REFUSED) else INTERRUPTED)
