@@ -904,6 +904,84 @@ def test_exec_says_a_teachers_ops_were_not_recorded_rather_than_outside_the_disp
     assert not summary["op_drill_down"]["outside_dispatcher"]
 
 
+def _probe_gradients_loop(out: Path, jitter: float, fault: detaudit.Fault | None = None
+                          ) -> Trace:
+    """Two epochs of 2 steps; after each epoch, a backward on a validation batch for a
+    gradient norm (its loss `jitter`ed), thrown away by zero_grad with no update. Run as
+    exec attaches (with `fault` planted), or in a watch when none is."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(8, 4, generator=torch.Generator().manual_seed(1))), batch_size=4)
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 4)),
+                                      batch_size=4)
+
+    def loop() -> None:
+        for _ in range(2):
+            for (x,) in train:
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+            (xv,) = next(iter(val))
+            opt.zero_grad()
+            (model(xv).pow(2).mean() + jitter).backward()
+            sum(p.grad.norm() for p in model.parameters())  # logged
+            opt.zero_grad()
+
+    if fault is None:
+        with detaudit.watch(model, opt, out=out) as w:
+            loop()
+        return w.trace
+    attachment = Attachment(out / "planted.json.gz", {}, fault=fault).install()
+    try:
+        loop()
+        attachment.finish()
+    finally:
+        attachment.uninstall()
+    return Trace.load(out / "planted.json.gz")
+
+
+def test_a_backward_whose_gradients_are_thrown_away_is_no_step(tmp_path):
+    """A gradient norm taken on a validation batch after each epoch (backward, then
+    zero_grad, no update) was a step: its loss, with a constant that differs between runs,
+    made a false DIVERGENT; its loader's pass counted as an epoch; and a fault planted at
+    the next step fired in it. Such a backward is dropped when the next training call
+    comes."""
+    first = _probe_gradients_loop(tmp_path / "runs", 0.0)
+    _probe_gradients_loop(tmp_path / "runs", 1e-3)
+    assert [(s.step, s.epoch, s.index) for s in first.steps] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert first.probe["dropped_steps"] == 2
+    result = detaudit.compare(tmp_path / "runs")
+    assert result.verdict.kind == "deterministic", result.verdict.headline
+    planted = _probe_gradients_loop(tmp_path, 0.0, detaudit.Fault("", "backward", 2))
+    assert planted.probe["fault_fired"]
+
+
+def test_gradients_combined_by_hand_after_zero_grad_stay_one_step(tmp_path):
+    """PCGrad-like: backward of one task's loss, its gradients kept aside, zero_grad, the
+    other task's backward, then the update: one step, both losses (not dropped)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    with detaudit.watch(model, opt, out=tmp_path) as w:
+        for _ in range(3):
+            out = model(x)
+            out[:, 0].sum().backward(retain_graph=True)
+            kept = [p.grad.clone() for p in model.parameters()]
+            opt.zero_grad()
+            out[:, 1].sum().backward()
+            for p, g in zip(model.parameters(), kept):
+                p.grad += g
+            opt.step()
+            opt.zero_grad()
+    trace = w.trace
+    assert len(trace.steps) == 3 and "dropped_steps" not in trace.probe
+    assert all(sorted(s.losses) == ["loss", "loss.1"] for s in trace.steps)
+
+
 class _NumpyNoisy(torch.utils.data.Dataset):
     """Samples with noise from numpy's global RNG (not seeded by the loop)."""
 

@@ -118,6 +118,9 @@ class Attachment(Installing, Updates, Epochs):
         self._grads_pending = False  # step(closure): gradients recorded after the update
         self._batches = 0  # top-level training calls in the open step
         self._rng_taken = False  # the open step recorded the RNG states as it began
+        self._before_step: tuple[Any, ...] = (None, 0, frozenset(), 0, 0)  # see _drop_step
+        self._at_backward: list[tuple[torch.Tensor, int]] = []  # see on_zero_grad
+        self._discarded = False  # the open step's gradients were zeroed unused (on_zero_grad)
         self.batches_seen = 0  # in all steps
         self._fetched = 0  # training loader batches recorded in the open step
         self._waiting: list[tuple[tuple[int, int], Any]] = []  # (pass, batch) before a step
@@ -291,7 +294,10 @@ class Attachment(Installing, Updates, Epochs):
         return name
 
     def _on_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """A top-level training call: a new step begins if the last one has updated."""
+        """A top-level training call: a new step begins if the last one has updated (or
+        threw its gradients away: it was none)."""
+        if self.info is not None and self._discarded and not self._updated:
+            self._drop_step()
         if self.info is not None and not self._updated and self._updated_by_hand():
             self._record_update_by_hand()
         if self._updated:
@@ -333,6 +339,10 @@ class Attachment(Installing, Updates, Epochs):
             return
         if self.info is None and not self._begin_step(self.models.current()):
             return
+        # what the parameters are as backward begins: zeroed gradients with them unchanged
+        # since were thrown away (see on_zero_grad)
+        self._at_backward = [(p, p._version) for p in self.recorder.trainable_parameters()]
+        self._discarded = False
         self._record_loss(tensor)
 
     def _record_loss(self, tensor: torch.Tensor) -> None:
@@ -362,6 +372,9 @@ class Attachment(Installing, Updates, Epochs):
         False where no step may begin (a limit reached)."""
         if model is None:
             return False
+        # what a step dropped again (see _drop_step) gives back
+        self._before_step = (self._train_pass, self._epochs_fed, frozenset(self._step_loaders),
+                             self.epoch, self.index)
         if self.max_steps is not None and self.stream.steps >= self.max_steps:
             self.stop()  # the last step was not complete when it updated
             return False
@@ -482,8 +495,12 @@ class Attachment(Installing, Updates, Epochs):
                      or self._by_hand_possible is False))
 
     def end_step(self) -> None:
-        """Close the open step and keep its records."""
+        """Close the open step and keep its records (a step that threw its gradients away
+        without an update is dropped: see on_zero_grad)."""
         if self.info is None or self.recorder is None:
+            return
+        if self._discarded and not self._updated:
+            self._drop_step()
             return
         self._end_ops()
         if self._carried is not None:
@@ -519,6 +536,8 @@ class Attachment(Installing, Updates, Epochs):
         self.trace.failure = failure or self.trace.failure
         if self.info is not None and not self._updated and self._updated_by_hand():
             self._record_update_by_hand(last=True)
+        if self.info is not None and self._discarded and not self._updated:
+            self._drop_step()
         if (self.trace.failure or self._optimizers or not self._losses) and (
                 self.info is not None and self.recorder is not None and not self._updated):
             # the step that failed, or that the process ended in before its update (a script

@@ -41,6 +41,7 @@ class Callbacks(Protocol):
     def on_loader_pass(self, loader: Any) -> tuple[int, int]: ...
     def on_loader_batch(self, iterator: Any, batch: Any) -> None: ...
     def on_scaler_update(self, scaler: Any) -> None: ...
+    def on_zero_grad(self, owner: Any) -> None: ...
     def keep_out_of_graphs(self) -> None: ...
     def see_compiled_calls(self, module: nn.Module) -> None: ...
 
@@ -153,6 +154,17 @@ def wrap_module_compile(attachment: Callbacks) -> Callable[..., Any]:
     return compile
 
 
+def wrap_zero_grad(attachment: Callbacks, owner: type) -> Callable[..., Any]:
+    """`owner.zero_grad` (an optimizer's or a module's), telling the attachment first."""
+    original = owner.zero_grad
+
+    def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+        attachment.on_zero_grad(self)
+        return original(self, *args, **kwargs)
+
+    return zero_grad
+
+
 def wrap_scaler_update(attachment: Callbacks) -> Callable[..., Any]:
     original = torch.amp.GradScaler.update
 
@@ -189,6 +201,9 @@ class Installing:
         self._patch(torch.utils.data.DataLoader, "__iter__", wrap_loader_iter(self))
         self._patch(LoaderIterator, "__next__", wrap_loader_next(self))
         self._patch(torch.amp.GradScaler, "update", wrap_scaler_update(self))
+        self._patch(torch.optim.Optimizer, "zero_grad",
+                    wrap_zero_grad(self, torch.optim.Optimizer))
+        self._patch(nn.Module, "zero_grad", wrap_zero_grad(self, nn.Module))
         self._patch(nn.Module, "compile", wrap_module_compile(self))
         self._patch(torch, "compile", wrap_torch_compile(self))
         for module in self.model.modules() if self.model is not None else ():

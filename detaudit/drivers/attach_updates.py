@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch._C._autograd import _get_sequence_nr
 
-from ..config import CALLS_UNSEEN
+from ..config import CALLS_UNSEEN, DROPPED_STEPS
 from ..record.recorder import WATCH_NONE, StepRecords
 from ..trace import OPTIMIZER, STATE
 from .attach_models import MAX_MODEL_SEARCHES, held_by_an_optimizer, parameters_of
@@ -34,6 +34,7 @@ class Updates:
     # -- the optimizer and the scaler ------------------------------------------------------
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_used = True  # (any optimizer: the loop does not update by hand)
+        self._discarded = False  # (the gradients were not thrown away after all)
         if self._auto and self.inferring:
             self._trains_after_all()
         if self.stopped or self.inferring or (
@@ -91,6 +92,43 @@ class Updates:
         # complete once every optimizer seen so far has updated; the first step never is
         # (its optimizers are not known until it ends): the limit then stops the next one
         self._step_done(complete=self.info.step > 0 and self._optimizers <= self._stepped)
+
+    def on_zero_grad(self, owner: Any) -> None:
+        """Gradients are zeroed (an optimizer's or a module's zero_grad). Those the open
+        step's backward made for the model, with no update since and the parameters left as
+        they were, are thrown away. If the next thing the loop does is a new training call,
+        that was no training step (a gradient norm taken on a validation batch, a batch the
+        loop skips), and the step is dropped then (see _drop_step); a backward or an update
+        first (gradients combined by hand, as PCGrad does) keeps it."""
+        if (self.stopped or self.inferring or self.info is None or self._updated
+                or not self._losses or self._grads_pending or self.recorder is None
+                or self.in_backward):
+            return
+        params = (parameters_of(owner) if isinstance(owner, torch.optim.Optimizer)
+                  else list(owner.parameters()))
+        mine = self.recorder.parameter_ids()
+        # (parameters changed since the backward: an update, or SAM's perturbation)
+        self._discarded = any(id(p) in mine for p in params) and all(
+            p._version == version for p, version in self._at_backward)
+
+    def _drop_step(self) -> None:
+        """Forget the open step as if it had not begun: its records (batch, loss,
+        gradients), and the pass over data it would have counted as an epoch; the next
+        training call begins it again, under the same number."""
+        assert self.recorder is not None and self.info is not None
+        if self.fault is not None and self.fault.step == self.info.step:
+            self.recorder.fault_fired = False  # a fault planted at this step fires in it again
+        self._end_ops()
+        self.recorder.end_step()  # (its records: not kept)
+        self._carried = None
+        (self._train_pass, self._epochs_fed, step_loaders, self.epoch,
+         self.index) = self._before_step
+        self._step_loaders = set(step_loaders)
+        self.info, self._batches, self._losses, self._rng_taken = None, 0, 0, False
+        self._loss_values, self._step_outputs, self._fetched = {}, [], 0
+        self._discarded = False
+        self._side.step_ended()
+        self.trace.probe[DROPPED_STEPS] = self.trace.probe.get(DROPPED_STEPS, 0) + 1
 
     def on_scaler_update(self, scaler: Any) -> None:
         """A GradScaler updated its scale: recorded; when it skipped the optimizer step

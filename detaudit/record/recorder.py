@@ -364,6 +364,10 @@ class Recorder(BackwardBoundaries):
             return self._post_hook(module, args, {}, output)
         return None
 
+    def trainable_parameters(self) -> list[torch.Tensor]:
+        """The recorded parameters that take gradients (not inference tensors)."""
+        return [p for p in self._params.values() if p.requires_grad and not p.is_inference()]
+
     def parameter_ids(self) -> set[int]:
         """The ids of the parameters recorded."""
         return {id(p) for p in self._params.values()}
