@@ -819,16 +819,16 @@ def test_a_model_no_optimizer_trains_is_recorded_once_the_loop_calls_it(tmp_path
     same = detaudit.compare(tmp_path / "same")
     assert same.verdict.kind == "deterministic", same.verdict.headline
     records = first.trace.frame()
-    side = records[records.module.str.startswith("Sequential")]
-    # from the step after the EMA's first call, after each update; the model evaluated
-    # first is no side model (it would be named first, and recorded from step 0)
-    assert set(side.step) == {2, 3} and first.trace.probe["side_models"] == ["Sequential"]
+    side = records[records.module.str.startswith("ema")]
+    # from the step after the EMA's first call, after each update, named as the loop calls
+    # it; the model evaluated first is no side model (it would be recorded from step 0)
+    assert set(side.step) == {2, 3} and first.trace.probe["side_models"] == ["ema"]
     _ema_loop(tmp_path / "nudged", 0.9)
     _ema_loop(tmp_path / "nudged", 0.9 + 2**-20)
     nudged = detaudit.compare(tmp_path / "nudged")
     assert (nudged.comparison.first_step, nudged.comparison.cause) == (2, "params")
     assert nudged.summary["cause"]["text"].startswith(
-        "the parameters of Sequential, called by the loop but trained by no optimizer")
+        "the parameters of ema, called by the loop but trained by no optimizer")
 
 
 class _Teacher(nn.Module):
@@ -865,7 +865,7 @@ def test_a_teacher_called_before_the_step_is_named_where_its_outputs_differ(tmp_
         return
     first = result.summary["first_divergence"]
     assert (first["step"], first["phase"], first["module"], first["role"]) == (
-        0, "forward", "_Teacher", "origin")
+        0, "forward", "teacher", "origin")
 
 
 def test_exec_says_a_teachers_ops_were_not_recorded_rather_than_outside_the_dispatcher(
@@ -898,9 +898,9 @@ def test_exec_says_a_teachers_ops_were_not_recorded_rather_than_outside_the_disp
                    sys.executable, str(script), str(tmp_path / "marker"))
     assert done.returncode == 1, done.stdout + done.stderr
     summary = json.loads(done.stdout)
-    assert summary["first_divergence"]["module"] == "Teacher"
+    assert summary["first_divergence"]["module"] == "teacher"
     assert summary["op_drill_down"]["ops_not_recorded"]["text"].startswith(
-        "the ops of Teacher were not recorded")
+        "the ops of teacher were not recorded")
     assert not summary["op_drill_down"]["outside_dispatcher"]
 
 
@@ -980,6 +980,49 @@ def test_gradients_combined_by_hand_after_zero_grad_stay_one_step(tmp_path):
     trace = w.trace
     assert len(trace.steps) == 3 and "dropped_steps" not in trace.probe
     assert all(sorted(s.losses) == ["loss", "loss.1"] for s in trace.steps)
+
+
+def test_models_called_apart_are_named_as_the_loop_holds_them_whatever_their_order(tmp_path):
+    """Two EMA copies of one class in a dict, evaluated in an order that alternates between
+    runs: named by their keys (emas.fast.0), not by class and first call (MLP, MLP2), which
+    swapped between the runs and made a false DIVERGENT. A deepcopy of the model while its
+    modules carry the recorder's hooks (a planted step) copies no hook: it failed with
+    "cannot pickle '_thread.lock' object". A module traced by torch.jit is no call."""
+    import copy
+
+    for run in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        emas = {"fast": (copy.deepcopy(model).requires_grad_(False), 0.5),
+                "slow": (copy.deepcopy(model).requires_grad_(False), 0.9)}
+        attachment = Attachment(tmp_path / f"trace-{run}.json.gz", {},
+                                fault=detaudit.Fault("0", "forward", 5) if run else None)
+        attachment.install()
+        try:
+            for step in range(6):
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                copied = copy.deepcopy(model)  # (its hooks: the recorder's, at a planted step)
+                with torch.no_grad():
+                    for e, decay in emas.values():
+                        for pe, p in zip(e.parameters(), copied.parameters()):
+                            pe.mul_(decay).add_(p, alpha=1 - decay)
+                    for name in ("fast", "slow") if (step + run) % 2 else ("slow", "fast"):
+                        e = emas[name][0]
+                        e.eval()(x)
+                    torch.jit.trace(copied.eval(), x, check_trace=False)
+            attachment.finish()
+        finally:
+            attachment.uninstall()
+    traces = [Trace.load(tmp_path / f"trace-{r}.json.gz") for r in range(2)]
+    assert sorted(traces[0].probe["side_models"]) == ["emas.fast.0", "emas.slow.0"]
+    assert traces[1].probe["fault_fired"]
+    # the runs agree until the planted step (the EMAs' records under the same names)
+    result = detaudit.compare(*traces)
+    assert result.summary["first_divergence"]["step"] == 5, result.verdict.headline
 
 
 class _NumpyNoisy(torch.utils.data.Dataset):

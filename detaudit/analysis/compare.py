@@ -330,7 +330,13 @@ class Comparison:
         text = _CAUSE_TEXT["data"]
         differing = [d.slot for d in self.first_diffs if d.phase == STATE
                      and d.slot.startswith("batch")]
-        if self.loader_batch and not any(slot.startswith(LOADER_BATCH) for slot in differing):
+        entered = next((d for d in self.first_diffs if d.phase == FORWARD), None)
+        if not differing and entered is not None:
+            text = (f"the input of {entered.module or '(model)'} differs while everything the "
+                    "step began with agrees (its batch, every RNG state): the loop made it "
+                    "differently (noise or an augmentation drawn in the loop, a value computed "
+                    "outside the model)")
+        elif self.loader_batch and not any(slot.startswith(LOADER_BATCH) for slot in differing):
             text = ("the model's input differs while the batches the DataLoader yielded agree: "
                     "the training loop changed them after loading (an augmentation, noise or a "
                     "transform applied in the loop, or a batch mixed with another)")
@@ -865,6 +871,8 @@ def _cause(
     forward = [f for f in origins if f.phase == FORWARD]
     if forward:
         return "rng" if forward[0].rng else "forward"
+    if first and first[0].phase == FORWARD and first[0].slot.startswith("in."):
+        return "data"  # a call's input, first to differ: made outside what is recorded
     if drawn and not origins:  # no module call to blame: the draw is the first difference
         return "rng"
     # A loss that differs is a forward difference (in a scanned step the loss is the only

@@ -181,6 +181,7 @@ class Attachment(Installing, Updates, Epochs):
             self._top_level_call(module, args)
             if self.recorder is not None:
                 self.recorder.join_call(module, args, hooks_before)
+                self.recorder.apart = self._side.name_of(module)
         self._depth += 1
 
     def _top_level_call(self, module: nn.Module, args: tuple) -> None:
@@ -209,8 +210,7 @@ class Attachment(Installing, Updates, Epochs):
             self.end_step()  # evaluation after the last step's update: the run is over
             self.stop()
         elif not module.training or not torch.is_grad_enabled():  # (an evaluation)
-            side = self._side.saw(module, self._recorded_parameters(),
-                                  {name for name, _ in self.models.others})
+            side = self._side.saw(module, self._recorded_parameters(), self._recorded_names())
             if side is not None:
                 self.trace.probe.setdefault(SIDE_MODELS, []).append(side)
 
@@ -231,6 +231,8 @@ class Attachment(Installing, Updates, Epochs):
         if self._depth == 0 and self.info is not None and module.training:
             self._step_outputs.extend(
                 s for s in (t.untyped_storage() for _, t in iter_tensors(output)) if s.data_ptr())
+        if self._depth == 0 and self.recorder is not None:
+            self.recorder.apart = None
         if self._depth == 0 and not self.stopped and (records := self._side.call(
                 module, args, output)):
             if self.info is not None and not self._updated and self.recorder is not None:
@@ -424,6 +426,14 @@ class Attachment(Installing, Updates, Epochs):
         self._by_hand = []  # (taken after the step's backward)
         self._grads_by_hand = []
         return True
+
+    def _recorded_names(self) -> set[str]:
+        """The module names the recorded models' records are made under (a side model takes
+        none of them)."""
+        if self.recorder is not None:
+            return self.recorder.module_names()
+        model = self.models.current()
+        return {name for name, _ in model.named_modules()} if model is not None else set()
 
     def _recorded_parameters(self) -> set[int]:
         """The ids of the recorded models' parameters (the model's, before its recording

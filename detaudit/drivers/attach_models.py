@@ -13,6 +13,7 @@ recording; a :class:`ModelFinder` only says which modules are which.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from ..record.recorder import call_prints
+from .runner import in_a_library
 
 # optimizers whose model is looked for among every live object: a loop that makes an
 # optimizer per batch over tensors no module owns (an adversarial perturbation) stops there
@@ -183,6 +185,50 @@ def held_by_an_optimizer(model: nn.Module) -> bool:
                for o in live_objects(torch.optim.Optimizer))
 
 
+def _bound_name(module: nn.Module) -> str | None:
+    """The name the user's code holds `module` by where it calls it: a key path into a dict,
+    list or tuple of that frame (``emas.fast.0``) first, else a variable of the frame or an
+    attribute of its ``self``. It is the same in every run whatever order two models of one
+    class are first called in (by a loop variable, say), where a name by class and order is
+    not."""
+    frame = sys._getframe(1)
+    while frame is not None and in_a_library(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    owner = frame.f_locals.get("self")
+    scopes = [frame.f_locals, frame.f_globals, getattr(owner, "_modules", None) or {},
+              getattr(owner, "__dict__", None) or {}]
+    named = [(name, value) for scope in scopes for name, value in list(scope.items())
+             if name != "self" and name.isidentifier()]
+    held = next((f"{name}.{path}" for name, value in named
+                 if isinstance(value, (dict, list, tuple))
+                 and (path := _path_to(module, value, depth=2))), None)
+    return held or next((name for name, value in named if value is module), None)
+
+
+def _path_to(module: nn.Module, container: Any, depth: int) -> str | None:
+    """The key path to `module` inside `container` (dicts, lists and tuples, `depth` deep;
+    large ones are not searched)."""
+    if isinstance(container, dict):
+        items = [(str(k), v) for k, v in container.items() if isinstance(k, (str, int))]
+    elif isinstance(container, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(container)]
+    else:
+        return None
+    if len(items) > _SEARCHED_ITEMS:
+        return None
+    for key, value in items:
+        if value is module:
+            return key
+        if depth > 1 and (inner := _path_to(module, value, depth - 1)):
+            return f"{key}.{inner}"
+    return None
+
+
+_SEARCHED_ITEMS = 1000  # a frame's containers larger than this (a dataset) are not searched
+
+
 def _unique(name: str, taken: set[str]) -> str:
     """`name`, or `name2`, `name3`, ... if taken."""
     k = 1
@@ -203,6 +249,11 @@ class SideModels:
         self._versions: dict[int, tuple[Any, int]] = {}  # id(tensor) -> (weakref, version)
         self._calls: dict[str, int] = {}  # each side model's calls in the step they join
         self.pending: list[tuple[Any, Any]] = []  # call records for the step about to begin
+
+    def name_of(self, module: nn.Module) -> str | None:
+        """The name `module` is recorded under, if it is a side model."""
+        known = self._models.get(id(module))
+        return known[0] if known is not None else None
 
     def call(self, module: nn.Module, args: tuple, output: Any) -> list[tuple[Any, Any]]:
         """The records of a top-level call of `module` (none if it is no side model): its
@@ -230,7 +281,7 @@ class SideModels:
         if not params or any(id(p) in recorded for p in params) or held_by_an_optimizer(
                 module):
             return None
-        name = _unique(type(module).__name__,
+        name = _unique(_bound_name(module) or type(module).__name__,
                        taken | {name for name, _ in self._models.values()})
         self._models[id(module)] = (name, weakref.ref(module))
         return name

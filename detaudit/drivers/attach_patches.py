@@ -51,10 +51,11 @@ _functorch_level = getattr(torch._C._functorch, "maybe_current_level", lambda: N
 
 
 def transformed() -> bool:
-    """Whether code runs inside a graph torch.compile traces, or inside a torch.func
-    transform (grad, vmap: its tensors are wrappers without storage): a module called there
-    is a step of a function, not a training call of the loop."""
-    return _compiling() or _functorch_level() is not None
+    """Whether code runs inside a graph torch.compile traces, inside a torch.func transform
+    (grad, vmap: its tensors are wrappers without storage) or under torch.jit.trace (its
+    sizes are traced values): a module called there is a step of a function, or the
+    tracing of a module, not a training call of the loop."""
+    return _compiling() or _functorch_level() is not None or torch.jit.is_tracing()
 
 
 LoaderIterator = torch.utils.data.dataloader._BaseDataLoaderIter

@@ -572,7 +572,7 @@ def describe_user_error(exc: BaseException, when: str) -> str:
     if isinstance(exc, SyntaxError) and exc.filename:
         return f"SyntaxError while {when} at {exc.filename}:{exc.lineno}: {exc.msg}"
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if not _in_a_library(f.filename)]
+    user = [f for f in frames if not in_a_library(f.filename)]
     frame = (user or frames or [None])[-1]
     where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
     inner_user = max((i for i, f in enumerate(frames) if f in user), default=-1)
@@ -591,12 +591,13 @@ def describe_user_error(exc: BaseException, when: str) -> str:
 def user_call_site(frame: FrameType | None) -> str:
     """`file:line` of the innermost frame at or above `frame` outside detaudit, torch and
     the Python installation (where the user's code called into them); "" if none is."""
-    while frame is not None and _in_a_library(frame.f_code.co_filename):
+    while frame is not None and in_a_library(frame.f_code.co_filename):
         frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
 
 
-def _in_a_library(filename: str) -> bool:
+def in_a_library(filename: str) -> bool:
+    """Whether `filename` is detaudit's, torch's or the Python installation's."""
     library_dirs = (_PACKAGE_DIR, os.path.dirname(torch.__file__), sys.prefix, sys.base_prefix)
     return os.path.abspath(filename).startswith(library_dirs)
 

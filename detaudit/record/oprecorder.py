@@ -159,7 +159,8 @@ class OpRecorder(ModelOpMode):
         name = op_name(func)
         phase, call = self.where()
         op_phase = OP_FORWARD if phase == FORWARD else OP_BACKWARD
-        module, index = (call.module, call.index) if call is not None else (OUTSIDE_MODEL, 0)
+        module, index = (call.module, call.index) if call is not None else (
+            self.recorder.apart or OUTSIDE_MODEL, 0)
         if self.census:
             self.counts[(module, phase, name, accumulate_arg(func, args, kwargs))] += 1
         skip = func.is_view or name in PASSTHROUGH_OPS

@@ -108,6 +108,9 @@ class Recorder(BackwardBoundaries):
         self._step_handles: list[Any] = []
         self._step = -1
         self._lock = threading.Lock()  # a record's key and print are appended together
+        # the model called apart (see attach's SideModels) whose call runs now: ops outside
+        # every module call of the recorded models are placed in it
+        self.apart: str | None = None
         if watch not in WATCH_LEVELS:
             raise ValueError(f"watch must be one of {', '.join(WATCH_LEVELS)}, not {watch!r}")
         self._default_watch = self._watch = watch
@@ -137,8 +140,10 @@ class Recorder(BackwardBoundaries):
                 self._hook(module)
 
     def _hook(self, module: nn.Module) -> None:
-        self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-        self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+        self._handles.append(module.register_forward_pre_hook(_Hook(self._pre_hook),
+                                                              with_kwargs=True))
+        self._handles.append(module.register_forward_hook(_Hook(self._post_hook),
+                                                          with_kwargs=True))
 
     @property
     def _records_modules(self) -> bool:
@@ -364,6 +369,10 @@ class Recorder(BackwardBoundaries):
             return self._post_hook(module, args, {}, output)
         return None
 
+    def module_names(self) -> set[str]:
+        """The names of the recorded models' modules, and of the models."""
+        return {*self._names.values(), *self._prefixes}
+
     def trainable_parameters(self) -> list[torch.Tensor]:
         """The recorded parameters that take gradients (not inference tensors)."""
         return [p for p in self._params.values() if p.requires_grad and not p.is_inference()]
@@ -508,6 +517,32 @@ def _iter_inputs(args: tuple, kwargs: dict):
     """A call's input tensors: positional ones by index, keyword ones by name."""
     yield from iter_tensors(list(args))
     yield from iter_tensors(kwargs)
+
+
+class _Hook:
+    """One of the recorder's module hooks. A copy of the module (``copy.deepcopy(model)``
+    for an EMA, ``torch.save`` of the whole module) takes a hook that does nothing: the
+    copy is not the module recorded, and the recorder (its lock) cannot be copied."""
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hook(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return _no_hook
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_detached, ())
+
+
+def _no_hook(*args: Any, **kwargs: Any) -> None:
+    """What a copied module's hook of the recorder's becomes (see _Hook)."""
+
+
+def _detached() -> Any:
+    return _no_hook
 
 
 def call_prints(module: str, call: int, args: tuple, output: Any
