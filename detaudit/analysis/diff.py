@@ -369,8 +369,9 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
         lines.append("  it differs bitwise, and a run stored no stats to measure it within "
                      "tolerance by (a run at scan level stores none; baseline records at "
                      "module level, with them)")
-    elif result.tolerance and not atol and max(abs(v) for v in (*first.norm, *first.absmax)
-                                               if v is not None) < 1e-6:
+    elif result.tolerance and not atol and max(
+            (abs(v) for v in (*first.norm, *first.absmax) if v is not None),
+            default=float("inf")) < 1e-6:
         lines.append("  (with --atol 0, a value this close to zero fails any --rtol: give an "
                      "--atol)")
     if first.phase == "state" and first.slot.startswith("param."):

@@ -233,9 +233,10 @@ def random_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def cause_of(c: Comparison, ops: dict[str, Any] | None) -> tuple[str, str]:
     """The class of cause and its text: the comparison's, unless the op the drill-down found
-    where a forward or backward part draws random numbers (then the RNG is the cause)."""
+    where a forward or backward part (or an input made in the loop) first differs draws
+    random numbers (then the RNG is the cause)."""
     op = random_origin_op(ops)
-    if op is None or c.cause not in ("forward", "backward"):
+    if op is None or c.cause not in ("forward", "backward", "data"):
         return c.cause, c.cause_text
     return "rng", (
         f"{op['op']} in {op['module']} drew different random numbers from equal inputs: the "

@@ -7,8 +7,9 @@ model runs inside a compiled function, or trains in eval mode) it is looked for 
 live module (:meth:`ModelFinder.find`). Other models an optimizer trains (a head called apart
 from its backbone, a GAN's generator, an ensemble's members in inference) are recorded too,
 under their class's name; a model built anew like the model once no optimizer holds the old
-one (a loop that resumes from a checkpoint) takes its place. The attachment owns the
-recording; a :class:`ModelFinder` only says which modules are which.
+one (a loop that resumes from a checkpoint) takes its place. Models the loop calls but no
+optimizer trains (an EMA, a teacher) are :class:`SideModels`. The attachment owns the
+recording; these classes only say which modules are which, and what of them to record.
 """
 
 from __future__ import annotations
@@ -241,8 +242,9 @@ class SideModels:
     """Models the loop calls but no optimizer trains (an EMA copy evaluated between epochs, a
     frozen teacher, a model restored for evaluation): their parameters and buffers are step
     state, recorded as a step begins once the model was first seen, then each time they
-    changed in place (an EMA's update after every step). Named by their class, as other
-    models are."""
+    changed in place (an EMA's update after every step); each top-level call's inputs and
+    output are step records too. Named as the loop holds them (see _bound_name), else by
+    their class."""
 
     def __init__(self) -> None:
         self._models: dict[int, tuple[str, Any]] = {}  # id -> (name, weakref to the module)

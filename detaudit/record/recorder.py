@@ -355,7 +355,7 @@ class Recorder(BackwardBoundaries):
         """`module`'s call began with the forward pre-hooks `hooks_before` (their ids), and
         ours were installed inside it (from a global hook): torch runs the post-hooks a call
         ends with, but only the pre-hooks it began with, so the call is entered here."""
-        if any(key not in hooks_before and getattr(hook, "__self__", None) is self
+        if any(key not in hooks_before and self._owns(hook)
                for key, hook in module._forward_pre_hooks.items()):
             self._pre_hook(module, args, {})
 
@@ -364,10 +364,13 @@ class Recorder(BackwardBoundaries):
         seen from a global hook, which torch runs first): our post-hook runs now, in the step,
         and what it returns (a planted fault's output) is returned; after the step it finds
         no call open and does nothing."""
-        if self._stack and any(getattr(hook, "__self__", None) is self
-                               for hook in module._forward_hooks.values()):
+        if self._stack and any(self._owns(hook) for hook in module._forward_hooks.values()):
             return self._post_hook(module, args, {}, output)
         return None
+
+    def _owns(self, hook: Any) -> bool:
+        """Whether a module's hook is one of this recorder's."""
+        return isinstance(hook, _Hook) and getattr(hook.hook, "__self__", None) is self
 
     def module_names(self) -> set[str]:
         """The names of the recorded models' modules, and of the models."""
