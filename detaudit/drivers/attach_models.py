@@ -251,6 +251,9 @@ class SideModels:
         self._versions: dict[int, tuple[Any, int]] = {}  # id(tensor) -> (weakref, version)
         self._calls: dict[str, int] = {}  # each side model's calls in the step they join
         self.pending: list[tuple[Any, Any]] = []  # call records for the step about to begin
+        # modules found to be no side model, asked once (an optimizer is looked for among
+        # every live object: an evaluation loop would pay that at each call)
+        self._rejected: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def name_of(self, module: nn.Module) -> str | None:
         """The name `module` is recorded under, if it is a side model."""
@@ -277,11 +280,12 @@ class SideModels:
         """A top-level call of `module` that is no training call: a side model if it has
         parameters, none of them recorded (`recorded`: their ids) and none an optimizer's;
         its name if it is new. `taken`: the names of the models recorded already."""
-        if id(module) in self._models:
+        if id(module) in self._models or module in self._rejected:
             return None
         params = list(module.parameters())
         if not params or any(id(p) in recorded for p in params) or held_by_an_optimizer(
                 module):
+            self._rejected.add(module)
             return None
         name = _unique(_bound_name(module) or type(module).__name__,
                        taken | {name for name, _ in self._models.values()})
