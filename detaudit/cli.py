@@ -57,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     """Run the command; each way it can end becomes one line on stderr and its exit code."""
     started = time.perf_counter()
+    _MADE_FOLDERS.clear()  # (this command's own: main may run many in one process)
     try:
         with _sigterm_as_interrupt(), _output_that_outlives_its_reader():
             return args.func(args, argv)

@@ -4,6 +4,7 @@ and rebuilt in another process or next month."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -27,6 +28,15 @@ FAULT_GRAMMAR = "MODULE[/OP][@forward|@backward][:STEP] or op:OP[@phase][:STEP]"
 
 # Said when an op fault never fired: where the op is looked for.
 OP_FAULT_MODULE = "an op fault names the innermost module the op runs in, not a parent of it"
+
+
+def nearest_modules(name: str, names: list[str], listed: str) -> str:
+    """What to say of a module name that is not among `names`: the nearest ones, or the
+    first few of them, under `listed` ("modules that ran")."""
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    if close:
+        return f"did you mean {', '.join(close)}?"
+    return f"{listed}: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}"
 
 
 def fault_not_fired(fault: Fault, steps: int) -> str:

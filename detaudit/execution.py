@@ -6,7 +6,6 @@ and the first divergent step zoomed by running the command again.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import signal
@@ -46,6 +45,7 @@ from .config import (
     Fault,
     ProbeSpec,
     fault_not_fired,
+    nearest_modules,
 )
 from .errors import DetauditError
 from .runfolder import (
@@ -403,10 +403,7 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
                 f"running at step {fault.step} (" + (_KNOWN_LATER if fault.step == 0 else
                                                      "a layer the forward never calls, or "
                                                      "calls at other steps only") + ")")
-        close = difflib.get_close_matches(fault.module, sorted(modules), n=3, cutoff=0.5)
-        hint = (f"did you mean {', '.join(close)}?" if close else
-                f"modules that ran: {', '.join(sorted(modules)[:6])}"
-                f"{', ...' if len(modules) > 6 else ''}")
+        hint = nearest_modules(fault.module, sorted(modules), "modules that ran")
         raise DetauditError(
             f"--inject-fault: no module {fault.module!r} ran at step {fault.step}; {hint}")
 

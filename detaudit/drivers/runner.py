@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import math
 import os
 import sys
@@ -16,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import SCAN, AuditConfig, Fault, ProbeSpec, fault_not_fired
+from ..config import SCAN, AuditConfig, Fault, ProbeSpec, fault_not_fired, nearest_modules
 from ..errors import DetauditError, ProbeError
 from ..probe import Probe
 from ..record.environment import capture_environment
@@ -545,9 +544,7 @@ def _check_fault_module(fault: Fault, model: torch.nn.Module) -> None:
     names = [name for name, _ in model.named_modules() if name]
     if not fault.module or fault.module in names:
         return
-    close = difflib.get_close_matches(fault.module, names, n=3, cutoff=0.5)
-    hint = (f"did you mean {', '.join(close)}?" if close else
-            f"its modules: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}")
+    hint = nearest_modules(fault.module, names, "its modules")
     raise DetauditError(f"--inject-fault: the model has no module {fault.module!r}; {hint}")
 
 

@@ -318,11 +318,8 @@ class Recorder(BackwardBoundaries):
         """The records :meth:`record_param_grads` would make now, taken aside (fetched at
         once) for :meth:`add_records` to add to a later step's."""
         items = self._grads(None)
-        fp = Fingerprinter(stats=stats, algorithm=self.fp.algorithm)
-        with _disable_current_modes():  # (an op-level step's mode: these ops are not the model's)
-            fp.add_many([t for _, t in items], stats)
-            prints = fp.collect()
-        return list(zip(_parameter_keys(GRAD, items), prints))
+        return _printed_aside(_parameter_keys(GRAD, items), [t for _, t in items], stats,
+                              self.fp.algorithm)
 
     def add_records(self, records: list[tuple[RecordKey, TensorPrint]]) -> None:
         """Add records taken aside by :meth:`print_param_grads` to the step's."""
@@ -559,9 +556,16 @@ def call_prints(module: str, call: int, args: tuple, output: Any
         for path, tensor in iter_tensors(value):
             keys.append((FORWARD, module, call, slot_name(slot, path)))
             tensors.append(tensor)
-    fp = Fingerprinter(stats=False)
-    with _disable_current_modes():
-        fp.add_many(tensors, False)
+    return _printed_aside(keys, tensors, stats=False)
+
+
+def _printed_aside(keys: list[RecordKey], tensors: list[torch.Tensor], stats: bool,
+                   algorithm: str | None = None) -> list[tuple[RecordKey, TensorPrint]]:
+    """`tensors` printed now, apart from the step's own fingerprinter (fetched at once), as
+    records `keys` for :meth:`Recorder.add_records`."""
+    fp = Fingerprinter(stats=stats, algorithm=algorithm)
+    with _disable_current_modes():  # (an op-level step's mode: these ops are not the model's)
+        fp.add_many(tensors, stats)
         prints = fp.collect()
     return list(zip(keys, prints))
 
