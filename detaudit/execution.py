@@ -39,6 +39,7 @@ from .config import (
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
     SCAN,
+    SIDE_MODELS,
     TRAIN,
     AuditConfig,
     ExecJob,
@@ -387,6 +388,7 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
             f"--inject-fault plants at step {fault.step}, but the command ran "
             f"{len(trace.steps)} step{'' if len(trace.steps) == 1 else 's'} "
             f"(0 to {len(trace.steps) - 1})")
+    _check_side_fault(fault, trace.probe.get(SIDE_MODELS) or [])
     modules: set[str] = set()
     owners: set[str] = set()  # modules with parameters, called or not
     for step, cut in trace.by_step():
@@ -406,6 +408,20 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
         hint = nearest_modules(fault.module, sorted(modules), "modules that ran")
         raise DetauditError(
             f"--inject-fault: no module {fault.module!r} ran at step {fault.step}; {hint}")
+
+
+def _check_side_fault(fault: Fault, sides: list[str]) -> None:
+    """A model the loop calls apart (see attach's SideModels) is recorded by its calls'
+    inputs and outputs: a fault is planted at its output, in forward, or at an op in it."""
+    side = next((s for s in sides if fault.module == s or fault.module.startswith(s + ".")),
+                None)
+    if side is None or (fault.module == side and (fault.phase == FORWARD or fault.op)):
+        return
+    where = f"{side!r} is" if fault.module == side else f"{fault.module!r} is inside {side!r},"
+    raise DetauditError(
+        f"--inject-fault: {where} a model the loop calls apart (no optimizer trains it), recorded by its calls' inputs and output: plant at its output "
+        f"(--inject-fault {side}@forward:{fault.step}) or at an op in it "
+        f"({side}/OP@forward:{fault.step})")
 
 
 def _stop(child: subprocess.Popen) -> None:

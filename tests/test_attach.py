@@ -4,6 +4,7 @@ script, unmodified) and `detaudit.watch(...)` around the user's own loop."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import signal
@@ -902,6 +903,55 @@ def test_exec_says_a_teachers_ops_were_not_recorded_rather_than_outside_the_disp
     assert summary["op_drill_down"]["ops_not_recorded"]["text"].startswith(
         "the ops of teacher were not recorded")
     assert not summary["op_drill_down"]["outside_dispatcher"]
+
+
+_DISTILL = (
+    "import torch\n"
+    "torch.manual_seed(0)\n"
+    "class Teacher(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.lin = torch.nn.Linear(4, 1)\n"
+    "    def forward(self, x, *, scale):\n"
+    "        return self.lin(x) * scale\n"
+    "student, teacher = torch.nn.Linear(4, 1), Teacher().eval()\n"
+    "opt = torch.optim.SGD(student.parameters(), lr=0.1)\n"
+    "for step in range(4):\n"
+    "    x = torch.randn(8, 4)\n"
+    "    with torch.no_grad():\n"
+    "        target = teacher(x, scale=torch.full((1,), 2.0))\n"
+    "    (student(x) - target).pow(2).mean().backward()\n"
+    "    opt.step()\n"
+    "    opt.zero_grad()\n")
+
+
+def test_a_fault_planted_at_a_teachers_output_is_found_there(tmp_path):
+    """A model the loop calls apart is recorded by its calls: a fault is planted at its
+    output (called before the step it works for begins), one inside it is refused at once
+    with the form that works, and the Reproduce list names it, not its layers."""
+    script = tmp_path / "distill.py"
+    script.write_text(_DISTILL)
+    done = _exec(tmp_path, "--seed", "0", "--json", "--inject-fault", "teacher@forward:2",
+                 script=script)
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    first = summary["first_divergence"]
+    assert (first["step"], first["phase"], first["module"], first["role"]) == (
+        2, "forward", "teacher", "origin")
+    assert "teacher" in summary["modules"] and "teacher.lin" not in summary["modules"]
+    trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
+    records = trace.frame()
+    teacher_inputs = set(records[(records.module == "teacher") & (records.phase == "forward")
+                                 & (records.step == 0)].slot)
+    keywords_seen = "with_kwargs" in inspect.signature(
+        nn.modules.module.register_module_forward_hook).parameters
+    assert teacher_inputs == {"in.0", "out", *(["in.scale"] if keywords_seen else [])}
+    for planted in ("teacher.lin@forward:1", "teacher@backward:1"):
+        refused = _exec(tmp_path, "--seed", "0", "--overwrite", "--inject-fault", planted,
+                        script=script)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "a model the loop calls apart" in refused.stderr
+        assert "--inject-fault teacher@forward:1" in refused.stderr
 
 
 def _probe_gradients_loop(out: Path, jitter: float, fault: detaudit.Fault | None = None

@@ -311,6 +311,21 @@ def test_mixed_fingerprint_algorithms_force_tolerance_mode(conv_baseline: Path) 
 
 
 # same device, or CPU vs CUDA
+def test_a_run_that_failed_before_its_first_step_differs_in_no_environment_setting() -> None:
+    """A repeat that failed before its first step captured no environment: it is not
+    "the environment differs" in every setting (the report listed them all)."""
+    from detaudit.report.summary import _env_differences
+    from detaudit.trace import Trace
+
+    captured = {"threads": 2, "torch": "2.5.0"}
+    assert env_differences({}, captured) == {}
+    assert env_differences({**captured, "threads": 4}, captured) == {"threads": (4, 2)}
+    traces = [Trace(probe={}, repeat=r, env=env)
+              for r, env in enumerate([captured, {}, {**captured, "threads": 4}])]
+    assert _env_differences(traces[:2]) == {}
+    assert _env_differences(traces) == {"threads": [2, None, 4]}
+
+
 @pytest.mark.parametrize("b_scheme", ["xxh3+wsum2-int+state-xxh3", "wsum2+state-xxh3"])
 def test_tolerance_never_excuses_a_changed_integer_record(conv_baseline: Path, b_scheme) -> None:
     a = load_baseline(conv_baseline).trace

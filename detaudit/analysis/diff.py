@@ -98,7 +98,10 @@ class GateResult:
 
 # -- diffs ----------------------------------------------------------------------------------
 def env_differences(a_env: dict[str, Any], b_env: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """The numerics-relevant environment keys whose values differ: key -> (a, b)."""
+    """The numerics-relevant environment keys whose values differ: key -> (a, b); none
+    where a run captured no environment (it failed before its first step)."""
+    if not a_env or not b_env:
+        return {}
     return {k: (a_env.get(k), b_env.get(k)) for k in ENV_KEYS if a_env.get(k) != b_env.get(k)}
 
 

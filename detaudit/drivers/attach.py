@@ -50,8 +50,9 @@ from ..record.environment import capture_environment
 from ..record.fingerprint import TensorPrint
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder, RecordKey, StepRecords
-from ..record.structure import iter_tensors
+from ..record.structure import iter_tensors, next_ulp, replace_first_float
 from ..trace import (
+    FORWARD,
     OUTPUT,
     PROBE_CONFIG,
     STATE,
@@ -102,6 +103,7 @@ class Attachment(Installing, Updates, Epochs):
         self.planted_step = fault.step if fault is not None else planted_step
         self.recorder: Recorder | None = None
         self._ops: OpRecorder | None = None  # the op-level mode of a zoomed or faulted step
+        self._side_fault_fired = False  # a fault planted at a side model's output fired
         self.info: StepInfo | None = None  # the open step
         self.epoch = 0
         self.explicit_epoch: int | None = None
@@ -214,7 +216,8 @@ class Attachment(Installing, Updates, Epochs):
             if side is not None:
                 self.trace.probe.setdefault(SIDE_MODELS, []).append(side)
 
-    def _global_post(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _global_post(self, module: nn.Module, args: tuple, output: Any,
+                     kwargs: dict | None = None) -> Any:
         if transformed() or isinstance(module, ParametrizationList):
             return  # (as _global_pre: no call of the loop's)
         self._depth = max(0, self._depth - 1)
@@ -233,12 +236,30 @@ class Attachment(Installing, Updates, Epochs):
                 s for s in (t.untyped_storage() for _, t in iter_tensors(output)) if s.data_ptr())
         if self._depth == 0 and self.recorder is not None:
             self.recorder.apart = None
+        replaced = None
+        if self._depth == 0 and self._plants_in_side(module):
+            replaced, self._side_fault_fired = replace_first_float(output, next_ulp)
+            output = replaced if self._side_fault_fired else output
         if self._depth == 0 and not self.stopped and (records := self._side.call(
-                module, args, output)):
+                module, args, kwargs or {}, output)):
             if self.info is not None and not self._updated and self.recorder is not None:
                 self.recorder.add_records(records)
             else:  # (called before the step it works for begins: a teacher's pseudo-labels)
                 self._side.pending += records
+        return replaced if self._side_fault_fired and replaced is not None else None
+
+    def _plants_in_side(self, module: nn.Module) -> bool:
+        """Whether a forward fault is planted at this top-level call's output, that of a side
+        model the fault names, in the step the call works for (its first such call)."""
+        fault = self.fault
+        if (fault is None or fault.op or fault.phase != FORWARD or self._side_fault_fired
+                or self.stopped or self._side.name_of(module) != fault.module):
+            return False
+        if self.info is None:  # (before the first step, or between two)
+            step = self.stream.steps
+        else:
+            step = self.info.step + (1 if self._updated else 0)
+        return step == fault.step
 
     def _adopt(self, module: nn.Module) -> None:
         """`module` is the model from now on (see ModelFinder.replaces_model), recorded under
@@ -487,7 +508,7 @@ class Attachment(Installing, Updates, Epochs):
 
     @property
     def fault_fired(self) -> bool:
-        return self.recorder is not None and self.recorder.fault_fired
+        return self._side_fault_fired or (self.recorder is not None and self.recorder.fault_fired)
 
     @property
     def given_optimizer_idle(self) -> bool:

@@ -260,9 +260,10 @@ class SideModels:
         known = self._models.get(id(module))
         return known[0] if known is not None else None
 
-    def call(self, module: nn.Module, args: tuple, output: Any) -> list[tuple[Any, Any]]:
+    def call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any
+             ) -> list[tuple[Any, Any]]:
         """The records of a top-level call of `module` (none if it is no side model): its
-        inputs and output, so that one computing differently from equal inputs (a teacher
+        inputs (keyword ones where torch gives them) and output, so that one computing differently from equal inputs (a teacher
         whose outputs the loss takes, an EMA evaluated) is named, as a module is."""
         known = self._models.get(id(module))
         if known is None:
@@ -270,7 +271,7 @@ class SideModels:
         name = known[0]
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
-        return call_prints(name, call, args, output)
+        return call_prints(name, call, args, kwargs, output)
 
     def step_ended(self) -> None:
         """Calls after this one join the next step: counted from 0 again."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 import warnings
 import weakref
@@ -193,7 +194,7 @@ class Installing:
         # could not do while they are being run.
         self._handles += [
             nn.modules.module.register_module_forward_pre_hook(self._global_pre),
-            nn.modules.module.register_module_forward_hook(self._global_post, always_call=True),
+            _register_global_post(self._global_post),
         ]
         self._handles += [register_optimizer_step_pre_hook(self._before_update),
                           register_optimizer_step_post_hook(self._after_update)]
@@ -244,9 +245,9 @@ class Installing:
             try:
                 output = compiled(*args, **kwargs)
             except BaseException:
-                self._global_post(module, args, None)
+                self._global_post(module, args, None, kwargs)
                 raise
-            replaced = self._global_post(module, args, output)
+            replaced = self._global_post(module, args, output, kwargs)
             return output if replaced is None else replaced
 
         self._patch(module, "_compiled_call_impl", call)
@@ -266,3 +267,16 @@ class Installing:
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
         self._patches.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
+
+
+def _register_global_post(hook: Callable[..., Any]) -> Any:
+    """The global forward hook, always called, given the call's keyword arguments where
+    torch passes them to global hooks (2.6 and later)."""
+    register = nn.modules.module.register_module_forward_hook
+    if "with_kwargs" not in inspect.signature(register).parameters:
+        return register(hook, always_call=True)
+
+    def with_kwargs(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        return hook(module, args, output, kwargs)
+
+    return register(with_kwargs, always_call=True, with_kwargs=True)

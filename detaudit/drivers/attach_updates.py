@@ -117,7 +117,8 @@ class Updates:
         training call begins it again, under the same number."""
         assert self.recorder is not None and self.info is not None
         if self.fault is not None and self.fault.step == self.info.step:
-            self.recorder.fault_fired = False  # a fault planted at this step fires in it again
+            # a fault planted at this step fires in it again
+            self.recorder.fault_fired = self._side_fault_fired = False
         self._end_ops()
         self.recorder.end_step()  # (its records: not kept)
         self._carried = None

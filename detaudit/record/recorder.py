@@ -545,14 +545,17 @@ def _detached() -> Any:
     return _no_hook
 
 
-def call_prints(module: str, call: int, args: tuple, output: Any
+def call_prints(module: str, call: int, args: tuple, kwargs: dict, output: Any
                 ) -> list[tuple[RecordKey, TensorPrint]]:
     """The forward records of one call of a module no recorder hooks (a model the loop
-    calls apart, see attach's SideModels), printed now: its inputs (``in.<i>``) and
-    output (``out``), for :meth:`Recorder.add_records` to add to a step's."""
+    calls apart, see attach's SideModels), printed now: its inputs (``in.<i>``,
+    ``in.<keyword>``) and output (``out``), for :meth:`Recorder.add_records` to add to a
+    step's."""
     keys: list[RecordKey] = []
     tensors: list[torch.Tensor] = []
-    for slot, value in [*((f"in.{i}", a) for i, a in enumerate(args)), ("out", output)]:
+    inputs = [*((f"in.{i}", a) for i, a in enumerate(args)),
+              *((f"in.{k}", v) for k, v in kwargs.items())]
+    for slot, value in [*inputs, ("out", output)]:
         for path, tensor in iter_tensors(value):
             keys.append((FORWARD, module, call, slot_name(slot, path)))
             tensors.append(tensor)

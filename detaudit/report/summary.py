@@ -14,7 +14,7 @@ from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, cause_of, one_based, stressed_ops
-from ..config import CALLS_UNSEEN, INFERRED
+from ..config import CALLS_UNSEEN, INFERRED, SIDE_MODELS
 from ..runfolder import RunInfo
 from ..trace import STATE, Trace
 
@@ -31,11 +31,15 @@ def _updates_without_backward(traces: list[Trace]) -> list[int]:
 
 def _modules(traces: list[Trace]) -> list[str]:
     """The modules with parameters of the first repeat's models as its first step recorded
-    them: the names ``--inject-fault MODULE@phase:STEP`` takes."""
+    them: the names ``--inject-fault MODULE@phase:STEP`` takes (a model the loop calls
+    apart by its own name only: a fault is planted at its output)."""
+    sides = (traces[0].probe or {}).get(SIDE_MODELS) or [] if traces else []
     for _, cut in traces[0].by_step() if traces else ():
         r = cut.records
-        return sorted({m for p, m, s in zip(r["phase"], r["module"], r["slot"])
-                       if p == STATE and s.startswith("param.") and m})
+        owners = {m for p, m, s in zip(r["phase"], r["module"], r["slot"])
+                  if p == STATE and s.startswith("param.") and m}
+        return sorted({next((side for side in sides if m == side or m.startswith(side + ".")),
+                            m) for m in owners})
     return []
 
 
@@ -203,11 +207,12 @@ def _record(d: RecordDiff, c: Comparison) -> dict[str, Any]:
 
 
 def _env_differences(traces: list[Trace]) -> dict[str, list[Any]]:
-    """Environment keys whose values differ between traces."""
-    keys = sorted({k for t in traces for k in t.env})
+    """Environment keys whose values differ between traces (those that captured one: a
+    run that failed before its first step has none)."""
     out = {}
-    for k in keys:
+    for k in sorted({k for t in traces for k in t.env}):
         values = [t.env.get(k) for t in traces]
-        if any(v != values[0] for v in values):
+        captured = [v for t, v in zip(traces, values) if t.env]
+        if any(v != captured[0] for v in captured):
             out[k] = values
     return out
