@@ -4,12 +4,14 @@ script, unmodified) and `detaudit.watch(...)` around the user's own loop."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import json
 import math
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 import xml.etree.ElementTree as ET
@@ -841,6 +843,69 @@ class _Teacher(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) * (1 + self.nudge)
+
+
+def _train_beside_a_background_evaluation(path: Path, in_a_thread: bool,
+                                          fault: detaudit.Fault | None = None) -> None:
+    """3 epochs of 6 steps recorded into `path`; each epoch starts a thread that evaluates
+    a copy of the model 200 times meanwhile. With `in_a_thread`, the loop itself runs in a
+    thread of its own."""
+    def train() -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = torch.randn(64, 32)
+
+        def evaluate(copy_of_model: nn.Module) -> None:
+            with torch.no_grad():
+                for _ in range(200):
+                    copy_of_model(data)
+
+        evaluations = []
+        # (the planted step is recorded module by module in every run, as exec does)
+        attachment = Attachment(path, {}, fault=fault, planted_step=13)
+        attachment.install()
+        try:
+            for _ in range(3):
+                evaluations.append(threading.Thread(
+                    target=evaluate, args=(copy.deepcopy(model).eval(),)))
+                evaluations[-1].start()
+                for _ in range(6):
+                    loss = model(data).pow(2).mean()
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+            for evaluation in evaluations:
+                evaluation.join()
+            attachment.finish()
+        finally:
+            attachment.uninstall()
+
+    if not in_a_thread:
+        train()
+        return
+    loop = threading.Thread(target=train)
+    loop.start()
+    loop.join()
+
+
+@pytest.mark.parametrize("in_a_thread", [False, True])
+def test_an_evaluation_in_another_thread_is_no_call_of_the_loop(tmp_path, in_a_thread):
+    """Calls in another thread than the loop's interleave with its steps at random: they
+    made a false DIVERGENT (a side model "m" seen at step 0 or 1). They are not the loop's,
+    whichever thread the loop runs in; a planted fault is still found at its step."""
+    for run in range(3):
+        _train_beside_a_background_evaluation(
+            tmp_path / "clean" / f"trace-{run}.json.gz", in_a_thread)
+    result = detaudit.compare(tmp_path / "clean")
+    assert result.verdict.kind == "deterministic", result.verdict.headline
+    assert len(result.comparison.steps) == 18
+    for run, planted in enumerate((None, detaudit.Fault("0", "backward", 13))):
+        _train_beside_a_background_evaluation(
+            tmp_path / "planted" / f"trace-{run}.json.gz", in_a_thread, planted)
+    first = detaudit.compare(tmp_path / "planted").summary["first_divergence"]
+    assert (first["step"], first["phase"], first["module"], first["role"]) == (
+        13, "backward", "0", "origin")
 
 
 @pytest.mark.parametrize("nudge", [0.0, 2**-20])

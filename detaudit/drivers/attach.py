@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, Callable
@@ -104,6 +105,8 @@ class Attachment(Installing, Updates, Epochs):
         self.recorder: Recorder | None = None
         self._ops: OpRecorder | None = None  # the op-level mode of a zoomed or faulted step
         self._side_fault_fired = False  # a fault planted at a side model's output fired
+        self._loop_thread = threading.get_ident()  # the first step's (see _no_call_of_the_loop)
+        self._loop_thread_known = False
         self.info: StepInfo | None = None  # the open step
         self.epoch = 0
         self.explicit_epoch: int | None = None
@@ -173,10 +176,22 @@ class Attachment(Installing, Updates, Epochs):
         self._out_of_graphs = False  # see keep_out_of_graphs
 
     # -- what the hooks see ----------------------------------------------------------------
-    def _global_pre(self, module: nn.Module, args: tuple) -> None:
+    def _no_call_of_the_loop(self, module: nn.Module) -> bool:
+        """A module call the loop does not make: one being transformed (see
+        attach_patches.transformed), the computing of a parametrized weight (each read of it
+        calls its parametrizations), or a call in another thread than the loop's (an
+        evaluation run in the background) but for autograd's (a checkpoint recomputing)."""
         if transformed() or isinstance(module, ParametrizationList):
-            # not a top-level call of the loop (see attach_patches.transformed), nor the
-            # computing of a parametrized weight (each read of it calls its parametrizations)
+            return True
+        if threading.get_ident() == self._loop_thread or (
+                torch._C._current_autograd_node() is not None):
+            return False
+        # until a step begins, the loop's thread is the one that attached, or the thread
+        # of a call that may begin the first step (a loop run in a thread of its own)
+        return self._loop_thread_known or not (module.training and torch.is_grad_enabled())
+
+    def _global_pre(self, module: nn.Module, args: tuple) -> None:
+        if self._no_call_of_the_loop(module):
             return
         if self._depth == 0:
             hooks_before = set(module._forward_pre_hooks)
@@ -218,8 +233,8 @@ class Attachment(Installing, Updates, Epochs):
 
     def _global_post(self, module: nn.Module, args: tuple, output: Any,
                      kwargs: dict | None = None) -> Any:
-        if transformed() or isinstance(module, ParametrizationList):
-            return  # (as _global_pre: no call of the loop's)
+        if self._no_call_of_the_loop(module):
+            return None
         self._depth = max(0, self._depth - 1)
         name = self._inferred_name(module) if self._depth == 0 and self.inferring else None
         if name is not None and self.info is not None and self.recorder is not None:
@@ -395,6 +410,8 @@ class Attachment(Installing, Updates, Epochs):
         False where no step may begin (a limit reached)."""
         if model is None:
             return False
+        if not self._loop_thread_known:
+            self._loop_thread, self._loop_thread_known = threading.get_ident(), True
         # what a step dropped again (see _drop_step) gives back
         self._before_step = (self._train_pass, self._epochs_fed, frozenset(self._step_loaders),
                              self.epoch, self.index)

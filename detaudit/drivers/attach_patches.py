@@ -276,7 +276,8 @@ def _register_global_post(hook: Callable[..., Any]) -> Any:
     if "with_kwargs" not in inspect.signature(register).parameters:
         return register(hook, always_call=True)
 
-    def with_kwargs(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        return hook(module, args, output, kwargs)
+    def with_kwargs(module: nn.Module, args: tuple, *rest: Any) -> Any:
+        # (kwargs, output); after a call that raised, torch gives the output alone
+        return hook(module, args, rest[-1], rest[0] if len(rest) == 2 else None)
 
     return register(with_kwargs, always_call=True, with_kwargs=True)

@@ -107,6 +107,7 @@ class Recorder(BackwardBoundaries):
         self._handles: list[Any] = []
         self._step_handles: list[Any] = []
         self._step = -1
+        self._thread = threading.get_ident()  # (see begin_step)
         self._lock = threading.Lock()  # a record's key and print are appended together
         # the model called apart (see attach's SideModels) whose call runs now: ops outside
         # every module call of the recorded models are placed in it
@@ -165,6 +166,7 @@ class Recorder(BackwardBoundaries):
         leaves the model without hooks (a scanned step: step state only). Without `rehook`
         the hooks stay as they are (see :meth:`hook_for`)."""
         self._step = step
+        self._thread = threading.get_ident()  # the step's calls are this thread's
         self._reset_step()
         self._watch = watch or self._default_watch
         if rehook:
@@ -415,9 +417,16 @@ class Recorder(BackwardBoundaries):
         self.fp.add_many([t for _, t in items], stats)
 
     # -- forward hooks -------------------------------------------------------------------
+    def _elsewhere(self, node: Any) -> bool:
+        """A call in another thread than the step's, but for autograd's (a checkpoint
+        recomputing in backward): the loop's evaluation run in the background."""
+        return node is None and threading.get_ident() != self._thread
+
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        name = self._names.get(id(module), type(module).__name__)
         node = torch._C._current_autograd_node()
+        if self._elsewhere(node):
+            return
+        name = self._names.get(id(module), type(module).__name__)
         parent = self._stack[-1][0] if self._stack else -1
         if parent >= 0 and self._calls[parent].backward_node is not node:
             parent = -1  # begun anew in backward (or after it), not in the calls left open
@@ -456,7 +465,7 @@ class Recorder(BackwardBoundaries):
         self._stack.append((len(self._calls) - 1, rng, host))
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not self._stack:
+        if not self._stack or self._elsewhere(torch._C._current_autograd_node()):
             return None
         position, rng_before, host_before = self._stack.pop()
         call = self._calls[position]
