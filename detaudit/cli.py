@@ -377,8 +377,9 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
     p.add_argument("--inject-fault", metavar="MODULE[/OP][@forward|@backward][:STEP]",
                    help="plant a 1-ULP change at MODULE in the last repeat (default: forward, "
                    "step 0); with /OP (e.g. roi_heads.box_roi_pool/torchvision.roi_align@backward:1, "
-                   "or op:torchvision.nms for any module) inside that op: 1 ULP in its first float "
-                   "output (its backward op in backward), a swap of two elements in an integer one")
+                   "or op:torchvision.nms for any module; an OP without its namespace, such as nms, "
+                   "names it in any) inside that op: 1 ULP in its first float output (its "
+                   "backward op in backward), a swap of two elements in an integer one")
     if baseline:
         p.add_argument("--granularity", choices=("module", "op"), default="module",
                        help="what the baseline keeps of every step: module: every module call "

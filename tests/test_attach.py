@@ -934,18 +934,18 @@ def test_a_teacher_called_before_the_step_is_named_where_its_outputs_differ(tmp_
         0, "forward", "teacher", "origin")
 
 
-def test_exec_says_a_teachers_ops_were_not_recorded_rather_than_outside_the_dispatcher(
-        tmp_path):
-    """The zoom replays the step op by op, but a teacher called before the step began ran
-    before the op recording did: that is said, not "no op inside it differs" (which blamed
-    code outside PyTorch's dispatcher)."""
+def test_a_teacher_called_before_the_step_has_its_ops_recorded_for_that_step(tmp_path):
+    """The zoom replays the step op by op; a teacher called before the step began has its
+    ops recorded aside for the step (they were not recorded at all): a difference it makes
+    from a number computed on the host is said to come from outside the dispatcher, and an
+    op fault planted in it before the step is named at its op."""
     script = tmp_path / "distill.py"
     script.write_text(
         "import os, sys, torch\n"
         "torch.manual_seed(0)\n"
         "runs = open(sys.argv[1]).read() if os.path.exists(sys.argv[1]) else ''\n"
         "open(sys.argv[1], 'a').write('.')\n"
-        "second = len(runs) % 2  # every other run: the scan's second, the zoom's second\n"
+        "second = len(runs) % 2 if sys.argv[2] == 'nudge' else 0  # the scan's, the zoom's\n"
         "class Teacher(torch.nn.Module):\n"
         "    def __init__(self):\n"
         "        super().__init__()\n"
@@ -961,13 +961,26 @@ def test_exec_says_a_teachers_ops_were_not_recorded_rather_than_outside_the_disp
         "    opt.step()\n"
         "    opt.zero_grad()\n")
     done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--json", "--",
-                   sys.executable, str(script), str(tmp_path / "marker"))
+                   sys.executable, str(script), str(tmp_path / "marker"), "nudge")
     assert done.returncode == 1, done.stdout + done.stderr
     summary = json.loads(done.stdout)
     assert summary["first_divergence"]["module"] == "teacher"
-    assert summary["op_drill_down"]["ops_not_recorded"]["text"].startswith(
-        "the ops of teacher were not recorded")
-    assert not summary["op_drill_down"]["outside_dispatcher"]
+    drill = summary["op_drill_down"]
+    assert drill["ops_not_recorded"] is None
+    assert drill["outside_dispatcher"]["module"] == "teacher"
+    zoomed = Trace.load(tmp_path / "run" / "zoom-0.json.gz").frame()
+    assert "op0/aten.addmm/out" in set(zoomed[(zoomed.module == "teacher")
+                                              & (zoomed.phase == "op.forward")].slot)
+    planted = run_cli("exec", "--out", str(tmp_path / "planted"), "--quiet", "--json",
+                      "--inject-fault", "teacher/addmm@forward:1", "--",
+                      sys.executable, str(script), str(tmp_path / "marker"), "same")
+    assert planted.returncode == 1, planted.stdout + planted.stderr
+    summary = json.loads(planted.stdout)
+    first = summary["first_divergence"]
+    assert (first["step"], first["module"], first["role"]) == (1, "teacher", "origin")
+    op = summary["ops"][0]
+    assert (op["op"], op["module"], op["role"], op["planted"]) == (
+        "aten.addmm", "teacher", "origin", True)
 
 
 _DISTILL = (

@@ -20,6 +20,7 @@ from detaudit.analysis.knowledge import KNOWN, lookup
 from detaudit.analysis.risks import risks
 from detaudit.record.difference import tensor_difference
 from detaudit.record.environment import capture_environment
+from detaudit.record.oprecorder import op_matches
 from detaudit.trace import OP_PHASES
 
 
@@ -88,6 +89,22 @@ def test_planted_roi_align_fault_on_the_cli(tmp_path):
         "torchvision._roi_align_backward", "roi_heads.mask_roi_pool", ORIGIN)
     assert ops["origin_ops"] == 1
     assert origin["elements"] == 1 and origin["max_ulp"] == 1  # the 1 ULP, measured
+
+
+@pytest.mark.parametrize(("pattern", "op", "phase", "matches"), [
+    ("torchvision.roi_align", "torchvision.roi_align", "forward", True),
+    ("roi_align", "torchvision.roi_align", "forward", True),  # (a name in any namespace)
+    ("roi_align", "torchvision._roi_align_backward", "backward", True),
+    ("torchvision.roi_align", "torchvision._roi_align_backward", "backward", True),
+    ("roi_align", "torchvision._roi_align_backward", "forward", False),
+    ("convolution", "aten.convolution_backward", "backward", True),
+    ("addmm", "aten.addmm", "forward", True),
+    ("aten.addmm", "aten.addmm", "forward", True),
+    ("mm", "aten.addmm", "forward", False),
+    ("aten.addmm", "other.addmm", "forward", False),
+])
+def test_an_op_fault_names_its_op_with_or_without_the_namespace(pattern, op, phase, matches):
+    assert op_matches(pattern, op, phase) is matches
 
 
 @pytest.mark.slow

@@ -51,9 +51,8 @@ from ..record.environment import capture_environment
 from ..record.fingerprint import TensorPrint
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder, RecordKey, StepRecords
-from ..record.structure import iter_tensors, next_ulp, replace_first_float
+from ..record.structure import iter_tensors
 from ..trace import (
-    FORWARD,
     OUTPUT,
     PROBE_CONFIG,
     STATE,
@@ -64,12 +63,13 @@ from ..trace import (
 from .attach_epochs import Epochs
 from .attach_models import ModelFinder, SideModels, live_objects
 from .attach_patches import Installing, transformed
+from .attach_side import SideCalls
 from .attach_updates import Updates
 from .rankprobe import RankWatch
 from .runner import loss_copy, store_records
 
 
-class Attachment(Installing, Updates, Epochs):
+class Attachment(Installing, Updates, Epochs, SideCalls):
     """Records the steps of a loop it does not run, into one trace saved at `path`.
 
     `model` and `optimizer`, when given, are the ones recorded; otherwise the first top-level
@@ -104,7 +104,7 @@ class Attachment(Installing, Updates, Epochs):
         self.planted_step = fault.step if fault is not None else planted_step
         self.recorder: Recorder | None = None
         self._ops: OpRecorder | None = None  # the op-level mode of a zoomed or faulted step
-        self._side_fault_fired = False  # a fault planted at a side model's output fired
+        self._init_side_calls()
         self._loop_thread = threading.get_ident()  # the first step's (see _no_call_of_the_loop)
         self._loop_thread_known = False
         self.info: StepInfo | None = None  # the open step
@@ -198,7 +198,7 @@ class Attachment(Installing, Updates, Epochs):
             self._top_level_call(module, args)
             if self.recorder is not None:
                 self.recorder.join_call(module, args, hooks_before)
-                self.recorder.apart = self._side.name_of(module)
+            self._side_call_begins(module)
         self._depth += 1
 
     def _top_level_call(self, module: nn.Module, args: tuple) -> None:
@@ -249,32 +249,7 @@ class Attachment(Installing, Updates, Epochs):
         if self._depth == 0 and self.info is not None and module.training:
             self._step_outputs.extend(
                 s for s in (t.untyped_storage() for _, t in iter_tensors(output)) if s.data_ptr())
-        if self._depth == 0 and self.recorder is not None:
-            self.recorder.apart = None
-        replaced = None
-        if self._depth == 0 and self._plants_in_side(module):
-            replaced, self._side_fault_fired = replace_first_float(output, next_ulp)
-            output = replaced if self._side_fault_fired else output
-        if self._depth == 0 and not self.stopped and (records := self._side.call(
-                module, args, kwargs or {}, output)):
-            if self.info is not None and not self._updated and self.recorder is not None:
-                self.recorder.add_records(records)
-            else:  # (called before the step it works for begins: a teacher's pseudo-labels)
-                self._side.pending += records
-        return replaced if self._side_fault_fired and replaced is not None else None
-
-    def _plants_in_side(self, module: nn.Module) -> bool:
-        """Whether a forward fault is planted at this top-level call's output, that of a side
-        model the fault names, in the step the call works for (its first such call)."""
-        fault = self.fault
-        if (fault is None or fault.op or fault.phase != FORWARD or self._side_fault_fired
-                or self.stopped or self._side.name_of(module) != fault.module):
-            return False
-        if self.info is None:  # (before the first step, or between two)
-            step = self.stream.steps
-        else:
-            step = self.info.step + (1 if self._updated else 0)
-        return step == fault.step
+        return self._side_call_ends(args, kwargs or {}, output) if self._depth == 0 else None
 
     def _adopt(self, module: nn.Module) -> None:
         """`module` is the model from now on (see ModelFinder.replaces_model), recorded under
@@ -456,7 +431,7 @@ class Attachment(Installing, Updates, Epochs):
         side_params, side_buffers = self._side.changed(self._recorded_parameters())
         if side_params or side_buffers:
             self.recorder.record_side_state(side_params, side_buffers)
-        self.recorder.add_records(self._side.pending)
+        self.recorder.add_records(self._side.pending + self._ops_recorded_ahead(step))
         self._side.pending = []
         self._rng_taken = not by_call  # (a call records them with its batch)
         if self._rng_taken:
@@ -559,7 +534,6 @@ class Attachment(Installing, Updates, Epochs):
         self._loss_values = {}
         self.trace.steps.append(self.info)
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
-        self._side.step_ended()
         self._step_outputs = []
         self._fetched = 0
         self._stepped = set()

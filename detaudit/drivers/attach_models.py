@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..record.recorder import call_prints
 from .runner import in_a_library
 
 # optimizers whose model is looked for among every live object: a loop that makes an
@@ -249,7 +248,8 @@ class SideModels:
     def __init__(self) -> None:
         self._models: dict[int, tuple[str, Any]] = {}  # id -> (name, weakref to the module)
         self._versions: dict[int, tuple[Any, int]] = {}  # id(tensor) -> (weakref, version)
-        self._calls: dict[str, int] = {}  # each side model's calls in the step they join
+        self._calls: dict[str, int] = {}  # each side model's calls for step `_step`
+        self._step = -1
         self.pending: list[tuple[Any, Any]] = []  # call records for the step about to begin
         # modules found to be no side model, asked once (an optimizer is looked for among
         # every live object: an evaluation loop would pay that at each call)
@@ -260,21 +260,22 @@ class SideModels:
         known = self._models.get(id(module))
         return known[0] if known is not None else None
 
-    def call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any
-             ) -> list[tuple[Any, Any]]:
-        """The records of a top-level call of `module` (none if it is no side model): its
-        inputs (keyword ones where torch gives them) and output, so that one computing differently from equal inputs (a teacher
-        whose outputs the loss takes, an EMA evaluated) is named, as a module is."""
+    def begin_call(self, module: nn.Module, step: int) -> tuple[str, int] | None:
+        """A top-level call of `module` begins, working for step `step`: the name its
+        records take and its index among the model's calls for that step (None if it is no
+        side model)."""
         known = self._models.get(id(module))
         if known is None:
-            return []
+            return None
+        if step != self._step:
+            self._step, self._calls = step, {}
         name = known[0]
-        call = self._calls.get(name, 0)
-        self._calls[name] = call + 1
-        return call_prints(name, call, args, kwargs, output)
+        index = self._calls.get(name, 0)
+        self._calls[name] = index + 1
+        return name, index
 
-    def step_ended(self) -> None:
-        """Calls after this one join the next step: counted from 0 again."""
+    def forget_calls(self) -> None:
+        """The step the calls worked for is dropped (begun again): counted from 0 again."""
         self._calls = {}
 
     def saw(self, module: nn.Module, recorded: set[int], taken: set[str]) -> str | None:

@@ -128,7 +128,7 @@ class Updates:
         self.info, self._batches, self._losses, self._rng_taken = None, 0, 0, False
         self._loss_values, self._step_outputs, self._fetched = {}, [], 0
         self._discarded = False
-        self._side.step_ended()
+        self._side.forget_calls()
         self.trace.probe[DROPPED_STEPS] = self.trace.probe.get(DROPPED_STEPS, 0) + 1
 
     def on_scaler_update(self, scaler: Any) -> None:

@@ -52,10 +52,13 @@ def backward_name(op: str) -> str:
 
 def op_matches(pattern: str, op: str, phase: str) -> bool:
     """`op` is `pattern`, or (in backward) `pattern`'s own backward op, named the
-    torchvision way (``_roi_align_backward``) or the aten way (``convolution_backward``)."""
-    return op == pattern or (
-        phase == BACKWARD and op in (backward_name(pattern), f"{pattern}_backward")
-    )
+    torchvision way (``_roi_align_backward``) or the aten way (``convolution_backward``). A
+    pattern without a namespace (``addmm``) names the op in any namespace."""
+    if "." in pattern:
+        backward = (backward_name(pattern), f"{pattern}_backward")
+    else:
+        op, backward = op.rpartition(".")[2], (f"_{pattern}_backward", f"{pattern}_backward")
+    return op == pattern or (phase == BACKWARD and op in backward)
 
 
 @dataclass
@@ -160,7 +163,7 @@ class OpRecorder(ModelOpMode):
         phase, call = self.where()
         op_phase = OP_FORWARD if phase == FORWARD else OP_BACKWARD
         module, index = (call.module, call.index) if call is not None else (
-            self.recorder.apart or OUTSIDE_MODEL, 0)
+            self.recorder.apart or (OUTSIDE_MODEL, 0))
         if self.census:
             self.counts[(module, phase, name, accumulate_arg(func, args, kwargs))] += 1
         skip = func.is_view or name in PASSTHROUGH_OPS

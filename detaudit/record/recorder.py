@@ -109,9 +109,9 @@ class Recorder(BackwardBoundaries):
         self._step = -1
         self._thread = threading.get_ident()  # (see begin_step)
         self._lock = threading.Lock()  # a record's key and print are appended together
-        # the model called apart (see attach's SideModels) whose call runs now: ops outside
-        # every module call of the recorded models are placed in it
-        self.apart: str | None = None
+        # the call of a model called apart (see attach's SideModels) running now, by name
+        # and index: ops outside every module call of the recorded models are placed in it
+        self.apart: tuple[str, int] | None = None
         if watch not in WATCH_LEVELS:
             raise ValueError(f"watch must be one of {', '.join(WATCH_LEVELS)}, not {watch!r}")
         self._default_watch = self._watch = watch
