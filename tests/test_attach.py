@@ -16,7 +16,7 @@ import time
 import warnings
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -174,9 +174,10 @@ def test_watch_of_inference_records_each_call_of_the_model(tmp_path):
     del trains
 
 
-def _attached(path: Path, loop: Callable[[], None]) -> Trace:
-    """`loop` run as exec attaches (no model given), and its trace."""
-    attachment = Attachment(path, {}).install()
+def _attached(path: Path, loop: Callable[[], None], **options: Any) -> Trace:
+    """`loop` run as exec attaches (no model given; `options` of Attachment), and its
+    trace."""
+    attachment = Attachment(path, {}, **options).install()
     try:
         loop()
         attachment.finish()
@@ -1503,6 +1504,45 @@ def test_watch_records_an_optimizer_that_steps_with_a_closure(tmp_path):
     assert set(records[records.phase == "grad"].step) == {0, 1, 2}
     train()
     assert detaudit.compare(tmp_path).verdict.kind == "deterministic"
+
+
+def _lbfgs_run(path: Path, fault: detaudit.Fault | None = None) -> Trace:
+    """3 LBFGS steps of 4 evaluations each (the parameters change between them), recorded
+    into `path` as exec records them; step 2 module by module in every run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    x, y = torch.randn(32, 6), torch.randn(32, 1)
+
+    def loop() -> None:
+        for _ in range(3):
+            def closure():
+                opt.zero_grad()
+                loss = (model(x) - y).pow(2).mean()
+                loss.backward()
+                return loss
+            opt.step(closure)
+
+    return _attached(path, loop, fault=fault, planted_step=2)
+
+
+def test_a_backward_difference_in_one_evaluation_of_lbfgs_is_no_forward_of_the_next(
+        tmp_path):
+    """LBFGS updates the parameters between the evaluations of one step: the next
+    evaluation's forward differs from equal inputs because the gradients before it did. Each
+    evaluation's gradients are recorded, and what ran after a differing one is downstream
+    of it (it was "forward, 0 (origin); cause: forward")."""
+    clean = _lbfgs_run(tmp_path / "trace-0.json.gz")
+    grads = clean.frame()
+    grads = grads[(grads.step == 2) & (grads.phase == "grad")]
+    assert sorted(set(grads.call)) == [0, 1, 2, 3]  # one per evaluation
+    _lbfgs_run(tmp_path / "trace-1.json.gz", detaudit.Fault("0", "backward", 2))
+    result = detaudit.compare(tmp_path)
+    first = result.summary["first_divergence"]
+    assert (first["step"], first["phase"], first["module"], first["role"]) == (
+        2, "backward", "0", "origin")
+    assert result.comparison.cause == "backward"
+    assert [f"{o.phase} {o.module}" for o in result.comparison.origins] == ["backward 0"]
 
 
 def test_watch_records_a_step_the_grad_scaler_skipped_as_a_step_without_update(tmp_path):

@@ -761,6 +761,16 @@ def _step_findings(
     # A scanned step has no forward records, and its parameter gradients alone cannot say
     # which module a backward difference started in.
     module_level = FORWARD in ref.records["phase"]
+    position, carried = _evaluations(ref, step, slots)
+
+    def first_position(phase: str, module: str, call: int) -> int:
+        return min((position.get((phase, module, call, d.slot), -1)
+                    for d in slots.get((step, phase, module, call), ())), default=-1)
+
+    def after_carried(phase: str, module: str, call: int) -> bool:
+        """Run after a differing gradient an optimizer's in-step update took (see
+        _evaluations): on parameters that update changed."""
+        return carried is not None and first_position(phase, module, call) > carried
     forward_calls = [(m, c) for (s, p, m, c) in slots if s == step and p == FORWARD]
     candidates: dict[str, list[tuple[str, int]]] = {FORWARD: [], BACKWARD: []}
     pending: list[tuple[str, str, int, list[RecordDiff], bool]] = []
@@ -769,7 +779,7 @@ def _step_findings(
             continue
         forward_in = (
             differs(step, FORWARD, module, call, "in") or differs(step, FORWARD, module, call, "rng.in")
-            or params_differ(step, module)
+            or params_differ(step, module) or after_carried(phase, module, call)
         )
         if phase == FORWARD:
             propagated = forward_in
@@ -778,7 +788,8 @@ def _step_findings(
             # activations its backward reuses, even where its outputs agree)
             forward_changed = bool(slots.get((step, FORWARD, module, call))) or any(
                 _is_ancestor((module, call), inner, calls) for inner in forward_calls)
-            propagated = differs(step, BACKWARD, module, call, "grad_out") or forward_changed
+            propagated = (differs(step, BACKWARD, module, call, "grad_out") or forward_changed
+                          or after_carried(phase, module, call))
         pending.append((phase, module, call, ds, propagated))
         if not propagated:
             candidates[phase].append((module, call))
@@ -788,13 +799,15 @@ def _step_findings(
     for (s, phase, module, call), ds in slots.items():
         if s != step or phase != GRAD or not module_level:
             continue
-        upstream = params_differ(step, module) or any(
-            p == FORWARD or differs(step, BACKWARD, module, c, "grad_out")
+        mine = first_position(GRAD, module, call)
+        upstream = params_differ(step, module) or after_carried(GRAD, module, call) or any(
+            (p == FORWARD or differs(step, BACKWARD, module, c, "grad_out"))
+            and (carried is None or first_position(p, m, c) < mine)
             for (at, p, m, c) in slots if at == step and m == module
         )
-        if not upstream and (module, 0) not in candidates[BACKWARD]:
-            candidates[BACKWARD].append((module, 0))
-            pending.append((BACKWARD, module, 0, ds, False))
+        if not upstream and (module, call) not in candidates[BACKWARD]:
+            candidates[BACKWARD].append((module, call))
+            pending.append((BACKWARD, module, call, ds, False))
     findings = []
     for phase, module, call, ds, propagated in pending:
         if propagated:
@@ -813,6 +826,29 @@ def _step_findings(
             )
         )
     return findings
+
+
+def _evaluations(ref: Trace, step: int,
+                 slots: dict[tuple[int, str, str, int], list[RecordDiff]]
+                 ) -> tuple[dict[tuple[str, str, int, str], int], int | None]:
+    """An optimizer that evaluates several times in one step (LBFGS's closure: gradient
+    records under evaluations 0, 1, ...) updates the parameters between evaluations: what
+    runs after a differing gradient of an evaluation another follows runs on parameters it
+    changed. The step's records' positions in the order they were made, and the position of
+    that first differing gradient (None where there is none)."""
+    r = ref.records
+    position: dict[tuple[str, str, int, str], int] = {}
+    last_evaluation = 0
+    for i, key in enumerate(zip(r["phase"], r["module"], r["call"], r["slot"])):
+        position.setdefault(key, i)
+        if key[0] == GRAD:
+            last_evaluation = max(last_evaluation, key[2])
+    if not last_evaluation:
+        return position, None
+    carried = [position.get((GRAD, module, call, d.slot), -1)
+               for (at, phase, module, call), ds in slots.items()
+               if at == step and phase == GRAD and call < last_evaluation for d in ds]
+    return position, min((p for p in carried if p >= 0), default=None)
 
 
 def _call_parents(trace: Trace) -> dict[int, dict[tuple[str, int], tuple[str, int] | None]]:
@@ -875,6 +911,9 @@ def _cause(
         return "data"  # a call's input, first to differ: made outside what is recorded
     if drawn and not origins:  # no module call to blame: the draw is the first difference
         return "rng"
+    if first and first[0].phase in (BACKWARD, GRAD) and any(
+            f.phase == BACKWARD for f in origins):
+        return "backward"  # (before the forward of an optimizer's next evaluation: LBFGS)
     # A loss that differs is a forward difference (in a scanned step the loss is the only
     # forward record); gradients alone are backward; parameters alone, the optimizer.
     if any(d.phase in (FORWARD, OUTPUT) for d in first):

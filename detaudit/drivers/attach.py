@@ -121,6 +121,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._optimizers: set[int] = set()  # every optimizer that has updated
         self._carried: StepRecords | None = None  # the open step's state, of another model
         self._grads_pending = False  # step(closure): gradients recorded after the update
+        # step(closure): its optimizer, and the closure's evaluations whose gradients were
+        # recorded (see _closure_evaluated)
+        self._closure_step: tuple[Any, int] = (None, 0)
         self._batches = 0  # top-level training calls in the open step
         self._rng_taken = False  # the open step recorded the RNG states as it began
         self._before_step: tuple[Any, ...] = (None, 0, frozenset(), 0, 0)  # see _drop_step

@@ -48,6 +48,7 @@ class Updates:
             # step(closure): the closure computes the gradients inside step; its forward
             # begins the step if no model was called yet (Lightning's first step)
             self._grads_pending = True
+            self._closure_step = (optimizer, 0)
             self._unowned_losses = []  # the closure's losses are recorded as it runs
             if self.info is None:
                 self._begin_step(self.models.current())
@@ -82,7 +83,7 @@ class Updates:
             self._add_owners(params)
             self._end_ops()
             self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
-                                             of=params)
+                                             of=params, call=self._closure_step[1])
         self.recorder.record_parameters(OPTIMIZER, of=params)
         self._versions.update({id(p): (p, p._version) for p in params if not p.is_inference()})
         self.info.optimizer_stepped = True
@@ -100,6 +101,8 @@ class Updates:
         that was no training step (a gradient norm taken on a validation batch, a batch the
         loop skips), and the step is dropped then (see _drop_step); a backward or an update
         first (gradients combined by hand, as PCGrad does) keeps it."""
+        if self._grads_pending:
+            self._closure_evaluated()
         if (self.stopped or self.inferring or self.info is None or self._updated
                 or not self._losses or self._grads_pending or self.recorder is None
                 or self.in_backward):
@@ -110,6 +113,20 @@ class Updates:
         # (parameters changed since the backward: an update, or SAM's perturbation)
         self._discarded = any(id(p) in mine for p in params) and all(
             p._version == version for p, version in self._at_backward)
+
+    def _closure_evaluated(self) -> None:
+        """Inside ``step(closure)``, the closure zeroes the gradients to evaluate again (LBFGS
+        evaluates up to max_iter times, updating the parameters in between): the gradients of
+        the evaluation before, as the optimizer used them, are recorded now, each under its
+        evaluation's number, so that one differing there is found before the forward of the
+        next evaluation (on parameters the update changed) is."""
+        optimizer, evaluations = self._closure_step
+        if (self.stopped or self.info is None or self.recorder is None
+                or self._losses <= evaluations):  # (no backward since the last)
+            return
+        self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
+                                         of=parameters_of(optimizer), call=evaluations)
+        self._closure_step = (optimizer, evaluations + 1)
 
     def _drop_step(self) -> None:
         """Forget the open step as if it had not begun: its records (batch, loss,

@@ -306,12 +306,13 @@ class Recorder(BackwardBoundaries):
         self.fp.add_many([t for _, t in params] + [t for _, t in buffers], stats=False)
 
     def record_param_grads(self, stats: bool = True,
-                           of: Iterable[torch.Tensor] | None = None) -> None:
+                           of: Iterable[torch.Tensor] | None = None, call: int = 0) -> None:
         """Every parameter's accumulated ``.grad`` after backward (only those among `of`
         when it is given), with stats unless told not to: across machines (`diff --rtol`)
         they are what a gradient difference is measured by; a scan compares bitwise and
-        skips their passes over every gradient."""
-        self._record_per_parameter(GRAD, stats, self._grads(of))
+        skips their passes over every gradient. `call` counts the evaluations of an
+        optimizer that takes several in one step (LBFGS's closure)."""
+        self._record_per_parameter(GRAD, stats, self._grads(of), call)
 
     def _grads(self, of: Iterable[torch.Tensor] | None) -> list[tuple[str, torch.Tensor]]:
         return [(name, p.grad) for name, p in self._among(of) if p.grad is not None]
@@ -410,10 +411,10 @@ class Recorder(BackwardBoundaries):
         self.fp.add_many(tensors, stats=stats)
 
     def _record_per_parameter(
-        self, phase: str, stats: bool, items: list[tuple[str, torch.Tensor]]
+        self, phase: str, stats: bool, items: list[tuple[str, torch.Tensor]], call: int = 0
     ) -> None:
-        """One tensor per named parameter, keyed (phase, owning module, 0, param.<name>)."""
-        self._keys += _parameter_keys(phase, items)
+        """One tensor per named parameter, keyed (phase, owning module, call, param.<name>)."""
+        self._keys += _parameter_keys(phase, items, call=call)
         self.fp.add_many([t for _, t in items], stats)
 
     # -- forward hooks -------------------------------------------------------------------
@@ -582,9 +583,9 @@ def _printed_aside(keys: list[RecordKey], tensors: list[torch.Tensor], stats: bo
     return list(zip(keys, prints))
 
 
-def _parameter_keys(phase: str, items: list[tuple[str, Any]], kind: str = "param"
-                    ) -> list[RecordKey]:
-    """The keys of per-parameter (or per-buffer) records: (phase, owning module, 0,
+def _parameter_keys(phase: str, items: list[tuple[str, Any]], kind: str = "param",
+                    call: int = 0) -> list[RecordKey]:
+    """The keys of per-parameter (or per-buffer) records: (phase, owning module, `call`,
     <kind>.<name>)."""
-    return [(phase, owner, 0, f"{kind}.{local}")
+    return [(phase, owner, call, f"{kind}.{local}")
             for owner, _, local in (name.rpartition(".") for name, _ in items)]
