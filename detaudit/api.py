@@ -486,9 +486,7 @@ def diff(run_a: str | Path, run_b: str | Path, rtol: float = 0.0, atol: float = 
 
 
 def _replayable(info: RunInfo, trace: Trace, label: str) -> tuple | str:
-    """(spec, config, factory, trace) to replay a saved run here, or why it cannot be."""
-    from .drivers.loading import make_factory
-
+    """(spec, config, trace) to replay a saved run here, or why it cannot be."""
     spec = ProbeSpec.from_dict({k: v for k, v in info.probe.items() if k != "preset"})
     if spec.kind not in ("builtin", "file"):
         return (f"{label} was recorded from {spec.kind} {spec.name!r}, which detaudit cannot "
@@ -500,7 +498,7 @@ def _replayable(info: RunInfo, trace: Trace, label: str) -> tuple | str:
         resolve_device(config.device)
     except (DetauditError, TypeError, ValueError) as exc:
         return f"{label} cannot be replayed here: {exc}"
-    return spec, config, make_factory(spec), trace
+    return spec, config, trace
 
 
 def render_folder(folder: str | Path) -> dict[str, Any]:

@@ -377,6 +377,102 @@ def test_diff_zoom_replays_two_scanned_runs_and_names_the_module_and_op(tmp_path
     assert "zoom (not possible): B was recorded from command" in refused
 
 
+_SCANNED_ONCE = ["--repeats", "1", "--epochs", "1", "--steps", "2", "--no-census",
+                 "--stress", "0", "--quiet"]
+
+
+def _cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str]]:
+    from detaudit.cli import main
+
+    def cli(*args: str) -> tuple[int, str]:
+        code = main(list(args))
+        return code, capsys.readouterr().out
+
+    return cli
+
+
+def test_probe_files_each_import_the_helpers_beside_them(tmp_path, capsys):
+    """Two probe folders, each with its own helpers.py (B's scales by 1 + 1e-7): B's run and
+    its zoom replay import B's helpers, not those A's brought in (B's run matched A's, and its
+    replay then 'did not reproduce' it)."""
+    cli = _cli(capsys)
+    for name, factor in (("A", "1.0"), ("B", "1.0000001")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "helpers.py").write_text(
+            "from torch import nn\n\n\nclass Scale(nn.Module):\n"
+            f"    def forward(self, x):\n        return x * {factor}\n")
+        (folder / "probe.py").write_text(
+            "import torch\nfrom torch import nn\n\nimport detaudit\nfrom helpers import Scale\n"
+            "\n\ndef probe(device):\n    torch.manual_seed(0)\n"
+            "    model = nn.Sequential(nn.Linear(4, 8), Scale(), nn.Linear(8, 1))\n"
+            "    batches = [torch.randn(16, 4) for _ in range(2)]\n"
+            "    return detaudit.Probe(model=model, batches=batches,\n"
+            "                          step=lambda m, b: m(b).pow(2).mean(),\n"
+            "                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))\n")
+        assert cli("run", "--probe", str(folder / "probe.py"), *_SCANNED_ONCE,
+                   "--out", str(tmp_path / name.lower()))[0] == 2
+    code, zoomed = cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
+    assert code == 1 and "MISMATCH" in zoomed
+    assert "replayed to step 0: origin 1 (forward)" in zoomed
+
+
+_TOTAL_PROBE = '''
+import torch
+from torch import nn
+
+import detaudit
+
+
+class Total(nn.Module):
+    def forward(self, x):
+        return x.sum()
+
+
+def probe(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 1), nn.Flatten(0), Total())
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(1 << 20, 1, generator=g) for _ in range(2)]
+    return detaudit.Probe(model=model, batches=batches,
+                          step=lambda m, b: m(b) ** 2 * 1e-6,
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+'''
+
+
+def test_diff_zoom_replays_each_run_at_the_thread_count_it_recorded(tmp_path, capsys):
+    """A run on 1 thread and one on 2 part where a CPU reduction over a million elements
+    splits its work (the bias gradient): each replay runs at its run's thread count, so the
+    zoom names that op (the replays reproduced neither run, and blamed their code or data).
+    A setting no replay can restore (another torch) is named where a replay does not
+    reproduce its run."""
+    cli = _cli(capsys)
+    probe = tmp_path / "total.py"
+    probe.write_text(_TOTAL_PROBE)
+    before = torch.get_num_threads()
+    try:
+        for name, threads in (("a", 1), ("b", 2)):
+            torch.set_num_threads(threads)
+            assert cli("run", "--probe", str(probe), *_SCANNED_ONCE,
+                       "--out", str(tmp_path / name))[0] == 2
+    finally:
+        torch.set_num_threads(before)
+    code, zoomed = cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
+    assert code == 1 and "threads: 1 -> 2" in zoomed
+    assert "replayed to step 0: origin 0 (backward); op aten.sum in 0 (backward)" in zoomed
+    # B "recorded" by another torch on 1 thread: its replay (at 1 thread) parts from it
+    from detaudit.trace import Trace
+
+    trace_path = next((tmp_path / "b").glob("trace-*.json.gz"))
+    trace = Trace.load(trace_path)
+    trace.env.update(torch="0.0.1", threads=1)
+    trace.save(trace_path)
+    code, zoomed = cli("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--zoom")
+    assert code == 1
+    assert "B was recorded in another environment than this machine replays it in " \
+           "(torch '0.0.1' -> " in zoomed
+
+
 def test_runs_that_part_only_between_processes_depend_on_per_process_state(
         tmp_path, capsys, monkeypatch):
     """Loss weights zipped with a set: every repeat in its own process parts from the others,

@@ -6,6 +6,7 @@ check next month, can rebuild exactly the same probe.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import sys
@@ -76,9 +77,8 @@ def _load_file_function(source: str, func: str) -> ProbeFactory:
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:
         raise DetauditError(f"cannot load probe file {path} (is it a .py file?)")
-    folder = str(path.resolve().parent)
-    if folder not in sys.path:  # kept, as for a script: the probe may import when called
-        sys.path.insert(0, folder)
+    folder = path.resolve().parent
+    _import_from(folder)
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
     try:
@@ -92,6 +92,27 @@ def _load_file_function(source: str, func: str) -> ProbeFactory:
         raise DetauditError(f"probe file {path} defines no function {func!r}")
     _check_contract(fn, path, func)
     return fn
+
+
+_probe_folders: set[Path] = set()  # the folders probe files were loaded from, in this process
+
+
+def _import_from(folder: Path) -> None:
+    """Put `folder` first on ``sys.path``, as Python does for a script (kept there: the probe
+    may import when called), and forget the modules another probe file's folder gave that
+    this folder has its own of (a ``helpers.py`` beside each of two probe files)."""
+    for other in _probe_folders - {folder}:
+        for name, module in list(sys.modules.items()):
+            top = name.partition(".")[0]
+            origin = getattr(module, "__file__", None)
+            if (origin and Path(origin).is_relative_to(other)
+                    and not Path(origin).is_relative_to(folder)
+                    and ((folder / f"{top}.py").is_file() or (folder / top).is_dir())):
+                del sys.modules[name]
+    _probe_folders.add(folder)
+    with contextlib.suppress(ValueError):
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
 
 
 def _check_contract(fn: ProbeFactory, path: Path, func: str) -> None:

@@ -170,6 +170,24 @@ def global_settings_restored() -> Iterator[None]:
                     write(value)
 
 
+@contextlib.contextmanager
+def threads_as_recorded(env: dict[str, Any]) -> Iterator[None]:
+    """Torch's thread counts as a trace's environment recorded them, for the duration: CPU
+    reductions and convolutions round differently at another count. The inter-op count can
+    only be set before a process's first inter-op work (a replay in a fresh process)."""
+    before = torch.get_num_threads()
+    interop = env.get("interop_threads")
+    if interop and interop != torch.get_num_interop_threads():
+        with contextlib.suppress(RuntimeError):  # this process has used its inter-op pool
+            torch.set_num_interop_threads(interop)
+    if env.get("threads"):
+        torch.set_num_threads(env["threads"])
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def loss_copy(loss: torch.Tensor) -> torch.Tensor:
     """An exact copy of a scalar loss (float64, or float32 where the device has no float64),
     to read once the step is over: made on its device without waiting, and safe from the

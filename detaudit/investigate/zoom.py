@@ -10,7 +10,8 @@ reported as intermittent, with what the scan found.
 Runs that were recorded each in its own process are replayed here first, then, when those
 replays do not part, each repeat in a fresh interpreter as they ran: a step that parts only
 so depends on per-process state (``PYTHONHASHSEED``...), which the zoomed traces say. Run as
-``python -m detaudit.investigate.zoom JOB`` for one such replay.
+``python -m detaudit.investigate.zoom JOB`` for one such replay (and for each replay of
+``detaudit diff --zoom``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from ..analysis.compare import (
     compare_ops,
     fingerprints_before,
 )
+from ..analysis.diff import env_differences
 from ..config import AuditConfig, ProbeSpec
 from ..drivers.isolation import run_child
-from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
+from ..drivers.runner import OpPlan, ProbeFactory, run_repeat, threads_as_recorded
 from ..errors import DetauditError
 from ..storage import atomic_write, dump_json
 from ..trace import Trace
@@ -131,35 +133,41 @@ def zoom_by_replay(
     return {"status": INTERMITTENT, "step": step, "attempts": attempts, "ops": None}, []
 
 
-def zoom_between(
-    runs: list[tuple[ProbeSpec, AuditConfig, ProbeFactory, Trace]], step: int,
-) -> dict[str, Any]:
+def zoom_between(runs: list[tuple[ProbeSpec, AuditConfig, Trace]], step: int) -> dict[str, Any]:
     """``detaudit diff --zoom``: two runs of different configurations (or code) part at
-    `step`. Each is replayed here from its own configuration, repeat 0, to that step, which is
-    recorded at module and op level; the replays must reproduce the steps each run recorded
-    before it (else this machine does not replay them and nothing is concluded); then where
-    the two replays part is the origin. `runs` holds (spec, config, factory, recorded trace)."""
-    at = frozenset({step})
+    `step`. Each is replayed from its own configuration, repeat 0, to that step, which is
+    recorded at module and op level: in a fresh interpreter (a probe file imports the modules
+    beside it, not those the other run's probe file brought in) at the thread count the run
+    recorded. The replays must reproduce the steps each run recorded before it (else this
+    machine does not replay them and nothing is concluded); then where the two replays part
+    is the origin. `runs` holds (spec, config, recorded trace)."""
     replays = []
-    for label, (spec, config, factory, recorded) in zip("AB", runs):
-        trace, _ = run_repeat(factory, config, 0, spec,
-                              ops=OpPlan(steps=at, last_step=step, zoom=at))
+    for label, (spec, config, recorded) in zip("AB", runs):
+        try:
+            trace, _ = _replay_in_own_process(spec, config, 0, step, stress=False,
+                                              recorded_env=recorded.env)
+        except DetauditError as exc:
+            return {"status": NOT_POSSIBLE, "step": step, "why": f"the replay of {label} "
+                    f"failed: {exc}"}
         if trace.failure:
             return {"status": NOT_POSSIBLE, "step": step,
                     "why": f"the replay of {label} failed: {trace.failure}"}
+        unrestored = _unrestored(label, recorded.env, trace.env)
         if fingerprints_before(trace, step) != fingerprints_before(recorded, step):
             return {"status": NOT_REPRODUCED, "step": step,
                     "why": f"the replay of {label} on this machine does not reproduce the steps "
-                           f"{label} recorded before step {step}"}
+                           f"{label} recorded before step {step}" + (
+                               f": {unrestored}" if unrestored else "")}
         # the step itself: the records both hold (the run's scan, within the replay's detail)
         replayed = fingerprints_before(trace, step + 1)
         if any(replayed.get(key, fp) != fp
                for key, fp in fingerprints_before(recorded, step + 1).items()):
             return {"status": NOT_REPRODUCED, "step": step,
                     "why": f"the replay of {label} does not reproduce what {label} recorded at "
-                           f"step {step}: its probe (code or data) differs from when {label} "
-                           "was recorded (a replay runs it as it is now), or that step does not "
-                           "reproduce from run to run"}
+                           f"step {step}: " + (unrestored or (
+                               f"its probe (code or data) differs from when {label} was "
+                               "recorded (a replay runs it as it is now), or that step does "
+                               "not reproduce from run to run"))}
         replays.append(trace)
     zoomed = compare(replays)
     if zoomed.first_step is None:
@@ -175,26 +183,41 @@ def zoom_between(
     }
 
 
-def _plan(step: int) -> OpPlan:
-    """A zoom's replay: scanned to `step`, which is recorded at module and op level (and
-    its risky ops re-executed in the last repeat), then stop."""
+def _unrestored(label: str, recorded: dict[str, Any], replayed: dict[str, Any]) -> str:
+    """What a replay here could not restore of the environment run `label` was recorded in
+    (its torch version, its device...), in words; empty when nothing differs."""
+    differs = env_differences(recorded, replayed)
+    if not differs:
+        return ""
+    settings = ", ".join(f"{key} {was!r} -> {now!r}" for key, (was, now) in differs.items())
+    return (f"{label} was recorded in another environment than this machine replays it in "
+            f"({settings}), which a replay here cannot restore, and PyTorch does not promise "
+            f"bit-identical results across it: replay {label} where it was recorded")
+
+
+def _plan(step: int, stress: bool = True) -> OpPlan:
+    """A zoom's replay: scanned to `step`, which is recorded at module and op level (and,
+    with `stress`, its risky ops re-executed in the last repeat), then stop."""
     at = frozenset({step})
-    return OpPlan(steps=at, last_step=step, zoom=at, stress=at)
+    return OpPlan(steps=at, last_step=step, zoom=at, stress=at if stress else frozenset())
 
 
 def _replay_in_own_process(
-    spec: ProbeSpec | None, config: AuditConfig, repeat: int, step: int,
+    spec: ProbeSpec | None, config: AuditConfig, repeat: int, step: int, stress: bool = True,
+    recorded_env: dict[str, Any] | None = None,
 ) -> tuple[Trace, set[tuple[str, int]]]:
     """One repeat's zoom replay in a fresh interpreter, as a run recorded in its own process
-    ran (its own hash seed, no state left by other repeats): its trace, and the module calls
-    of `step` during which Python's or numpy's RNG advanced."""
+    ran (its own hash seed, no state left by other repeats; with `recorded_env`, the thread
+    counts it records): its trace, and the module calls of `step` during which Python's or
+    numpy's RNG advanced."""
     assert spec is not None, "a replay in another process rebuilds the probe from its spec"
     with tempfile.TemporaryDirectory(prefix="detaudit-zoom-") as scratch:
         job, out, draws = (Path(scratch) / name for name in (
             "job.json", "trace.json.gz", "draws.json"))
         code, last = run_child("detaudit.investigate.zoom", job, {
             "spec": spec.to_dict(), "config": config.to_dict(), "repeat": repeat,
-            "step": step, "trace": str(out), "draws": str(draws)})
+            "step": step, "stress": stress, "env": recorded_env or {}, "trace": str(out),
+            "draws": str(draws)})
         if code != 0 or not out.exists():
             raise DetauditError(f"the zoom's replay of repeat {repeat} in its own process "
                                 f"failed (exit code {code}): {last}")
@@ -208,9 +231,10 @@ def _child(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     spec, config, step = (ProbeSpec.from_dict(job["spec"]), AuditConfig.from_dict(job["config"]),
                           job["step"])
-    plan = _plan(step)
+    plan = _plan(step, job["stress"])
     try:
-        trace, _ = run_repeat(make_factory(spec), config, job["repeat"], spec, ops=plan)
+        with threads_as_recorded(job["env"]):
+            trace, _ = run_repeat(make_factory(spec), config, job["repeat"], spec, ops=plan)
     except DetauditError as exc:
         print(f"detaudit: {exc}", file=sys.stderr)
         return 2
