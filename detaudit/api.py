@@ -229,6 +229,7 @@ def run(
                 folder.keep_partial_traces(
                     f"not complete: the run was {folder.info.state.split(' ')[0]} while it "
                     "was recorded")
+                _render_what_was_recorded(folder)
             raise
 
 
@@ -333,11 +334,17 @@ def mark_interrupted(folder: RunFolder | _Unsaved) -> None:
     if folder.path is None:
         return
     folder.keep_partial_traces()
+    _render_what_was_recorded(folder)
+
+
+def _render_what_was_recorded(folder: RunFolder) -> None:
+    """The reports of a run that stopped (failed, refused, interrupted), from the traces it
+    recorded; none when there are none."""
     if not folder.info.traces:
         return
     try:
         render_folder(folder.path)
-    except DetauditError:
+    except (DetauditError, OSError):
         pass  # run.json says what happened; `detaudit report` will say what is missing
 
 

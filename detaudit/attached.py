@@ -33,6 +33,7 @@ from .trace import (
     TraceFile,
     open_trace,
 )
+from .words import counted
 
 
 @dataclass
@@ -72,7 +73,7 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
     `out`, a run folder is written there (the traces, ``run.json``, the reports)."""
     traces = _load_all(runs)
     if len(traces) < 2:
-        raise DetauditError(f"compare needs at least two runs; found {len(traces)} trace(s)")
+        raise DetauditError(f"compare needs at least two runs; found {counted(len(traces), 'trace')}")
     names = list(dict.fromkeys(str(t.probe.get(PROBE_SPEC, {}).get("name")) for t in traces))
     if len(names) > 1:
         raise DetauditError(f"these are runs of different trainings ({', '.join(names)}): "
@@ -305,7 +306,7 @@ class watch:
 
         failure = None
         if exc is not None and not isinstance(exc, WatchLimit):
-            failure = describe_user_error(exc, f"step {self.steps}")
+            failure = describe_user_error(exc, f"in step {self.steps}")
         try:
             self._attachment.finish(failure)
         finally:

@@ -30,6 +30,7 @@ from .config import (
     preset_for,
 )
 from .errors import EXIT_CRASH, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, DetauditError
+from .words import counted
 
 ALL_STEPS = "all"  # --steps all: every batch of each epoch
 RECIPE_OPTIONS = ("instances", "num_classes", "data", "weights", "workers", "augment",
@@ -615,7 +616,7 @@ def cmd_env(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         rows = [(k, v, "RISK: " + flagged[k] if k in flagged else "") for k, v in sorted(env.items())]
         print(tabulate(rows, headers=["setting", "value", "risk"], maxcolwidths=[None, 40, 70]))
-        print(f"\n{len(flagged)} risky setting(s)" if flagged else "\nno risky settings")
+        print(f"\n{counted(len(flagged), 'risky setting')}" if flagged else "\nno risky settings")
     return EXIT_OK
 
 
@@ -691,7 +692,7 @@ def _probe_spec(args: argparse.Namespace, preset: Preset, nproc: int | None) -> 
     if args.probe:
         given = [f"--{n.replace('_', '-')}" for n in RECIPE_FLAGS if getattr(args, n, None)]
         if given:
-            raise DetauditError(f"{', '.join(given)} set(s) the built-in recipe (--model); a "
+            raise DetauditError(f"{', '.join(given)} {'sets' if len(given) == 1 else 'set'} the built-in recipe (--model); a "
                                 "probe file builds its own model and data")
         return file_spec(args.probe)
     options: dict[str, Any] = {"seed": args.seed}

@@ -12,6 +12,7 @@ from typing import Any
 
 from .errors import DetauditError
 from .trace import BACKWARD, FORWARD
+from .words import counted
 
 TRAIN, INFER = "train", "infer"
 AUTO = "auto"  # exec and watch: inference if the model's first call is in eval mode, no optimizer
@@ -198,13 +199,9 @@ class Preset:
         options = spec.options
         size = f", {options['image_size']} px, batch {options['batch_size']}" if options else ""
         on_ranks = f", {ranks} ranks" if ranks else ""
-        steps = _count(config.steps, "step") if config.steps else "all steps"
-        return (f"{self.name}: {_count(config.repeats, 'repeat')} × "
-                f"{_count(config.epochs, 'epoch')} × {steps}{size}, {config.mode}{on_ranks}")
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+        steps = counted(config.steps, "step") if config.steps else "all steps"
+        return (f"{self.name}: {counted(config.repeats, 'repeat')} × "
+                f"{counted(config.epochs, 'epoch')} × {steps}{size}, {config.mode}{on_ranks}")
 
 
 CPU_PRESET = Preset("cpu", repeats=2, epochs=2, steps=2, image_size=128, batch_size=1,

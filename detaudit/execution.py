@@ -59,6 +59,7 @@ from .runfolder import (
     zoom_name,
 )
 from .trace import FORWARD, PROBE_CONFIG, STATE, AnyTrace, Trace, open_trace
+from .words import counted
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"  # holds the sitecustomize
 STOP_GRACE_S = 10.0  # after Ctrl-C, how long the command has to save its trace
@@ -88,7 +89,7 @@ def exec_command(
     limits = ", ".join(f"{flag} {v}" for flag, v in (("--max-steps", job.max_steps),
                        ("--max-epochs", job.max_epochs)) if v) or "to its end"
     seeded = f"seed {job.seed}" if job.seed is not None else "no --seed"
-    info = RunInfo(probe={**spec.to_dict(), "preset": f"exec: {job.repeats} runs, {limits}, "
+    info = RunInfo(probe={**spec.to_dict(), "preset": f"exec: {counted(job.repeats, 'run')}, {limits}, "
                           f"{seeded}"}, config={**config.to_dict(), "seed": job.seed},
                    command=reproduce or f"detaudit exec -- {_shell_line(command)}", traces=[],
                    run_id=run_id, state="recording")

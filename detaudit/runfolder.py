@@ -30,6 +30,7 @@ from .trace import (
     AnyTrace,
     Trace,
     TraceFile,
+    holds_steps,
     open_trace,
 )
 
@@ -283,8 +284,11 @@ class RunFolder:
         self.save()
 
     def _holds_records(self) -> bool:
-        return any(next(self.path.glob(pattern), None) is not None for pattern in (
-            "trace-*.json.gz", "zoom-*.json.gz", "attach-*.json.gz", "partial-*.json.gz"))
+        """Whether a trace here recorded a step (a run that failed in its first step kept
+        traces of none)."""
+        return any(holds_steps(path) for pattern in (
+            "trace-*.json.gz", "zoom-*.json.gz", "attach-*.json.gz", "partial-*.json.gz")
+            for path in self.path.glob(pattern))
 
     def save(self) -> None:
         """Write ``run.json`` as the run stands now."""

@@ -521,6 +521,20 @@ class TraceStream:
 _STREAM_HEAD = dump_json({"format": FORMAT_NAME, "version": STREAM_VERSION}) + b"\n"
 
 
+def holds_steps(path: str | Path) -> bool:
+    """Whether the trace at `path` recorded a step (one that is damaged is taken to: it may
+    hold some); a streamed one is read only as far as its first step."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as head:
+            streamed = _is_stream(head.read(4096))
+        if not streamed:
+            return bool(Trace.load(path).steps)
+        return any(item.get("steps") for _, item in _stream_items(path, f"trace {path}"))
+    except (OSError, TraceError):
+        return True
+
+
 def _is_stream(raw: bytes) -> bool:
     """Whether `raw` is a trace in the streamed form (it starts with its header line)."""
     if raw[:2] != b"\x1f\x8b":

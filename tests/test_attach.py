@@ -1433,13 +1433,13 @@ def test_a_failure_inside_detaudits_own_hook_is_never_blamed_on_the_users_code(
     with pytest.raises(TypeError), detaudit.watch(model, out=tmp_path) as w:
         model(torch.ones(2, 4)).sum().backward()
     failure = Trace.load(w.path).failure
-    assert failure.startswith("detaudit's own recording failed while step 0 at ")
+    assert failure.startswith("detaudit's own recording failed in step 0 at ")
     assert "(TypeError at fingerprint.py:" in failure and "a bug in detaudit" in failure
     # and the user's own error stays the user's, raised through the same hooks
     monkeypatch.undo()
     with pytest.raises(RuntimeError), detaudit.watch(model, out=tmp_path) as w:
         model(torch.ones(2, 3))  # the wrong width: torch raises inside the module's call
-    assert Trace.load(w.path).failure.startswith("RuntimeError while step 0 at ")
+    assert Trace.load(w.path).failure.startswith("RuntimeError in step 0 at ")
 
 
 def test_watch_warns_when_the_model_given_is_never_called(tmp_path):

@@ -190,7 +190,7 @@ def test_steps_beyond_the_probe_s_data_are_noted(tmp_path, capsys, steps, noted)
     assert main(["run", "--probe", str(PROBES / "tiny_cnn.py"), "--out", str(tmp_path),
                  "--epochs", "1", "--steps", steps]) == 0
     out = capsys.readouterr().out
-    note = "note: --steps 5 asked for 5 steps per epoch; the probe's data had 2 in epoch(s) 1"
+    note = "note: --steps 5 asked for 5 steps per epoch; the probe's data had 2 in epoch 1"
     assert (note in out) is noted, out
     assert (note[6:] in (tmp_path / "report.md").read_text()) is noted
 
@@ -217,8 +217,8 @@ def test_a_crashed_repeat_is_reported_and_the_others_kept(tmp_path, capsys):
                  "--epochs", "1", "--steps", "3"])
     out = capsys.readouterr().out
     assert code == 3  # a crash, not a divergence: the step all repeats completed agrees
-    assert out.startswith("FAILED: repeat 1 stopped: RuntimeError while step 1 at")
-    assert "repeat 1 failed: RuntimeError while step 1 at" in out and "crash_second_repeat.py" in out
+    assert out.startswith("FAILED: repeat 1 stopped: RuntimeError in step 1 at")
+    assert "repeat 1 failed: RuntimeError in step 1 at" in out and "crash_second_repeat.py" in out
     assert "\npreset: cpu: 2 repeats × 1 epoch × 3 steps, train\n" in out
     assert (tmp_path / "trace-0.json.gz").exists() and (tmp_path / "trace-1.json.gz").exists()
 
@@ -301,4 +301,4 @@ def test_exec_names_the_last_step_a_crashed_run_completed(tmp_path):
     assert headline.startswith("FAILED: repeat 0 stopped: RuntimeError while running at ")
     assert headline.endswith(
         "the script's own bug (the last step it completed: 1); 2 of 2 repeats did not finish; "
-        "the repeats agree over the 2 step(s) every repeat completed"), headline
+        "the repeats agree over the 2 steps every repeat completed"), headline

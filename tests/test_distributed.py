@@ -101,7 +101,7 @@ def test_a_crashed_rank_is_named_and_the_other_traces_kept(tmp_path, capsys, mon
     assert code == 3  # a crash, not a divergence
     lines = err.strip().splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith("detaudit: rank 1 crashed in repeat 1: RuntimeError while step 1")
+    assert lines[0].startswith("detaudit: rank 1 crashed in repeat 1: RuntimeError in step 1")
     assert "ddp_tiny.py" in lines[0] and "rank 1 lost its device" in lines[0]
     assert summary["verdict"] == "failed" and summary["ranks"]["crash"]["rank"] == 1
     for rank in (0, 1):

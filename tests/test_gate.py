@@ -188,7 +188,7 @@ def test_a_check_whose_run_crashes_is_failed_never_a_mismatch(conv_baseline: Pat
 
     gate = api.check(conv_baseline, factory=crashing).gate
     assert (gate.verdict, gate.exit_code) == ("failed", 3)
-    assert gate.headline.startswith("FAILED: now stopped early: RuntimeError while step 1 at ")
+    assert gate.headline.startswith("FAILED: now stopped early: RuntimeError in step 1 at ")
     case = ET.fromstring(junit_xml([junit_case("conv", "c", 1.0, gate.ok, gate.headline, "",
                                                "failed")]).encode())
     assert case.find("testsuite/testcase/error") is not None

@@ -69,7 +69,7 @@ def test_the_same_traces_as_two_ranks_share_their_data() -> None:
     assert [c.key for c in ranks.flagged] == ["shards"]  # both ranks load the same batches
     verdict = judge(compare(traces), None, ranks)
     assert verdict.kind == "divergent"
-    assert "(2 of 2 ranks diverge); 1 cross-rank check(s) flagged" in verdict.headline
+    assert "(2 of 2 ranks diverge); 1 cross-rank check flagged" in verdict.headline
 
 
 RENDERS = {

@@ -45,7 +45,7 @@ def test_sys_exit_in_a_step_is_a_crash_not_a_pass(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 3
     assert out.startswith("FAILED: repeat 0 stopped: the audited code called sys.exit(0) "
-                          "while step 1 at ") and "exits_in_step.py:16" in out
+                          "in step 1 at ") and "exits_in_step.py:16" in out
     assert main(["report", str(tmp_path)]) == 3  # the folder holds the verdict
 
 
@@ -69,7 +69,7 @@ def test_a_run_that_ends_before_its_verdict_still_gives_json_and_junit(tmp_path)
     assert done.returncode == 3, done.stderr
     said = json.loads(done.stdout)
     assert (said["verdict"], said["exit_code"]) == ("failed", 3)
-    assert "ZeroDivisionError while step 0" in said["headline"]
+    assert "ZeroDivisionError in step 0" in said["headline"]
     error = ET.parse(junit).getroot().find("testsuite/testcase/error")
     assert error is not None and error.get("type") == "failed"
     assert "ZeroDivisionError" in error.get("message")
@@ -107,9 +107,9 @@ def test_a_crashed_repeat_is_a_failure_compared_over_the_steps_all_completed():
     result = audit(probe, repeats=2, steps=4)
     assert result.comparison.common_steps == 2 and result.comparison.first_step is None
     assert result.verdict.kind == "failed" and result.verdict.exit_code == 3
-    assert result.verdict.headline.startswith("FAILED: repeat 1 stopped: RuntimeError while "
+    assert result.verdict.headline.startswith("FAILED: repeat 1 stopped: RuntimeError in "
                                               "step 2 at ")
-    assert "the repeats agree over the 2 step(s) every repeat completed" in result.verdict.headline
+    assert "the repeats agree over the 2 steps every repeat completed" in result.verdict.headline
 
 
 # -- run folders ----------------------------------------------------------------------------
@@ -127,14 +127,30 @@ def test_a_folder_holding_a_run_is_refused_unless_overwritten(tmp_path, capsys):
 
 
 def test_a_folder_whose_run_recorded_nothing_is_taken_without_overwrite(tmp_path, capsys):
-    """A command that failed before its first step leaves run.json and no trace: running it
-    again, fixed, into the same --out needs no --overwrite (nothing would be lost)."""
+    """A command that failed before its first step leaves run.json and no trace (a probe
+    that failed in it, a trace of no step): running it again, fixed, into the same --out
+    needs no --overwrite (nothing would be lost)."""
     out = tmp_path / "run"
     args = ["exec", "--out", str(out), "--quiet", "--", sys.executable, "-c", "pass"]
     assert main(args) == 2  # no step: one line, exit 2
     assert (out / "run.json").exists() and not list(out.glob("trace-*"))
     assert main(args) == 2
     assert "already holds a run" not in capsys.readouterr().err
+    # a probe that crashes in its first step: reports of the failure, a trace of no step
+    probe = _probe_file(tmp_path, "def probe(device):\n"
+                        "    model = torch.nn.Linear(4, 1)\n"
+                        "    return detaudit.Probe(model=model, batches=[torch.ones(2, 4)] * 2,\n"
+                        "                          step=lambda m, b: 1 / 0)\n")
+    args = ["run", "--probe", str(probe), "--out", str(out), "--no-census", "--quiet"]
+    assert main(args) == 3
+    assert "ZeroDivisionError in step 0" in (out / "report.md").read_text()
+    assert list(out.glob("trace-*"))
+    assert main(args) == 3
+    assert "already holds a run" not in capsys.readouterr().err
+    # one that recorded a step is kept
+    assert main([*args[:2], str(PROBES / "exits_in_step.py"), *args[3:]]) == 3
+    assert main([*args[:2], str(PROBES / "exits_in_step.py"), *args[3:]]) == 2
+    assert "already holds a run" in capsys.readouterr().err
 
 
 def test_a_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path):
@@ -539,7 +555,7 @@ def probe(device):
     assert traces[1].failure.startswith("repeat 1 crashed (exit code 9)")
     # its first step was flushed as it ended: kept, and compared with repeat 0's
     assert [s.step for s in traces[1].steps] == [0] and traces[1].records["step"]
-    assert "agree over the 1 step(s) every repeat completed" in done.stdout
+    assert "agree over the 1 step every repeat completed" in done.stdout
     assert not list(out.glob("partial-*"))
 
 

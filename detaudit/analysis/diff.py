@@ -23,6 +23,7 @@ from ..trace import (
     AnyTrace,
     Trace,
 )
+from ..words import counted
 from .compare import FAILED, Comparison, aligned_steps, compare
 from .verdict import MATCH, MISMATCH, exit_code
 
@@ -419,8 +420,8 @@ def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
         )
         compared = result.total_records - result.not_comparable
         return (
-            f"MATCH: {lb} agrees with {la} {mode} on {compared} records{inexact} "
-            f"over {steps} steps{unjudged}"
+            f"MATCH: {lb} agrees with {la} {mode} on {counted(compared, 'record')}{inexact} "
+            f"over {counted(steps, 'step')}{unjudged}"
         )
     if result.first is None:
         if result.failures:  # a crash, never a divergence

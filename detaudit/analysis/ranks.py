@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, PROBE_DISTRIBUTED, STATE, AnyTrace, Trace
+from ..words import counted
 from .compare import DIVERGENT, ORIGIN, Comparison, aligned_steps, compare
 
 OK, FLAGGED, NOT_CHECKED = "ok", "flagged", "not checked"
@@ -269,7 +270,7 @@ def _check_params(items: RankTraces, seen: RankRecords) -> CheckResult:
     return FLAGGED, (
         f"desync at step {first['step']} (epoch {first['epoch']}): parameter "
         f"{first['parameter']} differs between ranks {_groups(first['groups'])} {when}; "
-        f"{len(findings)} parameter(s) out of sync"
+        f"{counted(len(findings), 'parameter')} out of sync"
     ), findings
 
 

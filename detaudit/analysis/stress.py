@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..trace import Trace
+from ..words import counted
 from .knowledge import lookup
 
 
@@ -42,7 +43,7 @@ class StressedOp:
         """One line saying what the re-executions showed."""
         where = self.module or "(model)"
         if not self.proven:
-            return (f"{self.op} in {where} ({self.phase}) gave one result in {self.runs} runs "
+            return (f"{self.op} in {where} ({self.phase}) gave one result in {counted(self.runs, 'run')} "
                     f"on identical inputs")
         step = self.proof["step"] if self.proof else self.steps[0]
         return (f"{self.base_op} in {where} ({self.phase}, step {step}) gave {self.distinct} "

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..trace import GRAD, OPTIMIZER, STATE
+from ..words import counted
 from .compare import (
     DETERMINISTIC,
     DIVERGENT,
@@ -189,7 +190,7 @@ def crash_line(crash: dict[str, Any]) -> str:
 
 
 def _steps(c: Comparison) -> str:
-    return f"{len(c.steps)} step{'' if len(c.steps) == 1 else 's'}"
+    return counted(len(c.steps), "step")
 
 
 def _headline(
@@ -287,7 +288,7 @@ def _common(c: Comparison) -> str:
         return f"only 1 repeat was recorded ({_steps(c)}), so nothing could be compared"
     if not c.common_steps:
         return "no step was completed by every repeat, so nothing could be compared"
-    return f"the repeats agree over the {c.common_steps} step(s) every repeat completed"
+    return f"the repeats agree over the {counted(c.common_steps, 'step')} every repeat completed"
 
 
 def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str]:
@@ -301,7 +302,7 @@ def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str
             f"{ranks.world_size} ranks diverge)"
         )
         if flagged:
-            headline += f"; {len(flagged)} cross-rank check(s) flagged"
+            headline += f"; {counted(len(flagged), 'cross-rank check')} flagged"
         return kind, headline
     if flagged:
         more = f" (+{len(flagged) - 1} more cross-rank checks flagged)" if len(flagged) > 1 else ""

@@ -35,7 +35,7 @@ def failure_hook(attachment: Attachment) -> Callable[..., None]:
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         with contextlib.suppress(Exception):
-            attachment.trace.failure = describe_user_error(exc.with_traceback(tb), "running")
+            attachment.trace.failure = describe_user_error(exc.with_traceback(tb), "while running")
         previous(kind, exc, tb)
 
     return hook

@@ -84,9 +84,9 @@ def _load_file_function(source: str, func: str) -> ProbeFactory:
     try:
         loader_spec.loader.exec_module(module)
     except SyntaxError as exc:  # not a Python file detaudit can run: bad input, not a crash
-        raise DetauditError(describe_user_error(exc, f"importing {path}")) from exc
+        raise DetauditError(describe_user_error(exc, f"while importing {path}")) from exc
     except Exception as exc:
-        raise ProbeError(describe_user_error(exc, f"importing {path}")) from exc
+        raise ProbeError(describe_user_error(exc, f"while importing {path}")) from exc
     fn = getattr(module, func, None)
     if not callable(fn):
         raise DetauditError(f"probe file {path} defines no function {func!r}")

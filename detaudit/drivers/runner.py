@@ -35,6 +35,7 @@ from ..trace import (
     TraceStream,
     open_trace,
 )
+from ..words import counted
 from .memory import PeakMemory
 
 ProbeFactory = Callable[[torch.device], Probe]
@@ -111,7 +112,7 @@ def resolve_device(name: str) -> torch.device:
             raise DetauditError("CUDA was requested but torch.cuda.is_available() is False")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise DetauditError(f"there is no device {device}: {count} CUDA device(s), "
+            raise DetauditError(f"there is no device {device}: {counted(count, 'CUDA device')}, "
                                 f"cuda:0 to cuda:{count - 1}")
     return device
 
@@ -305,7 +306,7 @@ def run_repeat(
         except DetauditError:
             raise
         except (Exception, SystemExit) as exc:  # the user's code: report it as theirs
-            raise ProbeError(describe_user_error(exc, "building the probe")) from exc
+            raise ProbeError(describe_user_error(exc, "while building the probe")) from exc
         trace.env = capture_environment(device)
         if not isinstance(probe, Probe):
             raise DetauditError(  # the file's contract broken: bad input, not a crash
@@ -342,7 +343,7 @@ def run_repeat(
                 raise
             except (Exception, SystemExit) as exc:  # noqa: BLE001 -- the user's step
                 done = stream.steps if stream is not None else len(trace.steps)
-                trace.failure = describe_user_error(exc, f"step {done}")
+                trace.failure = describe_user_error(exc, f"in step {done}")
         if (fault is not None and not recorder.fault_fired and trace.failure is None
                 and not _replay_stops_before(ops, fault.step)):
             raise DetauditError(
@@ -583,9 +584,10 @@ def _where(fn: Any) -> str:
 
 
 def describe_user_error(exc: BaseException, when: str) -> str:
-    """One line naming the exception and the innermost frame outside detaudit and torch."""
+    """One line naming the exception, `when` it was raised (``"in step 3"``, ``"while
+    importing x.py"``) and the innermost frame outside detaudit and torch."""
     if isinstance(exc, SyntaxError) and exc.filename:
-        return f"SyntaxError while {when} at {exc.filename}:{exc.lineno}: {exc.msg}"
+        return f"SyntaxError {when} at {exc.filename}:{exc.lineno}: {exc.msg}"
     frames = traceback.extract_tb(exc.__traceback__)
     user = [f for f in frames if not in_a_library(f.filename)]
     frame = (user or frames or [None])[-1]
@@ -595,12 +597,12 @@ def describe_user_error(exc: BaseException, when: str) -> str:
                       and os.path.abspath(f.filename).startswith(_PACKAGE_DIR)), default=-1)
     if inner_hook > inner_user:
         inner = frames[-1]  # raised in detaudit's hook, not in the code it watches
-        return (f"detaudit's own recording failed while {when}{where} ({type(exc).__name__} "
+        return (f"detaudit's own recording failed {when}{where} ({type(exc).__name__} "
                 f"at {os.path.basename(inner.filename)}:{inner.lineno}: "
                 f"{_first_line(exc)}): a bug in detaudit, please report it")
     if isinstance(exc, SystemExit):
-        return f"the audited code called sys.exit({exc.code!r}) while {when}{where}"
-    return f"{type(exc).__name__} while {when}{where}: {_first_line(exc)}".rstrip(": ")
+        return f"the audited code called sys.exit({exc.code!r}) {when}{where}"
+    return f"{type(exc).__name__} {when}{where}: {_first_line(exc)}".rstrip(": ")
 
 
 def user_call_site(frame: FrameType | None) -> str:

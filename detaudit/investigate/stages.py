@@ -56,7 +56,7 @@ def investigate(
         except DetauditError as exc:
             out[name] = {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 -- the user's code failed in a replay
-            out[name] = {"error": describe_user_error(exc, f"the {name} run")}
+            out[name] = {"error": describe_user_error(exc, f"in the {name} run")}
         if isinstance(out[name], dict):
             out[name]["seconds"] = time.perf_counter() - started  # what the investigation cost
         if on_done:

@@ -7,6 +7,7 @@ from typing import Any
 from tabulate import tabulate
 
 from ..analysis.verdict import random_origin_op
+from ..words import counted
 from .sections import (
     CALLS_UNSEEN_NOTE,
     INFERRED_NOTE,
@@ -51,7 +52,7 @@ def render_console(summary: dict[str, Any]) -> str:
             f = summary["fork"]
             lines.append(
                 f"control flow forked at step {f['step']}: {f['module'] or '(model)'} {f['slot']} "
-                f"is missing in {f['missing']} repeat(s)"
+                f"is missing in {counted(f['missing'], 'repeat')}"
             )
     if summary.get("idle_rng"):
         lines.append(f"note: the RNG state of {', '.join(summary['idle_rng'])} differs between "
@@ -142,7 +143,7 @@ def _stress_lines(summary: dict[str, Any]) -> list[str]:
     proven = [op for op in stress if op.get("proven")]
     if not proven:
         runs = max(op.get("runs") or 0 for op in stress)
-        return ["", (f"proof by re-execution: {len(stress)} risky op(s) re-run {runs} times on "
+        return ["", (f"proof by re-execution: {counted(len(stress), 'risky op')} re-run {runs} times on "
                      "identical inputs each gave one result")]
     lines = [""]
     for op in proven[:6]:

@@ -8,6 +8,7 @@ from typing import Any, Union
 
 from ..analysis.compare import GRADIENTS_DIFFER
 from ..analysis.verdict import LAST_GRADIENT, crash_line
+from ..words import counted
 
 SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 120
@@ -200,7 +201,8 @@ def short_epochs_note(short: dict[str, Any]) -> str:
     """That the probe's data ran out before ``--steps`` (a sentence to put after "note: ")."""
     had = sorted({n for n in short["had"].values()})
     return (f"--steps {short['asked']} asked for {short['asked']} steps per epoch; the probe's "
-            f"data had {' or '.join(map(str, had))} in epoch(s) "
+            f"data had {' or '.join(map(str, had))} in "
+            f"{'epoch' if len(short['had']) == 1 else 'epochs'} "
             f"{', '.join(short['had'])}, and those were all recorded")
 
 
@@ -209,14 +211,10 @@ def updates_note(steps: list[int]) -> str:
     after "note: ")."""
     shown = ", ".join(str(k) for k in steps[:5]) + (f", ... ({len(steps)} in all)"
                                                     if len(steps) > 5 else "")
-    return (f"at step(s) {shown} the optimizer updated with no backward pass in the "
+    return (f"at {'step' if len(steps) == 1 else 'steps'} {shown} the optimizer updated with no backward pass in the "
             "step: it stepped again on the gradients it had already used (e.g. "
             "scaler.step(optimizer) followed by optimizer.step()), unless the script sets "
             "gradients without backward.")
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _run_line(s: dict[str, Any]) -> str:
@@ -229,12 +227,12 @@ def _run_line(s: dict[str, Any]) -> str:
     lengths = s.get("steps_per_repeat") or [len(steps)]
     epochs = s.get("epochs_per_repeat") or [len({x["epoch"] for x in steps})]
     repeats = s.get("repeats")
-    runs = _count(repeats, "repeat") if isinstance(repeats, int) else "? repeats"
+    runs = counted(repeats, "repeat") if isinstance(repeats, int) else "? repeats"
     if len(set(lengths)) == 1 and len(set(epochs)) == 1:
-        parts.append(f"{runs}, {_count(epochs[0], 'epoch')}, {_count(lengths[0], 'step')} each")
+        parts.append(f"{runs}, {counted(epochs[0], 'epoch')}, {counted(lengths[0], 'step')} each")
     else:
         parts.append(f"{runs}: " + " and ".join(
-            f"{_count(n, 'step')} in {_count(e, 'epoch')}" for n, e in zip(lengths, epochs))
+            f"{counted(n, 'step')} in {counted(e, 'epoch')}" for n, e in zip(lengths, epochs))
             + " (the runs differ in length)")
     for key in ("mode", "device", "seed"):
         if key in config:
@@ -294,7 +292,7 @@ def _first(s: dict[str, Any]) -> Section | None:
     if fork:
         blocks.append(Text(
             f"Control flow forked at step {fork['step']}: {fork['module'] or '(model)'} "
-            f"{fork['slot']} is missing in {fork['missing']} repeat(s)."
+            f"{fork['slot']} is missing in {counted(fork['missing'], 'repeat')}."
         ))
     origins = _origins(s)
     if origins.rows:
