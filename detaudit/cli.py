@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .api import STAGE_NAMES, Progress
 from .config import (
@@ -182,8 +182,16 @@ def _safe(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A parser whose usage errors are one line, as every other error is (argparse prints
+    the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="detaudit",
         description="Find where, when and why a PyTorch detection model stops training "
         "(or inferring) the same way twice. Exit codes: 0 deterministic, 1 divergence found, "
@@ -367,7 +375,9 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
     p.add_argument("--mode", choices=("train", "infer"), default="train",
                    help="train: forward, backward, optimizer step; infer: forward only (default: train)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default: auto)")
-    p.add_argument("--repeats", type=int, help="runs to compare (CPU preset: 2, CUDA preset: 3)")
+    p.add_argument("--repeats", type=int, help=(
+        "runs to record; the baseline keeps the first, and says when the others differ from "
+        "it (default: 1)") if baseline else "runs to compare (CPU preset: 2, CUDA preset: 3)")
     p.add_argument("--epochs", type=int, help="epochs per run (preset: 2)")
     p.add_argument("--steps", type=_steps, metavar="N|all",
                    help="steps per epoch; all: every batch of each epoch (CPU preset: 2, CUDA "
@@ -375,8 +385,9 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
     p.add_argument("--seed", type=int, default=0, help="seed for every RNG (default: 0)")
     p.add_argument("--deterministic", action="store_true",
                    help="turn PyTorch's deterministic settings on for the run, to compare")
+    # (a baseline refuses what `run` alone does, with the reason: out of its help)
     p.add_argument("--inject-fault", metavar="MODULE[/OP][@forward|@backward][:STEP]",
-                   help="plant a 1-ULP change at MODULE in the last repeat (default: forward, "
+                   help=argparse.SUPPRESS if baseline else "plant a 1-ULP change at MODULE in the last repeat (default: forward, "
                    "step 0); with /OP (e.g. roi_heads.box_roi_pool/torchvision.roi_align@backward:1, "
                    "or op:torchvision.nms for any module; an OP without its namespace, such as nms, "
                    "names it in any) inside that op: 1 ULP in its first float output (its "
@@ -393,10 +404,10 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
                        "module: hooks per module call on every step; op: every "
                        "aten/torchvision op of every step too (much slower)")
     p.add_argument("--no-drill-down", dest="drill_down", action="store_false",
-                   help="after a divergence, do not replay the first divergent step op by op "
-                   "(at scan granularity: do not zoom)")
+                   help="after a divergence, do not replay the first divergent step op by op" + (
+                       "" if baseline else " (at scan granularity: do not zoom)"))
     p.add_argument("--zoom-tries", type=int, default=3, metavar="N",
-                   help="scan: replays of the first divergent step before it is reported as "
+                   help=argparse.SUPPRESS if baseline else "scan: replays of the first divergent step before it is reported as "
                    "intermittent (default 3)")
     p.add_argument("--census", action=argparse.BooleanOptionalAction, default=True,
                    help="list the known-nondeterministic ops the model runs (one step, even when "
@@ -409,7 +420,7 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
                    "a divergence even when the repeats agreed. 'all': every op of those steps "
                    "(slow); 0: off (default: 16)")
     p.add_argument("--verify-fix", action="store_true",
-                   help="re-run with PyTorch's deterministic settings: deterministic now? at what "
+                   help=argparse.SUPPRESS if baseline else "re-run with PyTorch's deterministic settings: deterministic now? at what "
                    "step-time and peak-memory cost?")
     p.add_argument("--isolation", choices=("inprocess", "process"), default="inprocess",
                    help="process: each repeat in a fresh interpreter (catches PYTHONHASHSEED and "
@@ -800,11 +811,13 @@ class _Bar(Progress):
 
 
 def _print_summary(args: argparse.Namespace, summary: dict[str, Any], out: Path) -> None:
-    """The summary as --json, --quiet or the console text (with the ranks), then the folder."""
+    """The summary as --json (with the exit code, as a command that ends before its verdict
+    gives it), --quiet or the console text (with the ranks), then the folder."""
+    from .analysis.verdict import exit_code
     from .report import render_console, render_ranks_console, summary_json
 
     if args.json:
-        print(summary_json(summary))
+        print(summary_json({**summary, "exit_code": exit_code(summary["verdict"])}))
     elif args.quiet:
         print(_safe(summary["headline"]))
     else:

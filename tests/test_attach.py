@@ -411,7 +411,7 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     done = _exec(tmp_path, "--max-steps", "2", "--json")
     assert done.returncode == 1, done.stderr
     summary = json.loads(done.stdout)
-    assert summary["cause"]["kind"] == "init"
+    assert summary["exit_code"] == 1 and summary["cause"]["kind"] == "init"
     assert summary["first_divergence"]["step"] == 0
     assert "seed" in summary["cause"]["text"]
     # torch's state no longer moves once the workers load the data, but it was drawn from

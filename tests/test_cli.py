@@ -107,6 +107,20 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and message in err
 
 
+@pytest.mark.parametrize("args,message", [
+    (["run", "--model", "maskrcnn", "--repeats", "x"],
+     "detaudit run: error: argument --repeats: invalid int value: 'x' (see detaudit run --help)"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["exec", "--seed"], "detaudit exec: error: argument --seed: expected one argument"),
+])
+def test_a_malformed_command_line_is_one_line_and_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
 def test_a_probe_that_raises_is_a_crash_named_in_one_line(tmp_path, capsys):
     assert main(["run", "--probe", str(PROBES / "broken.py"), "--out", str(tmp_path)]) == 3
     err = capsys.readouterr().err.strip()

@@ -509,7 +509,7 @@ def test_baseline_honours_its_options_or_refuses_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--repeats and --stress are recorded and reported, --json is JSON, and what a baseline
-    cannot keep (a planted fault, --verify-fix) is one line, exit 2."""
+    cannot keep (a planted fault, --verify-fix) is one line, exit 2, and not in its help."""
     from detaudit.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -527,6 +527,11 @@ def test_baseline_honours_its_options_or_refuses_them(
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and said in err
         assert not (tmp_path / "refused.json").exists()
+    with pytest.raises(SystemExit):  # and its help lists neither
+        main(["baseline", "--help"])
+    shown = capsys.readouterr().out
+    assert "--inject-fault" not in shown and "--verify-fix" not in shown
+    assert "--zoom-tries" not in shown and "(default: 1)" in shown
 
 
 def test_a_check_of_a_baseline_that_stores_a_planted_fault_says_so(tmp_path: Path) -> None:
