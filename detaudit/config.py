@@ -45,9 +45,12 @@ def fault_not_fired(fault: Fault, steps: int) -> str:
     never fired: ")."""
     if steps <= fault.step:
         return f"the run has only {steps} steps (0 to {steps - 1})"
+    of = f"at step {fault.step} of {counted(steps, 'recorded step')}"
+    if fault.op and not fault.module:
+        return f"op {fault.op!r} did not run {fault.phase} in any module {of}"
     where = f"op {fault.op!r} in " if fault.op else ""
-    return (f"{where}module {fault.module!r} did not run {fault.phase} at step {fault.step} "
-            f"of {steps} recorded steps" + (f" ({OP_FAULT_MODULE})" if fault.op else ""))
+    return (f"{where}module {fault.module!r} did not run {fault.phase} {of}"
+            + (f" ({OP_FAULT_MODULE})" if fault.op else ""))
 
 
 @dataclass(frozen=True)

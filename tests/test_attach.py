@@ -8,6 +8,7 @@ import copy
 import inspect
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -405,6 +406,69 @@ def test_an_unseeded_rng_nothing_draws_from_is_no_cause_where_calls_are_not_seen
     summary = json.loads(done.stdout)
     assert summary["cause"]["kind"] == "backward", summary["cause"]
     assert {"numpy", "python"} <= set(summary["idle_rng"])
+
+
+_RESEEDS_FROM_THE_CLOCK = """
+import time, torch
+from torch import nn
+torch.manual_seed(time.time_ns() % (1 << 31))
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.ones(8, 4)
+for _ in range(2):
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_exec_with_seed_of_a_script_that_reseeds_from_the_clock_says_it_reseeds(tmp_path):
+    """--seed was given: the advice is not to give it, but that the code reseeds."""
+    script = tmp_path / "clock.py"
+    script.write_text(_RESEEDS_FROM_THE_CLOCK)
+    done = _exec(tmp_path, "--seed", "3", "--json", script=script)
+    assert done.returncode == 1, done.stderr
+    cause = json.loads(done.stdout)["cause"]
+    assert cause["kind"] == "init"
+    assert cause["text"].startswith("the torch RNG state differs before the first step "
+                                    "although detaudit seeded every RNG (3) before the code ran")
+    assert "--seed" not in cause["text"]
+
+
+def test_exec_without_seed_of_set_ordered_loss_terms_points_at_the_hash_seed(tmp_path):
+    """Loss weights zipped with a set of names: each run of the command, a process with its
+    own hash seed, weighs the terms differently; the cause says to rule that out, and
+    --seed (which fixes PYTHONHASHSEED) makes the runs agree."""
+    script = tmp_path / "set_order.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "TERMS = ['cls', 'box', 'objectness', 'rpn_box', 'mask', 'keypoint', 'aux', 'centre']\n"
+        "torch.manual_seed(0)\nmodel = nn.Linear(8, len(TERMS))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+        "for _ in range(2):\n    out = model(torch.ones(4, 8))\n"
+        "    loss = sum((i + 1) * out[:, TERMS.index(n)].pow(2).mean()\n"
+        "               for i, n in enumerate(set(TERMS)))\n"
+        "    loss.backward()\n    opt.step()\n    opt.zero_grad()\n")
+    done = _exec(tmp_path, "--repeats", "3", "--json", "--no-zoom", script=script)
+    assert done.returncode == 1, done.stderr
+    assert "each run had a hash seed of its own (no --seed)" in json.loads(
+        done.stdout)["cause"]["text"]
+    shutil.rmtree(tmp_path / "run")
+    assert _exec(tmp_path, "--repeats", "3", "--seed", "0", script=script).returncode == 0
+
+
+def test_an_inference_run_has_no_loss_to_hide_a_difference(tmp_path):
+    """Two inference runs of differently initialised models: outputs and parameters differ,
+    and no loss 'stayed bit-identical' (inference has none)."""
+    for n in range(2):
+        torch.manual_seed(n)
+        model = nn.Linear(4, 2).eval()
+        with torch.no_grad(), detaudit.watch(model, out=tmp_path, mode="infer"):
+            model(torch.ones(3, 4))
+    result = detaudit.compare(tmp_path)
+    assert result.verdict.kind == "divergent" and result.comparison.cause == "init"
+    assert not result.verdict.loss_hidden
+    assert "bit-identical" not in result.verdict.headline
 
 
 def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):

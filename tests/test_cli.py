@@ -100,6 +100,10 @@ def test_process_isolation_finds_hash_seed_dependence(tmp_path):
     (["run", "--probe", "/nonexistent/probe.py"], "does not exist"),
     (["run", "--model", "maskrcnn", "--inject-fault", "a@sideways:1"], "--inject-fault"),
     (["run", "--probe", str(PROBES)], "probe_files is a folder"),
+    (["run", "--probe", str(PROBES / "tiny_cnn.py"), "--epochs", "1", "--steps", "1",
+      "--no-census", "--inject-fault", "op:torchvision.nms"],
+     ("never fired: op 'torchvision.nms' did not run forward in any module at step 0 of 1 "
+      "recorded step")),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path)]) == 2

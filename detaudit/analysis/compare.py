@@ -234,6 +234,15 @@ class Comparison:
         return [f for f in self.findings if f.step == self.first_step and f.role == ORIGIN]
 
     @property
+    def unseeded_at_start(self) -> list[str]:
+        """The RNGs whose state differs before the first step, where that is the cause
+        (the model initialised from them, or nothing drawn yet): empty otherwise."""
+        if (self.first_step != 0 or self.cause not in ("init", "rng")
+                or self.continued_from is not None):
+            return []
+        return sorted({d.slot.removeprefix("rng.") for d in self.first_diffs if _rng_state(d)})
+
+    @property
     def cause_text(self) -> str:
         if self.cause == "init" and self.continued_from is not None:
             n, m, step, last = self.continued_from

@@ -76,9 +76,10 @@ def judge(
     located = zoom if zoom is not None and zoom.first_step is not None else c
     first = first_divergence(located)
     kind = c.verdict
-    hidden = (  # (parameters of a run that ended are missing, not diverged)
+    hidden = (  # (parameters of a run that ended are missing, not diverged; inference has
+        # no loss to hide it)
         c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
-        and c.cause != "length"
+        and c.cause != "length" and bool(c.loss.per_step)
     )
     headline = _headline(kind, located, first, hidden, ops or {})
     if c.proven and kind == DETERMINISTIC:
@@ -232,10 +233,22 @@ def random_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
     return None
 
 
-def cause_of(c: Comparison, ops: dict[str, Any] | None) -> tuple[str, str]:
+def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None
+             ) -> tuple[str, str]:
     """The class of cause and its text: the comparison's, unless the op the drill-down found
     where a forward or backward part (or an input made in the loop) first differs draws
-    random numbers (then the RNG is the cause)."""
+    random numbers (then the RNG is the cause). `seed`: detaudit seeded every RNG with it
+    before the audited code ran (an RNG that differs before the first step was reseeded)."""
+    reseeded = c.unseeded_at_start
+    if seed is not None and reseeded:
+        return c.cause, (
+            f"the {', '.join(reseeded)} RNG state differs before the first step although "
+            f"detaudit seeded every RNG ({seed}) before the code ran: the code reseeds it from "
+            "a source that differs between runs (the clock, os.urandom, the process id, "
+            "torch.seed()) before " + ("it builds the model, whose parameters differ"
+                                       if c.cause == "init" else "its first step")
+            + " (fix: seed with a constant, e.g. detaudit.seed_everything(0), or drop that "
+            "reseed)")
     op = random_origin_op(ops)
     if op is None or c.cause not in ("forward", "backward", "data"):
         return c.cause, c.cause_text

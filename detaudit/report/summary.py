@@ -55,6 +55,21 @@ def _short_epochs(info: RunInfo, c: Comparison) -> dict[str, Any] | None:
     return {"asked": asked, "had": short} if short else None
 
 
+def _cause(c: Comparison, ops: dict[str, Any], info: RunInfo, traces: list[Trace]
+           ) -> dict[str, str]:
+    """The cause's kind and text; for runs of a command each with a hash seed of its own
+    (exec without --seed), what to rule out where the difference is made by code."""
+    kind, text = cause_of(c, ops, info.config.get("seed"))
+    own_hash_seeds = ("seed" in info.config and info.config["seed"] is None and traces
+                      and traces[0].env.get("PYTHONHASHSEED") in (None, "random"))
+    if own_hash_seeds and kind in ("forward", "backward", "data", "rng"):
+        text += ("; each run had a hash seed of its own (no --seed): code that iterates a "
+                 "set of strings (loss terms, class names, file names) orders it differently "
+                 "in each, which `detaudit exec --seed 0` (it fixes PYTHONHASHSEED too) rules "
+                 "out")
+    return {"kind": kind, "text": text}
+
+
 def summarize(
     info: RunInfo, comparison: Comparison, traces: list[Trace], verdict: Verdict,
     ranks: RankAnalysis | None = None, zoom: Comparison | None = None,
@@ -90,7 +105,7 @@ def summarize(
             }
             for f in located.origins
         ],
-        "cause": dict(zip(("kind", "text"), cause_of(located, ops))),
+        "cause": _cause(located, ops, info, traces),
         "idle_rng": list(c.idle_rng),
         "updates_without_backward": _updates_without_backward(traces),
         "short_epochs": _short_epochs(info, c),
