@@ -225,7 +225,10 @@ def run(
             raise
         except BaseException as exc:
             folder.set_state(stopped_state(folder.info.state, exc))
-            if folder.path is not None:  # (what a repeat streamed so far: kept, listed)
+            if (isinstance(folder, RunFolder) and folder.info.state.startswith(REFUSED)
+                    and not folder.info.traces and not folder.partial_traces()):
+                folder.discard()  # bad input, found before anything was recorded
+            elif folder.path is not None:  # (what a repeat streamed so far: kept, listed)
                 folder.keep_partial_traces(
                     f"not complete: the run was {folder.info.state.split(' ')[0]} while it "
                     "was recorded")
@@ -437,13 +440,16 @@ def check(
                  investigations=Investigations(drill_down=False), launch=launch,
                  command=command, preset="as stored in the baseline", progress=progress)
     gate = diff_traces(stored.trace, result.traces, rtol, atol, labels=("baseline", "now"))
-    if len(result.traces) > 1 and not result.comparison.deterministic:
-        gate.message += (
-            f"\nnote: the new run is not deterministic by itself (its repeats differ from step "
-            f"{result.comparison.first_step}), so it cannot be expected to match any baseline"
-        )
+    unstable = _not_deterministic_by_itself(result.comparison)
+    if unstable:
+        gate.message += (f"\nnote: the new run is not deterministic by itself ({unstable}), so "
+                         "it cannot be expected to match any baseline")
     for op in result.comparison.proven[:3]:
         gate.message += f"\nnote: proven by re-execution in this run: {op.line()}"
+    if unstable and gate.ok and not gate.tolerance:  # a bitwise match, by chance: no pass
+        gate.ok = False
+        gate.headline = (f"MISMATCH: the new run is not deterministic by itself ({unstable}); "
+                         f"{gate.headline.removeprefix('MATCH: ')}, by chance")
     if stored.config.fault is not None:  # stored before baselines refused one
         gate.message += ("\nnote: this baseline stores a planted fault, which the check planted "
                          "again: record the baseline again without --inject-fault")
@@ -454,6 +460,17 @@ def check(
         save_run(result.folder, result.info)
         write_reports(result.folder, with_check(result.summary, checked))
     return CheckResult(result, gate)
+
+
+def _not_deterministic_by_itself(c: Comparison) -> str:
+    """How a run's own repeats, or its re-execution of risky ops, show it nondeterministic
+    (empty where they do not)."""
+    if c.repeats > 1 and c.first_step is not None:
+        return f"its repeats differ from step {c.first_step}"
+    if c.proven:
+        op = c.proven[0]
+        return f"re-execution proved {op.base_op} in {op.module or '(model)'} nondeterministic"
+    return ""
 
 
 def with_check(summary: dict[str, Any], checked: dict[str, Any]) -> dict[str, Any]:

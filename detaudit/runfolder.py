@@ -8,6 +8,7 @@ saved today can be compared and rendered later, on another machine.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import platform
@@ -240,6 +241,7 @@ class RunFolder:
         self.info = info
         self.overwrite = overwrite
         self._locked = False
+        self._created = False  # the folder did not exist before this run
 
     def __enter__(self):
         self.open()
@@ -253,6 +255,7 @@ class RunFolder:
         overwriting) or that another run is using, and write ``run.json``."""
         if self.path.exists() and not self.path.is_dir():
             raise TraceError(f"--out {self.path} is a file, not a folder")
+        self._created = not self.path.exists()
         _writable(self.path.mkdir, self.path, parents=True, exist_ok=True)
         self._lock()
         if (self.path / RUN_FILE).exists():
@@ -272,7 +275,7 @@ class RunFolder:
         """The traces repeats were still streaming when the run was interrupted (or stopped
         otherwise: `why`): kept under their own names as far as they were flushed, their
         failure `why`, and listed."""
-        for partial in sorted(self.path.glob("partial-trace-*.json.gz")):
+        for partial in self.partial_traces():
             match = _TRACE_NAME.fullmatch(partial.name.removeprefix("partial-"))
             if match is None:
                 continue
@@ -282,6 +285,10 @@ class RunFolder:
             if kept is not None and match.group(0) not in self.info.traces:
                 self.info.traces.append(match.group(0))
         self.save()
+
+    def partial_traces(self) -> list[Path]:
+        """The traces repeats are streaming (or left when they stopped), in order."""
+        return sorted(self.path.glob("partial-trace-*.json.gz"))
 
     def _holds_records(self) -> bool:
         """Whether a trace here recorded a step (a run that failed in its first step kept
@@ -315,6 +322,15 @@ class RunFolder:
     def set_state(self, state: str) -> None:
         self.info.state = state
         self.save()
+
+    def discard(self) -> None:
+        """Leave no trace of a run refused before it recorded anything (bad input): its
+        ``run.json``, and the folder itself where this run made it and nothing else is in it."""
+        (self.path / RUN_FILE).unlink(missing_ok=True)
+        self.close()
+        if self._created:
+            with contextlib.suppress(OSError):  # (not empty: something else is kept there)
+                self.path.rmdir()
 
     def close(self) -> None:
         if self._locked:

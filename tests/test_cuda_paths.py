@@ -60,7 +60,7 @@ def test_a_cuda_index_beyond_the_devices_is_refused_up_front(monkeypatch, tmp_pa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("cuda:1") == torch.device("cuda:1")
-    with pytest.raises(DetauditError, match=r"no device cuda:2: 2 CUDA device\(s\), cuda:0 to cuda:1"):
+    with pytest.raises(DetauditError, match=r"no device cuda:2: 2 CUDA devices, cuda:0 to cuda:1"):
         resolve_device("cuda:2")
     assert main(["run", "--model", "maskrcnn", "--device", "cuda:5", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()

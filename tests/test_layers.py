@@ -14,7 +14,7 @@ GOLDEN = Path(__file__).parent / "golden" / "planted"
 
 # Stages from the bottom up: a module may import its own stage and the stages below it.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("files", ("detaudit.errors", "detaudit.storage")),
+    ("files", ("detaudit.errors", "detaudit.storage", "detaudit.words")),
     ("format", ("detaudit.trace",)),
     ("config", ("detaudit.config", "detaudit.probe", "detaudit.seeding")),
     ("run folder", ("detaudit.runfolder",)),
@@ -28,7 +28,8 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 ]
 # What `detaudit report`, `detaudit diff` and the analysis of saved runs need: no torch.
 TORCH_FREE = [
-    "detaudit", "detaudit.errors", "detaudit.storage", "detaudit.trace", "detaudit.config",
+    "detaudit", "detaudit.errors", "detaudit.storage", "detaudit.words", "detaudit.trace",
+    "detaudit.config",
     "detaudit.runfolder", "detaudit.analysis.compare", "detaudit.analysis.ranks",
     "detaudit.analysis.diff", "detaudit.analysis.verdict", "detaudit.report",
     "detaudit.report.summary", "detaudit.report.console", "detaudit.report.markdown",

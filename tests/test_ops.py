@@ -168,6 +168,18 @@ def test_census_lists_known_ops_even_when_repeats_agree():
         ("gather", "backward", "aten.index_put(accumulate=True)", 1)]
 
 
+def test_a_census_that_finds_nothing_says_so_with_its_cost():
+    from detaudit.report import render_console, render_markdown
+
+    result = audit(small_cnn_probe, repeats=1, epochs=1, steps=1, census=True, stress=0)
+    assert result.investigations["census"]["ops"] == []
+    assert "census: no known-nondeterministic op, no deterministic-algorithms alert (each " \
+           "epoch's first step, " in render_console(result.summary)
+    assert "The census found no known-nondeterministic op" in render_markdown(result.summary)
+    quiet = audit(small_cnn_probe, repeats=1, epochs=1, steps=1, census=False, stress=0)
+    assert "census" not in render_console(quiet.summary)
+
+
 def test_op_granularity_stays_quiet_on_a_deterministic_model():
     result = audit(small_cnn_probe, repeats=3, epochs=1, granularity="op", drill_down=True)
     assert result.deterministic and "ops" not in result.investigations

@@ -153,6 +153,21 @@ def test_a_folder_whose_run_recorded_nothing_is_taken_without_overwrite(tmp_path
     assert "already holds a run" in capsys.readouterr().err
 
 
+def test_bad_input_found_before_anything_is_recorded_leaves_no_folder(tmp_path, capsys):
+    """A module --inject-fault names that the model lacks is found once the probe is built:
+    the --out folder this run made is removed again (it held only run.json); one that was
+    there before is left, without run.json."""
+    args = ["run", "--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "nosuch:0",
+            "--no-census", "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "new")]) == 2
+    assert "no module 'nosuch'" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    assert main([*args, "--out", str(tmp_path / "kept")]) == 2
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["notes.txt"]
+
+
 def test_a_folder_in_use_is_refused_and_a_stale_lock_taken_over(tmp_path):
     info = RunInfo(probe={}, config={}, command="", traces=[])
     (tmp_path / LOCK_FILE).write_text(str(os.getppid()))  # a live process holds it

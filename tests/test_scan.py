@@ -391,6 +391,28 @@ def _cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str]]:
     return cli
 
 
+def test_diff_of_runs_no_replay_can_rebuild_does_not_suggest_a_zoom(tmp_path):
+    """Two runs recorded by watch (a loop detaudit cannot replay) part at step 1: diff names
+    the step and record, and does not suggest --zoom, which could only refuse."""
+    import detaudit
+    from detaudit.analysis.diff import diff_traces
+
+    traces = []
+    for name, lr in (("a", 0.1), ("b", 0.2)):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        with detaudit.watch(model, opt, out=tmp_path / name) as w:
+            for _ in range(2):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        traces.append(w.trace)
+    said = diff_traces(*traces).message
+    assert "at step 0" in said and "optimizer" in said
+    assert "--zoom" not in said
+
+
 def test_probe_files_each_import_the_helpers_beside_them(tmp_path, capsys):
     """Two probe folders, each with its own helpers.py (B's scales by 1 + 1e-7): B's run and
     its zoom replay import B's helpers, not those A's brought in (B's run matched A's, and its
@@ -486,7 +508,7 @@ def test_runs_that_part_only_between_processes_depend_on_per_process_state(
                  "process", "--repeats", "2", "--epochs", "1", "--steps", "1", "--stress", "0",
                  "--no-census", "--out", str(tmp_path), "--json"])
     summary = json.loads(capsys.readouterr().out)
-    assert code == 1
+    assert code == summary.pop("exit_code") == 1
     assert [a["outcome"] for a in summary["zoom"]["attempts"]] == [
         "did not part this time (replayed in this process)",
         "did not part this time (replayed in this process)",  # twice: a race might, once

@@ -19,6 +19,7 @@ from ..trace import (
     OUTPUT,
     PROBE_CONFIG,
     PROBE_RECORD_SET,
+    PROBE_SPEC,
     STATE,
     AnyTrace,
     Trace,
@@ -82,6 +83,7 @@ class GateResult:
     finer_only: tuple[int, int] = (0, 0)
     zoom: dict[str, Any] | None = None  # diff --zoom: both runs replayed to the first step
     scan_level: bool = False  # a run was recorded at scan level (no module records to name)
+    replayable: bool = False  # both runs are of probes a replay rebuilds (built-in or file)
     config_differences: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
     @property
@@ -176,6 +178,8 @@ def diff_traces(
         tolerance=tolerance, within_tolerance=accepted, headline="", message="", labels=labels,
         failures=failures, not_comparable=unjudged, finer_only=(ta.left_out, tb.left_out),
         scan_level=SCAN in (recorded_granularity(whole_a), recorded_granularity(whole_b)),
+        replayable=all(t.probe.get(PROBE_SPEC, {}).get("kind") in ("builtin", "file")
+                       for t in (whole_a, whole_b)),
         config_differences=config_differences(whole_a, whole_b),
     )
     if zoom is not None and first is not None:
@@ -385,7 +389,7 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
                      "shows it)")
     elif result.origin_module is not None:
         lines.append(f"origin: {result.origin_module or '(model)'} ({result.origin_phase})")
-    elif result.zoom is None and result.scan_level and first.phase not in (
+    elif result.zoom is None and result.scan_level and result.replayable and first.phase not in (
             "forward", "backward"):
         lines.append("(recorded at scan level: `detaudit diff --zoom` replays both runs to that "
                      "step at module and op level, where this machine can run them)")

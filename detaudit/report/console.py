@@ -161,7 +161,11 @@ def _census_lines(summary: dict[str, Any]) -> list[str]:
     census, alerts = summary.get("census") or [], summary.get("census_alerts") or []
     errors = summary.get("census_errors") or []
     if not census and not alerts and not errors:
-        return []
+        seconds = summary.get("census_seconds")
+        if not isinstance(seconds, (int, float)):
+            return []  # no census ran
+        return ["", ("census: no known-nondeterministic op, no deterministic-algorithms alert "
+                     f"(each epoch's first step, {seconds:.3g} s)")]
     lines = ["", *errors]
     if census or alerts:
         lines.append("census: known-nondeterministic ops this model runs on this device "

@@ -491,9 +491,14 @@ def _census(s: dict[str, Any]) -> Section | None:
     census = s.get("census") or []
     alerts = s.get("census_alerts") or []
     errors = s.get("census_errors") or []
-    if not census and not alerts and not errors:
-        return None
     seconds = s.get("census_seconds")
+    if not census and not alerts and not errors:
+        if not isinstance(seconds, (int, float)):
+            return None  # no census ran
+        return Section("census", "Census", [Text(
+            "The census found no known-nondeterministic op and no alert under "
+            "torch.use_deterministic_algorithms(True, warn_only=True) at the first step of "
+            f"every epoch (census: {num(seconds, 3)} s).")])
     blocks: list[Block] = [Text(
         "Known-nondeterministic ops your model ran on this device at the first step of every "
         "epoch (whether or not the repeats happened to agree; first seen: the first epoch "
