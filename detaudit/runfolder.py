@@ -164,7 +164,8 @@ def load_run(folder: str | Path) -> tuple[RunInfo, list[AnyTrace]]:
     """Read a run folder; any missing or damaged file is one clear error naming it."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise TraceError(f"{folder} is not a run folder (no such directory)")
+        raise TraceError(f"{folder} is not a run folder ("
+                         + ("a file" if folder.exists() else "no such directory") + ")")
     path = folder / RUN_FILE
     if not path.exists():
         raise TraceError(f"{path} is missing: {folder} is not a detaudit run folder")

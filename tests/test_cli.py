@@ -190,6 +190,9 @@ def test_report_command_rerenders_a_saved_run(tmp_path, capsys):
     (folder / "trace-1.json.gz").write_bytes(b"\x1f\x8b garbage")
     assert main(["report", str(folder)]) == 2
     assert "trace-1.json.gz" in capsys.readouterr().err
+    for given, said in ((folder / "summary.json", "a file"), (tmp_path / "none", "no such")):
+        assert main(["report", str(given)]) == 2
+        assert f"{given} is not a run folder ({said}" in capsys.readouterr().err
 
 
 def test_the_reports_command_runs_the_same_audit_into_a_new_folder(tmp_path):
