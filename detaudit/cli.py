@@ -387,8 +387,8 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
                    help="turn PyTorch's deterministic settings on for the run, to compare")
     # (a baseline refuses what `run` alone does, with the reason: out of its help)
     p.add_argument("--inject-fault", metavar="MODULE[/OP][@forward|@backward][:STEP]",
-                   help=argparse.SUPPRESS if baseline else "plant a 1-ULP change at MODULE in the last repeat (default: forward, "
-                   "step 0); with /OP (e.g. roi_heads.box_roi_pool/torchvision.roi_align@backward:1, "
+                   help=argparse.SUPPRESS if baseline else "plant a 1-ULP change at MODULE ((model): the model itself) in the last "
+                   "repeat (default: forward, step 0); with /OP (e.g. roi_heads.box_roi_pool/torchvision.roi_align@backward:1, "
                    "or op:torchvision.nms for any module; an OP without its namespace, such as nms, "
                    "names it in any) inside that op: 1 ULP in its first float output (its "
                    "backward op in backward), a swap of two elements in an integer one")

@@ -27,6 +27,7 @@ _FAULT = re.compile(
 FAULT_GRAMMAR = "MODULE[/OP][@forward|@backward][:STEP] or op:OP[@phase][:STEP]"
 
 
+ROOT_NAME = "(model)"  # the model itself, as reports (and --inject-fault) name it
 # Said when an op fault never fired: where the op is looked for.
 OP_FAULT_MODULE = "an op fault names the innermost module the op runs in, not a parent of it"
 
@@ -49,7 +50,7 @@ def fault_not_fired(fault: Fault, steps: int) -> str:
     if fault.op and not fault.module:
         return f"op {fault.op!r} did not run {fault.phase} in any module {of}"
     where = f"op {fault.op!r} in " if fault.op else ""
-    return (f"{where}module {fault.module!r} did not run {fault.phase} {of}"
+    return (f"{where}module {fault.module or ROOT_NAME!r} did not run {fault.phase} {of}"
             + (f" ({OP_FAULT_MODULE})" if fault.op else ""))
 
 
@@ -72,13 +73,15 @@ class Fault:
 
     @classmethod
     def parse(cls, text: str) -> Fault:
-        """`MODULE[/OP][@forward|@backward][:STEP]`, or `op:OP...` for an op in any module."""
+        """`MODULE[/OP][@forward|@backward][:STEP]`, or `op:OP...` for an op in any module;
+        ``(model)``, as reports name it, is the model itself."""
         if text.startswith("op:"):
             text = "/" + text[3:]
         m = _FAULT.match(text)
         if not m or not (m.group("module") or m.group("op")):
             raise DetauditError(f"fault {text!r} is not {FAULT_GRAMMAR}")
-        return cls(m.group("module"), m.group("phase") or FORWARD, int(m.group("step") or 0),
+        module = "" if m.group("module") == ROOT_NAME else m.group("module")
+        return cls(module, m.group("phase") or FORWARD, int(m.group("step") or 0),
                    m.group("op"))
 
     def in_wrapper(self, prefix: str = "module") -> Fault:

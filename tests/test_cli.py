@@ -125,6 +125,26 @@ def test_a_malformed_command_line_is_one_line_and_exit_2(args, message, capsys):
     assert len(err.splitlines()) == 1 and message in err
 
 
+def test_a_fault_at_the_model_itself_is_named_as_the_reports_name_it(tmp_path, capsys):
+    """A model with no submodules (one nn.Linear): `(model)` plants at it, in forward and in
+    backward; a name it lacks says how to name it."""
+    probe = tmp_path / "linear.py"
+    probe.write_text("import torch\nfrom torch import nn\nimport detaudit\n\n\n"
+                     "def probe(device):\n    torch.manual_seed(0)\n    model = nn.Linear(4, 1)\n"
+                     "    return detaudit.Probe(model=model, batches=[torch.randn(8, 4)] * 2,\n"
+                     "        step=lambda m, x: m(x).pow(2).mean(),\n"
+                     "        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))\n")
+    common = ["run", "--probe", str(probe), "--epochs", "1", "--steps", "2", "--no-census",
+              "--quiet", "--overwrite", "--out", str(tmp_path / "run")]
+    for phase in ("forward", "backward"):
+        assert main([*common, "--inject-fault", f"(model)@{phase}:1"]) == 1
+        assert capsys.readouterr().out.startswith(
+            f"DIVERGENT: first at step 1 (epoch 1), {phase}, (model) (origin); cause: {phase}; "
+            "the planted fault, found where it was planted")
+    assert main([*common, "--inject-fault", "linear:1"]) == 2
+    assert "it has no submodules: name the model itself, (model)" in capsys.readouterr().err
+
+
 def test_a_probe_that_raises_is_a_crash_named_in_one_line(tmp_path, capsys):
     assert main(["run", "--probe", str(PROBES / "broken.py"), "--out", str(tmp_path)]) == 3
     err = capsys.readouterr().err.strip()

@@ -15,7 +15,15 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import SCAN, AuditConfig, Fault, ProbeSpec, fault_not_fired, nearest_modules
+from ..config import (
+    ROOT_NAME,
+    SCAN,
+    AuditConfig,
+    Fault,
+    ProbeSpec,
+    fault_not_fired,
+    nearest_modules,
+)
 from ..errors import DetauditError, ProbeError
 from ..probe import Probe
 from ..record.environment import capture_environment
@@ -563,7 +571,8 @@ def _check_fault_module(fault: Fault, model: torch.nn.Module) -> None:
     names = [name for name, _ in model.named_modules() if name]
     if not fault.module or fault.module in names:
         return
-    hint = nearest_modules(fault.module, names, "its modules")
+    hint = nearest_modules(fault.module, names, "its modules") if names else (
+        f"it has no submodules: name the model itself, {ROOT_NAME}")
     raise DetauditError(f"--inject-fault: the model has no module {fault.module!r}; {hint}")
 
 
