@@ -27,6 +27,7 @@ from .report import render_console, summarize, write_reports
 from .report.junit import JUnitCase, junit_case
 from .runfolder import (
     COMPLETE,
+    RUN_FILE,
     RunFolder,
     RunInfo,
     load_baseline,
@@ -493,8 +494,8 @@ def diff(run_a: str | Path, run_b: str | Path, rtol: float = 0.0, atol: float = 
     """Compare repeat 0 of two saved run folders, bitwise or within rtol/atol. With `zoom`,
     when they part at a step, replay both here to that step at module and op level (see
     :func:`detaudit.investigate.zoom.zoom_between`)."""
-    info_a, traces_a = load_run(run_a)
-    info_b, traces_b = load_run(run_b)
+    info_a, traces_a = _run_or_watched(run_a)
+    info_b, traces_b = _run_or_watched(run_b)
     def replay_both(step: int) -> dict[str, Any]:
         from .investigate.zoom import NOT_POSSIBLE, zoom_between
 
@@ -507,6 +508,17 @@ def diff(run_a: str | Path, run_b: str | Path, rtol: float = 0.0, atol: float = 
 
     return diff_traces(traces_a, traces_b, rtol, atol, labels=(str(run_a), str(run_b)),
                        zoom=replay_both if zoom else None)
+
+
+def _run_or_watched(path: str | Path) -> tuple[RunInfo, list[Any]]:
+    """A run folder, or what ``watch`` writes: a trace file, a folder of traces only."""
+    path = Path(path)
+    if path.is_file() or (path.is_dir() and not (path / RUN_FILE).exists()
+                          and next(path.glob("trace-*.json.gz"), None) is not None):
+        from .attached import watched_run
+
+        return watched_run(path)
+    return load_run(path)
 
 
 def _replayable(info: RunInfo, trace: Trace, label: str) -> tuple | str:

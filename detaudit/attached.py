@@ -77,7 +77,8 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
     names = list(dict.fromkeys(str(t.probe.get(PROBE_SPEC, {}).get("name")) for t in traces))
     if len(names) > 1:
         raise DetauditError(f"these are runs of different trainings ({', '.join(names)}): "
-                            "compare runs of one training (`detaudit diff A B` tells two apart)")
+                            "compare runs of one training (`detaudit diff A B` tells two apart: "
+                            "run folders, trace files or folders of traces)")
     _refuse_other_models(traces)
     run_id = new_run_id()
     originals, traces = traces, [_as_repeat(t, i, run_id) for i, t in enumerate(traces)]
@@ -184,6 +185,13 @@ def _as_repeat(trace: AnyTrace, repeat: int, run_id: str) -> AnyTrace:
     renamed = copy.copy(trace)
     renamed.repeat, renamed.probe = repeat, {**trace.probe, PROBE_RUN: run_id}
     return renamed
+
+
+def watched_run(path: str | Path) -> tuple[RunInfo, list[AnyTrace]]:
+    """What ``watch`` wrote (a trace file, or a folder of them), read as a run: its traces,
+    and an info made from the first (`detaudit diff` takes it as it takes a run folder)."""
+    traces = _load_all((path,))
+    return _info(traces[0], str(traces[0].probe.get(PROBE_RUN, "")), "", "watched"), traces
 
 
 def _info(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:

@@ -245,8 +245,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Compare repeat 0 of two run folders bitwise (or within --rtol/--atol on the "
         "stored stats) and name the first module that differs, with the origin analysis.",
     )
-    diff.add_argument("run_a", help="run folder A")
-    diff.add_argument("run_b", help="run folder B")
+    diff.add_argument("run_a", help="run folder A (or what watch wrote: a folder of traces, "
+                      "a trace file)")
+    diff.add_argument("run_b", help="run folder B (the same)")
     diff.add_argument("--zoom", action="store_true",
                       help="when they part at a step, replay both runs here (repeat 0, each from "
                       "its own configuration) to that step at module and op level, and name "
@@ -268,7 +269,7 @@ def _parser() -> argparse.ArgumentParser:
         "`detaudit exec --seed 0 --max-steps 20 -- torchrun --nproc-per-node 2 train.py`",
     )
     execute.add_argument("--repeats", type=int, default=2, help="runs to compare (default 2)")
-    execute.add_argument("--seed", type=int,
+    execute.add_argument("--seed", type=_seed,
                          help="seed python, numpy, torch and CUDA before your code runs, and "
                          "PYTHONHASHSEED for the process tree (default: leave them as your code "
                          "sets them)")
@@ -313,7 +314,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="replace the run already in --out (refused otherwise)")
     compare.add_argument("--json", action="store_true", help="print the summary as JSON")
     compare.add_argument("--junit", metavar="FILE", help="also write the verdict as JUnit XML")
-    compare.set_defaults(func=cmd_compare, quiet=False)
+    compare.add_argument("--quiet", action="store_true", help="the verdict line only")
+    compare.set_defaults(func=cmd_compare)
 
     models = sub.add_parser("models", help="list the built-in probes and what each audits")
     models.set_defaults(func=cmd_models)
@@ -348,6 +350,19 @@ def _steps(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"takes a number of steps or all, not {text!r}") from None
 
 
+def _seed(text: str) -> int:
+    """A seed every RNG takes as it is: 0 to 2**32 - 1 (numpy's and PYTHONHASHSEED's range;
+    others would be folded into it, two seeds giving one)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number, not {text!r}") from None
+    if not 0 <= seed < 2**32:
+        raise argparse.ArgumentTypeError(f"takes 0 to {2**32 - 1}, not {seed} (numpy and "
+                                         "PYTHONHASHSEED take no other)")
+    return seed
+
+
 def _tolerance(text: str) -> float:
     """A tolerance: a finite number >= 0."""
     try:
@@ -364,6 +379,9 @@ def _add_gate_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare the stored stats within this relative tolerance instead of bitwise")
     p.add_argument("--atol", type=_tolerance, default=0.0, help="absolute tolerance for the stats")
     p.add_argument("--junit", metavar="FILE", help="also write the result as JUnit XML")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as JSON on stdout (verdict, headline, exit_code, "
+                   "first difference, message)")
 
 
 def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) -> None:
@@ -382,7 +400,7 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
     p.add_argument("--steps", type=_steps, metavar="N|all",
                    help="steps per epoch; all: every batch of each epoch (CPU preset: 2, CUDA "
                    "preset: 5)")
-    p.add_argument("--seed", type=int, default=0, help="seed for every RNG (default: 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed for every RNG (default: 0)")
     p.add_argument("--deterministic", action="store_true",
                    help="turn PyTorch's deterministic settings on for the run, to compare")
     # (a baseline refuses what `run` alone does, with the reason: out of its help)
@@ -579,12 +597,17 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     started = time.perf_counter()
     _check_output_file(args.junit, "--junit")
     out = _out_folder(args.out, "check")
-    result = api.check(args.baseline, out=out, overwrite=args.overwrite,
-                       launch=Launch(args.isolation), rtol=args.rtol, atol=args.atol,
-                       command=_reproduce_command(argv), progress=_Bar(args.quiet),
-                       allow_external_probe=args.allow_external_probe)
+    with _stdout_kept_for(args.json):
+        result = api.check(args.baseline, out=out, overwrite=args.overwrite,
+                           launch=Launch(args.isolation), rtol=args.rtol, atol=args.atol,
+                           command=_reproduce_command(argv),
+                           progress=_Bar(args.quiet or args.json),
+                           allow_external_probe=args.allow_external_probe)
     gate = result.gate
-    print(_safe(gate.message + ("" if gate.ok else f"\nreport folder: {out}")))
+    if args.json:
+        _print_gate_json(gate, folder=str(out))
+    else:
+        print(_safe(gate.message + ("" if gate.ok else f"\nreport folder: {out}")))
     if args.junit:
         _write_junit(args.junit, _gate_case(gate, Path(args.baseline).stem, "detaudit.check",
                                             started))
@@ -597,12 +620,29 @@ def cmd_diff(args: argparse.Namespace, argv: list[str]) -> int:
 
     started = time.perf_counter()
     _check_output_file(args.junit, "--junit")
-    gate = api.diff(args.run_a, args.run_b, args.rtol, args.atol, zoom=args.zoom)
-    print(_safe(gate.message))
+    with _stdout_kept_for(args.json):
+        gate = api.diff(args.run_a, args.run_b, args.rtol, args.atol, zoom=args.zoom)
+    if args.json:
+        _print_gate_json(gate)
+    else:
+        print(_safe(gate.message))
     if args.junit:
         name = f"{Path(args.run_a).name}-vs-{Path(args.run_b).name}"
         _write_junit(args.junit, _gate_case(gate, name, "detaudit.diff", started))
     return gate.exit_code
+
+
+def _print_gate_json(gate: Any, **more: Any) -> None:
+    """A check's or diff's result as JSON on stdout."""
+    from dataclasses import asdict
+
+    from .storage import jsonable
+
+    print(json.dumps(jsonable({
+        "verdict": gate.verdict, "headline": gate.headline, "exit_code": gate.exit_code,
+        "first": asdict(gate.first) if gate.first is not None else None,
+        "env_differences": gate.env_differences, "zoom": gate.zoom, "message": gate.message,
+        **more}), indent=1, sort_keys=True))
 
 
 def cmd_models(args: argparse.Namespace, argv: list[str]) -> int:

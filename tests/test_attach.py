@@ -1278,6 +1278,30 @@ def test_watch_twice_in_one_process_compares_deterministic(tmp_path):
     assert shown.startswith('<iframe srcdoc="&lt;!DOCTYPE html&gt;') and "<style" not in shown
 
 
+@pytest.mark.parametrize("named", ["before backward", "before the update", "after it"])
+def test_w_step_anywhere_in_the_iteration_ends_one_step(tmp_path, named):
+    """w.step(losses) called before loss.backward() counted each iteration as two steps
+    (the forward, then the update); before the update or after it, one."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with detaudit.watch(model, opt, out=tmp_path) as w:
+        for i in range(3):
+            loss = model(torch.ones(3, 4) * i).pow(2).mean()
+            if named == "before backward":
+                w.step({"mse": loss})
+            loss.backward()
+            if named == "before the update":
+                w.step({"mse": loss})
+            opt.step()
+            opt.zero_grad()
+            if named == "after it":
+                w.step({"mse": loss})
+    steps = w.trace.steps
+    assert [s.step for s in steps] == [0, 1, 2]
+    assert all("mse" in s.losses for s in steps)
+
+
 def test_watch_finds_a_planted_difference_at_its_step(tmp_path):
     _train(tmp_path)
     _train(tmp_path, nudge_at=4)

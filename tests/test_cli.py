@@ -116,6 +116,8 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
      "detaudit run: error: argument --repeats: invalid int value: 'x' (see detaudit run --help)"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["exec", "--seed"], "detaudit exec: error: argument --seed: expected one argument"),
+    (["exec", "--seed", "-1", "--", "python"], "argument --seed: takes 0 to 4294967295, not -1"),
+    (["run", "--model", "maskrcnn", "--seed", str(2**32)], f"not {2**32} (numpy and"),
 ])
 def test_a_malformed_command_line_is_one_line_and_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -187,8 +189,11 @@ def test_baseline_check_round_trip_through_the_cli(tmp_path):
     elsewhere = run_cli("check", str(base), cwd=tmp_path / "ci")  # the probe is outside ci/
     assert elsewhere.returncode == 2 and "--allow-external-probe" in elsewhere.stderr
     allowed = run_cli("check", str(base), "--allow-external-probe", "--out", str(tmp_path / "c"),
-                      cwd=tmp_path / "ci")
+                      "--json", cwd=tmp_path / "ci")
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    said = json.loads(allowed.stdout)  # --json: stdout holds the result alone
+    assert (said["verdict"], said["exit_code"], said["first"]) == ("match", 0, None)
+    assert said["folder"] == str(tmp_path / "c") and said["headline"].startswith("MATCH")
     case = ET.parse(tmp_path / "j.xml").getroot().find(".//testcase")
     assert case is not None and case.find("failure") is None
     base.write_text("{broken")

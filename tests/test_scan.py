@@ -299,7 +299,9 @@ def test_a_stray_draw_the_zoom_cannot_replay_is_an_rng_cause_never_a_forward_one
     cause = result.summary["cause"]
     assert cause["kind"] == "rng"
     assert ("step 1 began alike in every repeat, yet the torch RNG state differs as the next "
-            "step begins: the step drew a different amount of randomness") in cause["text"]
+            "step begins: the step reseeded it from a source that differs between runs "
+            "(torch.seed(), a seed from the clock or the process id) or drew a different amount "
+            "of randomness") in cause["text"]
 
 
 def test_a_zoomed_run_folder_renders_the_same_again(tmp_path):
@@ -392,8 +394,9 @@ def _cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str]]:
 
 
 def test_diff_of_runs_no_replay_can_rebuild_does_not_suggest_a_zoom(tmp_path):
-    """Two runs recorded by watch (a loop detaudit cannot replay) part at step 1: diff names
-    the step and record, and does not suggest --zoom, which could only refuse."""
+    """Two runs recorded by watch (a loop detaudit cannot replay) part at step 0: diff names
+    the step and record, and does not suggest --zoom, which could only refuse; it takes the
+    folders watch wrote, or their trace files."""
     import detaudit
     from detaudit.analysis.diff import diff_traces
 
@@ -411,6 +414,12 @@ def test_diff_of_runs_no_replay_can_rebuild_does_not_suggest_a_zoom(tmp_path):
     said = diff_traces(*traces).message
     assert "at step 0" in said and "optimizer" in said
     assert "--zoom" not in said
+    # diff takes what watch wrote as it takes run folders: a folder of traces, a trace file
+    trace_b = next((tmp_path / "b").glob("trace-*.json.gz"))
+    gate = api.diff(tmp_path / "a", trace_b)
+    assert gate.exit_code == 1
+    assert gate.first is not None and (gate.first.step, gate.first.phase) == (0, "optimizer")
+    assert api.diff(tmp_path / "a", tmp_path / "a").exit_code == 0
 
 
 def test_probe_files_each_import_the_helpers_beside_them(tmp_path, capsys):

@@ -279,9 +279,11 @@ class Comparison:
                 o.rng for o in self.origins):
             return (f"step {self.first_step} began alike in every repeat, yet the "
                     f"{', '.join(self.drawn)} RNG state differs as the next step begins: the "
-                    "step drew a different amount of randomness (a draw in the step function, "
-                    "a hook, a logger or a module whose count differs between the runs), or a "
-                    "forward difference changed how much a sampler draws; where, the step's "
+                    "step reseeded it from a source that differs between runs (torch.seed(), "
+                    "a seed from the clock or the process id) or drew a different amount of "
+                    "randomness (a draw in the step function, a hook, a logger or a module "
+                    "whose count differs between the runs), or a forward difference changed "
+                    "how much a sampler draws; where, the step's "
                     "state cannot say (a zoom's module records do, when the step parts again)")
         at_step = [f for f in self.findings if f.step == self.first_step]
         if self.lr_by_repeat is not None:

@@ -513,10 +513,11 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
                 and id(self.optimizer) not in self._optimizers)
 
     def awaits_update(self) -> bool:
-        """The open step has run backward and its update is still to come: an optimizer
-        was given or has updated, or one holds the model's parameters (a loop that names
-        its losses before ``opt.step()``)."""
-        return (self.info is not None and self._losses > 0 and not self._updated
+        """The open step has run its training forward (or backward) and its update is still
+        to come: an optimizer was given or has updated, or one holds the model's parameters
+        (a loop that names its losses before ``loss.backward()`` or ``opt.step()``)."""
+        return (self.info is not None and (self._losses > 0 or self._batches > 0)
+                and not self._updated and not self.inferring
                 and (self.optimizer is not None or bool(self._optimizers)
                      or self._by_hand_possible is False))
 
