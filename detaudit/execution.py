@@ -62,6 +62,7 @@ from .trace import FORWARD, PROBE_CONFIG, STATE, AnyTrace, Trace, open_trace
 from .words import counted
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"  # holds the sitecustomize
+UNATTACHED = ".unattached"  # beside a run's trace: why its Python could not record
 STOP_GRACE_S = 10.0  # after Ctrl-C, how long the command has to save its trace
 
 
@@ -324,6 +325,15 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         _kill_group(child)
     seconds = time.perf_counter() - started
     recorded = _recorded(path)
+    unattached = path.with_name(path.name + UNATTACHED)  # (written by the bootstrap)
+    if not recorded and unattached.exists():
+        said = unattached.read_text(errors="replace").strip()
+        unattached.unlink()
+        raise DetauditError(
+            f"repeat {repeat}: {_shell_line(command)!r} ran unaudited: {said}; run it with "
+            f"the Python detaudit is installed in, e.g. detaudit exec -- {sys.executable} "
+            "SCRIPT.py")
+    unattached.unlink(missing_ok=True)  # (a child's, a Python of another tool: not the run's)
     if not recorded:
         how = "ended" if code == 0 else f"exited with code {code}"
         raise DetauditError(

@@ -826,6 +826,24 @@ def test_exec_refuses_clearly(tmp_path, command, message):
     assert len(done.stderr.strip().splitlines()) <= 2
 
 
+def test_exec_with_a_python_that_cannot_import_detaudit_says_so(tmp_path):
+    """The command's Python lacks detaudit (or torch): said in one line, with the Python
+    to use, not "no optimizer step was seen"."""
+    fake = tmp_path / "fake" / "detaudit"  # shadows the real one, first after the bootstrap
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'torch'\")\n")
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    shell = (f'PYTHONPATH="${{PYTHONPATH%%:*}}:{fake.parent}:$PYTHONPATH" '
+             f"exec {sys.executable} {script}")
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--", "sh", "-c", shell)
+    assert done.returncode == 2, done.stdout + done.stderr
+    said = done.stderr.strip().splitlines()[-1]
+    assert said.startswith("detaudit: error: repeat 0: ") and "ran unaudited: " in said
+    assert "cannot import detaudit (No module named 'torch'); run it with the Python " in said
+    assert not list((tmp_path / "run").glob("*.unattached"))
+
+
 # -- watch -----------------------------------------------------------------------------------
 def _train(out: Path, *, nudge_at: int | None = None, steps: int = 6,
            max_steps: int | None = None) -> detaudit.watch:

@@ -4,13 +4,24 @@ runs the ``sitecustomize`` this one hides, if there is one."""
 
 import importlib.machinery
 import importlib.util
+import json
 import os
 import sys
 
 if os.environ.get("DETAUDIT_ATTACH"):
-    from detaudit.drivers.attach_process import activate_from_environment
-
-    activate_from_environment()
+    try:
+        from detaudit.drivers.attach_process import activate_from_environment
+    except ImportError as exc:  # a Python without detaudit (or torch): said where exec looks
+        _said = f"{sys.executable} cannot import detaudit ({exc})"
+        print(f"detaudit: {_said}: this process runs unaudited", file=sys.stderr)
+        try:
+            _trace = json.loads(os.environ["DETAUDIT_ATTACH"])["trace"]
+            with open(_trace + ".unattached", "w") as _note:
+                _note.write(_said)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    else:
+        activate_from_environment()
 
 
 def _chain() -> None:
