@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .analysis.compare import Comparison, compare
+from .analysis.compare import DIVERGENT, Comparison, compare
 from .analysis.diff import GateResult, diff_traces
 from .analysis.ranks import RankAnalysis
 from .analysis.verdict import MISMATCH, REFUSED, Verdict, judge, junit_error
@@ -39,7 +39,7 @@ from .runfolder import (
     trace_name,
     zoom_name,
 )
-from .trace import AnyTrace, Trace
+from .trace import BACKWARD, FORWARD, AnyTrace, Trace
 
 if TYPE_CHECKING:  # pragma: no cover
     from .drivers.runner import ProbeFactory, RepeatTiming
@@ -76,6 +76,21 @@ def needs_zoom(comparison: Comparison) -> bool:
     forward or backward, or drew a different amount of randomness although it began alike."""
     return comparison.cause in ZOOMED_CAUSES or (
         comparison.cause == "rng" and bool(comparison.drawn))
+
+
+UNREPLAYABLE = "unreplayable"  # run.json's extra: runs compare was given (no zoom possible)
+
+
+def unreplayed(verdict: Verdict, comparison: Comparison) -> Verdict:
+    """The verdict of runs no zoom could replay (compare's): a divergence a scan cannot
+    place says why its module and op are not named."""
+    if verdict.kind == DIVERGENT and needs_zoom(comparison) and not any(
+            d.phase in (FORWARD, BACKWARD) for d in comparison.first_diffs):
+        return replace(verdict, headline=(
+            f"{verdict.headline}; the runs were recorded at scan level and compare cannot "
+            "replay them, so the module and op are not named (`detaudit exec -- python "
+            "train.py` replays that step module by module)"))
+    return verdict
 
 
 @dataclass
@@ -548,6 +563,8 @@ def render_folder(folder: str | Path) -> dict[str, Any]:
     verdict = judge(comparison, (info.extra or {}).get("ops"), ranks,
                     interrupted=None if info.complete else info.state, zoom=zoomed,
                     zoom_found=(info.extra or {}).get("zoom"))
+    if (info.extra or {}).get(UNREPLAYABLE):
+        verdict = unreplayed(verdict, comparison)
     summary = summarize(info, comparison, traces, verdict, ranks, zoom=zoomed)
     if (info.extra or {}).get("check"):
         summary = with_check(summary, info.extra["check"])

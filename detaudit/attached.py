@@ -8,22 +8,20 @@ from __future__ import annotations
 import copy
 import html
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .analysis.compare import DIVERGENT, Comparison
+from .analysis.compare import Comparison
 from .analysis.compare import compare as compare_traces
 from .analysis.ranks import RankAnalysis
 from .analysis.verdict import Verdict, judge
-from .api import needs_zoom, write_run_reports
+from .api import UNREPLAYABLE, unreplayed, write_run_reports
 from .config import ATTACH_MODES, AUTO, CALLS_UNSEEN, ENDED, SCAN, AuditConfig, ProbeSpec
 from .errors import DetauditError
 from .report import render_html, summarize
 from .runfolder import COMPLETE, RunFolder, RunInfo, new_run_id, trace_name, trace_probe
 from .trace import (
-    BACKWARD,
-    FORWARD,
     PROBE_CONFIG,
     PROBE_RUN,
     PROBE_SPEC,
@@ -208,16 +206,14 @@ def conclude(traces: list[AnyTrace], info: RunInfo, folder: RunFolder | None,
     backward could be zoomed: exec's runs, not those compare is given)."""
     comparison = comparison or compare_traces(traces)
     info.state = COMPLETE
+    if not replayed:
+        info.extra[UNREPLAYABLE] = True
     if folder is not None:
         folder.save()
     verdict = judge(comparison, info.extra.get("ops"), ranks, zoom=zoom,
                     zoom_found=info.extra.get("zoom"))
-    if not replayed and verdict.kind == DIVERGENT and needs_zoom(comparison) and not (
-            any(d.phase in (FORWARD, BACKWARD) for d in comparison.first_diffs)):
-        verdict = replace(verdict, headline=(
-            f"{verdict.headline}; the runs were recorded at scan level and compare cannot "
-            "replay them, so the module and op are not named (`detaudit exec -- python "
-            "train.py` replays that step module by module)"))
+    if not replayed:
+        verdict = unreplayed(verdict, comparison)
     summary = summarize(info, comparison, traces, verdict, ranks, zoom=zoom)
     if folder is not None:
         write_run_reports(folder, summary)

@@ -1799,6 +1799,11 @@ def test_a_loop_that_updates_by_hand_has_a_step_per_update(tmp_path):
             in result.verdict.headline)
     assert "compare cannot replay them, so the module and op are not named" in (
         result.verdict.headline)
+    # and a folder compare wrote renders the same again
+    from detaudit.api import render_folder
+
+    detaudit.compare(tmp_path / "grad", out=tmp_path / "compared")
+    assert render_folder(tmp_path / "compared")["headline"] == result.verdict.headline
 
 
 def test_in_place_changes_in_an_optimizer_script_are_no_updates_by_hand(tmp_path):
