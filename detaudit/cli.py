@@ -331,7 +331,8 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report", help="re-render the reports of a saved run folder (no model needed)"
     )
-    report.add_argument("folder", help="a run folder written by `detaudit run`")
+    report.add_argument("folder", help="a run folder written by `detaudit run`, `exec`, "
+                        "`check`, `compare` or `baseline`")
     report.add_argument("--json", action="store_true", help="print summary.json to stdout")
     report.set_defaults(func=cmd_report)
     for p in (run, baseline, check, diff, execute, compare, models, env, report):

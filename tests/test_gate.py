@@ -462,6 +462,22 @@ def test_a_check_whose_new_run_is_proven_nondeterministic_is_no_match(tmp_path, 
     assert within.gate.exit_code == 0 and within.gate.headline.startswith("MATCH")
 
 
+def test_diff_notes_a_fault_planted_in_a_repeat_it_does_not_compare(tmp_path: Path) -> None:
+    """A run that planted its fault in its last repeat matches a clean one on repeat 0, which
+    diff compares: said, beside the configuration that differs."""
+    from detaudit.config import Fault
+
+    options: dict[str, Any] = {"epochs": 1, "steps": 2, "stress": 0}
+    api.audit(conv_probe, repeats=1, out=tmp_path / "clean", **options)
+    api.audit(conv_probe, repeats=2, fault=Fault("act", step=1), out=tmp_path / "planted",
+              **options)
+    gate = api.diff(tmp_path / "clean", tmp_path / "planted")
+    assert gate.exit_code == 0
+    assert (f"note: {tmp_path / 'planted'} planted its fault in its last repeat; diff "
+            "compares repeat 0 of each run, where none was planted") in gate.message
+    assert "planted its fault" not in api.diff(tmp_path / "clean", tmp_path / "clean").message
+
+
 def test_runs_recorded_at_different_granularities_compare_the_records_both_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

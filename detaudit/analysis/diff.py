@@ -85,6 +85,7 @@ class GateResult:
     scan_level: bool = False  # a run was recorded at scan level (no module records to name)
     replayable: bool = False  # both runs are of probes a replay rebuilds (built-in or file)
     config_differences: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    planted_apart: list[str] = field(default_factory=list)  # labels: a fault not in repeat 0
 
     @property
     def verdict(self) -> str:
@@ -116,6 +117,16 @@ def config_differences(a: AnyTrace, b: AnyTrace) -> dict[str, tuple[Any, Any]]:
         return {}
     return {k: (ca.get(k), cb.get(k)) for k in CONFIG_KEYS
             if k in ca and k in cb and ca[k] != cb[k]}
+
+
+def _planted_after_repeat_0(trace: AnyTrace) -> bool:
+    """Whether the run planted a fault, in a repeat after its first (which diff compares)."""
+    config = trace.probe.get(PROBE_CONFIG)
+    if not isinstance(config, dict) or not config.get("fault"):
+        return False
+    repeats = config.get("repeats") or 1
+    planted = config.get("fault_repeat", -1)
+    return (planted % repeats if isinstance(planted, int) else 0) != 0
 
 
 def fingerprint_algorithm(env: dict[str, Any]) -> str | None:
@@ -181,6 +192,8 @@ def diff_traces(
         replayable=all(t.probe.get(PROBE_SPEC, {}).get("kind") in ("builtin", "file")
                        for t in (whole_a, whole_b)),
         config_differences=config_differences(whole_a, whole_b),
+        planted_apart=[label for label, t in zip(labels, (whole_a, whole_b))
+                       if _planted_after_repeat_0(t)],
     )
     if zoom is not None and first is not None:
         result.zoom = zoom(first.step)
@@ -352,6 +365,9 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
         lines.append(f"configuration differs between {la} and {lb} (they ran different "
                      "trainings; steps are compared by number):")
         lines += [f"  {k}: {x!r} -> {y!r}" for k, (x, y) in result.config_differences.items()]
+    for label in result.planted_apart:
+        lines.append(f"note: {label} planted its fault in its last repeat; diff compares "
+                     "repeat 0 of each run, where none was planted")
     if algorithms:
         lines.append(
             f"fingerprints were made by different algorithms ({algorithms[0]} vs {algorithms[1]}), "
