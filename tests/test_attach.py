@@ -437,8 +437,9 @@ def test_exec_with_seed_of_a_script_that_reseeds_from_the_clock_says_it_reseeds(
 
 def test_exec_without_seed_of_set_ordered_loss_terms_points_at_the_hash_seed(tmp_path):
     """Loss weights zipped with a set of names: each run of the command, a process with its
-    own hash seed, weighs the terms differently; the cause says to rule that out, and
-    --seed (which fixes PYTHONHASHSEED) makes the runs agree."""
+    own hash seed, weighs the terms differently; the cause says to rule that out, the zoom
+    that no op is nondeterministic, and --seed (which fixes PYTHONHASHSEED) makes the runs
+    agree."""
     script = tmp_path / "set_order.py"
     script.write_text(
         "import torch\nfrom torch import nn\n"
@@ -449,10 +450,15 @@ def test_exec_without_seed_of_set_ordered_loss_terms_points_at_the_hash_seed(tmp
         "    loss = sum((i + 1) * out[:, TERMS.index(n)].pow(2).mean()\n"
         "               for i, n in enumerate(set(TERMS)))\n"
         "    loss.backward()\n    opt.step()\n    opt.zero_grad()\n")
-    done = _exec(tmp_path, "--repeats", "3", "--json", "--no-zoom", script=script)
+    done = _exec(tmp_path, "--repeats", "3", "--json", script=script)
     assert done.returncode == 1, done.stderr
-    assert "each run had a hash seed of its own (no --seed)" in json.loads(
-        done.stdout)["cause"]["text"]
+    said = json.loads(done.stdout)["cause"]["text"]
+    assert "each run had a hash seed of its own (no --seed)" in said
+    # the zoom's op records: the loss's first op takes other inputs, and no op is to blame
+    assert "replayed op by op, the first op that differs, aten." in said
+    assert ("in (outside the model) (forward), already takes other inputs, and no op differs "
+            "on equal inputs: no op is nondeterministic") in said
+    assert "unconfirmed" not in said
     shutil.rmtree(tmp_path / "run")
     assert _exec(tmp_path, "--repeats", "3", "--seed", "0", script=script).returncode == 0
 

@@ -67,12 +67,12 @@ _CAUSE_TEXT = {
 
 
 # A scanned step's forward or backward cause, which its step state alone cannot confirm.
+UNCONFIRMED = ("; unconfirmed from the step's state alone (a zoom's module and op records, "
+               "when the step parts again, say which)")
 _SCANNED_CAUSE_TEXT = {
     "forward": "the loss (or the output) differs while everything the step began with agrees "
                "(the batch, every RNG state, the parameters): a forward computation, or the "
-               "step function's own code, gave different results; unconfirmed from the step's "
-               "state alone (a zoom's module and op records, when the step parts again, say "
-               "which)",
+               "step function's own code, gave different results" + UNCONFIRMED,
     "backward": "the gradients differ while the loss and everything before it agree: a "
                 "backward computation, or a forward one whose difference was too small to "
                 "change the loss (a scanned step: its module records, which a zoom takes, tell "
