@@ -37,6 +37,7 @@ from .runfolder import (
     save_baseline,
     save_run,
     trace_name,
+    watched_run,
     zoom_name,
 )
 from .trace import BACKWARD, FORWARD, AnyTrace, Trace
@@ -530,8 +531,6 @@ def _run_or_watched(path: str | Path) -> tuple[RunInfo, list[Any]]:
     path = Path(path)
     if path.is_file() or (path.is_dir() and not (path / RUN_FILE).exists()
                           and next(path.glob("trace-*.json.gz"), None) is not None):
-        from .attached import watched_run
-
         return watched_run(path)
     return load_run(path)
 

@@ -20,7 +20,16 @@ from .api import UNREPLAYABLE, unreplayed, write_run_reports
 from .config import ATTACH_MODES, AUTO, CALLS_UNSEEN, ENDED, SCAN, AuditConfig, ProbeSpec
 from .errors import DetauditError
 from .report import render_html, summarize
-from .runfolder import COMPLETE, RunFolder, RunInfo, new_run_id, trace_name, trace_probe
+from .runfolder import (
+    COMPLETE,
+    RunFolder,
+    RunInfo,
+    info_of_traces,
+    load_traces,
+    new_run_id,
+    trace_name,
+    trace_probe,
+)
 from .trace import (
     PROBE_CONFIG,
     PROBE_RUN,
@@ -29,7 +38,6 @@ from .trace import (
     AnyTrace,
     Trace,
     TraceFile,
-    open_trace,
 )
 from .words import counted
 
@@ -69,7 +77,7 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
     """Compare separate runs of one training: trace files, folders of them (every
     ``trace-*.json.gz`` inside, as ``watch`` writes them) or :class:`Trace` objects. With
     `out`, a run folder is written there (the traces, ``run.json``, the reports)."""
-    traces = _load_all(runs)
+    traces = load_traces(runs)
     if len(traces) < 2:
         raise DetauditError(f"compare needs at least two runs; found {counted(len(traces), 'trace')}")
     names = list(dict.fromkeys(str(t.probe.get(PROBE_SPEC, {}).get("name")) for t in traces))
@@ -91,7 +99,8 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
         if trace.failure is not None and isinstance(given, TraceFile):  # which one to leave out
             trace.failure += f" (its trace: {given.path.name})"
     named = " ".join(str(r) for r in runs if not isinstance(r, (Trace, TraceFile)))
-    info = _info(traces[0], run_id, f"detaudit compare {named}", f"{len(traces)} runs compared")
+    info = info_of_traces(traces[0], run_id, f"detaudit compare {named}",
+                          f"{len(traces)} runs compared")
     if out is None:
         return conclude(traces, info, None, replayed=False)
     inside = [t.path for t in traces if isinstance(t, TraceFile)
@@ -103,27 +112,6 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
         for trace in traces:
             folder.add_trace(trace, None)
         return conclude(traces, info, folder, replayed=False)
-
-
-def _load_all(runs: tuple[str | Path | AnyTrace, ...]) -> list[AnyTrace]:
-    given: list[Path | AnyTrace] = []
-    for run in runs:
-        if isinstance(run, (Trace, TraceFile)):
-            given.append(run)
-            continue
-        path = Path(run)
-        if path.is_dir():
-            found = sorted(path.glob("trace-*.json.gz"), key=_run_order)
-            if not found:
-                raise DetauditError(f"{path} holds no trace-*.json.gz")
-            given += found
-        elif path.exists():
-            given.append(path)
-        else:
-            raise DetauditError(f"no trace or folder at {path}")
-    _refuse_twice([g for g in given if isinstance(g, Path)])
-    traces = [open_trace(g) if isinstance(g, Path) else g for g in given]
-    return traces
 
 
 def _refuse_other_models(traces: list[AnyTrace]) -> None:
@@ -162,40 +150,11 @@ def _source(trace: AnyTrace) -> str:
     return path.name if path is not None else f"run {trace.repeat}"
 
 
-def _refuse_twice(paths: list[Path]) -> None:
-    """A file among `paths` twice is refused: a run compared with itself agrees, whatever
-    it did."""
-    seen: set[Path] = set()
-    for path in paths:
-        if path.resolve() in seen:
-            raise DetauditError(f"{path} is given twice: compare needs separate runs")
-        seen.add(path.resolve())
-
-
-def _run_order(path: Path) -> tuple[int, str]:
-    """trace-2 before trace-10 (the order watch wrote them), other names after, by name."""
-    number = path.name[len("trace-"):-len(".json.gz")]
-    return (int(number), "") if number.isdigit() else (1 << 62, path.name)
-
-
 def _as_repeat(trace: AnyTrace, repeat: int, run_id: str) -> AnyTrace:
     """The trace as repeat `repeat` of a new run (a run folder's traces carry its id)."""
     renamed = copy.copy(trace)
     renamed.repeat, renamed.probe = repeat, {**trace.probe, PROBE_RUN: run_id}
     return renamed
-
-
-def watched_run(path: str | Path) -> tuple[RunInfo, list[AnyTrace]]:
-    """What ``watch`` wrote (a trace file, or a folder of them), read as a run: its traces,
-    and an info made from the first (`detaudit diff` takes it as it takes a run folder)."""
-    traces = _load_all((path,))
-    return _info(traces[0], str(traces[0].probe.get(PROBE_RUN, "")), "", "watched"), traces
-
-
-def _info(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:
-    return RunInfo(probe={**first.probe.get(PROBE_SPEC, {}), "preset": preset},
-                   config=dict(first.probe.get(PROBE_CONFIG, {})), command=command,
-                   traces=[], run_id=run_id, state="comparing")
 
 
 def conclude(traces: list[AnyTrace], info: RunInfo, folder: RunFolder | None,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import AuditConfig, ProbeSpec
-from .errors import TraceError
+from .errors import DetauditError, TraceError
 from .storage import atomic_write, check_format, describe, dump_json, jsonable, read_json
 from .trace import (
     PROBE_CONFIG,
@@ -476,3 +476,58 @@ def load_baseline(path: str | Path) -> Baseline:
     if spec.kind == "file" and isinstance(spec.source, str):  # relative to the baseline's folder
         spec = replace(spec, source=str((path.parent / spec.source).resolve()))
     return Baseline(spec, config, data["env"], trace)
+
+
+# -- traces recorded apart (watch) -----------------------------------------------------------
+def load_traces(runs: tuple[str | Path | AnyTrace, ...]) -> list[AnyTrace]:
+    """Traces given as trace files, folders of them (every ``trace-*.json.gz`` inside, as
+    ``watch`` writes them) or trace objects, in order; a file given twice is refused."""
+    given: list[Path | AnyTrace] = []
+    for run in runs:
+        if isinstance(run, (Trace, TraceFile)):
+            given.append(run)
+            continue
+        path = Path(run)
+        if path.is_dir():
+            found = sorted(path.glob("trace-*.json.gz"), key=_run_order)
+            if not found:
+                raise DetauditError(f"{path} holds no trace-*.json.gz")
+            given += found
+        elif path.exists():
+            given.append(path)
+        else:
+            raise DetauditError(f"no trace or folder at {path}")
+    _refuse_twice([g for g in given if isinstance(g, Path)])
+    traces = [open_trace(g) if isinstance(g, Path) else g for g in given]
+    return traces
+
+
+def _refuse_twice(paths: list[Path]) -> None:
+    """A file among `paths` twice is refused: a run compared with itself agrees, whatever
+    it did."""
+    seen: set[Path] = set()
+    for path in paths:
+        if path.resolve() in seen:
+            raise DetauditError(f"{path} is given twice: compare needs separate runs")
+        seen.add(path.resolve())
+
+
+def _run_order(path: Path) -> tuple[int, str]:
+    """trace-2 before trace-10 (the order watch wrote them), other names after, by name."""
+    number = path.name[len("trace-"):-len(".json.gz")]
+    return (int(number), "") if number.isdigit() else (1 << 62, path.name)
+
+
+def info_of_traces(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:
+    """The info of a run made of traces recorded apart (by ``watch``), from the first."""
+    return RunInfo(probe={**first.probe.get(PROBE_SPEC, {}), "preset": preset},
+                   config=dict(first.probe.get(PROBE_CONFIG, {})), command=command,
+                   traces=[], run_id=run_id, state="comparing")
+
+
+def watched_run(path: str | Path) -> tuple[RunInfo, list[AnyTrace]]:
+    """What ``watch`` wrote (a trace file, or a folder of them), read as a run: its traces,
+    and an info made from the first (`detaudit diff` takes it as it takes a run folder)."""
+    traces = load_traces((path,))
+    run_id = str(traces[0].probe.get(PROBE_RUN, ""))
+    return info_of_traces(traces[0], run_id, "", "watched"), traces

@@ -124,9 +124,10 @@ def _planted_after_repeat_0(trace: AnyTrace) -> bool:
     config = trace.probe.get(PROBE_CONFIG)
     if not isinstance(config, dict) or not config.get("fault"):
         return False
-    repeats = config.get("repeats") or 1
-    planted = config.get("fault_repeat", -1)
-    return (planted % repeats if isinstance(planted, int) else 0) != 0
+    repeats, planted = config.get("repeats"), config.get("fault_repeat", -1)
+    if not isinstance(repeats, int) or not isinstance(planted, int) or repeats < 1:
+        return False  # (a damaged configuration says nothing of where)
+    return planted % repeats != 0
 
 
 def fingerprint_algorithm(env: dict[str, Any]) -> str | None:
