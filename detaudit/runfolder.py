@@ -32,6 +32,7 @@ from .trace import (
     Trace,
     TraceFile,
     holds_steps,
+    is_streamed_trace,
     open_trace,
 )
 
@@ -463,6 +464,9 @@ def _relative_to(source: Path, folder: Path) -> str:
 def load_baseline(path: str | Path) -> Baseline:
     """Read a baseline written by :func:`save_baseline`; one clear error for anything else."""
     path = Path(path)
+    if is_streamed_trace(path):
+        raise TraceError(f"{path} is a run's trace, not a baseline: `detaudit baseline ... "
+                         "--out FILE` records one")
     data = check_format(read_json(path, "baseline"), BASELINE_FORMAT, BASELINE_VERSION,
                         str(path), "upgrade detaudit or record the baseline again")
     if not all(isinstance(data.get(k), dict) for k in ("probe", "config", "env")):

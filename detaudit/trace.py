@@ -535,6 +535,16 @@ def holds_steps(path: str | Path) -> bool:
         return True
 
 
+def is_streamed_trace(path: str | Path) -> bool:
+    """Whether the file at `path` begins as a streamed trace does (compressed or not)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(4096)
+    except OSError:
+        return False
+    return _is_stream(head) or head.startswith(_STREAM_HEAD)
+
+
 def _is_stream(raw: bytes) -> bool:
     """Whether `raw` is a trace in the streamed form (it starts with its header line)."""
     if raw[:2] != b"\x1f\x8b":

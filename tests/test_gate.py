@@ -390,6 +390,11 @@ def test_bad_baselines_are_one_clear_error(conv_baseline: Path, tmp_path: Path) 
     other.write_text(json.dumps(data["trace"]))
     with pytest.raises(TraceError, match=r"trace\.json is not a detaudit baseline"):
         load_baseline(other)
+    # a run folder's trace, streamed as runs write them (it was "truncated or corrupt")
+    api.audit(conv_probe, repeats=1, epochs=1, steps=1, stress=0, out=tmp_path / "run")
+    streamed = tmp_path / "run" / "trace-0.json.gz"
+    with pytest.raises(TraceError, match=r"trace-0\.json\.gz is a run's trace, not a baseline"):
+        load_baseline(streamed)
 
 
 def test_gzip_baseline(tmp_path: Path) -> None:
