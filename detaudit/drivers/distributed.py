@@ -8,6 +8,7 @@ kept and reported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -138,7 +139,8 @@ def _statuses(folder: Path, nproc: int) -> dict[int, dict[str, Any]]:
     for rank in range(nproc):
         path = status_path(folder, rank)
         if path.exists():
-            out[rank] = json.loads(path.read_text())
+            with contextlib.suppress(ValueError):  # (unreadable: no status)
+                out[rank] = json.loads(path.read_text())
             path.unlink()
     return out
 

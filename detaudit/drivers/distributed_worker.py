@@ -36,13 +36,19 @@ def status_path(folder: Path, rank: int) -> Path:
 
 
 def write_status(folder: Path, rank: int, state: str, repeat: int | None, message: str) -> None:
-    """Write the rank's status once: the first way a rank ends is the one that counts."""
+    """Write the rank's status once: the first way a rank ends is the one that counts. It
+    appears whole or not at all (a rank the launcher kills while writing it left an empty
+    file, which the launching process could not read)."""
+    final = status_path(folder, rank)
+    part = final.with_name(f"{final.name}.{os.getpid()}.part")
+    part.write_text(json.dumps({"state": state, "repeat": repeat, "message": message,
+                                "time": time.time()}))
     try:
-        with open(status_path(folder, rank), "x") as file:
-            json.dump({"state": state, "repeat": repeat, "message": message,
-                       "time": time.time()}, file)
+        os.link(part, final)  # (fails where a status is already there)
     except FileExistsError:
         pass
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def main(job_path: str) -> int:
