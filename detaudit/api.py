@@ -21,7 +21,15 @@ from .analysis.compare import DIVERGENT, Comparison, compare
 from .analysis.diff import GateResult, diff_traces
 from .analysis.ranks import RankAnalysis
 from .analysis.verdict import MISMATCH, REFUSED, Verdict, judge, junit_error
-from .config import SCAN, AuditConfig, Fault, Investigations, Launch, ProbeSpec
+from .config import (
+    REBUILT_KINDS,
+    SCAN,
+    AuditConfig,
+    Fault,
+    Investigations,
+    Launch,
+    ProbeSpec,
+)
 from .errors import EXIT_USAGE, DetauditError, ProbeError
 from .report import render_console, summarize, write_reports
 from .report.junit import JUnitCase, junit_case
@@ -538,7 +546,7 @@ def _run_or_watched(path: str | Path) -> tuple[RunInfo, list[Any]]:
 def _replayable(info: RunInfo, trace: Trace, label: str) -> tuple | str:
     """(spec, config, trace) to replay a saved run here, or why it cannot be."""
     spec = ProbeSpec.from_dict({k: v for k, v in info.probe.items() if k != "preset"})
-    if spec.kind not in ("builtin", "file"):
+    if spec.kind not in REBUILT_KINDS:
         return (f"{label} was recorded from {spec.kind} {spec.name!r}, which detaudit cannot "
                 "replay (re-run it with the zoom: `detaudit exec` and `run` zoom by default)")
     if spec.kind == "file" and not Path(spec.source or "").exists():

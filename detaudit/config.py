@@ -153,6 +153,11 @@ class AuditConfig:
         return cls(**data)
 
 
+# the probe kinds a replay rebuilds from their description (not a command, watch or a
+# Python callable, which detaudit did not run itself)
+REBUILT_KINDS = ("builtin", "file")
+
+
 @dataclass(frozen=True)
 class ProbeSpec:
     """What to build for each repeat, as plain data: a built-in probe and its recipe

@@ -526,9 +526,7 @@ def holds_steps(path: str | Path) -> bool:
     hold some); a streamed one is read only as far as its first step."""
     path = Path(path)
     try:
-        with open(path, "rb") as head:
-            streamed = _is_stream(head.read(4096))
-        if not streamed:
+        if not is_streamed_trace(path):
             return bool(Trace.load(path).steps)
         return any(item.get("steps") for _, item in _stream_items(path, f"trace {path}"))
     except (OSError, TraceError):

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ..config import SCAN
+from ..config import REBUILT_KINDS, SCAN
 from ..trace import (
     BACKWARD,
     FORWARD,
@@ -190,7 +190,7 @@ def diff_traces(
         tolerance=tolerance, within_tolerance=accepted, headline="", message="", labels=labels,
         failures=failures, not_comparable=unjudged, finer_only=(ta.left_out, tb.left_out),
         scan_level=SCAN in (recorded_granularity(whole_a), recorded_granularity(whole_b)),
-        replayable=all(t.probe.get(PROBE_SPEC, {}).get("kind") in ("builtin", "file")
+        replayable=all(t.probe.get(PROBE_SPEC, {}).get("kind") in REBUILT_KINDS
                        for t in (whole_a, whole_b)),
         config_differences=config_differences(whole_a, whole_b),
         planted_apart=[label for label, t in zip(labels, (whole_a, whole_b))

@@ -10,7 +10,7 @@ import math
 from collections import Counter
 from typing import Any
 
-from ..analysis.compare import GRADIENTS_DIFFER, ORIGIN, UNCONFIRMED, Comparison, RecordDiff
+from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, cause_of, one_based, stressed_ops
@@ -57,30 +57,12 @@ def _short_epochs(info: RunInfo, c: Comparison) -> dict[str, Any] | None:
 
 def _cause(c: Comparison, ops: dict[str, Any], info: RunInfo, traces: list[Trace]
            ) -> dict[str, str]:
-    """The cause's kind and text; for runs of a command each with a hash seed of its own
-    (exec without --seed), what to rule out where the difference is made by code."""
-    kind, text = cause_of(c, ops, info.config.get("seed"))
-    own_hash_seeds = ("seed" in info.config and info.config["seed"] is None and traces
-                      and traces[0].env.get("PYTHONHASHSEED") in (None, "random"))
-    explained = (info.config.get("fault")  # planted, or an op, or an RNG state, named
-                 or any(o.get("role") == ORIGIN for o in (ops.get("ops") or []))
-                 or any(d.phase == STATE and d.slot.startswith("rng.") for d in c.first_diffs))
-    first_op = next(iter(ops.get("ops") or []), None)
-    if (kind in ("forward", "backward") and ops.get("reproduced") and first_op is not None
-            and not ops.get("origin_ops") and not ops.get("outside_dispatcher")
-            and first_op.get("role") != ORIGIN):
-        text = text.removesuffix(UNCONFIRMED) + (
-                 f"; replayed op by op, the first op that differs, {first_op['op']} in "
-                 f"{first_op['module']} ({first_op['phase']}), already takes other inputs, and "
-                 "no op differs on equal inputs: no op is nondeterministic, the code ran "
-                 "differently (other ops, or the same ops on other operands or in another "
-                 "order: loss terms summed in the order of a set or of a dict built from one; "
-                 "fix: fix that order, e.g. sorted(...))")
-    if own_hash_seeds and not explained and kind in ("forward", "backward", "data", "rng"):
-        text += ("; each run had a hash seed of its own (no --seed): code that iterates a "
-                 "set of strings (loss terms, class names, file names) orders it differently "
-                 "in each, which `detaudit exec --seed 0` (it fixes PYTHONHASHSEED too) rules "
-                 "out")
+    """The cause's kind and text, given how the run's processes were started (see
+    :func:`cause_of`)."""
+    own_hash_seeds = bool("seed" in info.config and info.config["seed"] is None and traces
+                          and traces[0].env.get("PYTHONHASHSEED") in (None, "random"))
+    kind, text = cause_of(c, ops, info.config.get("seed"), own_hash_seeds=own_hash_seeds,
+                          planted=bool(info.config.get("fault")))
     return {"kind": kind, "text": text}
 
 
