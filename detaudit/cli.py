@@ -206,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
         "the first divergence: step, epoch, phase, module, origin or propagated, and cause.",
     )
     _add_run_arguments(run)
-    run.add_argument("--nproc", type=int, metavar="N",
+    run.add_argument("--nproc", type=_count, metavar="N",
                      help="audit a DDP set-up on N ranks (torch.distributed.run; gloo on CPU, "
                      "NCCL on CUDA): per-rank traces, cross-rank desync, sampler and seeding checks")
     run.set_defaults(func=cmd_run)
@@ -268,7 +268,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples: `detaudit exec --seed 0 --max-steps 20 -- python train.py --epochs 1`; "
         "`detaudit exec --seed 0 --max-steps 20 -- torchrun --nproc-per-node 2 train.py`",
     )
-    execute.add_argument("--repeats", type=int, default=2, help="runs to compare (default 2)")
+    execute.add_argument("--repeats", type=_count, default=2, help="runs to compare (default 2)")
     execute.add_argument("--seed", type=_seed,
                          help="seed python, numpy, torch and CUDA before your code runs, and "
                          "PYTHONHASHSEED for the process tree (default: leave them as your code "
@@ -278,9 +278,9 @@ def _parser() -> argparse.ArgumentParser:
                          "of the model (infer: its inputs and outputs are recorded); auto "
                          "(default): infer if the model's first call is in eval mode and the "
                          "script has no optimizer")
-    execute.add_argument("--max-steps", type=int, metavar="K",
+    execute.add_argument("--max-steps", type=_count, metavar="K",
                          help="end each run cleanly after K steps")
-    execute.add_argument("--max-epochs", type=int, metavar="E",
+    execute.add_argument("--max-epochs", type=_count, metavar="E",
                          help="end each run cleanly when its training DataLoader starts pass E+1")
     execute.add_argument("--inject-fault", metavar="MODULE[/OP][@forward|@backward][:STEP]",
                          help="plant a 1-ULP change in the last run, as `run --inject-fault` "
@@ -288,7 +288,7 @@ def _parser() -> argparse.ArgumentParser:
     execute.add_argument("--no-zoom", dest="zoom", action="store_false",
                          help="after a divergence in forward or backward, do not re-run the "
                          "command to record that step at module and op level")
-    execute.add_argument("--zoom-tries", type=int, default=3, metavar="N",
+    execute.add_argument("--zoom-tries", type=_count, default=3, metavar="N",
                          help="re-runs of the divergent step before it is reported as "
                          "intermittent (default 3)")
     execute.add_argument("--out", help="run folder (default: reports/exec-<timestamp>/)")
@@ -341,14 +341,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _count(text: str) -> int:
+    """A count of runs, epochs, steps, ranks or tries: a whole number, at least 1."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number, not {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {count}")
+    return count
+
+
 def _steps(text: str) -> int | str:
     """--steps N, or all (every batch of each epoch)."""
     if text == ALL_STEPS:
         return ALL_STEPS
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a number of steps or all, not {text!r}") from None
+    if not text.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"takes a number of steps or all, not {text!r}")
+    return _count(text)
 
 
 def _seed(text: str) -> int:
@@ -394,10 +404,10 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
     p.add_argument("--mode", choices=("train", "infer"), default="train",
                    help="train: forward, backward, optimizer step; infer: forward only (default: train)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (default: auto)")
-    p.add_argument("--repeats", type=int, help=(
+    p.add_argument("--repeats", type=_count, help=(
         "runs to record; the baseline keeps the first, and says when the others differ from "
         "it (default: 1)") if baseline else "runs to compare (CPU preset: 2, CUDA preset: 3)")
-    p.add_argument("--epochs", type=int, help="epochs per run (preset: 2)")
+    p.add_argument("--epochs", type=_count, help="epochs per run (preset: 2)")
     p.add_argument("--steps", type=_steps, metavar="N|all",
                    help="steps per epoch; all: every batch of each epoch (CPU preset: 2, CUDA "
                    "preset: 5)")
@@ -425,7 +435,7 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
     p.add_argument("--no-drill-down", dest="drill_down", action="store_false",
                    help="after a divergence, do not replay the first divergent step op by op" + (
                        "" if baseline else " (at scan granularity: do not zoom)"))
-    p.add_argument("--zoom-tries", type=int, default=3, metavar="N",
+    p.add_argument("--zoom-tries", type=_count, default=3, metavar="N",
                    help=argparse.SUPPRESS if baseline else "scan: replays of the first divergent step before it is reported as "
                    "intermittent (default 3)")
     p.add_argument("--census", action=argparse.BooleanOptionalAction, default=True,
@@ -479,14 +489,10 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit run`."""
     from . import api
 
-    if args.nproc is not None and args.nproc < 1:
-        raise DetauditError("--nproc must be at least 1")
     launch = Launch(args.isolation, args.nproc)
     spec, config, preset = _audit_setup(args, launch)
     _check_output_file(args.junit, "--junit")
     out = _out_folder(args.out, spec.name)
-    if args.zoom_tries < 1:
-        raise DetauditError("--zoom-tries must be at least 1")
     investigations = Investigations(drill_down=args.drill_down, census=args.census,
                                     verify_fix=args.verify_fix, zoom_tries=args.zoom_tries)
     with _stdout_kept_for(args.json):
@@ -521,8 +527,6 @@ def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
                             "detaudit exec --max-steps 10 -- python train.py")
     _check_output_file(args.junit, "--junit")
     out = _out_folder(args.out, "exec")
-    if args.zoom_tries < 1:
-        raise DetauditError("--zoom-tries must be at least 1")
     job = ExecJob(repeats=args.repeats, seed=args.seed, max_steps=args.max_steps,
                   max_epochs=args.max_epochs, fault=_fault(args.inject_fault), zoom=args.zoom,
                   zoom_tries=args.zoom_tries, mode=args.mode)
@@ -699,9 +703,6 @@ def _audit_setup(
             return value
         return default if default is not None else getattr(preset, name)
 
-    for name in ("repeats", "epochs", "steps"):
-        if getattr(args, name) not in (None, ALL_STEPS) and getattr(args, name) < 1:
-            raise DetauditError(f"--{name} must be at least 1")
     steps = pick("steps")
     config = AuditConfig(
         repeats=pick("repeats", repeats), epochs=pick("epochs"),

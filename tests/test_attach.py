@@ -27,6 +27,7 @@ from torch import nn
 
 import detaudit
 from detaudit.drivers.attach import Attachment
+from detaudit.execution import _check_side_fault
 from detaudit.record.structure import next_ulp
 from detaudit.trace import OUTSIDE_MODEL, Trace
 
@@ -372,18 +373,27 @@ def test_exec_of_a_compiled_training_function_records_its_steps_and_zooms_eagerl
     found from what the optimizer updates, the steps are recorded from their losses,
     gradients and parameters, and the planted step runs eagerly, module by module. A
     function that calls backward too runs it eagerly, detaudit's recording kept out of its
-    graph (it broke the graph and recompiled it)."""
-    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", "--inject-fault",
-                 "head@backward:1",
-                 script_args=("--workers", "0", "--accumulate", "1", "--compile", form))
+    graph (it broke the graph and recompiled it).
+    `function` runs a script that seeds torch only: numpy's and Python's RNG differ from
+    the start, unused. The scan steps (no call seen) record the RNG states too, so the
+    zoomed step's cause is the planted backward, not "the numpy, python RNG state already
+    differs" (the zoom saw those states first, at that step)."""
+    seeding = ("--seed-self",) if form == "function" else ()
+    done = _exec(tmp_path, *(() if seeding else ("--seed", "0")), "--max-steps", "3",
+                 "--json", "--inject-fault", "head@backward:1",
+                 script_args=("--workers", "0", "--accumulate", "1", "--compile", form,
+                              *seeding))
     assert done.returncode == 1, done.stderr
     assert "Graph break" not in done.stderr and "recompile" not in done.stderr
     summary = json.loads(done.stdout)
     first = summary["first_divergence"]
     assert (first["module"], first["phase"], first["step"], first["role"]) == (
         "head", "backward", 1, "origin")
+    assert summary["cause"]["kind"] == "backward", summary["cause"]
     assert summary["calls_unseen"]
     assert "inside a compiled function" in (tmp_path / "run" / "report.md").read_text()
+    if seeding:
+        assert {"numpy", "python"} <= set(summary["idle_rng"])
     trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
     assert [sorted(s.losses) for s in trace.steps] == [["loss"]] * 3
     records = trace.frame()
@@ -392,20 +402,6 @@ def test_exec_of_a_compiled_training_function_records_its_steps_and_zooms_eagerl
                                                      "optimizer"}
     assert {"stem", "head"} <= set(records[(records.step == 1)
                                            & (records.phase == "forward")].module)
-
-
-def test_an_unseeded_rng_nothing_draws_from_is_no_cause_where_calls_are_not_seen(tmp_path):
-    """A compiled training function in a script that seeds torch only: numpy's and Python's
-    RNG differ from the start, unused. The scan steps (no call seen) record the RNG states
-    too, so the zoomed step's cause is the planted backward, not "the numpy, python RNG
-    state already differs" (the zoom saw those states first, at that step)."""
-    done = _exec(tmp_path, "--max-steps", "3", "--json", "--inject-fault", "head@backward:1",
-                 script_args=("--workers", "0", "--accumulate", "1", "--compile", "function",
-                              "--seed-self"))
-    assert done.returncode == 1, done.stderr
-    summary = json.loads(done.stdout)
-    assert summary["cause"]["kind"] == "backward", summary["cause"]
-    assert {"numpy", "python"} <= set(summary["idle_rng"])
 
 
 _RESEEDS_FROM_THE_CLOCK = """
@@ -450,7 +446,7 @@ def test_exec_without_seed_of_set_ordered_loss_terms_points_at_the_hash_seed(tmp
         "    loss = sum((i + 1) * out[:, TERMS.index(n)].pow(2).mean()\n"
         "               for i, n in enumerate(set(TERMS)))\n"
         "    loss.backward()\n    opt.step()\n    opt.zero_grad()\n")
-    done = _exec(tmp_path, "--repeats", "3", "--json", script=script)
+    done = _exec(tmp_path, "--json", script=script)
     assert done.returncode == 1, done.stderr
     said = json.loads(done.stdout)["cause"]["text"]
     assert "each run had a hash seed of its own (no --seed)" in said
@@ -460,7 +456,7 @@ def test_exec_without_seed_of_set_ordered_loss_terms_points_at_the_hash_seed(tmp
             "on equal inputs: no op is nondeterministic") in said
     assert "unconfirmed" not in said
     shutil.rmtree(tmp_path / "run")
-    assert _exec(tmp_path, "--repeats", "3", "--seed", "0", script=script).returncode == 0
+    assert _exec(tmp_path, "--seed", "0", script=script).returncode == 0
 
 
 def test_an_inference_run_has_no_loss_to_hide_a_difference(tmp_path):
@@ -1072,53 +1068,61 @@ def test_a_teacher_called_before_the_step_has_its_ops_recorded_for_that_step(tmp
         "aten.addmm", "teacher", "origin", True)
 
 
-_DISTILL = (
-    "import torch\n"
-    "torch.manual_seed(0)\n"
-    "class Teacher(torch.nn.Module):\n"
-    "    def __init__(self):\n"
-    "        super().__init__()\n"
-    "        self.lin = torch.nn.Linear(4, 1)\n"
-    "    def forward(self, x, *, scale):\n"
-    "        return self.lin(x) * scale\n"
-    "student, teacher = torch.nn.Linear(4, 1), Teacher().eval()\n"
-    "opt = torch.optim.SGD(student.parameters(), lr=0.1)\n"
-    "for step in range(4):\n"
-    "    x = torch.randn(8, 4)\n"
-    "    with torch.no_grad():\n"
-    "        target = teacher(x, scale=torch.full((1,), 2.0))\n"
-    "    (student(x) - target).pow(2).mean().backward()\n"
-    "    opt.step()\n"
-    "    opt.zero_grad()\n")
+class _ScaledTeacher(nn.Module):
+    """A teacher called with a keyword input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x, *, scale):
+        return self.lin(x) * scale
+
+
+def _distill() -> None:
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(4, 1), _ScaledTeacher().eval()
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    for _ in range(4):
+        x = torch.randn(8, 4)
+        with torch.no_grad():
+            target = teacher(x, scale=torch.full((1,), 2.0))
+        (student(x) - target).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def test_a_fault_planted_at_a_teachers_output_is_found_there(tmp_path):
     """A model the loop calls apart is recorded by its calls: a fault is planted at its
     output (called before the step it works for begins), one inside it is refused at once
     with the form that works, and the Reproduce list names it, not its layers."""
-    script = tmp_path / "distill.py"
-    script.write_text(_DISTILL)
-    done = _exec(tmp_path, "--seed", "0", "--json", "--inject-fault", "teacher@forward:2",
-                 script=script)
-    assert done.returncode == 1, done.stdout + done.stderr
-    summary = json.loads(done.stdout)
+    # (the planted step is recorded module by module in every run, as exec does)
+    for run, fault in enumerate((None, detaudit.Fault("teacher", "forward", 2))):
+        trace = _attached(tmp_path / "runs" / f"trace-{run}.json.gz", _distill, fault=fault,
+                          planted_step=2)
+    summary = detaudit.compare(tmp_path / "runs").summary
     first = summary["first_divergence"]
     assert (first["step"], first["phase"], first["module"], first["role"]) == (
         2, "forward", "teacher", "origin")
     assert "teacher" in summary["modules"] and "teacher.lin" not in summary["modules"]
-    trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
     records = trace.frame()
     teacher_inputs = set(records[(records.module == "teacher") & (records.phase == "forward")
                                  & (records.step == 0)].slot)
     keywords_seen = "with_kwargs" in inspect.signature(
         nn.modules.module.register_module_forward_hook).parameters
     assert teacher_inputs == {"in.0", "out", *(["in.scale"] if keywords_seen else [])}
-    for planted in ("teacher.lin@forward:1", "teacher@backward:1"):
-        refused = _exec(tmp_path, "--seed", "0", "--overwrite", "--inject-fault", planted,
-                        script=script)
-        assert refused.returncode == 2, refused.stdout + refused.stderr
-        assert "a model the loop calls apart" in refused.stderr
-        assert "--inject-fault teacher@forward:1" in refused.stderr
+    script = tmp_path / "distill.py"
+    script.write_text("import torch\nfrom torch import nn\n"
+                      + inspect.getsource(_ScaledTeacher) + inspect.getsource(_distill)
+                      + "_distill()\n")
+    refused = _exec(tmp_path, "--seed", "0", "--inject-fault", "teacher.lin@forward:1",
+                    script=script)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "a model the loop calls apart" in refused.stderr
+    assert "--inject-fault teacher@forward:1" in refused.stderr
+    with pytest.raises(detaudit.DetauditError, match=r"plant at its output \(--inject-fault "
+                       r"teacher@forward:1\)"):
+        _check_side_fault(detaudit.Fault("teacher", "backward", 1), ["teacher"])
 
 
 def _probe_gradients_loop(out: Path, jitter: float, fault: detaudit.Fault | None = None
@@ -1688,15 +1692,18 @@ def test_a_run_that_trains_on_the_model_of_the_run_before_is_told_apart_from_uns
     c = detaudit.compare(tmp_path).comparison
     assert (c.first_step, c.cause, c.continued_from) == (0, "init", (1, 0, 1, True))
     assert "repeat 1 began with the parameters repeat 0 ended with" in c.cause_text
-    # built anew from an unseeded RNG instead: the seeding fix
-    for _ in range(2):
-        model = nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with detaudit.watch(model, opt, out=tmp_path / "unseeded"):
-            model(torch.ones(2, 4)).sum().backward()
-            opt.step()
-    c = detaudit.compare(tmp_path / "unseeded").comparison
-    assert (c.cause, c.continued_from) == ("init", None) and "unseeded RNG" in c.cause_text
+    # built anew from an unseeded RNG instead: the seeding fix; where its batches are drawn
+    # from that RNG too, that is said beside the initialisation
+    for folder, batch in (("unseeded", torch.ones), ("unseeded-data", torch.randn)):
+        for _ in range(2):
+            model = nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with detaudit.watch(model, opt, out=tmp_path / folder):
+                model(batch(2, 4)).sum().backward()
+                opt.step()
+        c = detaudit.compare(tmp_path / folder).comparison
+        assert (c.cause, c.continued_from) == ("init", None) and "unseeded RNG" in c.cause_text
+        assert ("the first batch differs as well" in c.cause_text) == (folder == "unseeded-data")
 
 
 def test_a_script_that_resumes_from_the_checkpoint_of_the_run_before_is_told_so(tmp_path):

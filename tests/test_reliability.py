@@ -424,7 +424,6 @@ def test_api_run_without_a_folder_writes_nothing(tmp_path, monkeypatch):
     # a module the model lacks is refused before any step, with the names nearest
     (["--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "stem:1"],
      "--inject-fault: the model has no module 'stem'; its modules: 0, 1, 2"),
-    (["--probe", str(PROBES / "tiny_cnn.py"), "--repeats", "0"], "--repeats must be at least 1"),
     # an unset variable in a CI script ("--inject-fault $FAULT") was no fault at all, exit 0
     (["--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", " "], "--inject-fault is empty"),
 ])
@@ -432,6 +431,22 @@ def test_more_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert main(["run", *args, "--out", str(tmp_path), "--no-census"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("command, option", [
+    ("run", "--repeats"), ("run", "--epochs"), ("run", "--steps"), ("run", "--nproc"),
+    ("run", "--zoom-tries"), ("baseline", "--repeats"), ("exec", "--repeats"),
+    ("exec", "--max-steps"), ("exec", "--max-epochs"), ("exec", "--zoom-tries"),
+])
+def test_every_count_below_one_is_refused_alike(tmp_path, capsys, command, option):
+    target = ["--", "python", "train.py"] if command == "exec" else [
+        "--probe", str(PROBES / "tiny_cnn.py")]
+    with pytest.raises(SystemExit) as stop:
+        main([command, option, "0", "--out", str(tmp_path / "out"), *target])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"argument {option}: must be at least 1, not 0" in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])

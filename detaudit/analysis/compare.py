@@ -244,6 +244,15 @@ class Comparison:
 
     @property
     def cause_text(self) -> str:
+        text = self._cause_text()
+        if (self.cause == "init" and self.continued_from is None
+                and any(d.phase == STATE and d.slot.startswith("batch") for d in self.first_diffs)):
+            text += ("; the first batch differs as well: the data order or augmentation draws "
+                     "from an unseeded RNG too (the same seeding, done before the DataLoader is "
+                     "built, fixes both; for its workers, e.g. detaudit.seeded_loader_kwargs)")
+        return text
+
+    def _cause_text(self) -> str:
         if self.cause == "init" and self.continued_from is not None:
             n, m, step, last = self.continued_from
             had = "ended with" if last else f"had after its step {step}"
