@@ -621,7 +621,7 @@ def _record(
         traces, timings = [], []
         for repeat in range(config.repeats):
             def on_step(epoch: int, index: int, step: int, repeat: int = repeat) -> None:
-                progress.advance(f"repeat {repeat + 1}/{config.repeats} "
+                progress.advance(f"{config.granularity}: repeat {repeat + 1}/{config.repeats} "
                                  f"epoch {epoch + 1}/{config.epochs}")
 
             trace, timing = run_repeat(

@@ -66,6 +66,27 @@ def test_forward_splat_ends_nonzero_every_time_and_names_op_and_module(two_threa
         assert "aten.index_put_ in vote_head (forward, step 0)" in result.verdict.headline
 
 
+def test_an_op_the_step_runs_outside_the_model_is_proven_there_not_in_the_model(two_threads):
+    """A target splatted in the step function, outside every module call of the model: the
+    proof names it outside the model (it said "(model)", the model's own forward)."""
+    def probe(device: torch.device) -> Probe:
+        model = nn.Linear(4, 1).to(device)
+        g = torch.Generator().manual_seed(3)
+        votes, cells = torch.randn(VOTES, 1, generator=g), torch.randint(0, CELLS, (VOTES,),
+                                                                        generator=g)
+
+        def step(m: nn.Module, x: torch.Tensor):
+            target = votes.new_zeros(CELLS, 1).index_put_((cells,), votes, accumulate=True)
+            return (m(x) - target).pow(2).mean()
+
+        return Probe(model=model, batches=[torch.ones(CELLS, 4)], step=step,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+    result = audit(probe, repeats=2, epochs=1, steps=1)
+    assert [(p.module, p.phase, p.base_op) for p in result.comparison.proven] == [
+        ("(outside the model)", "forward", "aten.index_put_")]
+
+
 def test_duplicate_index_gather_backward_ends_nonzero_every_time(two_threads):
     for _ in range(10):
         result = audit(gather_probe, repeats=2, epochs=1, steps=1)

@@ -122,6 +122,13 @@ class ModelOpMode(TorchDispatchMode):
             return FORWARD, call
         return BACKWARD, self.recorder.call_for_node(node)
 
+    def located(self, call: Call | None) -> tuple[str, int]:
+        """The module and call index an op in `call` is recorded under: outside every call
+        of the model, the model called apart that runs now, else "(outside the model)"."""
+        if call is not None:
+            return call.module, call.index
+        return self.recorder.apart or (OUTSIDE_MODEL, 0)
+
 
 class OpRecorder(ModelOpMode):
     """Records (or only counts, or only perturbs) every op; enter it around forward and
@@ -162,8 +169,7 @@ class OpRecorder(ModelOpMode):
         name = op_name(func)
         phase, call = self.where()
         op_phase = OP_FORWARD if phase == FORWARD else OP_BACKWARD
-        module, index = (call.module, call.index) if call is not None else (
-            self.recorder.apart or (OUTSIDE_MODEL, 0))
+        module, index = self.located(call)
         if self.census:
             self.counts[(module, phase, name, accumulate_arg(func, args, kwargs))] += 1
         skip = func.is_view or name in PASSTHROUGH_OPS

@@ -96,7 +96,7 @@ class StressMode(ModelOpMode):
         accumulate = accumulate_arg(func, args, kwargs)
         if not (self.every_op or applicable(name, phase, self.device, self.env, accumulate)):
             return func(*args, **kwargs)
-        module = call.module if call is not None else ""
+        module, _ = self.located(call)
         label = name if accumulate is None else f"{name}(accumulate={accumulate})"
         entry = self.ops.get((phase, module, label))
         if entry is None:
