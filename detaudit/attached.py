@@ -215,6 +215,7 @@ class watch:
         self.name = name or type(model).__name__
         self.path: Path | None = None
         self._attachment: Any = None
+        self._unrecorded: set[str] = set()  # what w.step got that holds nothing to record
 
     def __enter__(self) -> watch:  # noqa: PYI034
         from .drivers.attach import Attachment
@@ -235,9 +236,17 @@ class watch:
 
     def step(self, losses: dict[str, Any] | Any = None) -> None:
         """Name the current step's loss terms (a dict, or one tensor) and end the step (or,
-        called between backward and the optimizer's update, let the update end it)."""
+        called between backward and the optimizer's update, let the update end it). What
+        else the loop logs may go in the dict too (an accuracy, a count): each value is
+        recorded, and one that differs between runs is a divergence of the step."""
         if losses is not None:
-            self._attachment.name_losses(losses if isinstance(losses, dict) else {"loss": losses})
+            unrecorded = self._attachment.name_losses(
+                losses if isinstance(losses, dict) else {"loss": losses})
+            for name in unrecorded:
+                if name not in self._unrecorded:
+                    self._unrecorded.add(name)
+                    warnings.warn(f"detaudit.watch: w.step got {name!r}, which holds no tensor "
+                                  "or number: not recorded", stacklevel=2)
         if self._attachment.awaits_update():
             return
         self._attachment.end_step()

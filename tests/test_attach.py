@@ -1330,6 +1330,37 @@ def test_w_step_anywhere_in_the_iteration_ends_one_step(tmp_path, named):
     assert all("mse" in s.losses for s in steps)
 
 
+def test_what_w_step_logs_beside_the_loss_is_compared_too(tmp_path):
+    """A number or a tensor of any size logged with the loss is recorded (numbers were
+    dropped unsaid): equal in every run, no false alarm; one that differs, at its step.
+    What holds nothing to record is warned about, once."""
+    def train(folder: str, accuracy_drift: float) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detaudit.watch(model, opt, out=tmp_path / folder) as w:
+            for i in range(3):
+                out = model(torch.ones(2, 4))
+                per_class = out.pow(2).mean(0)
+                per_class.sum().backward()
+                opt.step()
+                opt.zero_grad()
+                w.step({"loss": per_class.sum(), "per_class": per_class,
+                        "accuracy": 0.5 + (accuracy_drift if i == 2 else 0.0),
+                        "seen": np.int64(2 * (i + 1)), "writer": object()})
+
+    for folder, drift in (("same", 0.0), ("same", 0.0), ("drift", 0.0), ("drift", 2**-40)):
+        with pytest.warns(UserWarning, match="w.step got 'writer'") as said:
+            train(folder, drift)
+        assert len([w for w in said if "w.step got" in str(w.message)]) == 1
+    assert detaudit.compare(tmp_path / "same").verdict.kind == "deterministic"
+    c = detaudit.compare(tmp_path / "drift").comparison
+    assert (c.first_step, [d.slot for d in c.first_diffs]) == (2, ["loss.accuracy"])
+    records = Trace.load(next((tmp_path / "same").glob("*.json.gz"))).frame()
+    logged = set(records[(records.step == 0) & records.slot.str.startswith("loss.")].slot)
+    assert {"loss.loss", "loss.per_class", "loss.accuracy", "loss.seen"} <= logged
+
+
 def test_watch_finds_a_planted_difference_at_its_step(tmp_path):
     _train(tmp_path)
     _train(tmp_path, nudge_at=4)

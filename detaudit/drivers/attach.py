@@ -26,6 +26,7 @@ update), :mod:`.attach_epochs` (the DataLoader batches and epochs) and :mod:`.at
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import weakref
@@ -51,7 +52,7 @@ from ..record.environment import capture_environment
 from ..record.fingerprint import TensorPrint
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder, RecordKey, StepRecords
-from ..record.structure import iter_tensors
+from ..record.structure import iter_leaves, iter_tensors
 from ..trace import (
     OUTPUT,
     PROBE_CONFIG,
@@ -372,14 +373,29 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self._watch(self.info.step) != WATCH_NONE:
             self.recorder.before_backward(tensor)  # module-level backward records, faults
 
-    def name_losses(self, losses: dict[str, torch.Tensor]) -> None:
-        """The user named the loss terms of the open step (``watch``'s ``w.step(losses)``)."""
+    def name_losses(self, losses: dict[str, Any]) -> list[str]:
+        """The user named the loss terms of the open step (``watch``'s ``w.step(losses)``),
+        and what else the loop logs with them (an accuracy, a count, a tensor of per-class
+        losses): each recorded, a number's value kept as a loss term's is. The names of the
+        values that hold nothing to record (neither tensors nor plain values)."""
         if self.info is None or self.recorder is None:
-            return
+            return []
+        unrecorded = []
         for name, value in losses.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                self.recorder.record(OUTPUT, "", 0, f"loss.{name}", value.detach())
-                self._loss_values[name] = loss_copy(value)
+            slot = f"loss.{name}"
+            if hasattr(value, "item") and not isinstance(value, torch.Tensor):
+                value = value.item()  # a numpy number
+            if isinstance(value, torch.Tensor):
+                self.recorder.record(OUTPUT, "", 0, slot, value.detach())
+                if value.numel() == 1:
+                    self._loss_values[name] = loss_copy(value)
+            elif any(True for _ in iter_leaves(value)):
+                self.recorder.record(OUTPUT, "", 0, slot, value, plain=True)
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._loss_values[name] = torch.tensor(float(value), dtype=torch.float64)
+            else:
+                unrecorded.append(name)
+        return unrecorded
 
     # -- steps -----------------------------------------------------------------------------
     def _begin_step(self, model: nn.Module | None, by_call: bool = False) -> bool:
