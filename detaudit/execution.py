@@ -76,6 +76,10 @@ def exec_command(
     progress = progress or Progress()
     if not command:
         raise DetauditError("exec needs a command after --, e.g. detaudit exec -- python train.py")
+    if not (BOOTSTRAP / "sitecustomize.py").is_file():
+        raise DetauditError(
+            f"this detaudit install lacks {BOOTSTRAP / 'sitecustomize.py'}, which exec puts on "
+            "PYTHONPATH to attach to the command: reinstall detaudit")
     if job.repeats < 1 or (job.max_steps or 1) < 1 or (job.max_epochs or 1) < 1:
         raise DetauditError("--repeats, --max-steps and --max-epochs must be at least 1")
     if job.fault is not None and job.max_steps is not None and job.fault.step >= job.max_steps:
