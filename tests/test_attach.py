@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import math
@@ -486,6 +487,78 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     assert "note: the RNG state" not in done.stderr
     report = (tmp_path / "run" / "report.md").read_text()
     assert "device cpu; unseeded;" in report and "cpu; seed 0" not in report
+
+
+# A loader that fetches one batch ahead of the loop, as accelerate's does (to know which
+# batch is the last), compiled as library code (installed under site-packages) is.
+_LIBRARY_NAMESPACE: dict[str, Any] = {"torch": torch}
+exec(compile(  # noqa: S102
+    "class FetchingAhead(torch.utils.data.DataLoader):\n"
+    "    def __iter__(self):\n"
+    "        batches = super().__iter__()\n"
+    "        current = next(batches)\n"
+    "        for upcoming in batches:\n"
+    "            yield current\n"
+    "            current = upcoming\n"
+    "        yield current\n",
+    "/env/lib/python3/site-packages/fetching/loader.py", "exec"), _LIBRARY_NAMESPACE)
+_FetchingAhead = _LIBRARY_NAMESPACE["FetchingAhead"]
+
+
+class _ShiftedAt(torch.utils.data.Dataset):
+    """8 samples, sample `at` shifted by `shift` (a run's own noise)."""
+
+    def __init__(self, at: int | None, shift: float):
+        self.x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        self.at, self.shift = at, shift
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return self.x[i] + (self.shift if i == self.at else 0.0)
+
+
+@pytest.mark.parametrize("loop", ["fetching ahead", "two batches a step", "mixed in place"])
+def test_each_loader_batch_is_recorded_in_the_step_it_feeds(tmp_path, loop):
+    """A loader that fetches ahead of the loop (accelerate's, Lightning's fetcher) yields the
+    next step's batch during this one: it was filed there, and a difference in it was
+    reported a step early. A loop that takes two batches a step keeps both in it. A batch
+    the loop changes in place (a Mixup) is recorded as the loader yielded it."""
+    def train(noise: float) -> None:  # in sample 5: the third step's batch
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = _ShiftedAt(None if loop == "mixed in place" else 5, noise)
+        if loop == "fetching ahead":
+            batches = iter(_FetchingAhead(data, batch_size=2))
+        elif loop == "two batches a step":
+            pairs = iter(torch.utils.data.DataLoader(data, batch_size=1))
+            batches = (torch.cat([x, next(pairs)]) for x in pairs)
+        else:
+            batches = iter(torch.utils.data.DataLoader(data, batch_size=2))
+        for step, x in enumerate(batches):
+            if loop == "mixed in place" and step == 2:
+                x.add_(noise)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    for run, noise in enumerate((0.0, 0.25)):
+        _attached(tmp_path / f"trace-{run}.json.gz", functools.partial(train, noise))
+    c = detaudit.compare(tmp_path).comparison
+    assert c.first_step == 2 and c.cause == "data", (c.first_step, c.cause)
+    records = Trace.load(tmp_path / "trace-0.json.gz").frame()
+    loaded = records[records.slot.str.startswith("batch.loader")]
+    per_step = loaded.groupby("step").call.nunique().tolist()
+    assert per_step == ([2] * 4 if loop == "two batches a step" else [1] * 4)
+    differing = {d.slot for d in c.first_diffs}
+    if loop == "mixed in place":  # the loader's batch agrees; the model's input does not
+        assert "batch.0" in differing and not any(
+            slot.startswith("batch.loader") for slot in differing), differing
+        assert "changed them after loading" in c.cause_text
+    else:
+        assert any(slot.startswith("batch.loader") for slot in differing), differing
 
 
 def test_labels_a_loss_takes_outside_the_model_are_step_state(tmp_path):
@@ -1771,6 +1844,8 @@ def test_a_script_that_resumes_from_the_checkpoint_of_the_run_before_is_told_so(
     c = detaudit.compare(tmp_path / "loaded").comparison
     assert (c.cause, c.continued_from) == ("init", None)
     assert "every RNG state agrees" in c.cause_text and "unseeded" not in c.cause_text
+    # (or the model was built, unseeded, before the code seeded: Hugging Face's Trainer)
+    assert "built before the code seeded its RNGs" in c.cause_text
 
 
 def test_a_step_the_loop_ends_in_before_its_update_is_not_counted(tmp_path):

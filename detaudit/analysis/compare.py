@@ -267,9 +267,14 @@ class Comparison:
                             if _rng_state(d)})
         if self.cause == "init" and not differing:
             return ("the parameters differ before the first step while every RNG state "
-                    "agrees: they were not made by the seeded RNGs alone (weights loaded at "
-                    "the start that differ between runs, say a checkpoint a run wrote, or set "
-                    "from another source; fix: start every run from the same weights)")
+                    "agrees: the model was built before the code seeded its RNGs (a seed set "
+                    "after the model is built fixes the draws that follow, not the weights "
+                    "already drawn: Hugging Face's Trainer(...) seeds in its __init__), or its "
+                    "weights were loaded or set from a source that differs between runs (a "
+                    "checkpoint a run wrote); fix: seed before building the model (e.g. "
+                    "detaudit.seed_everything(0) or transformers.set_seed first, "
+                    "Trainer(model_init=...), or `detaudit exec --seed 0`), and start every "
+                    "run from the same weights")
         if self.cause == "init" and not any(s == "torch" or s.startswith("cuda")
                                             for s in differing):
             return (f"the parameters differ before the first step; torch's RNG state agrees, "

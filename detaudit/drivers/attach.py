@@ -132,7 +132,10 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._discarded = False  # the open step's gradients were zeroed unused (on_zero_grad)
         self.batches_seen = 0  # in all steps
         self._fetched = 0  # training loader batches recorded in the open step
-        self._waiting: list[tuple[tuple[int, int], Any]] = []  # (pass, batch) before a step
+        # (pass, its prints, fetched by code that may fetch ahead) of batches waiting for
+        # the step they feed, and how many batches ahead of the loop its loader is fetched
+        self._waiting: list[tuple[tuple[int, int], list[Any], bool]] = []
+        self._fetched_ahead: int | None = None  # (known as the first step begins)
         # each DataLoader iterator's pass: (its loader's id, the loader's pass number)
         self._iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]] = (
             weakref.WeakKeyDictionary())
@@ -438,10 +441,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self._ops = OpRecorder(self.recorder, step, record=step == self.zoom,
                                    fault=self.fault)
             self._ops.__enter__()
-        waiting, self._waiting = self._waiting, []
-        for started, batch in waiting:
-            if started == self._train_pass:  # (not a peek's, nor an evaluation's)
-                self._record_loader_batch(batch)
+        self._take_loader_batches()
         if step == 0 or self._adopted:
             self.recorder.record_parameters(STATE)
             self._adopted = False

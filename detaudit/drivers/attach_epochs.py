@@ -13,14 +13,25 @@ attachment's state (its open step, its recorder) as the rest of the class does.
 
 from __future__ import annotations
 
+from types import CodeType
 from typing import Any
 
 import torch
 
+from ..record.recorder import printed_now
 from ..trace import LOADER_BATCH, STATE
 from .rankprobe import sampler_snapshot
 
 _WAITING = 4  # training loader batches kept for a step not begun yet (a prefetching loop's)
+_LIBRARY = ("site-packages", "dist-packages")  # where code that is not the user's lives
+
+
+def _may_fetch_ahead(fetched_by: CodeType | None) -> bool:
+    """Whether the code that asked the DataLoader for a batch may be a wrapper that fetches
+    ahead of the loop (accelerate's loader, a Lightning fetcher): library code. The loop's
+    own code is taken at its word (a generator of its own that takes two batches a step
+    fetches two before its first step, and ahead of nothing)."""
+    return fetched_by is not None and any(part in fetched_by.co_filename for part in _LIBRARY)
 
 
 class Epochs:
@@ -50,10 +61,13 @@ class Epochs:
         """Whether an iterator of `loader` is alive and not exhausted."""
         return any(key == loader for key, _ in self._iterators.values())
 
-    def on_loader_batch(self, iterator: Any, batch: Any) -> None:
-        """A DataLoader iterator yielded `batch`. The training loader's batches are step
-        state beside what the model is called with: labels that a loss takes outside the
-        model are in them. One fetched before its step begins waits for it (the last few)."""
+    def on_loader_batch(self, iterator: Any, batch: Any, fetched_by: CodeType | None = None
+                        ) -> None:
+        """A DataLoader iterator yielded `batch` (asked for by the code `fetched_by`). The
+        training loader's batches are step state beside what the model is called with:
+        labels that a loss takes outside the model are in them. Each is printed as yielded
+        (the loop may change it in place) and waits for the step it feeds (see
+        :meth:`_take_loader_batches`)."""
         started = self._iterators.get(iterator)
         if started is None:
             return
@@ -64,15 +78,34 @@ class Epochs:
         self._fed = self._fed or loader in self._step_loaders
         if self.stopped:
             return
-        if self.info is None or self._updated:  # (which loader is the step's: see _epoch)
-            self._waiting = [*self._waiting[1 - _WAITING:], (started, batch)]
-        elif loader == (self._train_loader or self._latest_loader):
-            self._record_loader_batch(batch)
+        step_open = self.info is not None and not self._updated
+        if step_open and loader != (self._train_loader or self._latest_loader):
+            return  # (which loader is the step's is decided as a step begins: see _epoch)
+        self._waiting = [*self._waiting[1 - _WAITING:],
+                         (started, printed_now(batch, "xxh3"), _may_fetch_ahead(fetched_by))]
+        if step_open:
+            self._take_loader_batches()
 
-    def _record_loader_batch(self, batch: Any) -> None:
-        assert self.recorder is not None
-        self.recorder.record(STATE, "", self._fetched, LOADER_BATCH, batch, algorithm="xxh3")
-        self._fetched += 1
+    def _take_loader_batches(self) -> None:
+        """The open step takes the training batches that wait for it, but the newest
+        `_fetched_ahead` of a pass not over yet: a wrapper that fetches ahead of the loop
+        (accelerate's loader, a Lightning fetcher) holds them for the next steps. How far
+        ahead it fetches is what it fetched before the first step began, beyond the one
+        batch the loop took."""
+        if self._fetched_ahead is None:
+            fed = [ahead for started, _, ahead in self._waiting if started == self._train_pass]
+            self._fetched_ahead = len(fed) - 1 if len(fed) > 1 and any(fed) else 0
+        live = set(self._iterators.values())
+        held = 0
+        while (held < self._fetched_ahead and held < len(self._waiting)
+               and self._waiting[-1 - held][0] in live):
+            held += 1
+        taken = self._waiting[:len(self._waiting) - held]
+        self._waiting = self._waiting[len(self._waiting) - held:]
+        for started, printed, _ in taken:
+            if started == self._train_pass:  # (not a peek's, nor an evaluation's)
+                self.recorder.add_printed(STATE, "", self._fetched, LOADER_BATCH, printed)
+                self._fetched += 1
 
     def set_epoch(self, epoch: int) -> None:
         """The user said which epoch the next steps belong to (``w.epoch(i)``)."""

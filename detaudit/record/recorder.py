@@ -324,6 +324,13 @@ class Recorder(BackwardBoundaries):
         return _printed_aside(_parameter_keys(GRAD, items), [t for _, t in items], stats,
                               self.fp.algorithm)
 
+    def add_printed(self, phase: str, module: str, call: int, slot: str,
+                    printed: list[tuple[str, TensorPrint]]) -> None:
+        """Add what :func:`printed_now` printed as the records (phase, module, call,
+        slot[.path]) of the step."""
+        self.add_records([((phase, module, call, slot_name(slot, path)), print_)
+                          for path, print_ in printed])
+
     def add_records(self, records: list[tuple[RecordKey, TensorPrint]]) -> None:
         """Add records taken aside by :meth:`print_param_grads` to the step's."""
         for key, print_ in records:
@@ -572,8 +579,17 @@ def call_prints(module: str, call: int, args: tuple, kwargs: dict, output: Any
     return _printed_aside(keys, tensors, stats=False)
 
 
-def _printed_aside(keys: list[RecordKey], tensors: list[torch.Tensor], stats: bool,
-                   algorithm: str | None = None) -> list[tuple[RecordKey, TensorPrint]]:
+def printed_now(value: Any, algorithm: str | None = None) -> list[tuple[str, TensorPrint]]:
+    """Every tensor in `value` printed now, apart from any step, by its path: a batch as the
+    DataLoader yielded it, before the loop changes it in place (a Mixup), for
+    :meth:`Recorder.add_printed` to add to the step it feeds."""
+    leaves = list(iter_tensors(value))
+    return _printed_aside([path for path, _ in leaves], [t for _, t in leaves], stats=True,
+                          algorithm=algorithm)
+
+
+def _printed_aside(keys: list[Any], tensors: list[torch.Tensor], stats: bool,
+                   algorithm: str | None = None) -> list[tuple[Any, TensorPrint]]:
     """`tensors` printed now, apart from the step's own fingerprinter (fetched at once), as
     records `keys` for :meth:`Recorder.add_records`."""
     fp = Fingerprinter(stats=stats, algorithm=algorithm)
