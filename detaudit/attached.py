@@ -210,6 +210,12 @@ class watch:
         self.mode = mode
         if max_steps is not None and max_steps < 1:
             raise DetauditError("max_steps must be at least 1")
+        if optimizer is not None and not _trains(optimizer, model):
+            raise DetauditError(
+                f"the optimizer given updates none of the parameters of the model given "
+                f"({type(model).__name__}): it was made for another model (in a notebook, an "
+                "earlier one: re-run the cell that makes the optimizer after the one that "
+                "builds the model)")
         self.model, self.optimizer = model, optimizer
         self.out, self.max_steps = Path(out), max_steps
         self.name = name or type(model).__name__
@@ -304,6 +310,13 @@ class watch:
 
 
 _WATCHED: set[int] = set()  # the ids of the models inside a watch block now
+
+
+def _trains(optimizer: Any, model: Any) -> bool:
+    """Whether `optimizer` updates a parameter of `model` (one with no parameters: yes)."""
+    owned = {id(p) for p in model.parameters()}
+    return not owned or any(id(p) in owned for group in getattr(optimizer, "param_groups", [])
+                            for p in group.get("params", []))
 
 
 def _free_trace_path(folder: Path) -> Path:

@@ -1379,6 +1379,20 @@ def test_watch_twice_in_one_process_compares_deterministic(tmp_path):
     assert shown.startswith('<iframe srcdoc="&lt;!DOCTYPE html&gt;') and "<style" not in shown
 
 
+def test_an_optimizer_made_for_another_model_is_refused_at_once(tmp_path):
+    """A notebook: the cell that builds the model run again, the optimizer's not: the
+    watched model never trains (compare called the two runs different models)."""
+    model = nn.Linear(4, 1)
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = nn.Linear(4, 1)
+    with pytest.raises(detaudit.DetauditError, match="made for another model"):
+        detaudit.watch(model, stale, out=tmp_path)
+    assert not list(tmp_path.iterdir())
+    with pytest.warns(UserWarning, match="recorded no step"), detaudit.watch(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), out=tmp_path):
+        pass  # (the optimizer made for it: taken)
+
+
 @pytest.mark.parametrize("named", ["before backward", "before the update", "after it"])
 def test_w_step_anywhere_in_the_iteration_ends_one_step(tmp_path, named):
     """w.step(losses) called before loss.backward() counted each iteration as two steps
@@ -1805,9 +1819,12 @@ def test_a_run_that_trains_on_the_model_of_the_run_before_is_told_apart_from_uns
             with detaudit.watch(model, opt, out=tmp_path / folder):
                 model(batch(2, 4)).sum().backward()
                 opt.step()
-        c = detaudit.compare(tmp_path / folder).comparison
+        result = detaudit.compare(tmp_path / folder)
+        c = result.comparison
         assert (c.cause, c.continued_from) == ("init", None) and "unseeded RNG" in c.cause_text
         assert ("the first batch differs as well" in c.cause_text) == (folder == "unseeded-data")
+        # the parameters are named first, not the batch the step then sees
+        assert result.summary["first_divergence"]["slots"][0].startswith("param."), folder
 
 
 def test_a_script_that_resumes_from_the_checkpoint_of_the_run_before_is_told_so(tmp_path):

@@ -113,7 +113,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["run", "--model", "maskrcnn", "--repeats", "x"],
-     "detaudit run: error: argument --repeats: invalid int value: 'x' (see detaudit run --help)"),
+     "detaudit run: error: argument --repeats: takes a whole number, not 'x'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["exec", "--seed"], "detaudit exec: error: argument --seed: expected one argument"),
     (["exec", "--seed", "-1", "--", "python"], "argument --seed: takes 0 to 4294967295, not -1"),

@@ -15,6 +15,7 @@ from .compare import (
     DETERMINISTIC,
     DIVERGENT,
     FAILED,
+    MODEL_STATE,
     ORIGIN,
     UNCONFIRMED,
     Comparison,
@@ -165,7 +166,10 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
         }
     # the step's state comes before anything it computes (a parameter changed between steps
     # in one run only is that run's record alone, listed after repeat 0's)
-    d = next((d for d in c.first_diffs if d.phase == STATE), c.first_diffs[0])
+    state = [d for d in c.first_diffs if d.phase == STATE]
+    if c.cause == "init":  # the parameters are the finding, not the batch they then see
+        state = [d for d in state if d.slot.startswith(MODEL_STATE)] or state
+    d = state[0] if state else c.first_diffs[0]
     role = "first record"
     grads = [d for d in c.first_diffs if d.phase == GRAD]
     if grads and all(d.phase in (GRAD, OPTIMIZER) for d in c.first_diffs):

@@ -132,9 +132,10 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._discarded = False  # the open step's gradients were zeroed unused (on_zero_grad)
         self.batches_seen = 0  # in all steps
         self._fetched = 0  # training loader batches recorded in the open step
-        # (pass, its prints, fetched by code that may fetch ahead) of batches waiting for
-        # the step they feed, and how many batches ahead of the loop its loader is fetched
-        self._waiting: list[tuple[tuple[int, int], list[Any], bool]] = []
+        # (pass, its prints or itself, whether printed, fetched by code that may fetch
+        # ahead) of batches waiting for the step they feed, and how many batches ahead of
+        # the loop its loader is fetched
+        self._waiting: list[tuple[tuple[int, int], Any, bool, bool]] = []
         self._fetched_ahead: int | None = None  # (known as the first step begins)
         # each DataLoader iterator's pass: (its loader's id, the loader's pass number)
         self._iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]] = (

@@ -66,8 +66,8 @@ class Epochs:
         """A DataLoader iterator yielded `batch` (asked for by the code `fetched_by`). The
         training loader's batches are step state beside what the model is called with:
         labels that a loss takes outside the model are in them. Each is printed as yielded
-        (the loop may change it in place) and waits for the step it feeds (see
-        :meth:`_take_loader_batches`)."""
+        (the loop may change it in place; another loader's, an evaluation's, only if a step
+        takes it) and waits for the step it feeds (see :meth:`_take_loader_batches`)."""
         started = self._iterators.get(iterator)
         if started is None:
             return
@@ -81,8 +81,12 @@ class Epochs:
         step_open = self.info is not None and not self._updated
         if step_open and loader != (self._train_loader or self._latest_loader):
             return  # (which loader is the step's is decided as a step begins: see _epoch)
+        # printed now unless it is another loader's than the training one (an evaluation's:
+        # kept as it is, printed only if a step takes it: a loader built anew for an epoch)
+        printed = loader == (self._train_loader or loader)
         self._waiting = [*self._waiting[1 - _WAITING:],
-                         (started, printed_now(batch, "xxh3"), _may_fetch_ahead(fetched_by))]
+                         (started, printed_now(batch, "xxh3") if printed else batch, printed,
+                          _may_fetch_ahead(fetched_by))]
         if step_open:
             self._take_loader_batches()
 
@@ -93,7 +97,8 @@ class Epochs:
         ahead it fetches is what it fetched before the first step began, beyond the one
         batch the loop took."""
         if self._fetched_ahead is None:
-            fed = [ahead for started, _, ahead in self._waiting if started == self._train_pass]
+            fed = [ahead for started, _, _, ahead in self._waiting
+                   if started == self._train_pass]
             self._fetched_ahead = len(fed) - 1 if len(fed) > 1 and any(fed) else 0
         live = set(self._iterators.values())
         held = 0
@@ -102,9 +107,10 @@ class Epochs:
             held += 1
         taken = self._waiting[:len(self._waiting) - held]
         self._waiting = self._waiting[len(self._waiting) - held:]
-        for started, printed, _ in taken:
+        for started, kept, printed, _ in taken:
             if started == self._train_pass:  # (not a peek's, nor an evaluation's)
-                self.recorder.add_printed(STATE, "", self._fetched, LOADER_BATCH, printed)
+                self.recorder.add_printed(STATE, "", self._fetched, LOADER_BATCH,
+                                          kept if printed else printed_now(kept, "xxh3"))
                 self._fetched += 1
 
     def set_epoch(self, epoch: int) -> None:
