@@ -213,9 +213,9 @@ class watch:
         if optimizer is not None and not _trains(optimizer, model):
             raise DetauditError(
                 f"the optimizer given updates none of the parameters of the model given "
-                f"({type(model).__name__}): it was made for another model (in a notebook, an "
-                "earlier one: re-run the cell that makes the optimizer after the one that "
-                "builds the model)")
+                f"({type(model).__name__}): give watch the model it trains, or an optimizer "
+                "made for this one (in a notebook, the optimizer may be an earlier model's: "
+                "re-run the cell that makes it after the one that builds the model)")
         self.model, self.optimizer = model, optimizer
         self.out, self.max_steps = Path(out), max_steps
         self.name = name or type(model).__name__

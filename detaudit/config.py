@@ -264,6 +264,9 @@ CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (
 DROPPED_STEPS = "dropped_steps"  # backward passes whose gradients were zeroed unused: no steps
 SIDE_MODELS = "side_models"  # models a trace recorded that no optimizer trains (an EMA copy)
 INFERRED = "inferred"  # a trace recorded as inference because auto mode took it for one
+# where the code seeded torch's RNG after parameters were made, before the first step (a
+# model built, then seeded: Hugging Face's Trainer seeds in its __init__)
+SEEDED_AFTER_PARAMETERS = "seeded_after_parameters"
 
 
 def rank_trace_path(path: str | Path, rank: int) -> Path:

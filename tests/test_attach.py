@@ -490,7 +490,7 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
 
 
 # A loader that fetches one batch ahead of the loop, as accelerate's does (to know which
-# batch is the last), compiled as library code (installed under site-packages) is.
+# batch is the last), compiled as library code (installed under the Python's prefix) is.
 _LIBRARY_NAMESPACE: dict[str, Any] = {"torch": torch}
 exec(compile(  # noqa: S102
     "class FetchingAhead(torch.utils.data.DataLoader):\n"
@@ -501,7 +501,7 @@ exec(compile(  # noqa: S102
     "            yield current\n"
     "            current = upcoming\n"
     "        yield current\n",
-    "/env/lib/python3/site-packages/fetching/loader.py", "exec"), _LIBRARY_NAMESPACE)
+    str(Path(sys.prefix) / "lib" / "fetching" / "loader.py"), "exec"), _LIBRARY_NAMESPACE)
 _FetchingAhead = _LIBRARY_NAMESPACE["FetchingAhead"]
 
 
@@ -1385,7 +1385,7 @@ def test_an_optimizer_made_for_another_model_is_refused_at_once(tmp_path):
     model = nn.Linear(4, 1)
     stale = torch.optim.SGD(model.parameters(), lr=0.1)
     model = nn.Linear(4, 1)
-    with pytest.raises(detaudit.DetauditError, match="made for another model"):
+    with pytest.raises(detaudit.DetauditError, match="an optimizer made for this one"):
         detaudit.watch(model, stale, out=tmp_path)
     assert not list(tmp_path.iterdir())
     with pytest.warns(UserWarning, match="recorded no step"), detaudit.watch(
@@ -1677,19 +1677,24 @@ def test_a_failure_inside_detaudits_own_hook_is_never_blamed_on_the_users_code(
 
 
 def test_watch_warns_when_the_model_given_is_never_called(tmp_path):
+    """The loop calls a module that holds the model given (never called on its own); an
+    optimizer that trains another model than the one given is refused at once."""
     trained, other = nn.Linear(4, 1), nn.Linear(4, 1)
+    holder = nn.Sequential(trained)
     opt = torch.optim.SGD(trained.parameters(), lr=0.1)
 
-    def train_watching(given):
+    def train_watching(given, called):
         with detaudit.watch(given, opt, out=tmp_path):
-            trained(torch.ones(2, 4)).sum().backward()
+            called(torch.ones(2, 4)).sum().backward()
             opt.step()
 
     with pytest.warns(UserWarning, match=r"model given \(Linear\) was never called"):
-        train_watching(other)
+        train_watching(trained, holder)
+    with pytest.raises(detaudit.DetauditError, match="give watch the model it trains"):
+        train_watching(other, trained)
     with warnings.catch_warnings():  # and never when it was
         warnings.simplefilter("error")
-        train_watching(trained)
+        train_watching(trained, trained)
 
 
 def test_watch_max_steps_ends_the_loop_and_leaves_torch_as_it_was(tmp_path):
@@ -1825,6 +1830,39 @@ def test_a_run_that_trains_on_the_model_of_the_run_before_is_told_apart_from_uns
         assert ("the first batch differs as well" in c.cause_text) == (folder == "unseeded-data")
         # the parameters are named first, not the batch the step then sees
         assert result.summary["first_divergence"]["slots"][0].startswith("param."), folder
+
+
+def test_a_model_built_before_the_code_seeds_is_told_so_with_where_it_seeds(tmp_path):
+    """The model built from the unseeded RNG, then torch seeded (Hugging Face's Trainer
+    seeds in its __init__): every RNG agrees as the first step begins, the parameters do
+    not. Said with the line that seeded (it read as weights loaded from elsewhere)."""
+    def loop() -> None:
+        model = nn.Linear(4, 1)
+        torch.manual_seed(42)  # the line named
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+
+    with torch.random.fork_rng():
+        for run in range(2):
+            torch.seed()  # (each run's own unseeded state, as a new process has)
+            _attached(tmp_path / f"trace-{run}.json.gz", loop)
+    c = detaudit.compare(tmp_path).comparison
+    line = inspect.getsourcelines(loop)[1] + 2
+    assert c.cause == "init" and c.seeded_late == f"{__file__}:{line}"
+    assert f"the code seeded it only after that, at {__file__}:{line}" in c.cause_text
+    # seeded before the model is built: nothing to say, and nothing differs
+    def seeded_first() -> None:
+        torch.manual_seed(42)
+        model = nn.Linear(4, 1)
+        torch.manual_seed(42)  # (again, after: the weights came from the seeded RNG)
+        model(torch.ones(2, 4)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+    with torch.random.fork_rng():
+        for run in range(2):
+            _attached(tmp_path / "first" / f"trace-{run}.json.gz", seeded_first)
+    assert detaudit.compare(tmp_path / "first").verdict.kind == "deterministic"
 
 
 def test_a_script_that_resumes_from_the_checkpoint_of_the_run_before_is_told_so(tmp_path):

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..config import SIDE_MODELS
+from ..config import SEEDED_AFTER_PARAMETERS, SIDE_MODELS
 from ..trace import (
     BACKWARD,
     FORWARD,
@@ -184,6 +184,9 @@ class Comparison:
     # one had after one of its steps (the model trained on, or restored from a checkpoint an
     # earlier run wrote, not built anew: a notebook cell re-run, a script that resumes)
     continued_from: Continued | None = None
+    # with cause "init": where a run seeded torch's RNG after parameters were made, before
+    # its first step ("file:line"), when one did
+    seeded_late: str | None = None
     # with cause "optimizer": each repeat's learning rates at the first divergent step, when
     # they differ (a schedule that depends on something that differs between the runs)
     lr_by_repeat: list[list[float | None]] | None = None
@@ -265,6 +268,16 @@ class Comparison:
         # the RNG streams whose state differs as the step begins (never drawn: left out)
         differing = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
                             if _rng_state(d)})
+        if self.cause == "init" and self.seeded_late and not any(
+                s == "torch" or s.startswith("cuda") for s in differing):
+            return ("the parameters differ before the first step while torch's RNG state "
+                    "agrees: the model was built from the unseeded torch RNG, and the code "
+                    "seeded it "
+                    f"only after that, at {self.seeded_late} (a seed fixes the draws that "
+                    "follow it, not the weights already drawn; Hugging Face's Trainer(...) "
+                    "seeds in its __init__); fix: seed before building the model (e.g. "
+                    "detaudit.seed_everything(0) or transformers.set_seed first, "
+                    "Trainer(model_init=...), or `detaudit exec --seed 0`)")
         if self.cause == "init" and not differing:
             return ("the parameters differ before the first step while every RNG state "
                     "agrees: the model was built before the code seeded its RNGs (a seed set "
@@ -448,6 +461,8 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
     comparison = seen.comparison(traces, common)
     if comparison.cause == "init":
         comparison.continued_from = _continued(traces)
+        comparison.seeded_late = next((site for t in traces if (site := (
+            getattr(t, "probe", None) or {}).get(SEEDED_AFTER_PARAMETERS))), None)
     if comparison.cause == "optimizer" and comparison.first_step is not None:
         comparison.lr_by_repeat = _learning_rates(traces, comparison.first_step)
     return comparison

@@ -31,6 +31,7 @@ import sys
 import threading
 import weakref
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable
 
 import torch
@@ -44,6 +45,7 @@ from ..config import (
     FAULT_FIRED,
     INFER,
     INFERRED,
+    SEEDED_AFTER_PARAMETERS,
     SIDE_MODELS,
     TRAIN,
     Fault,
@@ -67,7 +69,7 @@ from .attach_patches import Installing, transformed
 from .attach_side import SideCalls
 from .attach_updates import Updates
 from .rankprobe import RankWatch
-from .runner import loss_copy, store_records
+from .runner import loss_copy, store_records, user_call_site
 
 
 class Attachment(Installing, Updates, Epochs, SideCalls):
@@ -172,6 +174,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._samplers: dict[int, list[dict[str, Any]]] = {}  # loader -> its passes' orders
         self._handles: list[Any] = []
         self._patches: list[tuple[Any, str, Any]] = []
+        self._parameters_made = False  # since the hooks were installed (see on_manual_seed)
         self.stopped = False
         self.installed = False
         self.in_backward = False
@@ -376,6 +379,18 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self._loss_values[name] = loss_copy(tensor)
         if self._watch(self.info.step) != WATCH_NONE:
             self.recorder.before_backward(tensor)  # module-level backward records, faults
+
+    def on_parameter_made(self, module: nn.Module, name: str, param: Any) -> None:
+        """A module registered a parameter (a model being built)."""
+        self._parameters_made = self._parameters_made or param is not None
+
+    def on_manual_seed(self, frame: FrameType) -> None:
+        """The code seeds torch's RNG (called from `frame`): after parameters were made and
+        before the first step, where it did is kept (the model may have been built from an
+        unseeded RNG: Hugging Face's Trainer seeds in its __init__)."""
+        if (self._parameters_made and self.info is None and not self.stream.steps
+                and SEEDED_AFTER_PARAMETERS not in self.trace.probe):
+            self.trace.probe[SEEDED_AFTER_PARAMETERS] = user_call_site(frame)
 
     def name_losses(self, losses: dict[str, Any]) -> list[str]:
         """The user named the loss terms of the open step (``watch``'s ``w.step(losses)``),

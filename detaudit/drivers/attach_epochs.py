@@ -21,9 +21,9 @@ import torch
 from ..record.recorder import printed_now
 from ..trace import LOADER_BATCH, STATE
 from .rankprobe import sampler_snapshot
+from .runner import in_a_library
 
 _WAITING = 4  # training loader batches kept for a step not begun yet (a prefetching loop's)
-_LIBRARY = ("site-packages", "dist-packages")  # where code that is not the user's lives
 
 
 def _may_fetch_ahead(fetched_by: CodeType | None) -> bool:
@@ -31,7 +31,7 @@ def _may_fetch_ahead(fetched_by: CodeType | None) -> bool:
     ahead of the loop (accelerate's loader, a Lightning fetcher): library code. The loop's
     own code is taken at its word (a generator of its own that takes two batches a step
     fetches two before its first step, and ahead of nothing)."""
-    return fetched_by is not None and any(part in fetched_by.co_filename for part in _LIBRARY)
+    return fetched_by is not None and in_a_library(fetched_by.co_filename)
 
 
 class Epochs:

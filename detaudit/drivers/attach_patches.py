@@ -43,6 +43,8 @@ class Callbacks(Protocol):
     def on_loader_pass(self, loader: Any) -> tuple[int, int]: ...
     def on_loader_batch(self, iterator: Any, batch: Any, fetched_by: Any = None) -> None: ...
     def on_scaler_update(self, scaler: Any) -> None: ...
+    def on_manual_seed(self, frame: Any) -> None: ...
+    def on_parameter_made(self, module: Any, name: str, param: Any) -> None: ...
     def on_zero_grad(self, owner: Any) -> None: ...
     def keep_out_of_graphs(self) -> None: ...
     def see_compiled_calls(self, module: nn.Module) -> None: ...
@@ -94,6 +96,17 @@ def _backward_entry(attachment: Callbacks, original: Callable[..., Any], first: 
         return result
 
     return backward
+
+
+def wrap_manual_seed(attachment: Callbacks) -> Callable[..., Any]:
+    original = torch.random.manual_seed
+
+    @functools.wraps(original)
+    def manual_seed(seed: Any) -> Any:
+        attachment.on_manual_seed(sys._getframe(1))
+        return original(seed)
+
+    return manual_seed
 
 
 def wrap_loader_iter(attachment: Callbacks) -> Callable[..., Any]:
@@ -209,6 +222,11 @@ class Installing:
         self._patch(nn.Module, "zero_grad", wrap_zero_grad(self, nn.Module))
         self._patch(nn.Module, "compile", wrap_module_compile(self))
         self._patch(torch, "compile", wrap_torch_compile(self))
+        seeding = wrap_manual_seed(self)
+        self._patch(torch, "manual_seed", seeding)
+        self._patch(torch.random, "manual_seed", seeding)
+        self._handles.append(nn.modules.module.register_module_parameter_registration_hook(
+            self.on_parameter_made))
         for module in self.model.modules() if self.model is not None else ():
             if getattr(module, "_compiled_call_impl", None) is not None:  # compiled before
                 self.see_compiled_calls(module)

@@ -637,5 +637,6 @@ def _first_line(exc: BaseException) -> str:
 _HOOK_ENTRIES = frozenset({
     "_pre_hook", "_post_hook", "hook",  # Recorder (a hook on a tensor or an autograd node)
     "_global_pre", "_global_post", "on_backward", "_before_update", "_after_update",
-    "on_loader_pass", "on_loader_batch", "on_scaler_update",  # Attachment
+    "on_loader_pass", "on_loader_batch", "on_scaler_update", "on_manual_seed",  # Attachment
+    "on_parameter_made",
 })
