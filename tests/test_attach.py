@@ -521,7 +521,7 @@ class _ShiftedAt(torch.utils.data.Dataset):
 
 @pytest.mark.parametrize("loop", ["fetching ahead", "two batches a step", "mixed in place"])
 def test_each_loader_batch_is_recorded_in_the_step_it_feeds(tmp_path, loop):
-    """A loader that fetches ahead of the loop (accelerate's, Lightning's fetcher) yields the
+    """A loader that fetches ahead of the loop (accelerate's) yields the
     next step's batch during this one: it was filed there, and a difference in it was
     reported a step early. A loop that takes two batches a step keeps both in it. A batch
     the loop changes in place (a Mixup) is recorded as the loader yielded it."""

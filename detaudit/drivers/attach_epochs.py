@@ -28,7 +28,7 @@ _WAITING = 4  # training loader batches kept for a step not begun yet (a prefetc
 
 def _may_fetch_ahead(fetched_by: CodeType | None) -> bool:
     """Whether the code that asked the DataLoader for a batch may be a wrapper that fetches
-    ahead of the loop (accelerate's loader, a Lightning fetcher): library code. The loop's
+    ahead of the loop (accelerate's loader): library code. The loop's
     own code is taken at its word (a generator of its own that takes two batches a step
     fetches two before its first step, and ahead of nothing)."""
     return fetched_by is not None and in_a_library(fetched_by.co_filename)
@@ -93,7 +93,7 @@ class Epochs:
     def _take_loader_batches(self) -> None:
         """The open step takes the training batches that wait for it, but the newest
         `_fetched_ahead` of a pass not over yet: a wrapper that fetches ahead of the loop
-        (accelerate's loader, a Lightning fetcher) holds them for the next steps. How far
+        (accelerate's loader) holds them for the next steps. How far
         ahead it fetches is what it fetched before the first step began, beyond the one
         batch the loop took."""
         if self._fetched_ahead is None:
