@@ -297,6 +297,12 @@ class watch:
             warnings.warn("detaudit.watch recorded no step: no optimizer step was seen, nor "
                           "calls of the model to infer (mode='infer' takes every call of the "
                           "model for a step)", stacklevel=2)
+        if self.model is not None and self._attachment.trained_none_of(self.model):
+            warnings.warn(f"detaudit.watch: the optimizer that stepped updated no parameter of "
+                          f"the model given ({type(self.model).__name__}): it trains another "
+                          "model (in a notebook, an optimizer made for an earlier model: re-run "
+                          "the cell that makes it after the one that builds the model)",
+                          stacklevel=2)
         if self._attachment.given_optimizer_idle:
             warnings.warn("detaudit.watch: the optimizer given never stepped while another one "
                           "did, so no update was recorded: give watch the optimizer your loop "

@@ -1678,13 +1678,14 @@ def test_a_failure_inside_detaudits_own_hook_is_never_blamed_on_the_users_code(
 
 def test_watch_warns_when_the_model_given_is_never_called(tmp_path):
     """The loop calls a module that holds the model given (never called on its own); an
-    optimizer that trains another model than the one given is refused at once."""
+    optimizer that trains another model than the one given is refused at once, and one
+    found stepping is said to."""
     trained, other = nn.Linear(4, 1), nn.Linear(4, 1)
     holder = nn.Sequential(trained)
     opt = torch.optim.SGD(trained.parameters(), lr=0.1)
 
-    def train_watching(given, called):
-        with detaudit.watch(given, opt, out=tmp_path):
+    def train_watching(given, called, optimizer=opt):
+        with detaudit.watch(given, optimizer, out=tmp_path):
             called(torch.ones(2, 4)).sum().backward()
             opt.step()
 
@@ -1692,6 +1693,8 @@ def test_watch_warns_when_the_model_given_is_never_called(tmp_path):
         train_watching(trained, holder)
     with pytest.raises(detaudit.DetauditError, match="give watch the model it trains"):
         train_watching(other, trained)
+    with pytest.warns(UserWarning, match=r"updated no parameter of the model given"):
+        train_watching(other, trained, None)  # (no optimizer given: the one found steps)
     with warnings.catch_warnings():  # and never when it was
         warnings.simplefilter("error")
         train_watching(trained, trained)

@@ -544,6 +544,12 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         return (self.optimizer is not None and self._optimizer_used
                 and id(self.optimizer) not in self._optimizers)
 
+    def trained_none_of(self, model: nn.Module) -> bool:
+        """Optimizers updated, none of them a parameter of `model` (they train another
+        model: one made for an earlier model, in a notebook)."""
+        return bool(self._optimizers) and not any(id(p) in self._versions
+                                                  for p in model.parameters())
+
     def awaits_update(self) -> bool:
         """The open step has run its training forward (or backward) and its update is still
         to come: an optimizer was given or has updated, or one holds the model's parameters
