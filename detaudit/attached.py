@@ -98,6 +98,13 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
                              "are lost")
         if trace.failure is not None and isinstance(given, TraceFile):  # which one to leave out
             trace.failure += f" (its trace: {given.path.name})"
+    finished = [given.path for trace, given in zip(traces, originals)
+                if trace.failure is None and isinstance(given, TraceFile)]
+    if len(finished) >= 2:  # (a notebook's crashed cell, then good runs: how to compare those)
+        for trace in traces:
+            if trace.failure is not None:
+                trace.failure += (f"; the {len(finished)} runs that finished compare alone: "
+                                  f"detaudit compare {' '.join(map(str, finished))}")
     named = " ".join(str(r) for r in runs if not isinstance(r, (Trace, TraceFile)))
     info = info_of_traces(traces[0], run_id, f"detaudit compare {named}",
                           f"{len(traces)} runs compared")

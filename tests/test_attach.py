@@ -2175,6 +2175,12 @@ def test_a_watched_run_that_was_killed_is_a_failed_run(tmp_path):
     train(killed_at=99)  # whole
     result = detaudit.compare(tmp_path / "trace-2.json.gz", tmp_path / "trace-0.json.gz")
     assert (result.verdict.kind, result.exit_code) == ("failed", 3)
+    train(killed_at=99)  # a second whole run: how to compare the two that finished is said
+    finished = [tmp_path / "trace-2.json.gz", tmp_path / "trace-3.json.gz"]
+    headline = detaudit.compare(tmp_path).verdict.headline
+    assert ("the 2 runs that finished compare alone: detaudit compare "
+            f"{finished[0]} {finished[1]}") in headline
+    assert detaudit.compare(*finished).verdict.kind == "deterministic"
 
 
 def test_watch_says_when_the_optimizer_given_is_not_the_one_the_loop_steps(tmp_path):
