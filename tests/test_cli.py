@@ -86,7 +86,7 @@ def test_process_isolation_finds_hash_seed_dependence(tmp_path):
     inproc = run_cli("run", "--probe", probe, "--out", str(tmp_path / "a"), "--repeats", "2",
                      "--quiet")
     assert inproc.returncode == 0, inproc.stdout + inproc.stderr
-    isolated = run_cli("run", "--probe", probe, "--out", str(tmp_path / "b"), "--repeats", "4",
+    isolated = run_cli("run", "--probe", probe, "--out", str(tmp_path / "b"), "--repeats", "2",
                        "--isolation", "process", "--json")
     assert isolated.returncode == 1, isolated.stdout + isolated.stderr
     summary = json.loads(isolated.stdout)
