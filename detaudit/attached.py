@@ -291,7 +291,10 @@ class watch:
 
         failure = None
         if exc is not None and not isinstance(exc, WatchLimit):
-            failure = describe_user_error(exc, f"in step {self.steps}")
+            steps = self.steps
+            failure = describe_user_error(exc, (
+                f"in step {steps}" if self._attachment.info is not None
+                else f"after step {steps - 1}" if steps else "before the first step"))
         try:
             self._attachment.finish(failure)
         finally:

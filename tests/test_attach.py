@@ -1709,16 +1709,30 @@ def test_watch_max_steps_ends_the_loop_and_leaves_torch_as_it_was(tmp_path):
 
 
 def test_watch_keeps_the_steps_before_an_error_in_the_loop(tmp_path):
-    model = nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError), detaudit.watch(model, opt, out=tmp_path) as w:
-        for step in range(5):
-            model(torch.ones(2, 3)).sum().backward()
-            opt.step()
-            if step == 2:
-                raise ValueError("the loop's own bug")
-    trace = Trace.load(w.path)
-    assert len(trace.steps) == 3 and "ValueError" in trace.failure
+    """The step the error comes in is not kept, after its update too: what the loop does
+    after the update (naming its losses in w.step) never ran, and its missing records made
+    a crashed run's comparison with good ones DIVERGENT, exit 1."""
+    def train(crash_at: int | None) -> detaudit.watch:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with contextlib.suppress(ValueError), detaudit.watch(model, opt, out=tmp_path) as w:
+            for step in range(5):
+                loss = model(torch.ones(2, 3)).sum()
+                loss.backward()
+                opt.step()
+                if step == crash_at:
+                    raise ValueError("the loop's own bug")
+                w.step({"loss": loss})
+        return w
+
+    trace = Trace.load(train(crash_at=2).path)
+    assert len(trace.steps) == 2 and "ValueError in step 2 at " in trace.failure
+    train(crash_at=None), train(crash_at=None)
+    result = detaudit.compare(tmp_path)
+    assert (result.verdict.kind, result.exit_code) == ("failed", 3), result.verdict.headline
+    assert "the repeats agree over the 2 steps every repeat completed" in (
+        result.verdict.headline)
 
 
 def test_watch_records_an_optimizer_that_steps_with_a_closure(tmp_path):

@@ -602,11 +602,14 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self._record_update_by_hand(last=True)
         if self.info is not None and self._discarded and not self._updated:
             self._drop_step()
-        if (self.trace.failure or self._optimizers or not self._losses) and (
-                self.info is not None and self.recorder is not None and not self._updated):
-            # the step that failed, or that the process ended in before its update (a script
-            # that exits on a NaN loss before backward), is not kept half-recorded; nor calls
-            # in training mode that no backward or update followed (nothing trained)
+        if self.info is not None and self.recorder is not None and (
+                failure is not None or (not self._updated and (
+                    self.trace.failure or self._optimizers or not self._losses))):
+            # the step that failed (after its update too: what the loop does after it, a
+            # w.step naming its losses, a scheduler's step, never ran), or that the process
+            # ended in before its update (a script that exits on a NaN loss before
+            # backward), is not kept half-recorded; nor calls in training mode that no
+            # backward or update followed (nothing trained)
             self.recorder.end_step()
             self.info = None
         self.end_step()
