@@ -246,3 +246,25 @@ def test_the_cross_rank_checks_read_streamed_traces_a_step_at_a_time(tmp_path, m
     assert (checks["grads"].status, checks["grads"].detail) == (
         "ok", "6 all-reduced gradient records identical on every rank")
     assert checks["shards"].status == "ok"  # every rank loads its own batches
+
+
+def test_a_batch_sampler_that_holds_no_sampler_leaves_the_order_unchecked():
+    """accelerate's BatchSamplerShard is a BatchSampler with no `sampler`: reading it was
+    an AttributeError in detaudit's loader hook, which ended the audited run."""
+    from detaudit.drivers.rankprobe import sampler_snapshot
+
+    class Sharded(torch.utils.data.BatchSampler):
+        def __init__(self, inner):
+            self.inner = inner  # (BatchSampler.__init__ not called: no .sampler)
+
+        def __iter__(self):
+            return iter(self.inner)
+
+        def __len__(self):
+            return len(self.inner)
+
+    data = list(range(8))
+    plain = torch.utils.data.DataLoader(data, batch_size=2)
+    assert sampler_snapshot(plain)["indices"] == data
+    sharded = torch.utils.data.DataLoader(data, batch_sampler=Sharded(plain.batch_sampler))
+    assert sampler_snapshot(sharded) is None

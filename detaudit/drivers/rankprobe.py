@@ -112,7 +112,8 @@ def sampler_snapshot(batches: Iterable[Any]) -> dict[str, Any] | None:
     if not isinstance(batches, DataLoader):
         return None
     sampler = batches.batch_sampler
-    sampler = sampler.sampler if isinstance(sampler, BatchSampler) else None
+    # (a BatchSampler subclass may hold no sampler: accelerate's BatchSamplerShard)
+    sampler = getattr(sampler, "sampler", None) if isinstance(sampler, BatchSampler) else None
     if isinstance(sampler, DistributedSampler):
         return {
             "kind": "DistributedSampler", "epoch": sampler.epoch, "shuffle": sampler.shuffle,
