@@ -308,6 +308,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         "max_steps": job.max_steps, "max_epochs": job.max_epochs, "zoom": zoom,
         "fault": asdict(fault) if fault is not None else None,
         "planted_step": job.fault.step if job.fault is not None else None, "mode": job.mode,
+        "launcher": _is_launcher(command),
     })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:
@@ -437,6 +438,15 @@ def _check_side_fault(fault: Fault, sides: list[str]) -> None:
         f"--inject-fault: {where} a model the loop calls apart (no optimizer trains it), recorded by its calls' inputs and output: plant at its output "
         f"(--inject-fault {side}@forward:{fault.step}) or at an op in it "
         f"({side}/OP@forward:{fault.step})")
+
+
+def _is_launcher(command: list[str]) -> bool:
+    """Whether the command is a Python launcher that trains nothing itself and starts the
+    script in a child process with no rank set (``accelerate launch`` on one process):
+    that child records, not the launcher (launchers that set ranks, torchrun, need not)."""
+    names = [os.path.basename(part) for part in command[:4]]
+    return names[:2] == ["accelerate", "launch"] or any(
+        names[i:i + 2] == ["-m", "accelerate.commands.launch"] for i in range(len(names)))
 
 
 def _stop(child: subprocess.Popen) -> None:

@@ -803,6 +803,25 @@ def test_a_command_that_exits_with_an_error_after_its_steps_says_where(tmp_path,
     assert said.format(script) in summary["headline"], summary["headline"]
 
 
+def test_exec_of_a_launcher_records_the_script_it_starts(tmp_path):
+    """`accelerate launch` on one process is a Python program that trains nothing and runs
+    the script in a child with no rank set: the child records (nothing did, and the
+    command was said to end before its first step)."""
+    launcher = tmp_path / "bin" / "accelerate"
+    launcher.parent.mkdir()
+    launcher.write_text(f"#!{sys.executable}\n"
+                        "import subprocess, sys\n"
+                        "assert sys.argv[1] == 'launch'\n"
+                        "sys.exit(subprocess.call([sys.executable, *sys.argv[2:]]))\n")
+    launcher.chmod(0o755)
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
+                   "--max-steps", "2", "--", str(launcher), "launch", str(SCRIPT),
+                   "--workers", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "DETERMINISTIC" in done.stdout
+    assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 2
+
+
 def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):
     done = _exec(tmp_path, "--seed", "0", "--json", script_args=("--crash-at", "2",
                                                                  "--workers", "0"))

@@ -45,7 +45,8 @@ def activate_from_environment() -> Attachment | None:
     """In a process started by ``detaudit exec`` (the bootstrap calls this before the user's
     code runs): seed if asked, attach, and save the trace at exit.
 
-    The command's own process records, and so does the first process of each rank a
+    The command's own process records (or, where it is a launcher such as ``accelerate
+    launch``, the first Python process it starts), and so does the first process of each rank a
     launcher such as torchrun starts (``RANK`` and ``WORLD_SIZE`` set), into a trace of its
     own; ``torch.multiprocessing.spawn`` children record from their entry point (see
     :func:`_spawned_rank`). Other children, which inherit the job (DataLoader workers,
@@ -55,6 +56,11 @@ def activate_from_environment() -> Attachment | None:
     if not text:
         return None
     job = json.loads(text)
+    if job.get("launcher") and os.environ.get(OWNER_VARIABLE) is None:
+        # the command is a launcher (see execution._is_launcher): the script it starts
+        # claims the recording, as the command's own process would
+        os.environ[JOB_VARIABLE] = json.dumps({**job, "launcher": False})
+        return None
     if os.environ.get(OWNER_VARIABLE) in (None, str(os.getpid())):  # execv keeps the pid
         _claim(None)
         attachment = _attach(job)
