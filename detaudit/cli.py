@@ -59,6 +59,7 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     """Run the command; each way it can end becomes one line on stderr and its exit code."""
     started = time.perf_counter()
     _MADE_FOLDERS.clear()  # (this command's own: main may run many in one process)
+    _RUN_FOLDERS.clear()
     try:
         with _sigterm_as_interrupt(), _output_that_outlives_its_reader():
             return args.func(args, argv)
@@ -68,7 +69,10 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         code, line = exc.exit_code, f"error: {_safe(str(exc))}"
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
-        line = ("interrupted; what was recorded is kept (see run.json in the run folder; "
+        kept = next((f for f in _RUN_FOLDERS if (f / "run.json").exists()), None)
+        line = (f"interrupted; what was recorded is kept in {kept} (`detaudit report {kept}` "
+                "renders it)" if kept is not None else
+                "interrupted; what was recorded is kept (see run.json in the run folder; "
                 "`detaudit report FOLDER` renders it)")
     except SystemExit as exc:  # raised by the user's code outside a repeat
         if args.debug:
@@ -771,13 +775,16 @@ def _out_folder(given: str | None, name: str) -> Path:
     from .runfolder import new_folder
 
     if given:
+        _RUN_FOLDERS.append(Path(given))
         return Path(given)
     folder = new_folder("reports", name)
     _MADE_FOLDERS.append(folder)
+    _RUN_FOLDERS.append(folder)
     return folder
 
 
 _MADE_FOLDERS: list[Path] = []  # default run folders this command made
+_RUN_FOLDERS: list[Path] = []  # the run folder this command writes (named if interrupted)
 
 
 def _check_output_file(path: str | None, flag: str) -> None:

@@ -464,9 +464,12 @@ def _relative_to(source: Path, folder: Path) -> str:
 def load_baseline(path: str | Path) -> Baseline:
     """Read a baseline written by :func:`save_baseline`; one clear error for anything else."""
     path = Path(path)
-    if is_streamed_trace(path):
-        raise TraceError(f"{path} is a run's trace, not a baseline: `detaudit baseline ... "
-                         "--out FILE` records one")
+    what = ("a run folder" if path.is_dir() or path.name == RUN_FILE
+            else "a run's trace" if is_streamed_trace(path) else None)
+    if what is not None:
+        raise TraceError(f"{path} is {what}, not a baseline: `detaudit baseline ... --out "
+                         "FILE` records one from a model or a probe file; `detaudit diff A B` "
+                         "compares two runs (run folders, or exec's and watch's traces)")
     data = check_format(read_json(path, "baseline"), BASELINE_FORMAT, BASELINE_VERSION,
                         str(path), "upgrade detaudit or record the baseline again")
     if not all(isinstance(data.get(k), dict) for k in ("probe", "config", "env")):

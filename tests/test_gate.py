@@ -395,6 +395,11 @@ def test_bad_baselines_are_one_clear_error(conv_baseline: Path, tmp_path: Path) 
     streamed = tmp_path / "run" / "trace-0.json.gz"
     with pytest.raises(TraceError, match=r"trace-0\.json\.gz is a run's trace, not a baseline"):
         load_baseline(streamed)
+    # the run folder, or its run.json (it was "Is a directory", "not a detaudit baseline")
+    for given in (tmp_path / "run", tmp_path / "run" / "run.json"):
+        with pytest.raises(TraceError, match=r"is a run folder, not a baseline: .*detaudit "
+                           r"diff A B"):
+            load_baseline(given)
 
 
 def test_gzip_baseline(tmp_path: Path) -> None:

@@ -266,6 +266,7 @@ def test_an_interrupted_audit_leaves_a_folder_that_reports_it(tmp_path, stage, s
     assert info["traces"] and all((folder / t).exists() for t in info["traces"])
     if sig != signal.SIGKILL:
         assert process.returncode == 130 and "interrupted" in err, err[-3000:]
+        assert f"kept in {folder} (`detaudit report {folder}`" in err, err[-3000:]
         assert not list(folder.glob("*.part")) and not list(folder.glob("job-*"))
         # what a CI job reads: an error of its kind, never a pass or a divergence
         error = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite/testcase/error")
