@@ -1453,7 +1453,8 @@ def test_what_w_step_logs_beside_the_loss_is_compared_too(tmp_path):
                 opt.zero_grad()
                 w.step({"loss": per_class.sum(), "per_class": per_class,
                         "accuracy": 0.5 + (accuracy_drift if i == 2 else 0.0),
-                        "seen": np.int64(2 * (i + 1)), "writer": object()})
+                        "seen": np.int64(2 * (i + 1)), "confusion": np.eye(3),
+                        "writer": object()})
 
     for folder, drift in (("same", 0.0), ("same", 0.0), ("drift", 0.0), ("drift", 2**-40)):
         with pytest.warns(UserWarning, match="w.step got 'writer'") as said:
@@ -1464,7 +1465,8 @@ def test_what_w_step_logs_beside_the_loss_is_compared_too(tmp_path):
     assert (c.first_step, [d.slot for d in c.first_diffs]) == (2, ["loss.accuracy"])
     records = Trace.load(next((tmp_path / "same").glob("*.json.gz"))).frame()
     logged = set(records[(records.step == 0) & records.slot.str.startswith("loss.")].slot)
-    assert {"loss.loss", "loss.per_class", "loss.accuracy", "loss.seen"} <= logged
+    assert {"loss.loss", "loss.per_class", "loss.accuracy", "loss.seen",
+            "loss.confusion"} <= logged
 
 
 def test_watch_finds_a_planted_difference_at_its_step(tmp_path):

@@ -272,8 +272,7 @@ class Comparison:
                 s == "torch" or s.startswith("cuda") for s in differing):
             return ("the parameters differ before the first step while torch's RNG state "
                     "agrees: the model was built from the unseeded torch RNG, and the code "
-                    "seeded it "
-                    f"only after that, at {self.seeded_late} (a seed fixes the draws that "
+                    f"seeded it only after that, at {self.seeded_late} (a seed fixes the draws that "
                     "follow it, not the weights already drawn; Hugging Face's Trainer(...) "
                     "seeds in its __init__); fix: seed before building the model (e.g. "
                     "detaudit.seed_everything(0) or transformers.set_seed first, "

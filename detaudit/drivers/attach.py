@@ -402,8 +402,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         unrecorded = []
         for name, value in losses.items():
             slot = f"loss.{name}"
-            if hasattr(value, "item") and not isinstance(value, torch.Tensor):
-                value = value.item()  # a numpy number
+            if hasattr(value, "__array__") and not isinstance(value, torch.Tensor):
+                with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                    value = torch.as_tensor(value)  # a numpy number or array
             if isinstance(value, torch.Tensor):
                 self.recorder.record(OUTPUT, "", 0, slot, value.detach())
                 if value.numel() == 1:

@@ -28,9 +28,9 @@ _WAITING = 4  # training loader batches kept for a step not begun yet (a prefetc
 
 def _may_fetch_ahead(fetched_by: CodeType | None) -> bool:
     """Whether the code that asked the DataLoader for a batch may be a wrapper that fetches
-    ahead of the loop (accelerate's loader): library code. The loop's
-    own code is taken at its word (a generator of its own that takes two batches a step
-    fetches two before its first step, and ahead of nothing)."""
+    ahead of the loop (accelerate's loader): library code. The loop's own code is taken at
+    its word (a generator of its own that takes two batches a step fetches two before its
+    first step, and ahead of nothing)."""
     return fetched_by is not None and in_a_library(fetched_by.co_filename)
 
 
@@ -93,9 +93,8 @@ class Epochs:
     def _take_loader_batches(self) -> None:
         """The open step takes the training batches that wait for it, but the newest
         `_fetched_ahead` of a pass not over yet: a wrapper that fetches ahead of the loop
-        (accelerate's loader) holds them for the next steps. How far
-        ahead it fetches is what it fetched before the first step began, beyond the one
-        batch the loop took."""
+        (accelerate's loader) holds them for the next steps. How far ahead it fetches is
+        what it fetched before the first step began, beyond the one batch the loop took."""
         if self._fetched_ahead is None:
             fed = [ahead for started, _, _, ahead in self._waiting
                    if started == self._train_pass]

@@ -46,9 +46,9 @@ def activate_from_environment() -> Attachment | None:
     code runs): seed if asked, attach, and save the trace at exit.
 
     The command's own process records (or, where it is a launcher such as ``accelerate
-    launch``, the first Python process it starts), and so does the first process of each rank a
-    launcher such as torchrun starts (``RANK`` and ``WORLD_SIZE`` set), into a trace of its
-    own; ``torch.multiprocessing.spawn`` children record from their entry point (see
+    launch``, the first Python process it starts), and so does the first process of each
+    rank a launcher such as torchrun starts (``RANK`` and ``WORLD_SIZE`` set), into a trace
+    of its own; ``torch.multiprocessing.spawn`` children record from their entry point (see
     :func:`_spawned_rank`). Other children, which inherit the job (DataLoader workers,
     subprocesses), do not record.
     """
