@@ -330,9 +330,10 @@ _WATCHED: set[int] = set()  # the ids of the models inside a watch block now
 
 def _trains(optimizer: Any, model: Any) -> bool:
     """Whether `optimizer` updates a parameter of `model` (one with no parameters: yes)."""
+    from .drivers.attach_models import parameters_of
+
     owned = {id(p) for p in model.parameters()}
-    return not owned or any(id(p) in owned for group in getattr(optimizer, "param_groups", [])
-                            for p in group.get("params", []))
+    return not owned or any(id(p) in owned for p in parameters_of(optimizer))
 
 
 def _free_trace_path(folder: Path) -> Path:

@@ -345,12 +345,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _count(text: str) -> int:
-    """A count of runs, epochs, steps, ranks or tries: a whole number, at least 1."""
+def _whole_number(text: str, expected: str = "a whole number") -> int:
     try:
-        count = int(text)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a whole number, not {text!r}") from None
+        raise argparse.ArgumentTypeError(f"takes {expected}, not {text!r}") from None
+
+
+def _count(text: str, expected: str = "a whole number") -> int:
+    """A count of runs, epochs, steps, ranks or tries: a whole number, at least 1."""
+    count = _whole_number(text, expected)
     if count < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {count}")
     return count
@@ -358,20 +362,13 @@ def _count(text: str) -> int:
 
 def _steps(text: str) -> int | str:
     """--steps N, or all (every batch of each epoch)."""
-    if text == ALL_STEPS:
-        return ALL_STEPS
-    if not text.lstrip("-").isdigit():
-        raise argparse.ArgumentTypeError(f"takes a number of steps or all, not {text!r}")
-    return _count(text)
+    return ALL_STEPS if text == ALL_STEPS else _count(text, "a number of steps or all")
 
 
 def _seed(text: str) -> int:
     """A seed every RNG takes as it is: 0 to 2**32 - 1 (numpy's and PYTHONHASHSEED's range;
     others would be folded into it, two seeds giving one)."""
-    try:
-        seed = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a whole number, not {text!r}") from None
+    seed = _whole_number(text)
     if not 0 <= seed < 2**32:
         raise argparse.ArgumentTypeError(f"takes 0 to {2**32 - 1}, not {seed} (numpy and "
                                          "PYTHONHASHSEED take no other)")

@@ -84,9 +84,10 @@ class Epochs:
         # printed now unless it is another loader's than the training one (an evaluation's:
         # kept as it is, printed only if a step takes it: a loader built anew for an epoch)
         printed = loader == (self._train_loader or loader)
+        ahead = self._fetched_ahead is None and _may_fetch_ahead(fetched_by)  # (until known)
         self._waiting = [*self._waiting[1 - _WAITING:],
                          (started, printed_now(batch, "xxh3") if printed else batch, printed,
-                          _may_fetch_ahead(fetched_by))]
+                          ahead)]
         if step_open:
             self._take_loader_batches()
 
