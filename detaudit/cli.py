@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -352,12 +353,17 @@ def _whole_number(text: str, expected: str = "a whole number") -> int:
         raise argparse.ArgumentTypeError(f"takes {expected}, not {text!r}") from None
 
 
-def _count(text: str, expected: str = "a whole number") -> int:
-    """A count of runs, epochs, steps, ranks or tries: a whole number, at least 1."""
+def _count(text: str, expected: str = "a whole number", least: int = 1) -> int:
+    """A count of runs, epochs, steps, ranks or tries: a whole number, at least `least`."""
     count = _whole_number(text, expected)
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {count}")
+    if count < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, not {count}")
     return count
+
+
+def _at_least(least: int) -> Callable[[str], int]:
+    """The type of a recipe size that has a smallest value (an image's side, the workers)."""
+    return functools.partial(_count, least=least)
 
 
 def _steps(text: str) -> int | str:
@@ -465,21 +471,21 @@ def _add_run_arguments(p: argparse.ArgumentParser, out_help: str | None = None) 
         p.add_argument("--junit", metavar="FILE", help="also write the verdict as JUnit XML")
     p.add_argument("--quiet", action="store_true", help="no progress bar, verdict line only")
     recipe = p.add_argument_group("built-in probe recipe (with --model)")
-    recipe.add_argument("--image-size", type=int, help="square image size (CPU preset: 128, CUDA: 800)")
-    recipe.add_argument("--batch-size", type=int, help="images per step (CPU preset: 1, CUDA: 2)")
-    recipe.add_argument("--num-images", type=int, help="synthetic dataset size")
-    recipe.add_argument("--instances", type=int, help="objects per synthetic image (default 3)")
-    recipe.add_argument("--num-classes", type=int,
+    recipe.add_argument("--image-size", type=_at_least(32), help="square image size (CPU preset: 128, CUDA: 800)")
+    recipe.add_argument("--batch-size", type=_count, help="images per step (CPU preset: 1, CUDA: 2)")
+    recipe.add_argument("--num-images", type=_count, help="synthetic dataset size")
+    recipe.add_argument("--instances", type=_count, help="objects per synthetic image (default 3)")
+    recipe.add_argument("--num-classes", type=_at_least(2),
                         help="classes the model predicts, background included (default 5)")
     recipe.add_argument("--data", metavar="synthetic|coco:IMAGES_DIR:ANNOTATIONS.json",
                         help="dataset (default: synthetic, generated from the seed)")
     recipe.add_argument("--weights", metavar="PATH", help="local state dict to load (no downloads)")
-    recipe.add_argument("--workers", type=int, help="DataLoader workers (default 0)")
+    recipe.add_argument("--workers", type=_at_least(0), help="DataLoader workers (default 0)")
     recipe.add_argument("--shuffle", action="store_true", help="shuffle the DataLoader")
     recipe.add_argument("--augment", choices=("none", "flip"), help="augmentation (default none)")
     recipe.add_argument("--amp", action="store_true",
                         help="mixed precision: autocast + GradScaler on CUDA, bf16 autocast on CPU")
-    recipe.add_argument("--accumulate", type=int, help="gradient accumulation steps")
+    recipe.add_argument("--accumulate", type=_count, help="gradient accumulation steps")
     recipe.add_argument("--clip-grad-norm", type=float, help="clip gradients to this norm")
     recipe.add_argument("--lr", type=float, help="SGD learning rate (default 0.005)")
     recipe.add_argument("--scheduler", choices=("none", "cosine"),

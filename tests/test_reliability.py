@@ -434,19 +434,28 @@ def test_more_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert len(err.splitlines()) == 1 and message in err, err
 
 
-@pytest.mark.parametrize("command, option", [
-    ("run", "--repeats"), ("run", "--epochs"), ("run", "--steps"), ("run", "--nproc"),
-    ("run", "--zoom-tries"), ("baseline", "--repeats"), ("exec", "--repeats"),
-    ("exec", "--max-steps"), ("exec", "--max-epochs"), ("exec", "--zoom-tries"),
+_RECIPE_SIZES = ("--image-size", "--batch-size", "--num-images", "--instances", "--num-classes",
+                 "--workers", "--accumulate")
+
+
+@pytest.mark.parametrize("command, option, least", [
+    ("run", "--repeats", 1), ("run", "--epochs", 1), ("run", "--steps", 1), ("run", "--nproc", 1),
+    ("run", "--zoom-tries", 1), ("baseline", "--repeats", 1), ("exec", "--repeats", 1),
+    ("exec", "--max-steps", 1), ("exec", "--max-epochs", 1), ("exec", "--zoom-tries", 1),
+    # the built-in recipe's sizes, named by their flags (the recipe's own check names fields)
+    ("run", "--image-size", 32), ("run", "--batch-size", 1), ("run", "--num-images", 1),
+    ("run", "--instances", 1), ("run", "--num-classes", 2), ("run", "--workers", 0),
+    ("run", "--accumulate", 1),
 ])
-def test_every_count_below_one_is_refused_alike(tmp_path, capsys, command, option):
-    target = ["--", "python", "train.py"] if command == "exec" else [
-        "--probe", str(PROBES / "tiny_cnn.py")]
+def test_every_count_below_its_least_is_refused_alike(tmp_path, capsys, command, option, least):
+    target = (["--", "python", "train.py"] if command == "exec" else
+              ["--model", "maskrcnn"] if option in _RECIPE_SIZES else
+              ["--probe", str(PROBES / "tiny_cnn.py")])
     with pytest.raises(SystemExit) as stop:
-        main([command, option, "0", "--out", str(tmp_path / "out"), *target])
+        main([command, option, str(least - 1), "--out", str(tmp_path / "out"), *target])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err
-    assert f"argument {option}: must be at least 1, not 0" in err
+    assert f"argument {option}: must be at least {least}, not {least - 1}" in err
     assert not (tmp_path / "out").exists()
 
 
