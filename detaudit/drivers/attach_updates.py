@@ -271,8 +271,10 @@ class Updates:
             return
         updated = {id(p) for p in updated_params} - self.recorder.parameter_ids()
         for module in self.models.candidates:
+            if not updated:  # (every step after the first: no candidate's walked)
+                return
             params = list(module.parameters())
-            if not updated or not any(id(p) in updated for p in params):
+            if not any(id(p) in updated for p in params):
                 continue
             name = self.models.name_other(module)
             self.recorder.add_model(name, module)
