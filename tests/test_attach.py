@@ -2339,8 +2339,24 @@ def _checks(run: Path) -> dict[str, str]:
     return {c["key"]: c["status"] for c in summary["ranks"]["checks"]}
 
 
-def test_exec_of_a_script_that_starts_torchrun_records_each_rank_in_sync(tmp_path):
-    done = _exec_ddp(tmp_path, "--max-steps", "3", script_args=("--launch", "torchrun"))
+@pytest.mark.parametrize("launch", ["torchrun", "accelerate"])
+def test_exec_of_a_script_that_starts_torchrun_records_each_rank_in_sync(tmp_path, launch):
+    """The script starts torchrun on itself; or a launcher runs torch's elastic agent in
+    its own process, as `accelerate launch --multi_gpu` does (its ranks recorded into one
+    rank-less trace, each over the other)."""
+    if launch == "torchrun":
+        done = _exec_ddp(tmp_path, "--max-steps", "3", script_args=("--launch", "torchrun"))
+    else:
+        launcher = tmp_path / "bin" / "accelerate"
+        launcher.parent.mkdir()
+        launcher.write_text(f"#!{sys.executable}\n"
+                            "import sys\n"
+                            "from torch.distributed.run import main\n"
+                            "assert sys.argv[1] == 'launch'\n"
+                            "main(['--standalone', '--nproc-per-node', '2', *sys.argv[2:]])\n")
+        launcher.chmod(0o755)
+        done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
+                       "--max-steps", "3", "--", str(launcher), "launch", str(DDP_SCRIPT))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DETERMINISTIC" in done.stdout and "2 ranks in sync" in done.stdout
     run = tmp_path / "run"

@@ -61,16 +61,18 @@ def activate_from_environment() -> Attachment | None:
         # claims the recording, as the command's own process would
         os.environ[JOB_VARIABLE] = json.dumps({**job, "launcher": False})
         return None
-    if os.environ.get(OWNER_VARIABLE) in (None, str(os.getpid())):  # execv keeps the pid
-        _claim(None)
-        attachment = _attach(job)
-        _spawn_ranks_through(_spawned_rank)
-        return attachment
+    # a rank first: the ranks a launcher starts from its own process (`accelerate launch
+    # --multi_gpu` runs torch's elastic agent in it) find no owner, and must not record as one
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if (rank is not None and rank.isdigit() and world is not None and world.isdigit()
             and os.environ.get(RANK_OWNER_VARIABLE) != rank):
         _claim(rank)
         return _attach(job, RankWatch(int(rank), int(world), "unknown"))
+    if os.environ.get(OWNER_VARIABLE) in (None, str(os.getpid())):  # execv keeps the pid
+        _claim(None)
+        attachment = _attach(job)
+        _spawn_ranks_through(_spawned_rank)
+        return attachment
     if job.get("seed") is not None:  # a spawned child: seeded before its code runs, too
         seed_everything(int(job["seed"]))
     return None
