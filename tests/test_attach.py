@@ -189,6 +189,52 @@ def _attached(path: Path, loop: Callable[[], None], **options: Any) -> Trace:
     return Trace.load(path)
 
 
+class _MeasuredAsBuilt(nn.Module):
+    """Calls its layers as it is built, each a top-level call (``self.forward`` is no module
+    call): in training mode, as Ultralytics' YOLO measures its strides, then without
+    gradients in eval mode, as it counts its FLOPs."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 8), nn.Linear(8, 1)])
+        self.forward(torch.zeros(1, 4))
+        self.eval()
+        with torch.no_grad():
+            self.forward(torch.zeros(1, 4))
+        self.train()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_calls_a_model_makes_as_it_is_built_are_neither_steps_nor_batches(tmp_path):
+    """They were taken for inference steps (with a step limit the run ended before the
+    optimizer was made: a pass over no training) or, in training mode, for step 0's batch;
+    and the settings the script made after building are those the steps ran under."""
+    def loop():
+        torch.manual_seed(0)
+        model = _MeasuredAsBuilt()
+        torch.use_deterministic_algorithms(True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.ones(3, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    try:
+        trace = _attached(tmp_path / "t.json.gz", loop, max_steps=2, on_limit=lambda: None)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(trace.steps) == 2 and not trace.probe.get("inferred")
+    records = trace.frame()
+    batches = records[(records.step == 0) & (records.phase == "state")
+                      & records.slot.str.startswith("batch")]
+    assert [tuple(s) for s in batches["shape"]] == [(3, 4)], batches
+    assert trace.env["deterministic_algorithms"] is True
+
+
 def test_an_evaluation_before_the_optimizer_is_made_is_no_inference_run(tmp_path):
     """A baseline evaluation first, then the optimizer and training: the run is training
     (taken for inference, its training was never recorded)."""

@@ -190,9 +190,12 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
     def _no_call_of_the_loop(self, module: nn.Module) -> bool:
         """A module call the loop does not make: one being transformed (see
         attach_patches.transformed), the computing of a parametrized weight (each read of it
-        calls its parametrizations), or a call in another thread than the loop's (an
-        evaluation run in the background) but for autograd's (a checkpoint recomputing)."""
+        calls its parametrizations), a call made while a model is built (see
+        _in_a_module_init), or a call in another thread than the loop's (an evaluation run
+        in the background) but for autograd's (a checkpoint recomputing)."""
         if transformed() or isinstance(module, ParametrizationList):
+            return True
+        if self._depth == 0 and _in_a_module_init():
             return True
         if threading.get_ident() == self._loop_thread or (
                 torch._C._current_autograd_node() is not None):
@@ -643,6 +646,20 @@ def _note_group(rank: RankWatch) -> None:
     with contextlib.suppress(Exception):
         if dist.is_available() and dist.is_initialized():
             rank.backend, rank.world_size = str(dist.get_backend()), dist.get_world_size()
+
+
+
+def _in_a_module_init() -> bool:
+    """Whether a module's ``__init__`` is running: a model that calls its layers as it is
+    built (Ultralytics' YOLO measures its strides and FLOPs so, in training mode) makes no
+    call of the loop, neither a step nor a batch. Asked of top-level calls only."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"),
+                                                             nn.Module):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _device_of(model: nn.Module) -> torch.device:

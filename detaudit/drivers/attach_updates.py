@@ -22,6 +22,7 @@ import torch
 from torch._C._autograd import _get_sequence_nr
 
 from ..config import CALLS_UNSEEN, DROPPED_STEPS
+from ..record.environment import capture_environment
 from ..record.recorder import WATCH_NONE, StepRecords
 from ..trace import OPTIMIZER, STATE
 from .attach_models import MAX_MODEL_SEARCHES, held_by_an_optimizer, parameters_of
@@ -85,6 +86,9 @@ class Updates:
             self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
                                              of=params, call=self._closure_step[1])
         self.recorder.record_parameters(OPTIMIZER, of=params)
+        if self.info.step == 0:  # the settings the step ran under: the code may set them
+            # after its first forward (taken as the step began)
+            self.trace.env = capture_environment(self.trace.env.get("device"))
         self._versions.update({id(p): (p, p._version) for p in params if not p.is_inference()})
         self.info.optimizer_stepped = True
         self.info.lr += [_finite(group.get("lr")) for group in optimizer.param_groups]
