@@ -1802,6 +1802,37 @@ def test_watch_keeps_the_steps_before_an_error_in_the_loop(tmp_path):
         result.verdict.headline)
 
 
+def test_exec_keeps_the_steps_before_an_error_between_two_updates(tmp_path):
+    """As watch does: in exec the error reaches the trace through the process's excepthook
+    (the failure is the trace's, not finish's argument), and the step it came in, half
+    updated, was kept: compared with good runs, DIVERGENT."""
+    def run(path: Path, crash_at: int | None) -> Trace:
+        torch.manual_seed(0)
+        first, second = nn.Linear(3, 4), nn.Linear(4, 1)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, second)]
+        attachment = Attachment(path, {}).install()
+        try:
+            for step in range(4):
+                second(first(torch.ones(2, 3))).sum().backward()
+                opts[0].step()
+                if step == crash_at:
+                    attachment.trace.failure = "ValueError in step 2 (as exec's excepthook)"
+                    break
+                opts[1].step()
+                for opt in opts:
+                    opt.zero_grad()
+            attachment.finish()
+        finally:
+            attachment.uninstall()
+        return Trace.load(path)
+
+    assert len(run(tmp_path / "crashed.json.gz", crash_at=2).steps) == 2
+    good = [run(tmp_path / f"good-{i}.json.gz", crash_at=None) for i in range(2)]
+    assert len(good[0].steps) == 4
+    result = detaudit.compare(*sorted(tmp_path.glob("*.json.gz")))
+    assert (result.verdict.kind, result.exit_code) == ("failed", 3), result.verdict.headline
+
+
 def test_watch_records_an_optimizer_that_steps_with_a_closure(tmp_path):
     """step(closure) runs forward and backward inside the optimizer step (LBFGS, Lightning):
     the gradients are recorded as the update used them, each closure call's loss kept."""

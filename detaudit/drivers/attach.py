@@ -607,8 +607,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self.info is not None and self._discarded and not self._updated:
             self._drop_step()
         if self.info is not None and self.recorder is not None and (
-                failure is not None or (not self._updated and (
-                    self.trace.failure or self._optimizers or not self._losses))):
+                self.trace.failure is not None or (not self._updated and (
+                    self._optimizers or not self._losses))):
             # the step that failed (after its update too: what the loop does after it, a
             # w.step naming its losses, a scheduler's step, never ran), or that the process
             # ended in before its update (a script that exits on a NaN loss before
