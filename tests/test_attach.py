@@ -9,14 +9,17 @@ import functools
 import inspect
 import json
 import math
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import warnings
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -536,7 +539,9 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
 
 
 # A loader that fetches one batch ahead of the loop, as accelerate's does (to know which
-# batch is the last), compiled as library code (installed under the Python's prefix) is.
+# batch is the last), and a trainer that takes a step's every micro-batch before its first
+# (the Hugging Face Trainer's get_batch_samples), compiled as library code (installed under
+# the Python's packages) is.
 _LIBRARY_NAMESPACE: dict[str, Any] = {"torch": torch}
 exec(compile(  # noqa: S102
     "class FetchingAhead(torch.utils.data.DataLoader):\n"
@@ -546,9 +551,14 @@ exec(compile(  # noqa: S102
     "        for upcoming in batches:\n"
     "            yield current\n"
     "            current = upcoming\n"
-    "        yield current\n",
-    str(Path(sys.prefix) / "lib" / "fetching" / "loader.py"), "exec"), _LIBRARY_NAMESPACE)
+    "        yield current\n"
+    "def micro_batches(batches, n):\n"
+    "    while taken := [b for _, b in zip(range(n), batches)]:\n"
+    "        yield taken\n",
+    str(Path(sysconfig.get_paths()["purelib"]) / "fetching" / "loader.py"), "exec"),
+    _LIBRARY_NAMESPACE)
 _FetchingAhead = _LIBRARY_NAMESPACE["FetchingAhead"]
+_micro_batches = _LIBRARY_NAMESPACE["micro_batches"]
 
 
 class _ShiftedAt(torch.utils.data.Dataset):
@@ -565,46 +575,128 @@ class _ShiftedAt(torch.utils.data.Dataset):
         return self.x[i] + (self.shift if i == self.at else 0.0)
 
 
-@pytest.mark.parametrize("loop", ["fetching ahead", "two batches a step", "mixed in place"])
+def _in_a_thread(loader: Any) -> Iterator[Any]:
+    """The loader's batches, fetched by a thread of their own (a prefetching pipeline)."""
+    fetched: queue.Queue = queue.Queue(maxsize=2)
+    thread = threading.Thread(target=lambda: [*map(fetched.put, loader), fetched.put(None)])
+    thread.start()
+    while (batch := fetched.get()) is not None:
+        yield batch
+    thread.join()
+
+
+# the loop; the step fed sample 5 (where the noise is); the loader batches of each step
+_FEEDS = {
+    "fetching ahead": (2, [1] * 4), "two batches a step": (2, [2] * 4),
+    "mixed in place": (2, [1] * 4), "micro-batches fetched first": (1, [2] * 2),
+    "accumulated while fetching ahead": (1, [2] * 2), "fetched in a thread": (2, []),
+}
+
+
+@pytest.mark.parametrize("loop", _FEEDS)
 def test_each_loader_batch_is_recorded_in_the_step_it_feeds(tmp_path, loop):
-    """A loader that fetches ahead of the loop (accelerate's) yields the
-    next step's batch during this one: it was filed there, and a difference in it was
-    reported a step early. A loop that takes two batches a step keeps both in it. A batch
-    the loop changes in place (a Mixup) is recorded as the loader yielded it."""
-    def train(noise: float) -> None:  # in sample 5: the third step's batch
+    """A loader that fetches ahead of the loop (accelerate's) yields the next step's batch
+    during this one: it was filed there, and a difference in it was reported a step early.
+    A loop that takes two batches a step keeps both in it; so does a step of two micro-
+    batches, taken before its first with one more fetched ahead (the Hugging Face Trainer
+    through accelerate; the look-ahead was taken for 2), or one by one (accumulation by the
+    loop). A batch the loop changes in place (a Mixup) is recorded as the loader yielded
+    it. A loader a thread of its own iterates is not followed: when the loop takes a batch
+    is a race, and filing it by that gave runs that differ."""
+    def train(noise: float) -> None:  # in sample 5: the third batch of 2
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         data = _ShiftedAt(None if loop == "mixed in place" else 5, noise)
-        if loop == "fetching ahead":
-            batches = iter(_FetchingAhead(data, batch_size=2))
-        elif loop == "two batches a step":
+        if loop == "two batches a step":
             pairs = iter(torch.utils.data.DataLoader(data, batch_size=1))
-            batches = (torch.cat([x, next(pairs)]) for x in pairs)
+            steps = ([torch.cat([x, next(pairs)])] for x in pairs)
+        elif loop == "micro-batches fetched first":
+            steps = _micro_batches(iter(_FetchingAhead(data, batch_size=2)), 2)
+        elif loop == "accumulated while fetching ahead":
+            ahead = iter(_FetchingAhead(data, batch_size=2))
+            steps = ([x, next(ahead)] for x in ahead)  # (the pair's second: the loop's)
+        elif loop == "fetched in a thread":
+            steps = ([x] for x in _in_a_thread(torch.utils.data.DataLoader(data, batch_size=2)))
         else:
-            batches = iter(torch.utils.data.DataLoader(data, batch_size=2))
-        for step, x in enumerate(batches):
-            if loop == "mixed in place" and step == 2:
-                x.add_(noise)
-            model(x).pow(2).mean().backward()
+            steps = ([x] for x in (_FetchingAhead if loop == "fetching ahead" else
+                                   torch.utils.data.DataLoader)(data, batch_size=2))
+        for step, micro in enumerate(steps):
+            for x in micro:
+                if loop == "mixed in place" and step == 2:
+                    x.add_(noise)
+                model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
 
     for run, noise in enumerate((0.0, 0.25)):
         _attached(tmp_path / f"trace-{run}.json.gz", functools.partial(train, noise))
+    fed, per_step = _FEEDS[loop]
     c = detaudit.compare(tmp_path).comparison
-    assert c.first_step == 2 and c.cause == "data", (c.first_step, c.cause)
+    assert c.first_step == fed and c.cause == "data", (c.first_step, c.cause)
     records = Trace.load(tmp_path / "trace-0.json.gz").frame()
     loaded = records[records.slot.str.startswith("batch.loader")]
-    per_step = loaded.groupby("step").call.nunique().tolist()
-    assert per_step == ([2] * 4 if loop == "two batches a step" else [1] * 4)
+    assert loaded.groupby("step").call.nunique().tolist() == per_step
     differing = {d.slot for d in c.first_diffs}
     if loop == "mixed in place":  # the loader's batch agrees; the model's input does not
         assert "batch.0" in differing and not any(
             slot.startswith("batch.loader") for slot in differing), differing
         assert "changed them after loading" in c.cause_text
-    else:
+    elif per_step:
         assert any(slot.startswith("batch.loader") for slot in differing), differing
+
+
+class _RepeatSampler:
+    """A batch sampler that never ends."""
+
+    def __init__(self, sampler: Any):
+        self.sampler = sampler
+
+    def __iter__(self):
+        while True:
+            yield from iter(self.sampler)
+
+
+class _InfiniteLoader(torch.utils.data.DataLoader):
+    """Ultralytics' InfiniteDataLoader (timm's MultiEpochsDataLoader alike): one iterator,
+    made as the loader is, serves every pass, so that the workers live on."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "batch_sampler", _RepeatSampler(self.batch_sampler))
+        self.iterator = super().__iter__()
+
+    def __len__(self):
+        return len(self.batch_sampler.sampler)
+
+    def __iter__(self):
+        for _ in range(len(self)):
+            yield next(self.iterator)
+
+
+def test_a_loader_whose_one_iterator_serves_every_pass_still_has_epochs(tmp_path):
+    """Each pass begins where the loader's own __iter__ is called: every step was in epoch
+    0, and the epoch limit never ended the run."""
+    def loop():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = _InfiniteLoader(_ShiftedAt(None, 0.0), batch_size=2)
+        with contextlib.suppress(_Limit):
+            for _ in range(4):
+                for x in loader:
+                    model(x).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+
+    def _raise():
+        raise _Limit
+
+    trace = _attached(tmp_path / "t.json.gz", loop, max_epochs=2, on_limit=_raise)
+    assert [s.epoch for s in trace.steps] == [0] * 4 + [1] * 4
+    assert [s.index for s in trace.steps] == [0, 1, 2, 3] * 2
+    assert vars(_InfiniteLoader)["__iter__"].__name__ == "__iter__"  # (its own again)
+    assert "__wrapped__" not in vars(vars(_InfiniteLoader)["__iter__"])
 
 
 def test_labels_a_loss_takes_outside_the_model_are_step_state(tmp_path):

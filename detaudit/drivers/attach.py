@@ -63,7 +63,7 @@ from ..trace import (
     Trace,
     TraceStream,
 )
-from .attach_epochs import Epochs
+from .attach_epochs import Epochs, Waiting
 from .attach_models import ModelFinder, SideModels, live_objects
 from .attach_patches import Installing, transformed
 from .attach_side import SideCalls
@@ -134,11 +134,12 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._discarded = False  # the open step's gradients were zeroed unused (on_zero_grad)
         self.batches_seen = 0  # in all steps
         self._fetched = 0  # training loader batches recorded in the open step
-        # (pass, its prints or itself, whether printed, fetched by code that may fetch
-        # ahead) of batches waiting for the step they feed, and how many batches ahead of
-        # the loop its loader is fetched
-        self._waiting: list[tuple[tuple[int, int], Any, bool, bool]] = []
-        self._fetched_ahead: int | None = None  # (known as the first step begins)
+        # batches waiting for the step they feed, and how many batches ahead of the loop
+        # its loader is fetched (see _file_loader_batches)
+        self._waiting: list[Waiting] = []
+        self._fetched_ahead: int | None = None  # (known as the first step takes its batches)
+        self._followed_classes: set[type] = set()  # see follow_passes_of
+        self._iter_called: dict[int, tuple[Any, int]] = {}  # see on_loader_iter
         # each DataLoader iterator's pass: (its loader's id, the loader's pass number)
         self._iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]] = (
             weakref.WeakKeyDictionary())
@@ -309,7 +310,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._train_pass, self._epochs_fed, self.epoch, self.index = None, 0, 0, 0
         self._updated, self._batches, self._losses = False, 0, 0
         self._loss_values, self._step_outputs = {}, []
-        self._fetched, self._by_hand_possible = 0, None
+        self._fetched, self._by_hand_possible, self._fetched_ahead = 0, None, None
         self.stream.restart()
 
     def _inferred_name(self, module: nn.Module) -> str | None:
@@ -429,6 +430,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             return False
         if not self._loop_thread_known:
             self._loop_thread, self._loop_thread_known = threading.get_ident(), True
+            self._keep_the_loops_batches()
         # what a step dropped again (see _drop_step) gives back
         self._before_step = (self._train_pass, self._epochs_fed, frozenset(self._step_loaders),
                              self.epoch, self.index)
@@ -461,7 +463,6 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self._ops = OpRecorder(self.recorder, step, record=step == self.zoom,
                                    fault=self.fault)
             self._ops.__enter__()
-        self._take_loader_batches()
         if step == 0 or self._adopted:
             self.recorder.record_parameters(STATE)
             self._adopted = False
@@ -572,6 +573,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self._drop_step()
             return
         self._end_ops()
+        if not self._updated:  # (an inference step's call ends: see _step_done)
+            self._file_loader_batches()
         if self._carried is not None:
             store_records(self.trace, self.info.step, self._carried)
             self._carried = None

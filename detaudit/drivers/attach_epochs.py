@@ -13,17 +13,30 @@ attachment's state (its open step, its recorder) as the rest of the class does.
 
 from __future__ import annotations
 
+import threading
 from types import CodeType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..record.recorder import printed_now
 from ..trace import LOADER_BATCH, STATE
+from .attach_patches import wrap_loader_reiter
 from .rankprobe import sampler_snapshot
 from .runner import in_a_library
 
-_WAITING = 4  # training loader batches kept for a step not begun yet (a prefetching loop's)
+_WAITING_UNPRINTED = 4  # batches of another loader than the training one, kept as they are
+_WAITING_PRINTED = 4096  # prints of training batches that wait (a step of many micro-batches)
+
+
+class Waiting(NamedTuple):
+    """A batch a loader yielded, waiting for the step it feeds (see `_file_loader_batches`)."""
+
+    pass_: tuple[int, int]  # (its loader's id, the loader's pass number)
+    batch: Any  # its prints, or itself (another loader's: printed only if a step takes it)
+    printed: bool
+    by_library: bool  # fetched by library code, which may fetch ahead of the loop
+    thread: int
 
 
 def _may_fetch_ahead(fetched_by: CodeType | None) -> bool:
@@ -57,6 +70,21 @@ class Epochs:
             self.stop()
         return key, self._passes[key]
 
+    def follow_passes_of(self, loader_class: type) -> None:
+        """A DataLoader class with an ``__iter__`` of its own may serve every pass from one
+        iterator that never ends (Ultralytics' InfiniteDataLoader, timm's
+        MultiEpochsDataLoader): each call of its ``__iter__`` is noted, and a batch its old
+        iterator yields after one begins a new pass (see on_loader_batch)."""
+        owner = next(c for c in loader_class.__mro__ if "__iter__" in vars(c))
+        if owner is torch.utils.data.DataLoader or owner in self._followed_classes:
+            return
+        self._followed_classes.add(owner)
+        self._patch(owner, "__iter__", wrap_loader_reiter(self, vars(owner)["__iter__"]))
+
+    def on_loader_iter(self, loader: Any) -> None:
+        """A followed DataLoader class's ``__iter__`` is called (see follow_passes_of)."""
+        self._iter_called[id(loader)] = (loader, self._passes.get(id(loader), 0))
+
     def _pass_open(self, loader: int) -> bool:
         """Whether an iterator of `loader` is alive and not exhausted."""
         return any(key == loader for key, _ in self._iterators.values())
@@ -67,10 +95,17 @@ class Epochs:
         training loader's batches are step state beside what the model is called with:
         labels that a loss takes outside the model are in them. Each is printed as yielded
         (the loop may change it in place; another loader's, an evaluation's, only if a step
-        takes it) and waits for the step it feeds (see :meth:`_take_loader_batches`)."""
+        takes it) and waits for the step it feeds (see :meth:`_file_loader_batches`). A
+        loader iterated in another thread than the loop's (a prefetching thread) is not
+        followed: when its batches are taken is a race."""
         started = self._iterators.get(iterator)
-        if started is None:
+        thread = threading.get_ident()
+        if started is None or (self._loop_thread_known and thread != self._loop_thread):
             return
+        called = self._iter_called.pop(started[0], None)
+        if called is not None and started[1] <= called[1]:  # its old iterator serves a new pass
+            del self._iterators[iterator]
+            started = self._iterators[iterator] = self.on_loader_pass(called[0])
         self._yielded = started
         loader = started[0]
         if self.info is not None and not self._updated:
@@ -84,34 +119,43 @@ class Epochs:
         # printed now unless it is another loader's than the training one (an evaluation's:
         # kept as it is, printed only if a step takes it: a loader built anew for an epoch)
         printed = loader == (self._train_loader or loader)
-        ahead = self._fetched_ahead is None and _may_fetch_ahead(fetched_by)  # (until known)
-        self._waiting = [*self._waiting[1 - _WAITING:],
-                         (started, printed_now(batch, "xxh3") if printed else batch, printed,
-                          ahead)]
-        if step_open:
-            self._take_loader_batches()
+        unprinted = [w for w in self._waiting if not w.printed]
+        if not printed and len(unprinted) >= _WAITING_UNPRINTED:
+            self._waiting.remove(unprinted[0])
+        elif printed and len(self._waiting) >= _WAITING_PRINTED:
+            del self._waiting[0]
+        self._waiting.append(Waiting(started, printed_now(batch, "xxh3") if printed else batch,
+                                     printed, _may_fetch_ahead(fetched_by), thread))
 
-    def _take_loader_batches(self) -> None:
-        """The open step takes the training batches that wait for it, but the newest
-        `_fetched_ahead` of a pass not over yet: a wrapper that fetches ahead of the loop
-        (accelerate's loader) holds them for the next steps. How far ahead it fetches is
-        what it fetched before the first step began, beyond the one batch the loop took."""
+    def _keep_the_loops_batches(self) -> None:
+        """The loop's thread is known (its first step begins): batches other threads fetched
+        before are not followed (see on_loader_batch)."""
+        self._waiting = [w for w in self._waiting if w.thread == self._loop_thread]
+
+    def _file_loader_batches(self) -> None:
+        """The open step has taken its batches (it updates, or its call, in inference, ends):
+        it is filed the training batches that wait, but the newest `_fetched_ahead` of a
+        pass not over yet, which a wrapper fetched ahead of the loop for the next steps
+        (accelerate's loader, and the Hugging Face Trainer through it). How far ahead is
+        learnt as the first step takes its batches: the training batches fetched by then,
+        library code among those who asked, beyond the step's training calls (the Trainer
+        fetches a step's every micro-batch before its first, and one more)."""
+        if self.recorder is None:
+            return
+        training = [w for w in self._waiting if w.pass_ == self._train_pass]
         if self._fetched_ahead is None:
-            fed = [ahead for started, _, _, ahead in self._waiting
-                   if started == self._train_pass]
-            self._fetched_ahead = len(fed) - 1 if len(fed) > 1 and any(fed) else 0
+            self._fetched_ahead = max(0, len(training) - self._batches) if any(
+                w.by_library for w in training) else 0
         live = set(self._iterators.values())
-        held = 0
-        while (held < self._fetched_ahead and held < len(self._waiting)
-               and self._waiting[-1 - held][0] in live):
-            held += 1
-        taken = self._waiting[:len(self._waiting) - held]
-        self._waiting = self._waiting[len(self._waiting) - held:]
-        for started, kept, printed, _ in taken:
-            if started == self._train_pass:  # (not a peek's, nor an evaluation's)
-                self.recorder.add_printed(STATE, "", self._fetched, LOADER_BATCH,
-                                          kept if printed else printed_now(kept, "xxh3"))
-                self._fetched += 1
+        held = training[len(training) - self._fetched_ahead:] if self._fetched_ahead else []
+        held = [w for w in held if w.pass_ in live]
+        for waiting in training[:len(training) - len(held)]:
+            self.recorder.add_printed(
+                STATE, "", self._fetched, LOADER_BATCH,
+                waiting.batch if waiting.printed else printed_now(waiting.batch, "xxh3"))
+            self._fetched += 1
+        # (another loader's batches wait on: a step may take them when it begins; see _epoch)
+        self._waiting = [w for w in self._waiting if w.pass_ != self._train_pass] + held
 
     def set_epoch(self, epoch: int) -> None:
         """The user said which epoch the next steps belong to (``w.epoch(i)``)."""

@@ -41,6 +41,8 @@ class Callbacks(Protocol):
     def on_backward(self, tensor: Any) -> None: ...
     def after_backward(self) -> None: ...
     def on_loader_pass(self, loader: Any) -> tuple[int, int]: ...
+    def on_loader_iter(self, loader: Any) -> None: ...
+    def follow_passes_of(self, loader_class: type) -> None: ...
     def on_loader_batch(self, iterator: Any, batch: Any, fetched_by: Any = None) -> None: ...
     def on_scaler_update(self, scaler: Any) -> None: ...
     def on_manual_seed(self, frame: Any) -> None: ...
@@ -114,10 +116,22 @@ def wrap_loader_iter(attachment: Callbacks) -> Callable[..., Any]:
 
     def __iter__(self: Any) -> Any:
         started = attachment.on_loader_pass(self)
+        attachment.follow_passes_of(type(self))
         iterator = original(self)
         with contextlib.suppress(TypeError):  # an iterator that takes no weak reference
             attachment._iterators[iterator] = started
         return iterator
+
+    return __iter__
+
+
+def wrap_loader_reiter(attachment: Callbacks, original: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``__iter__`` of a DataLoader class of its own (see Epochs.follow_passes_of)."""
+
+    @functools.wraps(original)
+    def __iter__(self: Any) -> Any:
+        attachment.on_loader_iter(self)
+        return original(self)
 
     return __iter__
 

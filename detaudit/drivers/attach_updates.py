@@ -236,6 +236,7 @@ class Updates:
         see after_backward). At the step limit the run ends here when the step is
         `complete`, else when the next step would begin."""
         assert self.info is not None and self.recorder is not None
+        self._file_loader_batches()
         self._add_models_trained_apart()
         if between_calls:
             self.recorder.hook_for(self._watch(self.info.step + 1))

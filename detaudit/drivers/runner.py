@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
-import sys
+import site
+import sysconfig
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -623,9 +625,19 @@ def user_call_site(frame: FrameType | None) -> str:
 
 
 def in_a_library(filename: str) -> bool:
-    """Whether `filename` is detaudit's, torch's or the Python installation's."""
-    library_dirs = (_PACKAGE_DIR, os.path.dirname(torch.__file__), sys.prefix, sys.base_prefix)
-    return os.path.abspath(filename).startswith(library_dirs)
+    """Whether `filename` is detaudit's, torch's or the Python installation's: its standard
+    library or installed packages (not anything under its prefix: a script in /usr/src/app
+    run by /usr/bin/python is the user's)."""
+    return filename.startswith("<frozen ") or os.path.abspath(filename).startswith(
+        _library_dirs())
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {_PACKAGE_DIR, os.path.dirname(torch.__file__), site.getusersitepackages(),
+            *(paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib"))}
+    return tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -637,6 +649,7 @@ def _first_line(exc: BaseException) -> str:
 _HOOK_ENTRIES = frozenset({
     "_pre_hook", "_post_hook", "hook",  # Recorder (a hook on a tensor or an autograd node)
     "_global_pre", "_global_post", "on_backward", "_before_update", "_after_update",
-    "on_loader_pass", "on_loader_batch", "on_scaler_update", "on_manual_seed",  # Attachment
+    "on_loader_pass", "on_loader_iter", "on_loader_batch", "on_scaler_update",  # Attachment
+    "on_manual_seed",
     "on_parameter_made",
 })
