@@ -2071,6 +2071,25 @@ def test_a_model_built_before_the_code_seeds_is_told_so_with_where_it_seeds(tmp_
             _attached(tmp_path / "first" / f"trace-{run}.json.gz", seeded_first)
     assert detaudit.compare(tmp_path / "first").verdict.kind == "deterministic"
 
+    # seeded first, its weights then moved by a source of its own, and a seed for fixed
+    # noise after: no late seeding is blamed (the model was built seeded)
+    def moved(run: int) -> None:
+        torch.manual_seed(42)
+        model = nn.Linear(4, 1)
+        with torch.no_grad():
+            model.weight.add_(run * 1e-3)
+        with torch.random.fork_rng():
+            torch.manual_seed(7)
+            noise = torch.randn(2, 4)
+        model(noise).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+    with torch.random.fork_rng():
+        for run in range(2):
+            _attached(tmp_path / "moved" / f"trace-{run}.json.gz", functools.partial(moved, run))
+    c = detaudit.compare(tmp_path / "moved").comparison
+    assert c.cause == "init" and c.seeded_late is None, c.cause_text
+
 
 def test_a_script_that_resumes_from_the_checkpoint_of_the_run_before_is_told_so(tmp_path):
     """Each run saves a checkpoint every step and loads one when it finds it: the second run

@@ -176,6 +176,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._handles: list[Any] = []
         self._patches: list[tuple[Any, str, Any]] = []
         self._parameters_made = False  # since the hooks were installed (see on_manual_seed)
+        self._seeded_first = False  # torch was seeded before any parameter was made
         self.stopped = False
         self.installed = False
         self.in_backward = False
@@ -389,10 +390,14 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._parameters_made = self._parameters_made or param is not None
 
     def on_manual_seed(self, frame: FrameType) -> None:
-        """The code seeds torch's RNG (called from `frame`): after parameters were made and
-        before the first step, where it did is kept (the model may have been built from an
-        unseeded RNG: Hugging Face's Trainer seeds in its __init__)."""
-        if (self._parameters_made and self.info is None and not self.stream.steps
+        """The code seeds torch's RNG (called from `frame`): where it first did, if that was
+        after parameters were made and before the first step, is kept (the model may have
+        been built from an unseeded RNG: Hugging Face's Trainer seeds in its __init__). A
+        seed before any parameter was made built the model seeded: later ones are the
+        code's own (fixed noise drawn under fork_rng)."""
+        if not self._parameters_made:
+            self._seeded_first = True
+        elif (not self._seeded_first and self.info is None and not self.stream.steps
                 and SEEDED_AFTER_PARAMETERS not in self.trace.probe):
             self.trace.probe[SEEDED_AFTER_PARAMETERS] = user_call_site(frame)
 
