@@ -218,11 +218,19 @@ class watch:
         if max_steps is not None and max_steps < 1:
             raise DetauditError("max_steps must be at least 1")
         if optimizer is not None and not _trains(optimizer, model):
-            raise DetauditError(
-                f"the optimizer given updates none of the parameters of the model given "
-                f"({type(model).__name__}): give watch the model it trains, or an optimizer "
-                "made for this one (in a notebook, the optimizer may be an earlier model's: "
-                "re-run the cell that makes it after the one that builds the model)")
+            other = _module_trained_by(optimizer)
+            if other is not None:
+                raise DetauditError(
+                    f"the optimizer given updates none of the parameters of the model given "
+                    f"({type(model).__name__}) but those of another {type(other).__name__}: "
+                    "give watch the model it trains, or an optimizer made for this one (in a "
+                    "notebook, the optimizer may be an earlier model's: re-run the cell that "
+                    "makes it after the one that builds the model)")
+            warnings.warn(
+                f"detaudit.watch: the optimizer given updates copies of the parameters of the "
+                f"model given ({type(model).__name__}), not them (float32 master weights, a "
+                "flattened buffer): the gradients it gets are not recorded, the model's "
+                "parameters are as they change", stacklevel=2)
         self.model, self.optimizer = model, optimizer
         self.out, self.max_steps = Path(out), max_steps
         self.name = name or type(model).__name__
@@ -307,7 +315,7 @@ class watch:
             warnings.warn("detaudit.watch recorded no step: no optimizer step was seen, nor "
                           "calls of the model to infer (mode='infer' takes every call of the "
                           "model for a step)", stacklevel=2)
-        if self.model is not None and self._attachment.trained_none_of(self.model):
+        if self.optimizer is None and self._attachment.trained_none_of(self.model):
             warnings.warn(f"detaudit.watch: the optimizer that stepped updated no parameter of "
                           f"the model given ({type(self.model).__name__}): it trains another "
                           "model (in a notebook, an optimizer made for an earlier model: re-run "
@@ -326,6 +334,18 @@ class watch:
 
 
 _WATCHED: set[int] = set()  # the ids of the models inside a watch block now
+
+
+def _module_trained_by(optimizer: Any) -> Any:
+    """A live module whose parameters `optimizer` updates, if any (None: it updates tensors
+    no module holds, such as master copies)."""
+    from torch import nn
+
+    from .drivers.attach_models import live_objects, parameters_of
+
+    updated = {id(p) for p in parameters_of(optimizer)}
+    return next((m for m in live_objects(nn.Module)
+                 if any(id(p) in updated for p in m.parameters(recurse=False))), None)
 
 
 def _trains(optimizer: Any, model: Any) -> bool:

@@ -1850,13 +1850,43 @@ def test_watch_warns_when_the_model_given_is_never_called(tmp_path):
 
     with pytest.warns(UserWarning, match=r"model given \(Linear\) was never called"):
         train_watching(trained, holder)
-    with pytest.raises(detaudit.DetauditError, match="give watch the model it trains"):
+    with pytest.raises(detaudit.DetauditError, match="but those of another Linear: give watch"):
         train_watching(other, trained)
     with pytest.warns(UserWarning, match=r"updated no parameter of the model given"):
         train_watching(other, trained, None)  # (no optimizer given: the one found steps)
     with warnings.catch_warnings():  # and never when it was
         warnings.simplefilter("error")
         train_watching(trained, trained)
+
+
+def test_watch_of_a_loop_whose_optimizer_updates_master_copies_is_no_error(tmp_path):
+    """Mixed precision by hand: the optimizer updates float32 copies of a bfloat16 model's
+    parameters, which the loop copies back: watched with a warning (it was refused as an
+    optimizer made for another model), and its runs compared."""
+    def train() -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1).to(torch.bfloat16)
+        masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+        opt = torch.optim.SGD(masters, lr=0.1)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with detaudit.watch(model, opt, out=tmp_path):
+                for _ in range(3):
+                    model(torch.ones(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+                    for master, p in zip(masters, model.parameters()):
+                        master.grad = p.grad.float()
+                        p.grad = None
+                    opt.step()
+                    with torch.no_grad():
+                        for master, p in zip(masters, model.parameters()):
+                            p.copy_(master)
+        assert [str(w.message).split(":")[1] for w in said] == [(
+            " the optimizer given updates copies of the parameters of the model given (Linear), "
+            "not them (float32 master weights, a flattened buffer)")]
+
+    train(), train()
+    result = detaudit.compare(tmp_path)
+    assert result.verdict.kind == "deterministic" and len(result.traces[0].steps) == 3
 
 
 def test_watch_max_steps_ends_the_loop_and_leaves_torch_as_it_was(tmp_path):
