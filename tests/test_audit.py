@@ -3,6 +3,8 @@ quiet on deterministic runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import gather_probe, module_audit, small_cnn_probe, unseeded_probe
@@ -10,7 +12,8 @@ from test_recorder import _maskrcnn_probe
 from torch import nn
 
 from detaudit import Fault, Probe, audit
-from detaudit.analysis.compare import CONTAINS, ORIGIN, PROPAGATED
+from detaudit.analysis.compare import CONTAINS, ORIGIN, PROPAGATED, CallFinding
+from detaudit.analysis.verdict import first_divergence
 from detaudit.drivers.loading import builtin_spec, make_factory
 from detaudit.report import render_console
 
@@ -135,6 +138,12 @@ def test_unseeded_augmentation_is_a_data_cause():
     c = module_audit(unseeded_probe, repeats=2).comparison
     assert c.first_step == 0 and c.cause == "data"
     assert c.first_by_phase["state"].slot.startswith("batch")
+    # a module found where the batch differs only sees it: the batch is the first
+    # divergence (a scan's gradient was named the origin, with cause: data)
+    seen = CallFinding(0, "backward", "fc", 0, ORIGIN, ["param.weight"], 1, 2)
+    first = first_divergence(dataclasses.replace(c, findings=[seen, *c.findings]))
+    assert (first["phase"], first["role"]) == ("state", "first record")
+    assert first["slots"][0].startswith("batch")
 
 
 _DRAWS = {"calls": 0}

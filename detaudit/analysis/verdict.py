@@ -157,7 +157,8 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
             "role": "rng draw outside any module", "outside": gap.where(),
             "differing": d.differing, "repeats": d.repeats,
         }
-    if c.origins:
+    state = [d for d in c.first_diffs if d.phase == STATE]
+    if c.origins and not (c.cause == "data" and state):  # (data: the modules only see it)
         o = c.origins[0]
         return {
             "step": o.step, "epoch": epoch, "index": step_index, "phase": o.phase,
@@ -166,7 +167,6 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
         }
     # the step's state comes before anything it computes (a parameter changed between steps
     # in one run only is that run's record alone, listed after repeat 0's)
-    state = [d for d in c.first_diffs if d.phase == STATE]
     if c.cause == "init":  # the parameters are the finding, not the batch they then see
         state = [d for d in state if d.slot.startswith(MODEL_STATE)] or state
     d = state[0] if state else c.first_diffs[0]
