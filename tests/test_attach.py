@@ -1889,6 +1889,18 @@ def test_watch_of_a_loop_whose_optimizer_updates_master_copies_is_no_error(tmp_p
     assert result.verdict.kind == "deterministic" and len(result.traces[0].steps) == 3
 
 
+def test_the_modules_a_fault_takes_are_listed_in_the_models_order(tmp_path):
+    """model.2 before model.12 (they were sorted as text)."""
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(12)])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detaudit.watch(model, opt, out=tmp_path):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+    assert detaudit.compare(tmp_path).summary["modules"] == [str(i) for i in range(12)]
+
+
 def test_watch_max_steps_ends_the_loop_and_leaves_torch_as_it_was(tmp_path):
     backward = torch.Tensor.backward
     w = _train(tmp_path, max_steps=2)

@@ -31,15 +31,17 @@ def _updates_without_backward(traces: list[Trace]) -> list[int]:
 
 def _modules(traces: list[Trace]) -> list[str]:
     """The modules with parameters of the first repeat's models as its first step recorded
-    them: the names ``--inject-fault MODULE@phase:STEP`` takes (a model the loop calls
-    apart by its own name only: a fault is planted at its output)."""
+    them, in the models' order (model.2 before model.12): the names ``--inject-fault
+    MODULE@phase:STEP`` takes (a model the loop calls apart by its own name only: a fault
+    is planted at its output)."""
     sides = (traces[0].probe or {}).get(SIDE_MODELS) or [] if traces else []
     for _, cut in traces[0].by_step() if traces else ():
         r = cut.records
-        owners = {m for p, m, s in zip(r["phase"], r["module"], r["slot"])
-                  if p == STATE and s.startswith("param.") and m}
-        return sorted({next((side for side in sides if m == side or m.startswith(side + ".")),
-                            m) for m in owners})
+        owners = [m for p, m, s in zip(r["phase"], r["module"], r["slot"])
+                  if p == STATE and s.startswith("param.") and m]
+        return list(dict.fromkeys(
+            next((side for side in sides if m == side or m.startswith(side + ".")), m)
+            for m in owners))
     return []
 
 
