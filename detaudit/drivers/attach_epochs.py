@@ -154,8 +154,10 @@ class Epochs:
                 STATE, "", self._fetched, LOADER_BATCH,
                 waiting.batch if waiting.printed else printed_now(waiting.batch, "xxh3"))
             self._fetched += 1
-        # (another loader's batches wait on: a step may take them when it begins; see _epoch)
-        self._waiting = [w for w in self._waiting if w.pass_ != self._train_pass] + held
+        # (those of another pass still going on wait: a step may take them when it begins,
+        # a loader built anew for the epoch; see _epoch)
+        self._waiting = [w for w in self._waiting
+                         if w.pass_ != self._train_pass and w.pass_ in live] + held
 
     def set_epoch(self, epoch: int) -> None:
         """The user said which epoch the next steps belong to (``w.epoch(i)``)."""
