@@ -658,30 +658,35 @@ class _RepeatSampler:
 
 
 class _InfiniteLoader(torch.utils.data.DataLoader):
-    """Ultralytics' InfiniteDataLoader (timm's MultiEpochsDataLoader alike): one iterator,
-    made as the loader is, serves every pass, so that the workers live on."""
+    """Ultralytics' InfiniteDataLoader (timm's MultiEpochsDataLoader alike): one iterator
+    serves every pass, so that the workers live on; made as the loader is (older versions)
+    or at its first pass, by ``_get_iterator`` (newer)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, lazy: bool, **kwargs: Any):
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "batch_sampler", _RepeatSampler(self.batch_sampler))
-        self.iterator = super().__iter__()
+        self.iterator = None if lazy else super().__iter__()
 
     def __len__(self):
         return len(self.batch_sampler.sampler)
 
     def __iter__(self):
+        if self.iterator is None:
+            self.iterator = self._get_iterator()
         for _ in range(len(self)):
             yield next(self.iterator)
 
 
-def test_a_loader_whose_one_iterator_serves_every_pass_still_has_epochs(tmp_path):
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_loader_whose_one_iterator_serves_every_pass_still_has_epochs(tmp_path, lazy):
     """Each pass begins where the loader's own __iter__ is called: every step was in epoch
-    0, and the epoch limit never ended the run."""
+    0, and the epoch limit never ended the run (a loader that makes its iterator by
+    _get_iterator was not followed at all)."""
     def loop():
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        loader = _InfiniteLoader(_ShiftedAt(None, 0.0), batch_size=2)
+        loader = _InfiniteLoader(_ShiftedAt(None, 0.0), batch_size=2, lazy=lazy)
         with contextlib.suppress(_Limit):
             for _ in range(4):
                 for x in loader:

@@ -140,6 +140,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._fetched_ahead: int | None = None  # (known as the first step takes its batches)
         self._followed_classes: set[type] = set()  # see follow_passes_of
         self._iter_called: dict[int, tuple[Any, int]] = {}  # see on_loader_iter
+        self.making_iterator = 0  # see wrap_loader_iterator_init
         # each DataLoader iterator's pass: (its loader's id, the loader's pass number)
         self._iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]] = (
             weakref.WeakKeyDictionary())

@@ -35,6 +35,7 @@ class Callbacks(Protocol):
     """What the wrappers call back into (an :class:`.attach.Attachment`)."""
 
     in_backward: bool
+    making_iterator: int  # DataLoader.__iter__ calls under way (see wrap_loader_iterator_init)
     # a DataLoader iterator -> its pass: (its loader's id, the loader's pass number)
     _iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]]
 
@@ -117,12 +118,33 @@ def wrap_loader_iter(attachment: Callbacks) -> Callable[..., Any]:
     def __iter__(self: Any) -> Any:
         started = attachment.on_loader_pass(self)
         attachment.follow_passes_of(type(self))
-        iterator = original(self)
+        attachment.making_iterator += 1
+        try:
+            iterator = original(self)
+        finally:
+            attachment.making_iterator -= 1
         with contextlib.suppress(TypeError):  # an iterator that takes no weak reference
             attachment._iterators[iterator] = started
         return iterator
 
     return __iter__
+
+
+def wrap_loader_iterator_init(attachment: Callbacks) -> Callable[..., Any]:
+    """A DataLoader iterator made outside ``DataLoader.__iter__`` (a loader of its own that
+    calls ``_get_iterator``, as Ultralytics' does) begins a pass as well."""
+    original = LoaderIterator.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, loader, *args, **kwargs)
+        if not attachment.making_iterator:
+            started = attachment.on_loader_pass(loader)
+            attachment.follow_passes_of(type(loader))
+            with contextlib.suppress(TypeError):
+                attachment._iterators[self] = started
+
+    return __init__
 
 
 def wrap_loader_reiter(attachment: Callbacks, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -230,6 +252,7 @@ class Installing:
         self._patch(torch.autograd, "backward", wrap_autograd_backward(self))
         self._patch(torch.utils.data.DataLoader, "__iter__", wrap_loader_iter(self))
         self._patch(LoaderIterator, "__next__", wrap_loader_next(self))
+        self._patch(LoaderIterator, "__init__", wrap_loader_iterator_init(self))
         self._patch(torch.amp.GradScaler, "update", wrap_scaler_update(self))
         self._patch(torch.optim.Optimizer, "zero_grad",
                     wrap_zero_grad(self, torch.optim.Optimizer))
