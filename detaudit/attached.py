@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import html
+import shlex
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,7 +105,7 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
         for trace in traces:
             if trace.failure is not None:
                 trace.failure += (f"; the {len(finished)} runs that finished compare alone: "
-                                  f"detaudit compare {' '.join(map(str, finished))}")
+                                  f"detaudit compare {shlex.join(map(str, finished))}")
     named = " ".join(str(r) for r in runs if not isinstance(r, (Trace, TraceFile)))
     info = info_of_traces(traces[0], run_id, f"detaudit compare {named}",
                           f"{len(traces)} runs compared")

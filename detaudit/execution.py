@@ -444,9 +444,11 @@ def _is_launcher(command: list[str]) -> bool:
     """Whether the command is a Python launcher that trains nothing itself and starts the
     script in a child process with no rank set (``accelerate launch`` on one process):
     that child records, not the launcher (launchers that set ranks, torchrun, need not)."""
-    names = [os.path.basename(part) for part in command[:4]]
-    return names[:2] == ["accelerate", "launch"] or any(
-        names[i:i + 2] == ["-m", "accelerate.commands.launch"] for i in range(len(names)))
+    names = [os.path.basename(part) for part in command[:6]]  # (after `uv run`, `env`, ...)
+    script = next((i for i, name in enumerate(names) if name.endswith(".py")), len(names))
+    return "accelerate-launch" in names[:script] or any(
+        names[i:i + 2] in (["accelerate", "launch"], ["-m", "accelerate.commands.launch"])
+        for i in range(script))
 
 
 def _stop(child: subprocess.Popen) -> None:

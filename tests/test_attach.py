@@ -31,7 +31,7 @@ from torch import nn
 
 import detaudit
 from detaudit.drivers.attach import Attachment
-from detaudit.execution import _check_side_fault
+from detaudit.execution import _check_side_fault, _is_launcher
 from detaudit.record.structure import next_ulp
 from detaudit.trace import OUTSIDE_MODEL, Trace
 
@@ -963,6 +963,16 @@ def test_exec_of_a_launcher_records_the_script_it_starts(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DETERMINISTIC" in done.stdout
     assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 2
+
+
+@pytest.mark.parametrize(("command", "launcher"), [
+    ("accelerate launch train.py", True), ("uv run accelerate launch train.py", True),
+    ("accelerate-launch train.py", True), ("python -m accelerate.commands.launch t.py", True),
+    ("python train.py accelerate launch", False),  # (the script's own arguments)
+    ("torchrun --nproc-per-node 2 train.py", False), ("python train.py", False),
+])
+def test_a_launcher_is_told_from_the_script_it_runs(command, launcher):
+    assert _is_launcher(command.split()) is launcher
 
 
 def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):

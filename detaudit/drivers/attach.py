@@ -657,7 +657,6 @@ def _note_group(rank: RankWatch) -> None:
             rank.backend, rank.world_size = str(dist.get_backend()), dist.get_world_size()
 
 
-
 def _in_a_module_init() -> bool:
     """Whether a module's ``__init__`` is running: a model that calls its layers as it is
     built (Ultralytics' YOLO measures its strides and FLOPs so, in training mode) makes no

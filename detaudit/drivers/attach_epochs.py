@@ -119,10 +119,11 @@ class Epochs:
         # printed now unless it is another loader's than the training one (an evaluation's:
         # kept as it is, printed only if a step takes it: a loader built anew for an epoch)
         printed = loader == (self._train_loader or loader)
-        unprinted = [w for w in self._waiting if not w.printed]
-        if not printed and len(unprinted) >= _WAITING_UNPRINTED:
-            self._waiting.remove(unprinted[0])
-        elif printed and len(self._waiting) >= _WAITING_PRINTED:
+        if not printed:
+            unprinted = [w for w in self._waiting if not w.printed]
+            if len(unprinted) >= _WAITING_UNPRINTED:
+                self._waiting.remove(unprinted[0])
+        elif len(self._waiting) >= _WAITING_PRINTED:
             del self._waiting[0]
         self._waiting.append(Waiting(started, printed_now(batch, "xxh3") if printed else batch,
                                      printed, _may_fetch_ahead(fetched_by), thread))
@@ -143,19 +144,19 @@ class Epochs:
         if self.recorder is None:
             return
         training = [w for w in self._waiting if w.pass_ == self._train_pass]
-        if self._fetched_ahead is None:
+        if self._fetched_ahead is None and training:
             self._fetched_ahead = max(0, len(training) - self._batches) if any(
                 w.by_library for w in training) else 0
         live = set(self._iterators.values())
-        held = training[len(training) - self._fetched_ahead:] if self._fetched_ahead else []
-        held = [w for w in held if w.pass_ in live]
+        ahead = self._fetched_ahead or 0
+        held = [w for w in training[max(0, len(training) - ahead):] if w.pass_ in live]
         for waiting in training[:len(training) - len(held)]:
             self.recorder.add_printed(
                 STATE, "", self._fetched, LOADER_BATCH,
                 waiting.batch if waiting.printed else printed_now(waiting.batch, "xxh3"))
             self._fetched += 1
-        # (those of another pass still going on wait: a step may take them when it begins,
-        # a loader built anew for the epoch; see _epoch)
+        # (those of another pass still going on wait: the next step may be fed by it, a
+        # loader built anew for the epoch; see _epoch)
         self._waiting = [w for w in self._waiting
                          if w.pass_ != self._train_pass and w.pass_ in live] + held
 
