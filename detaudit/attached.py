@@ -219,14 +219,13 @@ class watch:
         if max_steps is not None and max_steps < 1:
             raise DetauditError("max_steps must be at least 1")
         if optimizer is not None and not _trains(optimizer, model):
-            other = _module_trained_by(optimizer)
-            if other is not None:
+            if _made_for_another_model(optimizer, model):
                 raise DetauditError(
                     f"the optimizer given updates none of the parameters of the model given "
-                    f"({type(model).__name__}) but those of another {type(other).__name__}: "
-                    "give watch the model it trains, or an optimizer made for this one (in a "
-                    "notebook, the optimizer may be an earlier model's: re-run the cell that "
-                    "makes it after the one that builds the model)")
+                    f"({type(model).__name__}): give watch the model it trains, or an "
+                    "optimizer made for this one (in a notebook, the optimizer may be an "
+                    "earlier model's: re-run the cell that makes it after the one that builds "
+                    "the model)")
             warnings.warn(
                 f"detaudit.watch: the optimizer given updates copies of the parameters of the "
                 f"model given ({type(model).__name__}), not them (float32 master weights, a "
@@ -337,16 +336,22 @@ class watch:
 _WATCHED: set[int] = set()  # the ids of the models inside a watch block now
 
 
-def _module_trained_by(optimizer: Any) -> Any:
-    """A live module whose parameters `optimizer` updates, if any (None: it updates tensors
-    no module holds, such as master copies)."""
+def _made_for_another_model(optimizer: Any, model: Any) -> bool:
+    """Whether `optimizer`, which updates none of `model`'s parameters, was made for another
+    model: it updates tensors of the very shapes and dtypes of `model`'s (an earlier build
+    of it, in a notebook), or another live module's. Master copies in another dtype, or
+    flattened into buffers, are no other model's."""
     from torch import nn
 
     from .drivers.attach_models import live_objects, parameters_of
 
-    updated = {id(p) for p in parameters_of(optimizer)}
-    return next((m for m in live_objects(nn.Module)
-                 if any(id(p) in updated for p in m.parameters(recurse=False))), None)
+    updated = parameters_of(optimizer)
+    mine = {(p.shape, p.dtype) for p in model.parameters()}
+    if any((p.shape, p.dtype) in mine for p in updated):
+        return True
+    ids = {id(p) for p in updated}
+    return any(any(id(p) in ids for p in m.parameters(recurse=False))
+               for m in live_objects(nn.Module))
 
 
 def _trains(optimizer: Any, model: Any) -> bool:
