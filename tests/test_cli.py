@@ -23,12 +23,13 @@ def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_maskrcnn_planted_fault_is_named(tmp_path):
-    """The default run scans every step, then zooms into the one where the runs part (a
-    forward fault at step 2, by scan and zoom: tests/test_audit.py)."""
-    module, phase = "roi_heads.box_head", "backward"
+    """The default run scans every step, then zooms into the one where the runs part: a
+    1-ULP change in ROIAlign's backward at step 2 is named by module, phase, step and op,
+    measured (a forward fault at step 2, by scan and zoom: tests/test_audit.py)."""
+    module, phase = "roi_heads.mask_roi_pool", "backward"
     done = run_cli("run", "--model", "maskrcnn", "--image-size", "64", "--inject-fault",
-                   f"{module}@{phase}:2", "--out", str(tmp_path), "--json",
-                   "--no-census", "--stress", "0")  # both: tested on their own
+                   f"{module}/torchvision.roi_align@{phase}:2", "--out", str(tmp_path),
+                   "--json", "--no-census", "--stress", "0")  # both: tested on their own
     assert done.returncode == 1, done.stderr
     summary = json.loads(done.stdout)
     first = summary["first_divergence"]
@@ -38,12 +39,21 @@ def test_maskrcnn_planted_fault_is_named(tmp_path):
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["config"]["granularity"] == "scan"
     assert (run["extra"]["zoom"]["status"], run["extra"]["zoom"]["step"]) == ("found", 2)
+    ops = run["extra"]["ops"]
+    origin = ops["ops"][0]
+    assert (origin["op"], origin["module"], origin["role"]) == (
+        "torchvision._roi_align_backward", module, "origin")
+    assert ops["origin_ops"] == 1
+    assert origin["elements"] == 1 and origin["max_ulp"] == 1  # the 1 ULP, measured
     assert (tmp_path / "run.json").exists() and (tmp_path / "trace-1.json.gz").exists()
     headline = f"first at step 2 (epoch 2), {phase}"
     for name, shown in (("report.html", module), ("report.github.html", module),
                         ("report.md", module.replace("_", r"\_"))):
         text = (tmp_path / name).read_text()
         assert headline in text and shown in text, name
+    shown = run_cli("report", str(tmp_path))  # (the console report, rendered again)
+    assert shown.returncode == 1, shown.stderr
+    assert f"op: torchvision._roi_align_backward in {module} (backward)" in shown.stdout
 
 
 @pytest.mark.slow
