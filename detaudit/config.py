@@ -261,6 +261,7 @@ FAULT_FIRED = "fault_fired"
 ENDED = "ended"  # a trace's recording ended as it should (its loop ended, failed or hit a limit)
 EXIT_CALL = "exit_call"  # where the command last called sys.exit, and with what
 CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (compiled code)
+LOADER_IN_A_THREAD = "loader_in_a_thread"  # a DataLoader was iterated outside the loop's thread
 DROPPED_STEPS = "dropped_steps"  # backward passes whose gradients were zeroed unused: no steps
 SIDE_MODELS = "side_models"  # models a trace recorded that no optimizer trains (an EMA copy)
 INFERRED = "inferred"  # a trace recorded as inference because auto mode took it for one

@@ -9,6 +9,7 @@ import functools
 import inspect
 import json
 import math
+import os
 import queue
 import shutil
 import signal
@@ -644,6 +645,8 @@ def test_each_loader_batch_is_recorded_in_the_step_it_feeds(tmp_path, loop):
         assert "changed them after loading" in c.cause_text
     elif per_step:
         assert any(slot.startswith("batch.loader") for slot in differing), differing
+    assert Trace.load(tmp_path / "trace-0.json.gz").probe.get("loader_in_a_thread") is (
+        True if loop == "fetched in a thread" else None)
 
 
 class _RepeatSampler:
@@ -677,16 +680,36 @@ class _InfiniteLoader(torch.utils.data.DataLoader):
             yield next(self.iterator)
 
 
-@pytest.mark.parametrize("lazy", [False, True])
-def test_a_loader_whose_one_iterator_serves_every_pass_still_has_epochs(tmp_path, lazy):
-    """Each pass begins where the loader's own __iter__ is called: every step was in epoch
-    0, and the epoch limit never ended the run (a loader that makes its iterator by
-    _get_iterator was not followed at all)."""
+class _ResettingLoader(torch.utils.data.DataLoader):
+    """Serves each pass from one iterator, reset by the loader itself once exhausted (as
+    torchdata's StatefulDataLoader does with persistent workers)."""
+
+    def __init__(self, *args: Any, lazy: bool, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.iterator = None
+
+    def __iter__(self):
+        if self.iterator is None:
+            self.iterator = self._get_iterator()
+        else:
+            self.iterator._reset(self)
+        return self.iterator
+
+
+@pytest.mark.parametrize(("kind", "lazy"), [
+    (_InfiniteLoader, False), (_InfiniteLoader, True), (_ResettingLoader, True)])
+def test_a_loader_whose_one_iterator_serves_every_pass_still_has_epochs(tmp_path, kind, lazy):
+    """Each pass begins where the loader's own __iter__ is called, or where it resets its
+    iterator: every step was in epoch 0, and the epoch limit never ended the run (an
+    iterator made by _get_iterator was not followed at all). Nested attachments leave the
+    loader's class as it was."""
+    own_iter = vars(kind)["__iter__"]
+
     def loop():
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        loader = _InfiniteLoader(_ShiftedAt(None, 0.0), batch_size=2, lazy=lazy)
+        loader = kind(_ShiftedAt(None, 0.0), batch_size=2, lazy=lazy)
         with contextlib.suppress(_Limit):
             for _ in range(4):
                 for x in loader:
@@ -697,11 +720,34 @@ def test_a_loader_whose_one_iterator_serves_every_pass_still_has_epochs(tmp_path
     def _raise():
         raise _Limit
 
-    trace = _attached(tmp_path / "t.json.gz", loop, max_epochs=2, on_limit=_raise)
+    outer = Attachment(tmp_path / "outer.json.gz", {}).install()
+    try:
+        trace = _attached(tmp_path / "t.json.gz", loop, max_epochs=2, on_limit=_raise)
+        assert vars(kind)["__iter__"] is not own_iter  # (followed while one is installed)
+    finally:
+        outer.uninstall()
     assert [s.epoch for s in trace.steps] == [0] * 4 + [1] * 4
     assert [s.index for s in trace.steps] == [0, 1, 2, 3] * 2
-    assert vars(_InfiniteLoader)["__iter__"].__name__ == "__iter__"  # (its own again)
-    assert "__wrapped__" not in vars(vars(_InfiniteLoader)["__iter__"])
+    assert vars(kind)["__iter__"] is own_iter
+
+
+def test_the_batches_of_an_inference_loop_are_recorded_in_its_steps(tmp_path):
+    """Each call of the model, a step, is filed the batch the loader yielded for it."""
+    def infer(noise: float) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1).eval()
+        with torch.no_grad():
+            for x in torch.utils.data.DataLoader(_ShiftedAt(5, noise), batch_size=2):
+                model(x)
+
+    for run, noise in enumerate((0.0, 0.25)):
+        _attached(tmp_path / f"trace-{run}.json.gz", functools.partial(infer, noise))
+    records = Trace.load(tmp_path / "trace-0.json.gz").frame()
+    loaded = records[records.slot.str.startswith("batch.loader")]
+    assert loaded.groupby("step").call.nunique().tolist() == [1] * 4
+    c = detaudit.compare(tmp_path).comparison
+    assert c.first_step == 2 and c.cause == "data", (c.first_step, c.cause)
+    assert any(d.slot.startswith("batch.loader") for d in c.first_diffs)
 
 
 def test_labels_a_loss_takes_outside_the_model_are_step_state(tmp_path):
@@ -973,6 +1019,30 @@ def test_exec_of_a_launcher_records_the_script_it_starts(tmp_path):
 ])
 def test_a_launcher_is_told_from_the_script_it_runs(command, launcher):
     assert _is_launcher(command.split()) is launcher
+
+
+@pytest.mark.parametrize(("env", "records_as"), [
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "rank 1"),  # a worker torch's
+    # elastic agent started from a process that claimed nothing (accelerate launch)
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "owner"),  # torchrun's own process on a cluster that
+    # sets RANK for each node: it must leave rank 0 to its worker
+    ({}, "owner"),
+])
+def test_which_process_of_a_command_records(tmp_path, env, records_as):
+    job = {"trace": str(tmp_path / "trace.json.gz"), "probe": {}}
+    code = ("import json, os\n"
+            "from detaudit.drivers.attach_process import activate_from_environment\n"
+            "a = activate_from_environment()\n"
+            "print(json.dumps([None if a.rank is None else a.rank.rank,\n"
+            "                  os.environ.get('DETAUDIT_ATTACH_RANK')]))\n"
+            "a.uninstall()\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DETAUDIT_ATTACH")
+             and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**clean, **env, "DETAUDIT_ATTACH": json.dumps(job)}, check=True)
+    rank, claimed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (f"rank {rank}" if rank is not None else "owner") == records_as
+    assert claimed == (None if rank is None else str(rank))
 
 
 def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):

@@ -138,9 +138,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         # its loader is fetched (see _file_loader_batches)
         self._waiting: list[Waiting] = []
         self._fetched_ahead: int | None = None  # (known as the first step takes its batches)
-        self._followed_classes: set[type] = set()  # see follow_passes_of
         self._iter_called: dict[int, tuple[Any, int]] = {}  # see on_loader_iter
-        self.making_iterator = 0  # see wrap_loader_iterator_init
+        self.making_iterator = 0  # see attach_patches._begin_pass_outside_iter
         # each DataLoader iterator's pass: (its loader's id, the loader's pass number)
         self._iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]] = (
             weakref.WeakKeyDictionary())
@@ -198,14 +197,15 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         in the background) but for autograd's (a checkpoint recomputing)."""
         if transformed() or isinstance(module, ParametrizationList):
             return True
-        if self._depth == 0 and _in_a_module_init():
+        in_the_loop = threading.get_ident() == self._loop_thread or (
+            torch._C._current_autograd_node() is not None)
+        if not in_the_loop and self._loop_thread_known:
             return True
-        if threading.get_ident() == self._loop_thread or (
-                torch._C._current_autograd_node() is not None):
-            return False
+        if self._depth == 0 and _in_a_module_init():  # (asked of top-level calls only)
+            return True
         # until a step begins, the loop's thread is the one that attached, or the thread
         # of a call that may begin the first step (a loop run in a thread of its own)
-        return self._loop_thread_known or not (module.training and torch.is_grad_enabled())
+        return not in_the_loop and not (module.training and torch.is_grad_enabled())
 
     def _global_pre(self, module: nn.Module, args: tuple) -> None:
         if self._no_call_of_the_loop(module):
@@ -579,8 +579,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self._drop_step()
             return
         self._end_ops()
-        if not self._updated:  # (an inference step's call ends: see _step_done)
-            self._file_loader_batches()
+        if not self._updated or self.inferring:  # (an inference step's call ends; a
+            self._file_loader_batches()  # training step's update filed them: _step_done)
         if self._carried is not None:
             store_records(self.trace, self.info.step, self._carried)
             self._carried = None
@@ -663,7 +663,7 @@ def _in_a_module_init() -> bool:
     call of the loop, neither a step nor a batch. Asked of top-level calls only."""
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"),
+        if frame.f_code.co_name == "__init__" and issubclass(type(frame.f_locals.get("self")),
                                                              nn.Module):
             return True
         frame = frame.f_back

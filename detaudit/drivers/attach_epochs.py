@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..config import LOADER_IN_A_THREAD
 from ..record.recorder import printed_now
 from ..trace import LOADER_BATCH, STATE
-from .attach_patches import wrap_loader_reiter
 from .rankprobe import sampler_snapshot
 from .runner import in_a_library
 
@@ -65,24 +65,17 @@ class Epochs:
             self._samplers.setdefault(key, []).append(
                 {"epoch": self._passes[key] - 1, "sampler": sampler_snapshot(loader)})
         if (key == self._train_loader and self.max_epochs is not None and not self.stopped
-                and self._epochs_fed + 1 >= self.max_epochs and not self._pass_open(key)):
+                and self._epochs_fed + 1 >= self.max_epochs and not self._pass_open(key)
+                and self._in_the_loops_thread()):
             self.end_step()
             self.stop()
         return key, self._passes[key]
 
-    def follow_passes_of(self, loader_class: type) -> None:
-        """A DataLoader class with an ``__iter__`` of its own may serve every pass from one
-        iterator that never ends (Ultralytics' InfiniteDataLoader, timm's
-        MultiEpochsDataLoader): each call of its ``__iter__`` is noted, and a batch its old
-        iterator yields after one begins a new pass (see on_loader_batch)."""
-        owner = next(c for c in loader_class.__mro__ if "__iter__" in vars(c))
-        if owner is torch.utils.data.DataLoader or owner in self._followed_classes:
-            return
-        self._followed_classes.add(owner)
-        self._patch(owner, "__iter__", wrap_loader_reiter(self, vars(owner)["__iter__"]))
-
     def on_loader_iter(self, loader: Any) -> None:
-        """A followed DataLoader class's ``__iter__`` is called (see follow_passes_of)."""
+        """The ``__iter__`` of a DataLoader class of its own is called: it may serve every
+        pass from one iterator that never ends (Ultralytics' InfiniteDataLoader, timm's
+        MultiEpochsDataLoader), so a batch that iterator yields after this begins a new pass
+        (see on_loader_batch; attach_patches.follow_passes_of)."""
         self._iter_called[id(loader)] = (loader, self._passes.get(id(loader), 0))
 
     def _pass_open(self, loader: int) -> bool:
@@ -99,8 +92,10 @@ class Epochs:
         loader iterated in another thread than the loop's (a prefetching thread) is not
         followed: when its batches are taken is a race."""
         started = self._iterators.get(iterator)
-        thread = threading.get_ident()
-        if started is None or (self._loop_thread_known and thread != self._loop_thread):
+        if started is None:
+            return
+        if not self._in_the_loops_thread():
+            self.trace.probe[LOADER_IN_A_THREAD] = True
             return
         called = self._iter_called.pop(started[0], None)
         if called is not None and started[1] <= called[1]:  # its old iterator serves a new pass
@@ -126,7 +121,15 @@ class Epochs:
         elif len(self._waiting) >= _WAITING_PRINTED:
             del self._waiting[0]
         self._waiting.append(Waiting(started, printed_now(batch, "xxh3") if printed else batch,
-                                     printed, _may_fetch_ahead(fetched_by), thread))
+                                     printed, _may_fetch_ahead(fetched_by),
+                                     threading.get_ident()))
+
+    def _in_the_loops_thread(self) -> bool:
+        """Whether this is the loop's thread, or may be (before its first step). A loader
+        iterated in another thread (a prefetching thread) is not followed: when the loop
+        takes its batches is a race, so neither are its batches filed nor its passes counted
+        as epochs (a stop there would end each run after another number of steps)."""
+        return not self._loop_thread_known or threading.get_ident() == self._loop_thread
 
     def _keep_the_loops_batches(self) -> None:
         """The loop's thread is known (its first step begins): batches other threads fetched
@@ -144,8 +147,9 @@ class Epochs:
         if self.recorder is None:
             return
         training = [w for w in self._waiting if w.pass_ == self._train_pass]
-        if self._fetched_ahead is None and training:
-            self._fetched_ahead = max(0, len(training) - self._batches) if any(
+        if self._fetched_ahead is None and training:  # (a model called inside compiled
+            # code makes no call seen: it took one batch all the same)
+            self._fetched_ahead = max(0, len(training) - max(self._batches, 1)) if any(
                 w.by_library for w in training) else 0
         live = set(self._iterators.values())
         ahead = self._fetched_ahead or 0

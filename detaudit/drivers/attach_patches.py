@@ -35,7 +35,7 @@ class Callbacks(Protocol):
     """What the wrappers call back into (an :class:`.attach.Attachment`)."""
 
     in_backward: bool
-    making_iterator: int  # DataLoader.__iter__ calls under way (see wrap_loader_iterator_init)
+    making_iterator: int  # DataLoader.__iter__ calls under way (see _begin_pass_outside_iter)
     # a DataLoader iterator -> its pass: (its loader's id, the loader's pass number)
     _iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]]
 
@@ -43,7 +43,6 @@ class Callbacks(Protocol):
     def after_backward(self) -> None: ...
     def on_loader_pass(self, loader: Any) -> tuple[int, int]: ...
     def on_loader_iter(self, loader: Any) -> None: ...
-    def follow_passes_of(self, loader_class: type) -> None: ...
     def on_loader_batch(self, iterator: Any, batch: Any, fetched_by: Any = None) -> None: ...
     def on_scaler_update(self, scaler: Any) -> None: ...
     def on_manual_seed(self, frame: Any) -> None: ...
@@ -117,7 +116,7 @@ def wrap_loader_iter(attachment: Callbacks) -> Callable[..., Any]:
 
     def __iter__(self: Any) -> Any:
         started = attachment.on_loader_pass(self)
-        attachment.follow_passes_of(type(self))
+        follow_passes_of(type(self))
         attachment.making_iterator += 1
         try:
             iterator = original(self)
@@ -138,24 +137,63 @@ def wrap_loader_iterator_init(attachment: Callbacks) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
         original(self, loader, *args, **kwargs)
-        if not attachment.making_iterator:
-            started = attachment.on_loader_pass(loader)
-            attachment.follow_passes_of(type(loader))
-            with contextlib.suppress(TypeError):
-                attachment._iterators[self] = started
+        _begin_pass_outside_iter(attachment, self, loader)
 
     return __init__
 
 
-def wrap_loader_reiter(attachment: Callbacks, original: Callable[..., Any]) -> Callable[..., Any]:
-    """The ``__iter__`` of a DataLoader class of its own (see Epochs.follow_passes_of)."""
+def wrap_loader_iterator_reset(attachment: Callbacks) -> Callable[..., Any]:
+    """An exhausted DataLoader iterator made to serve a pass again outside
+    ``DataLoader.__iter__`` (a loader of its own that resets it itself) begins a pass."""
+    original = LoaderIterator._reset
 
     @functools.wraps(original)
-    def __iter__(self: Any) -> Any:
-        attachment.on_loader_iter(self)
-        return original(self)
+    def _reset(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        loader = args[0] if args else kwargs.get("loader")
+        first = args[1] if len(args) > 1 else kwargs.get("first_iter", False)
+        if loader is not None and not first:  # (as it is made: see the __init__ above)
+            _begin_pass_outside_iter(attachment, self, loader)
 
-    return __iter__
+    return _reset
+
+
+def _begin_pass_outside_iter(attachment: Callbacks, iterator: Any, loader: Any) -> None:
+    if not attachment.making_iterator:  # (DataLoader.__iter__ begins its own passes)
+        started = attachment.on_loader_pass(loader)
+        follow_passes_of(type(loader))
+        with contextlib.suppress(TypeError):
+            attachment._iterators[iterator] = started
+
+
+# The attachments installed now, innermost last: a DataLoader class's own __iter__, wrapped
+# once while any is installed (see follow_passes_of), tells each of them.
+_INSTALLED: list[Callbacks] = []
+_OWN_ITERS: dict[type, Callable[..., Any]] = {}  # the classes wrapped, and their __iter__
+
+
+def follow_passes_of(loader_class: type) -> None:
+    """A DataLoader class with an ``__iter__`` of its own may serve every pass from one
+    iterator (see Epochs.on_loader_iter): its ``__iter__`` is wrapped until the last
+    attachment is uninstalled."""
+    owner = next(c for c in loader_class.__mro__ if "__iter__" in vars(c))
+    if owner is torch.utils.data.DataLoader or owner in _OWN_ITERS:
+        return
+    own = _OWN_ITERS[owner] = vars(owner)["__iter__"]
+
+    @functools.wraps(own)
+    def __iter__(self: Any) -> Any:
+        for attachment in _INSTALLED:
+            attachment.on_loader_iter(self)
+        return own(self)
+
+    owner.__iter__ = __iter__
+
+
+def _unwrap_own_iters() -> None:
+    for owner, own in _OWN_ITERS.items():
+        owner.__iter__ = own
+    _OWN_ITERS.clear()
 
 
 def wrap_loader_next(attachment: Callbacks) -> Callable[..., Any]:
@@ -253,6 +291,7 @@ class Installing:
         self._patch(torch.utils.data.DataLoader, "__iter__", wrap_loader_iter(self))
         self._patch(LoaderIterator, "__next__", wrap_loader_next(self))
         self._patch(LoaderIterator, "__init__", wrap_loader_iterator_init(self))
+        self._patch(LoaderIterator, "_reset", wrap_loader_iterator_reset(self))
         self._patch(torch.amp.GradScaler, "update", wrap_scaler_update(self))
         self._patch(torch.optim.Optimizer, "zero_grad",
                     wrap_zero_grad(self, torch.optim.Optimizer))
@@ -274,6 +313,7 @@ class Installing:
         if self.rank is not None:
             ddp = torch.nn.parallel.DistributedDataParallel
             self._patch(ddp, "__init__", wrap_ddp_init(self.rank))
+        _INSTALLED.append(self)
         self.installed = True
         return self
 
@@ -289,6 +329,10 @@ class Installing:
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches = []
+        if self in _INSTALLED:
+            _INSTALLED.remove(self)
+        if not _INSTALLED:
+            _unwrap_own_iters()
         self.installed = self._out_of_graphs = False
 
     def see_compiled_calls(self, module: nn.Module) -> None:

@@ -61,20 +61,34 @@ def activate_from_environment() -> Attachment | None:
         # claims the recording, as the command's own process would
         os.environ[JOB_VARIABLE] = json.dumps({**job, "launcher": False})
         return None
-    # a rank first: the ranks a launcher starts from its own process (`accelerate launch
-    # --multi_gpu` runs torch's elastic agent in it) find no owner, and must not record as one
-    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    if (rank is not None and rank.isdigit() and world is not None and world.isdigit()
-            and os.environ.get(RANK_OWNER_VARIABLE) != rank):
-        _claim(rank)
-        return _attach(job, RankWatch(int(rank), int(world), "unknown"))
+    rank = _rank_to_claim()
+    # a worker torch's elastic agent started (LOCAL_RANK set) records as its rank first:
+    # those a launcher starts from its own process (`accelerate launch --multi_gpu` runs the
+    # agent in it) find no owner. (Not any process with RANK set: a cluster may set it for
+    # each node, torchrun's own process included, which would claim a worker's rank.)
+    if rank is not None and "LOCAL_RANK" in os.environ:
+        _claim(str(rank.rank))
+        return _attach(job, rank)
     if os.environ.get(OWNER_VARIABLE) in (None, str(os.getpid())):  # execv keeps the pid
         _claim(None)
         attachment = _attach(job)
         _spawn_ranks_through(_spawned_rank)
         return attachment
+    if rank is not None:
+        _claim(str(rank.rank))
+        return _attach(job, rank)
     if job.get("seed") is not None:  # a spawned child: seeded before its code runs, too
         seed_everything(int(job["seed"]))
+    return None
+
+
+def _rank_to_claim() -> RankWatch | None:
+    """The rank this process would record as (``RANK`` and ``WORLD_SIZE`` set, and no
+    process above it claimed that rank), if any."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if (rank is not None and rank.isdigit() and world is not None and world.isdigit()
+            and os.environ.get(RANK_OWNER_VARIABLE) != rank):
+        return RankWatch(int(rank), int(world), "unknown")
     return None
 
 

@@ -636,6 +636,7 @@ def in_a_library(filename: str) -> bool:
 def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {_PACKAGE_DIR, os.path.dirname(torch.__file__), site.getusersitepackages(),
+            *getattr(site, "getsitepackages", list)(),  # (Debian's dist-packages)
             *(paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib"))}
     return tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
 

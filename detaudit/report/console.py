@@ -11,6 +11,7 @@ from ..words import counted
 from .sections import (
     CALLS_UNSEEN_NOTE,
     INFERRED_NOTE,
+    LOADER_IN_A_THREAD_NOTE,
     SIDE_HEADERS,
     nonfinite_line,
     short_epochs_note,
@@ -64,6 +65,8 @@ def render_console(summary: dict[str, Any]) -> str:
         lines.append(f"note: {short_epochs_note(summary['short_epochs'])}")
     if summary.get("calls_unseen"):
         lines.append(f"note: {CALLS_UNSEEN_NOTE}")
+    if summary.get("loader_in_a_thread"):
+        lines.append(f"note: {LOADER_IN_A_THREAD_NOTE}")
     if summary.get("inferred"):
         lines.append(f"note: {INFERRED_NOTE}")
     flagged = summary.get("env_risks") or {}

@@ -176,6 +176,8 @@ def _verdict(s: dict[str, Any]) -> Section:
         blocks.append(Text(f"Note: {short_epochs_note(s['short_epochs'])}"))
     if s.get("calls_unseen"):
         blocks.append(Text(f"Note: {CALLS_UNSEEN_NOTE}"))
+    if s.get("loader_in_a_thread"):
+        blocks.append(Text(f"Note: {LOADER_IN_A_THREAD_NOTE}"))
     if s.get("inferred"):
         blocks.append(Text(f"Note: {INFERRED_NOTE}"))
     return Section("verdict", "Verdict", blocks)
@@ -188,6 +190,13 @@ CALLS_UNSEEN_NOTE = (
     "recorded from the batches the training DataLoader yields, the losses, the gradients and "
     "the parameters, and a zoomed step module by module where its calls can be seen "
     "(compiled code runs eagerly there; calls inside a torch.func transform are not seen).")
+
+
+LOADER_IN_A_THREAD_NOTE = (
+    "a DataLoader was iterated in another thread than the training loop's (a prefetching "
+    "thread): when the loop takes its batches is a race, so they are not recorded as the "
+    "batches of steps (the model's inputs are), and its passes are not counted as epochs "
+    "(--max-epochs does not stop the run: use --max-steps).")
 
 
 INFERRED_NOTE = (
