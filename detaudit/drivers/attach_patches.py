@@ -115,15 +115,13 @@ def wrap_loader_iter(attachment: Callbacks) -> Callable[..., Any]:
     original = torch.utils.data.DataLoader.__iter__
 
     def __iter__(self: Any) -> Any:
-        started = attachment.on_loader_pass(self)
-        follow_passes_of(type(self))
+        started = _begin_pass(attachment, self)
         attachment.making_iterator += 1
         try:
             iterator = original(self)
         finally:
             attachment.making_iterator -= 1
-        with contextlib.suppress(TypeError):  # an iterator that takes no weak reference
-            attachment._iterators[iterator] = started
+        _follow(attachment, iterator, started)
         return iterator
 
     return __iter__
@@ -160,10 +158,19 @@ def wrap_loader_iterator_reset(attachment: Callbacks) -> Callable[..., Any]:
 
 def _begin_pass_outside_iter(attachment: Callbacks, iterator: Any, loader: Any) -> None:
     if not attachment.making_iterator:  # (DataLoader.__iter__ begins its own passes)
-        started = attachment.on_loader_pass(loader)
-        follow_passes_of(type(loader))
-        with contextlib.suppress(TypeError):
-            attachment._iterators[iterator] = started
+        _follow(attachment, iterator, _begin_pass(attachment, loader))
+
+
+def _begin_pass(attachment: Callbacks, loader: Any) -> tuple[int, int]:
+    """`loader` begins a pass: which one (see Epochs.on_loader_pass)."""
+    follow_passes_of(type(loader))
+    return attachment.on_loader_pass(loader)
+
+
+def _follow(attachment: Callbacks, iterator: Any, started: tuple[int, int]) -> None:
+    """The batches `iterator` yields are those of the pass `started`."""
+    with contextlib.suppress(TypeError):  # an iterator that takes no weak reference
+        attachment._iterators[iterator] = started
 
 
 # The attachments installed now, innermost last: a DataLoader class's own __iter__, wrapped

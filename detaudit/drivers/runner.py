@@ -651,6 +651,5 @@ _HOOK_ENTRIES = frozenset({
     "_pre_hook", "_post_hook", "hook",  # Recorder (a hook on a tensor or an autograd node)
     "_global_pre", "_global_post", "on_backward", "_before_update", "_after_update",
     "on_loader_pass", "on_loader_iter", "on_loader_batch", "on_scaler_update",  # Attachment
-    "on_manual_seed",
-    "on_parameter_made",
+    "on_manual_seed", "on_parameter_made",
 })
