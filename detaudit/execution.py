@@ -298,7 +298,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
               ) -> tuple[Recorded, dict[str, Any]]:
     """One run of the command in its own process group; its trace, or each rank's. `stdin`:
     its standard input (see _repeated_stdin), read from the start."""
-    path = folder / _attach_name(repeat)
+    path = folder.absolute() / _attach_name(repeat)  # (the command may change directory)
     fault = job.fault if job.fault is not None and repeat == job.repeats - 1 else None
     env = dict(os.environ)
     env.pop(OWNER_VARIABLE, None)
@@ -349,8 +349,8 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
                "no optimizer step was seen, and its model's calls were no inference: a script "
                "with an optimizer, or whose model was first called in training mode with "
                "gradients on; --mode infer takes every top-level call of the model for a step")
-            + "; the Python that runs it must have detaudit installed, as "
-            f"{sys.executable} does)"
+            + "; the first process of the command that imports torch records, in a Python "
+            f"that has detaudit installed, as {sys.executable} does)"
         )
     for trace in recorded.values():
         at_limit = (job.max_steps is not None and len(trace.steps) >= job.max_steps) or (

@@ -1011,6 +1011,57 @@ def test_exec_of_a_launcher_records_the_script_it_starts(tmp_path):
     assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 2
 
 
+def test_exec_of_a_front_end_records_the_kernel_it_runs_the_training_in(tmp_path):
+    """`jupyter nbconvert --execute` and papermill are Python programs that never import
+    torch: the notebook runs in a kernel they start (in the notebook's folder), which they
+    end with SIGTERM once its last cell is done. Here a front-end runs the training in a
+    Python console, from another folder, then ends it. The kernel records (the front-end
+    claimed the recording and nothing was recorded), its trace is the run's (it went to a
+    folder relative to the kernel's), its last step is kept and the run is no failure (it
+    was "interrupted"); `random` and numpy, drawn from before torch is imported, are seeded
+    by --seed all the same."""
+    kernel_folder = tmp_path / "notebooks"
+    kernel_folder.mkdir()
+    cells = ("import random, numpy as np\n"
+             "noise = random.random() + float(np.random.rand())\n"
+             "import torch\n"
+             "model = torch.nn.Linear(4, 1)\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+             "for step in range(3):\n"
+             "    model(torch.full((2, 4), noise)).sum().backward()\n"
+             "    opt.step()\n"
+             "    opt.zero_grad()\n"
+             "\n"
+             "print('cells done', flush=True)\n")
+    front_end = tmp_path / "front_end.py"
+    front_end.write_text(
+        "import subprocess, sys, time\n"
+        f"kernel = subprocess.Popen([sys.executable, '-m', 'code'], cwd={str(kernel_folder)!r},\n"
+        "                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)\n"
+        f"kernel.stdin.write({cells!r})\n"
+        "kernel.stdin.flush()\n"
+        "assert 'cells done' in kernel.stdout.readline()\n"
+        "shown = ''\n"
+        "while not shown.endswith('>>> '):  # the prompt: idle, waiting for the next cell\n"
+        "    shown += kernel.stdout.read(1)\n"
+        "kernel.terminate()\n"
+        "while kernel.poll() is None:  # (a signal another thread took waits for the main\n"
+        "    try:  # one to run Python code: an empty line wakes it)\n"
+        "        kernel.stdin.write('\\n')\n"
+        "        kernel.stdin.flush()\n"
+        "    except BrokenPipeError:\n"
+        "        break\n"
+        "    time.sleep(0.1)\n"
+        "kernel.wait()\n")
+    done = run_cli("exec", "--out", "run", "--quiet", "--json", "--seed", "0", "--",
+                   sys.executable, str(front_end), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["verdict"] == "deterministic" and summary["failures"] == {}
+    assert len(Trace.load(tmp_path / "run" / "trace-1.json.gz").steps) == 3
+    assert not (kernel_folder / "run").exists()
+
+
 @pytest.mark.parametrize(("command", "launcher"), [
     ("accelerate launch train.py", True), ("uv run accelerate launch train.py", True),
     ("accelerate-launch train.py", True), ("python -m accelerate.commands.launch t.py", True),
@@ -1144,20 +1195,20 @@ def test_exec_refuses_clearly(tmp_path, command, message):
 
 
 def test_exec_with_a_python_that_cannot_import_detaudit_says_so(tmp_path):
-    """The command's Python lacks detaudit (or torch): said in one line, with the Python
-    to use, not "no optimizer step was seen"."""
+    """The command's Python imports torch but lacks detaudit: said in one line, with the
+    Python to use, not "no optimizer step was seen"."""
     fake = tmp_path / "fake" / "detaudit"  # shadows the real one, first after the bootstrap
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'torch'\")\n")
+    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'detaudit'\")\n")
     script = tmp_path / "train.py"
-    script.write_text("print('training')\n")
+    script.write_text("import torch\nprint('training')\n")
     shell = (f'PYTHONPATH="${{PYTHONPATH%%:*}}:{fake.parent}:$PYTHONPATH" '
              f"exec {sys.executable} {script}")
     done = run_cli("exec", "--out", str(tmp_path / "run"), "--", "sh", "-c", shell)
     assert done.returncode == 2, done.stdout + done.stderr
     said = done.stderr.strip().splitlines()[-1]
     assert said.startswith("detaudit: error: repeat 0: ") and "ran unaudited: " in said
-    assert "cannot import detaudit (No module named 'torch'); run it with the Python " in said
+    assert "cannot import detaudit (No module named 'detaudit'); run it with the Python " in said
     assert not list((tmp_path / "run").glob("*.unattached"))
 
 

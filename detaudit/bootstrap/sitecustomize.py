@@ -1,27 +1,99 @@
-"""Put on PYTHONPATH by ``detaudit exec``: attaches detaudit's recording before the user's
-code runs, in the process the job names (nothing happens without the job variable), then
-runs the ``sitecustomize`` this one hides, if there is one."""
+"""Put on PYTHONPATH by ``detaudit exec``: attaches detaudit's recording in the process the
+job names (nothing happens without the job variable), then runs the ``sitecustomize`` this
+one hides, if there is one.
 
+A process claims the recording when it imports torch, not when it starts: a front-end that
+never imports torch (``jupyter nbconvert``, ``papermill``, a wrapper script) leaves it to the
+process that trains (the notebook's kernel). With ``--seed``, ``random`` is seeded now and
+numpy as it loads, before the user's code can draw from either; torch as it loads.
+"""
+
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
 import os
+import random
 import sys
 
-if os.environ.get("DETAUDIT_ATTACH"):
+_JOB = "DETAUDIT_ATTACH"  # (config.JOB_VARIABLE; this file imports nothing of detaudit)
+_OWNER = "DETAUDIT_ATTACH_PID"  # (config.OWNER_VARIABLE)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` right after the top-level module `name` is first imported."""
+
+    def __init__(self, name, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            run_module, then, waiting = spec.loader.exec_module, self.then, [fullname]
+
+            def exec_module(module):  # (a loader may load other modules too)
+                run_module(module)
+                if module.__name__ in waiting:
+                    waiting.clear()
+                    then(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _after_import(name, then):
+    if name in sys.modules:
+        then(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+def _unattached(said):
+    """This process imports torch but cannot import detaudit: said where exec looks."""
+    print(f"detaudit: {said}: this process runs unaudited", file=sys.stderr)
+    try:
+        with open(json.loads(os.environ[_JOB])["trace"] + ".unattached", "w") as note:
+            note.write(said)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+
+
+def _attach(torch_module):
     try:
         from detaudit.drivers.attach_process import activate_from_environment
-    except ImportError as exc:  # a Python without detaudit (or torch): said where exec looks
-        _said = f"{sys.executable} cannot import detaudit ({exc})"
-        print(f"detaudit: {_said}: this process runs unaudited", file=sys.stderr)
-        try:
-            _trace = json.loads(os.environ["DETAUDIT_ATTACH"])["trace"]
-            with open(_trace + ".unattached", "w") as _note:
-                _note.write(_said)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+    except ImportError as exc:  # a Python without detaudit
+        _unattached(f"{sys.executable} cannot import detaudit ({exc})")
     else:
         activate_from_environment()
+
+
+def _seed_numpy(seed):
+    def seed_numpy(numpy):
+        numpy.random.seed(seed % 2**32)
+    return seed_numpy
+
+
+def _start():
+    try:
+        job = json.loads(os.environ[_JOB])
+    except ValueError:
+        return
+    if job.get("launcher") and os.environ.get(_OWNER) is None:
+        # the command is a launcher (see execution._is_launcher): the script it starts
+        # claims the recording, as the command's own process would
+        os.environ[_JOB] = json.dumps({**job, "launcher": False})
+        return
+    if job.get("seed") is not None:
+        random.seed(int(job["seed"]))
+        _after_import("numpy", _seed_numpy(int(job["seed"])))
+    _after_import("torch", _attach)
+
+
+if os.environ.get(_JOB):
+    _start()
 
 
 def _chain() -> None:

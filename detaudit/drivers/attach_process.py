@@ -12,7 +12,10 @@ import json
 import os
 import signal
 import sys
+import threading
 from typing import Any, Callable
+
+import torch
 
 from ..config import (
     AUTO,
@@ -23,7 +26,6 @@ from ..config import (
     Fault,
     rank_trace_path,
 )
-from ..seeding import seed_everything
 from .attach import Attachment
 from .rankprobe import RankWatch
 from .runner import describe_user_error, user_call_site
@@ -42,25 +44,21 @@ def failure_hook(attachment: Attachment) -> Callable[..., None]:
 
 
 def activate_from_environment() -> Attachment | None:
-    """In a process started by ``detaudit exec`` (the bootstrap calls this before the user's
-    code runs): seed if asked, attach, and save the trace at exit.
+    """In a process started by ``detaudit exec``, as it imports torch (the bootstrap calls
+    this; it has seeded ``random`` and numpy already, and handed a launcher's claim on):
+    seed torch if asked, attach, and save the trace at exit.
 
-    The command's own process records (or, where it is a launcher such as ``accelerate
-    launch``, the first Python process it starts), and so does the first process of each
-    rank a launcher such as torchrun starts (``RANK`` and ``WORLD_SIZE`` set), into a trace
-    of its own; ``torch.multiprocessing.spawn`` children record from their entry point (see
-    :func:`_spawned_rank`). Other children, which inherit the job (DataLoader workers,
-    subprocesses), do not record.
+    The first process of the command that imports torch records (a front-end that never
+    does, such as ``jupyter nbconvert``, leaves it to its kernel), and so does the first
+    process of each rank a launcher such as torchrun starts (``RANK`` and ``WORLD_SIZE``
+    set), into a trace of its own; ``torch.multiprocessing.spawn`` children record from
+    their entry point (see :func:`_spawned_rank`). Other processes, which inherit the claim
+    (DataLoader workers, subprocesses), do not record.
     """
     text = os.environ.get(JOB_VARIABLE)
     if not text:
         return None
     job = json.loads(text)
-    if job.get("launcher") and os.environ.get(OWNER_VARIABLE) is None:
-        # the command is a launcher (see execution._is_launcher): the script it starts
-        # claims the recording, as the command's own process would
-        os.environ[JOB_VARIABLE] = json.dumps({**job, "launcher": False})
-        return None
     rank = _rank_to_claim()
     # a worker torch's elastic agent started (LOCAL_RANK set) records as its rank first:
     # those a launcher starts from its own process (`accelerate launch --multi_gpu` runs the
@@ -77,9 +75,13 @@ def activate_from_environment() -> Attachment | None:
     if rank is not None:
         _claim(str(rank.rank))
         return _attach(job, rank)
-    if job.get("seed") is not None:  # a spawned child: seeded before its code runs, too
-        seed_everything(int(job["seed"]))
+    _seed_torch(job)  # a spawned child: seeded before its code runs, too
     return None
+
+
+def _seed_torch(job: dict[str, Any]) -> None:
+    if job.get("seed") is not None:
+        torch.manual_seed(int(job["seed"]))  # (every CUDA device too)
 
 
 def _rank_to_claim() -> RankWatch | None:
@@ -100,8 +102,7 @@ def _claim(rank: str | None) -> None:
 
 
 def _attach(job: dict[str, Any], rank: RankWatch | None = None) -> Attachment:
-    if job.get("seed") is not None:
-        seed_everything(int(job["seed"]))
+    _seed_torch(job)
     fault = Fault(**job["fault"]) if job.get("fault") else None
     path = job["trace"] if rank is None else rank_trace_path(job["trace"], rank.rank)
     if rank is not None:
@@ -116,7 +117,8 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None) -> Attachment:
     atexit.register(attachment.finish)
     attachment._patch(os, "_exit", _exit_saving(attachment))
     attachment._patch(sys, "exit", _exit_noting_where(attachment))
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    if (threading.current_thread() is threading.main_thread()  # (torch imported in a thread)
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
         signal.signal(signal.SIGTERM, _on_terminate(attachment))
     return attachment
 
@@ -172,9 +174,11 @@ def _exit_noting_where(attachment: Attachment) -> Callable[..., None]:
 
 def _on_terminate(attachment: Attachment) -> Callable[..., None]:
     """SIGTERM (detaudit exec after Ctrl-C): save what was recorded and end now, whatever
-    the script would catch."""
+    the script would catch. A process that none of the user's code was running in (a
+    notebook's kernel between cells, which its front-end ends after the last one) was done:
+    nothing failed, and its last step is kept."""
     def handler(signum: int, frame: Any) -> None:
-        attachment.finish("interrupted (Ctrl-C or SIGTERM)")
+        attachment.finish("interrupted (Ctrl-C or SIGTERM)" if user_call_site(frame) else None)
         _end_process()
 
     return handler

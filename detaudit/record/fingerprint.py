@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import signal
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -98,8 +99,17 @@ _pool: ThreadPoolExecutor | None = None
 def _thread_pool() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="detaudit-hash")
+        _pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="detaudit-hash",
+                                   initializer=_leave_signals_to_others)
     return _pool
+
+
+def _leave_signals_to_others() -> None:
+    """A hashing thread takes no SIGINT or SIGTERM: one it took would wait for the main
+    thread to run Python code before its handler ran (a main thread blocked on a read, as
+    an idle notebook kernel is, would never run it)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def _forget_pool() -> None:
