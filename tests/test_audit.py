@@ -75,6 +75,43 @@ def test_fault_in_module_without_input_gradient_uses_its_parameter_gradient():
     assert [(o.module, o.phase) for o in c.origins] == [("stem", "backward")]
 
 
+class _Queries(nn.Module):
+    """Learnt queries attending over the input, as DETR's decoder does: the attention uses
+    its `out_proj` weight directly (never calling it) and the model reads the queries'
+    embedding weight directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query_embed = nn.Embedding(4, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        queries = self.query_embed.weight.expand(x.shape[0], -1, -1)
+        return self.head(self.attn(queries, x, x, need_weights=False)[0])
+
+
+def _queries_probe(device: torch.device) -> Probe:
+    model = _Queries().to(device)
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(2, 6, 8, generator=g) for _ in range(3)]
+    return Probe(model=model, batches=batches, step=lambda m, x: m(x.to(device)).pow(2).mean(),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_parameters_used_outside_their_modules_calls_are_no_second_origin():
+    """A backward fault in the head changes the gradients of the attention's `out_proj` and
+    of the queries' embedding, modules never called (their weights are read directly): they
+    are downstream of the head (in the attention's call, and in the model's), not origins
+    of their own."""
+    result = module_audit(_queries_probe, repeats=2, epochs=1, fault=Fault("head", "backward", 1))
+    c = result.comparison
+    assert (c.first_step, c.cause) == (1, "backward")
+    assert {"attn.out_proj", "query_embed"} <= {m for s, m, _ in c.grad_diffs if s == 1}
+    assert [(o.module, o.phase) for o in c.origins] == [("head", "backward")]
+    assert _roles(c, 1, "backward")["attn"] == PROPAGATED
+
+
 @pytest.mark.slow
 def test_planted_backward_fault_in_maskrcnn_at_module_level():
     """Every step recorded at module level (backward by scan + zoom: tests/test_cli.py)."""

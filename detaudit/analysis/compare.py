@@ -834,8 +834,17 @@ def _step_findings(
             candidates[phase].append((module, call))
     # Backward: a module whose own parameter gradients differ, with nothing upstream. They
     # sum over every call of the module in the step (a head shared by FPN levels), so any
-    # call's changed forward or output gradient is upstream of them.
-    for (s, phase, module, call), ds in slots.items():
+    # call's changed forward or output gradient is upstream of them. A module never called
+    # (whose weight another module reads, as attention does its `out_proj`) has its
+    # gradients made in the call of the nearest module that ran around it: upstream where
+    # that call's backward or forward differs, or, where no such call does, where another
+    # module is an origin of the backward already.
+    called = {m for m, _ in calls} | {m for (at, p, m, _) in slots if at == step
+                                       and p in (FORWARD, BACKWARD)}
+    grads_only = [(m, c) for (at, p, m, c) in slots
+                  if at == step and p == GRAD and module_level and m not in called]
+    for (s, phase, module, call), ds in sorted(slots.items(), key=lambda item: (
+            (item[0][2], item[0][3]) in grads_only)):  # (the called modules' first)
         if s != step or phase != GRAD or not module_level:
             continue
         mine = first_position(GRAD, module, call)
@@ -844,6 +853,10 @@ def _step_findings(
             and (carried is None or first_position(p, m, c) < mine)
             for (at, p, m, c) in slots if at == step and m == module
         )
+        if (module, call) in grads_only and not upstream:
+            around = _nearest_called(module, called)
+            upstream = bool(candidates[BACKWARD]) or any(
+                at == step and p in (FORWARD, BACKWARD) and m == around for (at, p, m, _) in slots)
         if not upstream and (module, call) not in candidates[BACKWARD]:
             candidates[BACKWARD].append((module, call))
             pending.append((BACKWARD, module, call, ds, False))
@@ -888,6 +901,16 @@ def _evaluations(ref: Trace, step: int,
                for (at, phase, module, call), ds in slots.items()
                if at == step and phase == GRAD and call < last_evaluation for d in ds]
     return position, min((p for p in carried if p >= 0), default=None)
+
+
+def _nearest_called(module: str, called: set[str]) -> str | None:
+    """The innermost module around `module`, by name, that ran in the step (the model, "",
+    if only it did)."""
+    while module:
+        module = module.rpartition(".")[0]
+        if module in called:
+            return module
+    return None
 
 
 def _call_parents(trace: Trace) -> dict[int, dict[tuple[str, int], tuple[str, int] | None]]:
