@@ -34,11 +34,14 @@ OP_FAULT_MODULE = "an op fault names the innermost module the op runs in, not a 
 
 def nearest_modules(name: str, names: list[str], listed: str) -> str:
     """What to say of a module name that is not among `names`: the nearest ones, or the
-    first few of them, under `listed` ("modules that ran")."""
+    outermost few of them (in their order) and how many there are, under `listed`
+    ("modules that ran")."""
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
     if close:
         return f"did you mean {', '.join(close)}?"
-    return f"{listed}: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}"
+    outermost = sorted(names, key=lambda n: n.count("."))[:8]
+    more = f", ... ({len(names)} in all)" if len(names) > len(outermost) else ""
+    return f"{listed}: {', '.join(outermost)}{more}"
 
 
 def fault_not_fired(fault: Fault, steps: int) -> str:

@@ -358,3 +358,15 @@ def test_exec_names_the_last_step_a_crashed_run_completed(tmp_path):
     assert headline.endswith(
         "the script's own bug (the last step it completed: 1); 2 of 2 repeats did not finish; "
         "the repeats agree over the 2 steps every repeat completed"), headline
+
+
+def test_a_module_name_with_no_near_match_is_answered_with_the_outermost_modules():
+    from detaudit.config import nearest_modules
+
+    names = ["backbone", "backbone.body", "backbone.body.conv1", "transformer",
+             "transformer.decoder", "bbox_embed", "bbox_embed.layers.0", "class_embed",
+             "query_embed", "input_proj", "transformer.encoder"]
+    assert nearest_modules("nosuchmodule", names, "modules that ran") == (
+        "modules that ran: backbone, transformer, bbox_embed, class_embed, query_embed, "
+        "input_proj, backbone.body, transformer.decoder, ... (11 in all)")
+    assert nearest_modules("bbox_embd", names, "modules").startswith("did you mean bbox_embed,")

@@ -653,3 +653,15 @@ def test_an_op_fault_named_on_a_parent_module_says_to_name_the_innermost(tmp_pat
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "names the innermost module the op runs in" in err
     assert main([*args, "--overwrite", "--inject-fault", "0.0/aten.convolution@forward:1"]) == 1
+
+
+def test_a_users_error_is_one_line_without_terminal_colour_codes():
+    """torch.load's error text is coloured for a terminal; the reports show it as text."""
+    from detaudit.drivers.runner import describe_user_error
+
+    try:
+        raise RuntimeError("\x1b[1mWeights only load failed.\x1b[0m Re-running may work\nmore")
+    except RuntimeError as exc:
+        said = describe_user_error(exc, "in step 0")
+    assert said.startswith("RuntimeError in step 0 at ")
+    assert said.endswith(": Weights only load failed. Re-running may work")

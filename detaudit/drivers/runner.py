@@ -6,6 +6,7 @@ import contextlib
 import functools
 import math
 import os
+import re
 import site
 import sysconfig
 import traceback
@@ -642,7 +643,12 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    """The message's first line, without terminal colour codes (torch.load's has some)."""
+    text = _TERMINAL_CODES.sub("", str(exc)).strip()
+    return text.splitlines()[0] if text else ""
+
+
+_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 # Where detaudit's code is entered from torch's hooks around the user's code: an exception
