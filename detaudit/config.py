@@ -54,7 +54,10 @@ def fault_not_fired(fault: Fault, steps: int) -> str:
         return f"op {fault.op!r} did not run {fault.phase} in any module {of}"
     where = f"op {fault.op!r} in " if fault.op else ""
     return (f"{where}module {fault.module or ROOT_NAME!r} did not run {fault.phase} {of}"
-            + (f" ({OP_FAULT_MODULE})" if fault.op else ""))
+            + (f" ({OP_FAULT_MODULE})" if fault.op else "")
+            + (" (a module that needs no gradient, for its parameters or its inputs, as a "
+               "frozen layer, runs no backward: plant @forward)"
+               if fault.phase == BACKWARD and not fault.op else ""))
 
 
 @dataclass(frozen=True)

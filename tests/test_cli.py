@@ -370,3 +370,12 @@ def test_a_module_name_with_no_near_match_is_answered_with_the_outermost_modules
         "modules that ran: backbone, transformer, bbox_embed, class_embed, query_embed, "
         "input_proj, backbone.body, transformer.decoder, ... (11 in all)")
     assert nearest_modules("bbox_embd", names, "modules").startswith("did you mean bbox_embed,")
+
+
+def test_a_backward_fault_that_never_fired_says_a_frozen_layer_runs_no_backward():
+    from detaudit.config import Fault, fault_not_fired
+
+    said = fault_not_fired(Fault("backbone.body.conv1", "backward", 2), 3)
+    assert said.startswith("module 'backbone.body.conv1' did not run backward at step 2 of 3 ")
+    assert "frozen layer, runs no backward: plant @forward" in said
+    assert "frozen" not in fault_not_fired(Fault("backbone.body.conv1", "forward", 2), 3)
