@@ -262,6 +262,7 @@ class Launch:
 # of the trace's probe that says whether a planted fault fired.
 JOB_VARIABLE = "DETAUDIT_ATTACH"
 OWNER_VARIABLE = "DETAUDIT_ATTACH_PID"
+CLAIM_SUFFIX = ".claim"  # beside a run's trace: the process of the command that records it
 RANK_OWNER_VARIABLE = "DETAUDIT_ATTACH_RANK"  # the rank whose first process records
 FAULT_FIRED = "fault_fired"
 ENDED = "ended"  # a trace's recording ended as it should (its loop ended, failed or hit a limit)

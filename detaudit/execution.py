@@ -31,6 +31,7 @@ from .api import (
 from .attached import Compared, conclude
 from .config import (
     CALLS_UNSEEN,
+    CLAIM_SUFFIX,
     ENDED,
     EXIT_CALL,
     FAULT_FIRED,
@@ -313,6 +314,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:
         env.setdefault("PYTHONHASHSEED", str(job.seed % 2**32))
+    _claimant(path)  # (a claim an earlier run left, killed before it was read)
     started = time.perf_counter()
     try:
         if isinstance(stdin, _Rewound):
@@ -330,6 +332,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         _kill_group(child)
     seconds = time.perf_counter() - started
     recorded = _recorded(path)
+    claimed_by = _claimant(path)
     unattached = path.with_name(path.name + UNATTACHED)  # (written by the bootstrap)
     if not recorded and unattached.exists():
         said = unattached.read_text(errors="replace").strip()
@@ -349,8 +352,11 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
                "no optimizer step was seen, and its model's calls were no inference: a script "
                "with an optimizer, or whose model was first called in training mode with "
                "gradients on; --mode infer takes every top-level call of the model for a step")
-            + "; the first process of the command that imports torch records, in a Python "
-            f"that has detaudit installed, as {sys.executable} does)"
+            + ("; the process of the command that trains records (the first to begin a step)"
+               f", in a Python that has detaudit installed, as {sys.executable} does"
+               if claimed_by is None else f"; {claimed_by!r} began one and left no trace: "
+               "killed before it saved?")
+            + ")"
         )
     for trace in recorded.values():
         at_limit = (job.max_steps is not None and len(trace.steps) >= job.max_steps) or (
@@ -468,6 +474,18 @@ def _kill_group(child: subprocess.Popen) -> None:
         os.killpg(child.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _claimant(trace: Path) -> str | None:
+    """The command line of the process that claimed `trace` (see
+    attach_process._first_to_claim), if one did; the claim is cleared for the next run."""
+    claim = trace.with_name(trace.name + CLAIM_SUFFIX)
+    try:
+        said = claim.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    claim.unlink(missing_ok=True)
+    return said[1] if len(said) > 1 else None
 
 
 def _attach_name(repeat: int | str) -> str:

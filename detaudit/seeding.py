@@ -1,13 +1,20 @@
-"""Seeding every RNG the way a reproducible training script should."""
+"""Seeding every RNG the way a reproducible training script should.
+
+torch is imported where it is used: ``from detaudit import seed_everything`` before ``import
+torch``, in a script that ``detaudit exec`` runs, leaves torch's import to the script (the
+recording attaches as torch loads, and needs this module whole).
+"""
 
 from __future__ import annotations
 
 import os
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def seed_everything(seed: int, workers: bool = False) -> None:
@@ -19,6 +26,8 @@ def seed_everything(seed: int, workers: bool = False) -> None:
     changed. Pass :func:`seeded_loader_kwargs` to each DataLoader so that its shuffling and
     each worker's numpy / ``random`` streams are seeded too (distinct per rank).
     """
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
@@ -32,6 +41,8 @@ def seed_worker(worker_id: int) -> None:
     PyTorch seeds each worker's torch RNG with base_seed + worker_id, but leaves numpy and
     `random` as forked copies, so every worker would draw the same augmentations.
     """
+    import torch
+
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
@@ -39,6 +50,8 @@ def seed_worker(worker_id: int) -> None:
 
 def loader_generator(seed: int, rank: int = 0) -> torch.Generator:
     """A generator for a DataLoader's shuffling and worker base seeds, distinct per rank."""
+    import torch
+
     generator = torch.Generator()
     generator.manual_seed(seed + 1_000_003 * rank)
     return generator

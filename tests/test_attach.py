@@ -1062,6 +1062,36 @@ def test_exec_of_a_front_end_records_the_kernel_it_runs_the_training_in(tmp_path
     assert not (kernel_folder / "run").exists()
 
 
+def test_exec_records_the_script_that_trains_whatever_comes_before_torch(tmp_path):
+    """Before it imports torch, the script asks whether torch is installed (as transformers
+    does: a spec found and thrown away), imports detaudit's seeding, and starts a helper
+    that imports torch and trains nothing (a monitor): the script's own steps are recorded,
+    all of them, once (the helper does not record over them)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import importlib.util, subprocess, sys\n"
+        "assert importlib.util.find_spec('torch') is not None\n"
+        "from detaudit import seed_everything\n"
+        "monitor = subprocess.Popen([sys.executable, '-c',\n"
+        "                            'import time, torch; time.sleep(120)'])\n"
+        "import torch\n"
+        "seed_everything(0)\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(4):\n"
+        "    model(torch.randn(2, 4)).sum().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "monitor.terminate()\n"
+        "monitor.wait()\n")
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--json", "--",
+                   sys.executable, str(script))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["verdict"] == "deterministic"
+    assert [len(Trace.load(tmp_path / "run" / f"trace-{r}.json.gz").steps)
+            for r in (0, 1)] == [4, 4]
+
+
 @pytest.mark.parametrize(("command", "launcher"), [
     ("accelerate launch train.py", True), ("uv run accelerate launch train.py", True),
     ("accelerate-launch train.py", True), ("python -m accelerate.commands.launch t.py", True),

@@ -4,6 +4,8 @@ quiet on deterministic runs."""
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import ClassVar
 
 import pytest
 import torch
@@ -75,41 +77,71 @@ def test_fault_in_module_without_input_gradient_uses_its_parameter_gradient():
     assert [(o.module, o.phase) for o in c.origins] == [("stem", "backward")]
 
 
-class _Queries(nn.Module):
-    """Learnt queries attending over the input, as DETR's decoder does: the attention uses
-    its `out_proj` weight directly (never calling it) and the model reads the queries'
-    embedding weight directly."""
+class _Attending(nn.Module):
+    """Queries attending over the input: `nn.MultiheadAttention` reads its `out_proj`
+    weight without calling it, as DETR's decoder does. `emb`, never called either, is read
+    by the model itself; `perturbed` (repeat, step) adds 1 ULP to its weight's gradient
+    there, as a racing accumulation would."""
+
+    perturbed: ClassVar[tuple[int, int] | None] = None
+    calls: ClassVar[dict[str, int]] = {"repeat": -1, "step": -1}
 
     def __init__(self) -> None:
         super().__init__()
-        self.query_embed = nn.Embedding(4, 8)
+        self.queries = nn.Linear(8, 8)
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.emb = nn.Embedding(6, 8)
         self.head = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        queries = self.query_embed.weight.expand(x.shape[0], -1, -1)
-        return self.head(self.attn(queries, x, x, need_weights=False)[0])
+        attended = self.attn(self.queries(x), x, x, need_weights=False)[0]
+        return self.head(attended + _OneUlpInBackward.apply(self.emb.weight)[:x.shape[1]])
 
 
-def _queries_probe(device: torch.device) -> Probe:
-    model = _Queries().to(device)
+class _OneUlpInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: torch.Tensor) -> torch.Tensor:
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if (_Attending.calls["repeat"], _Attending.calls["step"]) == _Attending.perturbed:
+            grad = grad.clone()
+            grad.view(-1)[0] = torch.nextafter(grad.view(-1)[0], torch.tensor(math.inf))
+        return grad
+
+
+def _attending_probe(device: torch.device) -> Probe:
+    _Attending.calls.update(repeat=_Attending.calls["repeat"] + 1, step=-1)
+    model = _Attending().to(device)
     g = torch.Generator().manual_seed(5)
     batches = [torch.randn(2, 6, 8, generator=g) for _ in range(3)]
-    return Probe(model=model, batches=batches, step=lambda m, x: m(x.to(device)).pow(2).mean(),
+
+    def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        _Attending.calls["step"] += 1
+        return m(x.to(device)).pow(2).mean()
+
+    return Probe(model=model, batches=batches, step=step,
                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_parameters_used_outside_their_modules_calls_are_no_second_origin():
-    """A backward fault in the head changes the gradients of the attention's `out_proj` and
-    of the queries' embedding, modules never called (their weights are read directly): they
-    are downstream of the head (in the attention's call, and in the model's), not origins
-    of their own."""
-    result = module_audit(_queries_probe, repeats=2, epochs=1, fault=Fault("head", "backward", 1))
-    c = result.comparison
+@pytest.mark.parametrize("own_difference", [False, True])
+def test_a_module_whose_weight_another_reads_is_downstream_of_it_not_an_origin(own_difference):
+    """A backward fault in the head changes the gradient of the attention's `out_proj`, a
+    module never called: it is downstream, in the attention's call, not an origin of its
+    own. The embedding, never called either and read by the model alone, stays an origin
+    where its own gradient changed in that step (nothing says it came from the head)."""
+    _Attending.calls["repeat"], _Attending.perturbed = -1, (1, 1) if own_difference else None
+    try:
+        c = module_audit(_attending_probe, repeats=2, epochs=1,
+                         fault=Fault("head", "backward", 1)).comparison
+    finally:
+        _Attending.perturbed = None
     assert (c.first_step, c.cause) == (1, "backward")
-    assert {"attn.out_proj", "query_embed"} <= {m for s, m, _ in c.grad_diffs if s == 1}
-    assert [(o.module, o.phase) for o in c.origins] == [("head", "backward")]
+    assert "attn.out_proj" in {m for s, m, _ in c.grad_diffs if s == 1}
     assert _roles(c, 1, "backward")["attn"] == PROPAGATED
+    assert [(o.module, o.phase) for o in c.origins] == [("head", "backward")] + (
+        [("emb", "backward")] if own_difference else [])
 
 
 @pytest.mark.slow

@@ -345,7 +345,8 @@ def test_control_characters_from_the_user_are_escaped_on_the_console(tmp_path, c
     main(["run", "--probe", str(probe), "--out", str(tmp_path / "run"), "--no-census"])
     out, err = capsys.readouterr()
     assert "\x1b" not in out + err and "\x07" not in out + err
-    assert "\\x1b]0;owned\\x07\\x1b[31mred" in out + err
+    # a terminal's colour codes are dropped (torch.load's message has some); the rest shown
+    assert "\\x1b]0;owned\\x07red" in out + err
 
 
 # -- state between in-process repeats ------------------------------------------------------

@@ -837,14 +837,13 @@ def _step_findings(
     # call's changed forward or output gradient is upstream of them. A module never called
     # (whose weight another module reads, as attention does its `out_proj`) has its
     # gradients made in the call of the nearest module that ran around it: upstream where
-    # that call's backward or forward differs, or, where no such call does, where another
-    # module is an origin of the backward already.
+    # that call's backward or forward differs. (Around it only the model ran: nothing tells
+    # its own difference from one that reached it, so it stays an origin.)
     called = {m for m, _ in calls} | {m for (at, p, m, _) in slots if at == step
                                        and p in (FORWARD, BACKWARD)}
     grads_only = [(m, c) for (at, p, m, c) in slots
                   if at == step and p == GRAD and module_level and m not in called]
-    for (s, phase, module, call), ds in sorted(slots.items(), key=lambda item: (
-            (item[0][2], item[0][3]) in grads_only)):  # (the called modules' first)
+    for (s, phase, module, call), ds in slots.items():
         if s != step or phase != GRAD or not module_level:
             continue
         mine = first_position(GRAD, module, call)
@@ -855,7 +854,7 @@ def _step_findings(
         )
         if (module, call) in grads_only and not upstream:
             around = _nearest_called(module, called)
-            upstream = bool(candidates[BACKWARD]) or any(
+            upstream = bool(around) and any(
                 at == step and p in (FORWARD, BACKWARD) and m == around for (at, p, m, _) in slots)
         if not upstream and (module, call) not in candidates[BACKWARD]:
             candidates[BACKWARD].append((module, call))
@@ -904,8 +903,8 @@ def _evaluations(ref: Trace, step: int,
 
 
 def _nearest_called(module: str, called: set[str]) -> str | None:
-    """The innermost module around `module`, by name, that ran in the step (the model, "",
-    if only it did)."""
+    """The innermost module around `module`, by name, that ran in the step ("", the model,
+    if only it did; None if not even it did)."""
     while module:
         module = module.rpartition(".")[0]
         if module in called:

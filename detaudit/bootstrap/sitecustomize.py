@@ -2,10 +2,11 @@
 job names (nothing happens without the job variable), then runs the ``sitecustomize`` this
 one hides, if there is one.
 
-A process claims the recording when it imports torch, not when it starts: a front-end that
-never imports torch (``jupyter nbconvert``, ``papermill``, a wrapper script) leaves it to the
-process that trains (the notebook's kernel). With ``--seed``, ``random`` is seeded now and
-numpy as it loads, before the user's code can draw from either; torch as it loads.
+A process attaches when it imports torch, not when it starts (and records if it is the
+first to begin a step): a front-end that never imports torch (``jupyter nbconvert``,
+``papermill``, a wrapper script) leaves it to the process that trains (the notebook's
+kernel). With ``--seed``, ``random`` is seeded now and numpy as it loads, before the user's
+code can draw from either; torch as it loads.
 """
 
 import importlib.abc
@@ -21,7 +22,9 @@ _OWNER = "DETAUDIT_ATTACH_PID"  # (config.OWNER_VARIABLE)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls `then(module)` right after the top-level module `name` is first imported."""
+    """Calls `then(module)` right after the top-level module `name` is imported. It stays
+    first on the import path until then: a library that only looks for the module
+    (``importlib.util.find_spec("torch")``, as transformers does) gets a spec of its own."""
 
     def __init__(self, name, then):
         self.name, self.then = name, then
@@ -29,19 +32,44 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.name:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            run_module, then, waiting = spec.loader.exec_module, self.then, [fullname]
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = None if finder is self or find is None else find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None:
+            run_module, finder = spec.loader.exec_module, self
 
             def exec_module(module):  # (a loader may load other modules too)
                 run_module(module)
-                if module.__name__ in waiting:
-                    waiting.clear()
-                    then(module)
+                if module.__name__ == finder.name and finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
+                    finder.then(module)
 
             spec.loader.exec_module = exec_module
         return spec
+
+
+class _WhenImportsSettle(importlib.abc.MetaPathFinder):
+    """Calls `then()` at the first import after no module of detaudit is importing itself
+    any more (torch, imported by detaudit's own import of a module the recording needs,
+    as ``from detaudit import Probe`` does, cannot attach before that import is done)."""
+
+    def __init__(self, then):
+        self.then = then
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not _detaudit_importing() and self in sys.meta_path:
+            sys.meta_path.remove(self)
+            self.then()
+
+
+def _detaudit_importing():
+    return any(name.split(".")[0] == "detaudit"
+               and getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items()))
 
 
 def _after_import(name, then):
@@ -61,7 +89,10 @@ def _unattached(said):
         pass
 
 
-def _attach(torch_module):
+def _attach(torch_module=None):
+    if _detaudit_importing():
+        sys.meta_path.insert(0, _WhenImportsSettle(_attach))
+        return
     try:
         from detaudit.drivers.attach_process import activate_from_environment
     except ImportError as exc:  # a Python without detaudit

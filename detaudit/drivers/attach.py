@@ -91,10 +91,15 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         on_limit: Callable[[], None] | None = None, zoom: int | None = None,
         fault: Fault | None = None, rank: RankWatch | None = None,
         planted_step: int | None = None, mode: str = AUTO,
+        claim: Callable[[], bool] | None = None,
     ) -> None:
+        """`claim`, where other processes may record the same trace: asked as the first step
+        begins whether this process records it; where not, it records nothing and detaches
+        (see attach_process._first_to_claim)."""
         if mode not in ATTACH_MODES:
             raise ValueError(f"mode must be one of {', '.join(ATTACH_MODES)}, not {mode!r}")
         self.path = Path(path)
+        self._claim, self._claimed = claim, claim is None
         self.trace = Trace(probe=probe, repeat=repeat, env={})  # what is not yet flushed
         self.trace.probe[ENDED] = False  # until the loop ends, fails or reaches its limit
         self.stream = TraceStream(self.trace, self.path)
@@ -432,7 +437,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         """Open the next step for `model`, begun by its call (`by_call`) or, where its calls
         are not seen (compiled) or come later (a closure's), by a backward or an update;
         False where no step may begin (a limit reached)."""
-        if model is None:
+        if model is None or not self._claimed and not self._claims_the_trace():
             return False
         if not self._loop_thread_known:
             self._loop_thread, self._loop_thread_known = threading.get_ident(), True
@@ -485,6 +490,19 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._by_hand = []  # (taken after the step's backward)
         self._grads_by_hand = []
         return True
+
+    @property
+    def claimed(self) -> bool:
+        """Whether this process records its trace (see `claim`)."""
+        return self._claimed
+
+    def _claims_the_trace(self) -> bool:
+        """Whether this process records (see `claim`); where another does, it detaches."""
+        self._claimed = self._claim is not None and self._claim()
+        if not self._claimed:
+            self.stopped = True
+            self.uninstall()
+        return self._claimed
 
     def _recorded_names(self) -> set[str]:
         """The module names the recorded models' records are made under (a side model takes
@@ -607,6 +625,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
     def finish(self, failure: str | None = None) -> None:
         """The loop is over (or failed): close the open step, save the trace."""
         self.trace.probe[ENDED] = True
+        if not self._claimed and (self.stopped or not (failure or self.trace.failure)
+                                  or not self._claims_the_trace()):
+            return  # no step (a failure before the first is this process's to say, if it may)
         if self.stopped:
             self.save()
             return
@@ -640,7 +661,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
     def _write(self) -> None:
         """Flush the trace to its file (nothing before the first step: a process that never
         trained, such as a data-preparation script in the same command, leaves no trace)."""
-        if not self.stream.steps and not self.trace.failure:
+        if not self._claimed or not self.stream.steps and not self.trace.failure:
             return
         self.stream.flush()
 

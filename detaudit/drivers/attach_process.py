@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -19,6 +21,7 @@ import torch
 
 from ..config import (
     AUTO,
+    CLAIM_SUFFIX,
     EXIT_CALL,
     JOB_VARIABLE,
     OWNER_VARIABLE,
@@ -48,15 +51,17 @@ def activate_from_environment() -> Attachment | None:
     this; it has seeded ``random`` and numpy already, and handed a launcher's claim on):
     seed torch if asked, attach, and save the trace at exit.
 
-    The first process of the command that imports torch records (a front-end that never
-    does, such as ``jupyter nbconvert``, leaves it to its kernel), and so does the first
+    The first process of the command to begin a step records (a front-end that never
+    imports torch, such as ``jupyter nbconvert``, leaves it to its kernel; a helper started
+    before the script imported torch attaches, claims nothing and detaches as the script's
+    first step is claimed: see :func:`_first_to_claim`), and so does the first
     process of each rank a launcher such as torchrun starts (``RANK`` and ``WORLD_SIZE``
     set), into a trace of its own; ``torch.multiprocessing.spawn`` children record from
     their entry point (see :func:`_spawned_rank`). Other processes, which inherit the claim
     (DataLoader workers, subprocesses), do not record.
     """
     text = os.environ.get(JOB_VARIABLE)
-    if not text:
+    if not text or _ATTACHED:
         return None
     job = json.loads(text)
     rank = _rank_to_claim()
@@ -68,8 +73,8 @@ def activate_from_environment() -> Attachment | None:
         _claim(str(rank.rank))
         return _attach(job, rank)
     if os.environ.get(OWNER_VARIABLE) in (None, str(os.getpid())):  # execv keeps the pid
-        _claim(None)
-        attachment = _attach(job)
+        _claim(None)  # (its children do not record; one started before may: see claim)
+        attachment = _attach(job, claim=functools.partial(_first_to_claim, job["trace"]))
         _spawn_ranks_through(_spawned_rank)
         return attachment
     if rank is not None:
@@ -94,6 +99,24 @@ def _rank_to_claim() -> RankWatch | None:
     return None
 
 
+def _first_to_claim(trace: str) -> bool:
+    """Whether this process is the first of the command to begin a step (or the process
+    that did, re-executed), asked as its first step begins: processes started before the
+    command's process imported torch, which inherited no claim (a helper that imports torch
+    and trains nothing, two scripts a wrapper runs), record one trace, not each its own over
+    it. The claim names the process, for exec to say."""
+    claim = trace + CLAIM_SUFFIX
+    try:
+        fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        with contextlib.suppress(OSError, ValueError), open(claim) as f:
+            return int(f.readline()) == os.getpid()
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()}\n{shlex.join(sys.argv)}\n")
+    return True
+
+
 def _claim(rank: str | None) -> None:
     """This process records (for `rank`); its children inherit that and do not."""
     os.environ[OWNER_VARIABLE] = str(os.getpid())
@@ -101,7 +124,10 @@ def _claim(rank: str | None) -> None:
         os.environ[RANK_OWNER_VARIABLE] = rank
 
 
-def _attach(job: dict[str, Any], rank: RankWatch | None = None) -> Attachment:
+def _attach(job: dict[str, Any], rank: RankWatch | None = None,
+            claim: Callable[[], bool] | None = None) -> Attachment:
+    global _ATTACHED
+    _ATTACHED = True
     _seed_torch(job)
     fault = Fault(**job["fault"]) if job.get("fault") else None
     path = job["trace"] if rank is None else rank_trace_path(job["trace"], rank.rank)
@@ -111,7 +137,7 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None) -> Attachment:
                             max_steps=job.get("max_steps"), max_epochs=job.get("max_epochs"),
                             on_limit=_end_process, zoom=job.get("zoom"), fault=fault,
                             rank=rank, planted_step=job.get("planted_step"),
-                            mode=job.get("mode", AUTO))
+                            mode=job.get("mode", AUTO), claim=claim)
     attachment.install()
     sys.excepthook = failure_hook(attachment)
     atexit.register(attachment.finish)
@@ -134,6 +160,7 @@ def _spawn_ranks_through(entry: Callable[..., Any]) -> None:
 
 
 _TORCH_SPAWN_ENTRY: Callable[..., Any] | None = None
+_ATTACHED = False  # this process records (once: the bootstrap may ask again)
 
 
 def _spawned_rank(fn: Callable[..., Any], i: int, args: tuple, error_file: str) -> None:
@@ -176,21 +203,26 @@ def _on_terminate(attachment: Attachment) -> Callable[..., None]:
     """SIGTERM (detaudit exec after Ctrl-C): save what was recorded and end now, whatever
     the script would catch. A process that none of the user's code was running in (a
     notebook's kernel between cells, which its front-end ends after the last one) was done:
-    nothing failed, and its last step is kept."""
+    nothing failed, and its last step is kept. It exits as SIGTERM would have it (143): a
+    command whose own process ended so is a failed run all the same (a training loop
+    inside an installed package, killed), a kernel's front-end that exits 0 is not."""
     def handler(signum: int, frame: Any) -> None:
-        attachment.finish("interrupted (Ctrl-C or SIGTERM)" if user_call_site(frame) else None)
-        _end_process()
+        if attachment.claimed:  # (one that never began a step says nothing, and claims none)
+            attachment.finish("interrupted (Ctrl-C or SIGTERM)" if user_call_site(frame)
+                              else None)
+        _end_process(128 + signum)  # (a command ended so has not ended well: see execution)
 
     return handler
 
 
-def _end_process() -> None:
-    """The limit is reached and the trace saved: end the process now, whatever the script
-    would catch (``detaudit exec`` then ends the rest of its process group)."""
+def _end_process(code: int = 0) -> None:
+    """The limit is reached (or SIGTERM came) and the trace saved: end the process now,
+    whatever the script would catch (``detaudit exec`` then ends the rest of its process
+    group)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    _REAL_EXIT(0)
+    _REAL_EXIT(code)
 
 
 _REAL_EXIT = os._exit
