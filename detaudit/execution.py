@@ -330,9 +330,9 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         raise
     finally:
         _kill_group(child)
+        claimed_by = _claimant(path)  # (and cleared for the next run, interrupted or not)
     seconds = time.perf_counter() - started
     recorded = _recorded(path)
-    claimed_by = _claimant(path)
     unattached = path.with_name(path.name + UNATTACHED)  # (written by the bootstrap)
     if not recorded and unattached.exists():
         said = unattached.read_text(errors="replace").strip()
