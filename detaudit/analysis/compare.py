@@ -841,8 +841,7 @@ def _step_findings(
     # its own difference from one that reached it, so it stays an origin.)
     called = {m for m, _ in calls} | {m for (at, p, m, _) in slots if at == step
                                        and p in (FORWARD, BACKWARD)}
-    grads_only = [(m, c) for (at, p, m, c) in slots
-                  if at == step and p == GRAD and module_level and m not in called]
+    grads_only = {(m, c) for (at, p, m, c) in slots if at == step and p == GRAD and m not in called}
     for (s, phase, module, call), ds in slots.items():
         if s != step or phase != GRAD or not module_level:
             continue
