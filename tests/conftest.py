@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -113,6 +118,38 @@ def two_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "shares_cores: may run beside another test under pytest-xdist (it proves "
+        "nothing that needs both CPU cores to itself); any other test runs alone")
+    config.addinivalue_line(
+        "markers", "alone: runs alone under pytest-xdist even in a module that shares_cores "
+        "(a real thread race must fire, which contention for the cores makes rare)")
+
+
+@pytest.fixture(autouse=True)
+def cores_held(request):
+    """Under pytest-xdist (`-n 2`), a test holds the run's lock file: shared when it is
+    marked `shares_cores`, exclusive otherwise, so that a race that must fire on 2 threads
+    (a test marked `alone`, or one that sets the thread count), a Mask R-CNN-sized test
+    (`slow`: it keeps both cores busy by itself) or a test no one has looked at never has
+    another test beside it."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    node = request.node
+    beside = (node.get_closest_marker("shares_cores") is not None
+              and not any(node.get_closest_marker(m) for m in ("alone", "slow"))
+              and not {"two_threads", "threads"} & set(request.fixturenames))
+    with open(Path(tempfile.gettempdir()) / f"detaudit-tests-{run}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH if beside else fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

@@ -36,6 +36,8 @@ from detaudit.execution import _check_side_fault, _is_launcher
 from detaudit.record.structure import next_ulp
 from detaudit.trace import OUTSIDE_MODEL, Trace
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+
 SCRIPT = Path(__file__).parent / "scripts" / "train_plain.py"
 
 
@@ -107,6 +109,7 @@ def test_exec_names_a_planted_fault_by_module_phase_step_and_op(tmp_path, fault,
     assert theirs.endswith("--workers 0 --accumulate 1")
 
 
+@pytest.mark.alone  # a real race must fire
 @pytest.mark.parametrize("update", ["optimizer", "by-hand"])
 def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path, update):
     # by hand: the gradients are recorded as an optimizer's, so the race is a backward
@@ -147,6 +150,7 @@ def test_exec_of_an_inference_script_has_a_step_per_call_of_the_model(tmp_path):
     assert set(records[records.slot.str.startswith("batch")].step) == {0, 1, 2, 3}
 
 
+@pytest.mark.alone  # a real race must fire
 def test_exec_of_an_inference_script_finds_a_real_race_in_its_forward(tmp_path):
     done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--json", "--repeats",
                    "3", "--", sys.executable, str(INFER_SCRIPT), "--race")
@@ -384,6 +388,7 @@ def test_two_models_trained_in_turn_are_one_step_per_iteration(tmp_path):
     assert all(set(s.losses) == {"loss", "loss.1"} for s in trace.steps)
 
 
+@pytest.mark.alone  # a real race must fire
 def test_a_real_divergence_before_a_planted_fault_is_the_verdict(tmp_path):
     """The race parts the runs at step 0, before the fault planted at step 1: the zoom's
     replays stop at step 0, where the fault is not reached (that was 'the planted fault

@@ -12,6 +12,8 @@ import pytest
 
 from detaudit.cli import main
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+
 PROBES = Path(__file__).parent / "probe_files"
 
 
@@ -69,6 +71,7 @@ def test_maskrcnn_without_fault_is_deterministic(tmp_path):
         assert "DETERMINISTIC" in (tmp_path / name).read_text(), name
 
 
+@pytest.mark.alone  # a real race must fire
 def test_user_probe_file_with_real_nondeterminism(tmp_path, capsys):
     code = main(["run", "--probe", str(PROBES / "centre_gather.py"), "--out", str(tmp_path),
                  "--json", "--epochs", "1", "--steps", "2", "--repeats", "4"])

@@ -18,6 +18,8 @@ from detaudit.record import fingerprint as fpmod
 from detaudit.record import fused
 from detaudit.record.fingerprint import Fingerprinter, fingerprint, wsum_device_value
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+
 ALGORITHMS = ["xxh3", "wsum"]
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 DTYPES = [*FLOATS, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,

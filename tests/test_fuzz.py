@@ -36,6 +36,8 @@ from detaudit.runfolder import RunInfo
 from detaudit.storage import dump_json
 from detaudit.trace import Trace
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+
 GOLDEN = Path(__file__).parent / "golden" / "planted"
 RAW = (GOLDEN / "trace-0.json.gz").read_bytes()
 TEXT = gzip.decompress(RAW)

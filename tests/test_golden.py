@@ -29,6 +29,8 @@ from detaudit.report import (
 from detaudit.report.junit import junit_case, junit_xml
 from detaudit.runfolder import load_run
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+
 HERE = Path(__file__).parent / "golden"
 RUN = HERE / "planted"
 EXPECTED = HERE / "expected"

@@ -9,6 +9,8 @@ from detaudit import Fault, Probe
 from detaudit.record.recorder import Recorder
 from detaudit.seeding import seed_everything
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+
 
 def _maskrcnn_probe(device):
     model = torchvision.models.detection.maskrcnn_resnet50_fpn(

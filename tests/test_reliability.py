@@ -24,6 +24,8 @@ from detaudit.runfolder import LOCK_FILE, RunFolder, RunInfo, load_run, new_fold
 from detaudit.seeding import seed_everything
 from detaudit.trace import open_trace
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+
 PROBES = Path(__file__).parent / "probe_files"
 
 

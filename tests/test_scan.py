@@ -15,6 +15,8 @@ from torch import nn
 from detaudit import Fault, Probe, api, audit
 from detaudit.record.recorder import Recorder
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+
 PLANTED = [
     Fault("head", "backward", 2),
     Fault("stem", "forward", 2),  # (1 ULP deeper in this net rounds away before loss and grads)
@@ -167,6 +169,7 @@ def test_cause_rng_is_found_by_the_zoom():
     assert result.verdict.first["module"] == "1" and result.verdict.first["phase"] == "forward"
 
 
+@pytest.mark.alone  # a real race must fire
 def test_a_real_race_ends_with_its_origin_or_an_honest_intermittent(two_threads):
     result = _scan(gather_probe, repeats=3)
     if result.comparison.first_step is None:
