@@ -57,7 +57,10 @@ FLUSH_ROWS = 20_000
 #   steps     one StepInfo per step: global step, epoch, index in epoch, exact losses.
 #   records   columnar: one row per fingerprinted tensor, RECORD_COLUMNS; a row's key is
 #             (step, phase, module, call, slot).
-#   calls     columnar: the module call tree of every step, CALL_COLUMNS.
+#   calls     columnar: the module call tree of every step, CALL_COLUMNS; `reads` lists
+#             the modules whose parameters the call took as inputs (DETR's decoder is
+#             passed `query_embed.weight`); absent where no call read one (and in traces
+#             written before it was kept), which reads as [] for every call.
 #   failure   why the repeat stopped early (null when it ran to the end).
 #   stress    columnar, optional (absent: nothing stressed): STRESS_COLUMNS, one row per op,
 #             module and phase at each stressed step (see detaudit.record.stress): how
@@ -110,7 +113,7 @@ _BACKWARD_LOSS = re.compile(r"loss(\.\d+)?")  # the names of the tensors backwar
 RECORD_COLUMNS = (
     "step", "phase", "module", "call", "slot", "fp", "shape", "dtype", "norm", "absmax", "nonfinite",
 )
-CALL_COLUMNS = ("step", "module", "index", "parent")
+CALL_COLUMNS = ("step", "module", "index", "parent", "reads")
 STRESS_COLUMNS = (
     "step", "epoch", "phase", "module", "op", "calls", "stressed", "runs", "distinct",
     "elements", "differing", "max_abs", "max_ulp", "rel_err",
@@ -174,9 +177,12 @@ class Trace:
         ):
             cols[name].append(value)
 
-    def add_call(self, step: int, module: str, index: int, parent: int) -> None:
-        """Append one module call (parent = position of the enclosing call in its step)."""
-        for name, value in (("step", step), ("module", module), ("index", index), ("parent", parent)):
+    def add_call(self, step: int, module: str, index: int, parent: int,
+                 reads: list[str] | None = None) -> None:
+        """Append one module call (parent = position of the enclosing call in its step;
+        reads = the modules whose parameters it took as inputs)."""
+        for name, value in (("step", step), ("module", module), ("index", index),
+                            ("parent", parent), ("reads", list(reads or ()))):
             self.calls[name].append(value)
 
     def add_stress(self, row: dict[str, Any]) -> None:
@@ -228,7 +234,7 @@ class Trace:
             "env": jsonable(self.env),
             "steps": [vars(s) for s in self.steps],
             "records": self.records,
-            "calls": self.calls,
+            "calls": _written_calls(self.calls),
             "failure": self.failure,
             **({"stress": self.stress} if self.stress["step"] else {}),
         }
@@ -319,7 +325,7 @@ class TraceFile:
                 _columns(f"line {n + 1}: records", item.get("records", {}), _RECORD_CHECKS,
                          required=False),
                 _columns(f"line {n + 1}: calls", item.get("calls", {}), _CALL_CHECKS,
-                         required=False)))
+                         required=False, defaults=_CALL_DEFAULTS)))
             self._checked(lambda part=part: _check_records(part[0]))
             for table, columns in enumerate(part):
                 names = RECORD_COLUMNS if table == 0 else CALL_COLUMNS
@@ -495,7 +501,7 @@ class TraceStream:
         lines = [] if self._started else [{"format": FORMAT_NAME, "version": STREAM_VERSION}]
         if t.steps or t.records["step"] or t.calls["step"]:
             lines.append({"steps": [vars(s) for s in t.steps], "records": t.records,
-                          "calls": t.calls})
+                          "calls": _written_calls(t.calls)})
         lines.append({"end": {
             "probe": jsonable(t.probe), "repeat": t.repeat, "env": jsonable(t.env),
             "failure": t.failure, **({"stress": t.stress} if t.stress["step"] else {}),
@@ -568,8 +574,12 @@ def _stream_data(path: Path, source: str) -> dict[str, Any]:
             part = item.get(table, {})
             if not isinstance(part, dict):
                 raise _Damaged(f"line {n + 1}: {table} is {describe(part)}, not a dict")
+            rows = len(_listed(part, "step", n))
             for name, column in into.items():
-                column += _listed(part, name, n)
+                if table == "calls" and name in _CALL_DEFAULTS and name not in part:
+                    column += [_CALL_DEFAULTS[name]() for _ in range(rows)]
+                else:
+                    column += _listed(part, name, n)
     if not isinstance(end, dict):
         raise TraceError(f"{source} is truncated: it was cut before its first flush ended")
     return {"format": FORMAT_NAME, "version": FORMAT_VERSION, **end, "steps": steps,
@@ -642,7 +652,14 @@ _STRESS_CHECKS = {
 _CALL_CHECKS = {
     "step": (_count, _INTEGER), "module": (_text, "a string"), "index": (_count, _INTEGER),
     "parent": (lambda v: type(v) is int and -1 <= v < _INT_LIMIT, "an integer >= -1"),
+    "reads": (lambda v: type(v) is list and all(map(_text, v)), "a list of strings"),
 }
+_CALL_DEFAULTS = {"reads": list}  # a column a trace written before it was kept lacks
+
+
+def _written_calls(calls: dict[str, list]) -> dict[str, list]:
+    """The calls as a trace file holds them: `reads` only where a call read a parameter."""
+    return calls if any(calls["reads"]) else {k: v for k, v in calls.items() if k != "reads"}
 
 
 def _bad(where: str, value: Any, expected: str) -> _Damaged:
@@ -658,15 +675,24 @@ def _column(where: str, values: Any, check: Any, expected: str) -> list[Any]:
     return list(values)
 
 
-def _columns(where: str, table: Any, checks: dict[str, Any], required: bool) -> dict[str, list]:
-    """A columnar table: every column a list of the right element type, all one length."""
+def _columns(where: str, table: Any, checks: dict[str, Any], required: bool,
+             defaults: dict[str, Any] | None = None) -> dict[str, list]:
+    """A columnar table: every column a list of the right element type, all one length
+    (a column of `defaults` that is missing: that default, made for each row)."""
     if not isinstance(table, dict):
         raise _bad(where, table, "a dict of columns")
     out = {}
+    later = []
     for name, (check, expected) in checks.items():
+        if name not in table and defaults and name in defaults:
+            later.append(name)
+            continue
         if name not in table and required:
             raise _Damaged(f"{where}.{name} is missing")
         out[name] = _column(f"{where}.{name}", table.get(name, []), check, expected)
+    rows = max((len(v) for v in out.values()), default=0)
+    for name in later:
+        out[name] = [defaults[name]() for _ in range(rows)]
     lengths = {len(v) for v in out.values()}
     if len(lengths) > 1:
         sizes = ", ".join(f"{name} {len(v)}" for name, v in out.items())
@@ -771,7 +797,8 @@ def _validated(data: dict[str, Any]) -> dict[str, Any]:
         raise _Damaged("records is missing")
     records = _columns("records", data["records"], _RECORD_CHECKS, required=True)
     _check_records(records)
-    calls = _columns("calls", data.get("calls", {}), _CALL_CHECKS, required=False)
+    calls = _columns("calls", data.get("calls", {}), _CALL_CHECKS, required=False,
+                     defaults=_CALL_DEFAULTS)
     _check_calls(calls)
     failure = data.get("failure")
     if failure is not None and not isinstance(failure, str):

@@ -19,6 +19,8 @@ from detaudit.analysis.verdict import first_divergence
 from detaudit.drivers.loading import builtin_spec, make_factory
 from detaudit.report import render_console
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+
 
 def _roles(comparison, step, phase):
     return {f.module: f.role for f in comparison.findings if f.step == step and f.phase == phase}
@@ -77,11 +79,23 @@ def test_fault_in_module_without_input_gradient_uses_its_parameter_gradient():
     assert [(o.module, o.phase) for o in c.origins] == [("stem", "backward")]
 
 
+class _Decoding(nn.Module):
+    """Takes the model's learned queries as an input, as DETR's transformer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, memory: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        return self.lin(memory + queries)
+
+
 class _Attending(nn.Module):
     """Queries attending over the input: `nn.MultiheadAttention` reads its `out_proj`
-    weight without calling it, as DETR's decoder does. `emb`, never called either, is read
-    by the model itself; `perturbed` (repeat, step) adds 1 ULP to its weight's gradient
-    there, as a racing accumulation would."""
+    weight without calling it, as DETR's decoder does, and `query`'s weight is passed to
+    the decoding module, as DETR's `query_embed.weight` is. `emb`, never called either, is
+    read by the model itself; `perturbed` (repeat, step) adds 1 ULP to its weight's
+    gradient there, as a racing accumulation would."""
 
     perturbed: ClassVar[tuple[int, int] | None] = None
     calls: ClassVar[dict[str, int]] = {"repeat": -1, "step": -1}
@@ -91,10 +105,13 @@ class _Attending(nn.Module):
         self.queries = nn.Linear(8, 8)
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
         self.emb = nn.Embedding(6, 8)
+        self.query = nn.Embedding(6, 8)
+        self.decoding = _Decoding()
         self.head = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        attended = self.attn(self.queries(x), x, x, need_weights=False)[0]
+        attended = self.decoding(self.attn(self.queries(x), x, x, need_weights=False)[0],
+                                 self.query.weight)
         return self.head(attended + _OneUlpInBackward.apply(self.emb.weight)[:x.shape[1]])
 
 
@@ -127,18 +144,23 @@ def _attending_probe(device: torch.device) -> Probe:
 
 @pytest.mark.parametrize("own_difference", [False, True])
 def test_a_module_whose_weight_another_reads_is_downstream_of_it_not_an_origin(own_difference):
-    """A backward fault in the head changes the gradient of the attention's `out_proj`, a
-    module never called: it is downstream, in the attention's call, not an origin of its
-    own. The embedding, never called either and read by the model alone, stays an origin
-    where its own gradient changed in that step (nothing says it came from the head)."""
+    """A backward fault in the head changes the gradients of the attention's `out_proj`
+    and of `query`, modules never called: they are downstream, in the attention's call and
+    in the call `query.weight` was passed to, not origins of their own. The embedding, never
+    called either and read by the model alone, stays an origin where its own gradient
+    changed in that step (nothing says it came from the head)."""
     _Attending.calls["repeat"], _Attending.perturbed = -1, (1, 1) if own_difference else None
     try:
-        c = module_audit(_attending_probe, repeats=2, epochs=1,
-                         fault=Fault("head", "backward", 1)).comparison
+        result = module_audit(_attending_probe, repeats=2, epochs=1,
+                              fault=Fault("head", "backward", 1))
     finally:
         _Attending.perturbed = None
+    calls = result.traces[0].calls
+    assert {(m, tuple(r)) for m, r in zip(calls["module"], calls["reads"]) if r} == {
+        ("decoding", ("query",))}
+    c = result.comparison
     assert (c.first_step, c.cause) == (1, "backward")
-    assert "attn.out_proj" in {m for s, m, _ in c.grad_diffs if s == 1}
+    assert {"attn.out_proj", "query"} <= {m for s, m, _ in c.grad_diffs if s == 1}
     assert _roles(c, 1, "backward")["attn"] == PROPAGATED
     assert [(o.module, o.phase) for o in c.origins] == [("head", "backward")] + (
         [("emb", "backward")] if own_difference else [])
@@ -173,6 +195,7 @@ def test_planted_forward_fault_in_maskrcnn_by_scan_and_zoom():
     assert _roles(c, 2, "backward").get("roi_heads") in (None, PROPAGATED)
 
 
+@pytest.mark.alone  # a real race must fire
 def test_real_cpu_nondeterminism_in_duplicate_index_gather(two_threads):
     result = module_audit(gather_probe, repeats=3, epochs=1)
     c = result.comparison

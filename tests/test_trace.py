@@ -11,6 +11,8 @@ from detaudit.errors import TraceError
 from detaudit.storage import dump_json
 from detaudit.trace import Trace, TraceFile, open_trace
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+
 
 @pytest.fixture(scope="module")
 def traces():
@@ -241,3 +243,30 @@ def test_the_fork_is_repeat_0s_first_missing_record_before_one_only_another_repe
         column.insert(extra + 1, "slot.extra" if name == "slot" else column[extra])
     fork = compare([traces[0], other]).fork
     assert (fork.step, fork.missing) == (3, 1) and fork.slot == traces[0].records["slot"][drop]
+
+
+def test_calls_keep_the_parameters_they_read_and_traces_without_them_load(traces, tmp_path):
+    """`reads` (the modules whose parameters a call took as inputs) is written only where a
+    call read one, as in traces written before it was kept: a trace without it, whole or
+    streamed, loads with none read; one with it keeps it; a value of the wrong kind is
+    damage."""
+    plain = traces[0]
+    assert not any(plain.calls["reads"])  # SmallCNN passes no parameter to a call
+    whole = plain.save(tmp_path / "whole.json.gz")
+    data = json.loads(gzip.decompress(whole.read_bytes()))
+    assert "reads" not in data["calls"]
+    assert Trace.load(whole).calls == plain.calls
+    stream = stream_trace(plain, tmp_path / "s.json.gz")
+    assert b'"reads"' not in gzip.decompress(stream.path.read_bytes())
+    assert [c.calls for _, c in open_trace(stream.path).by_step()] == [
+        c.calls for _, c in plain.by_step()]
+    assert open_trace(stream.path).calls == plain.calls
+    reading = copy.deepcopy(plain)
+    reading.calls["reads"][1] = ["stem"]
+    for path in (reading.save(tmp_path / "reads.json.gz"),
+                 stream_trace(reading, tmp_path / "reads-s.json.gz").path):
+        assert open_trace(path).calls == reading.calls
+    data["calls"]["reads"] = ["stem"] * len(data["calls"]["step"])
+    whole.write_bytes(gzip.compress(json.dumps(data).encode()))
+    with pytest.raises(TraceError, match=r"calls\.reads\[0\] is .*not a list of strings"):
+        Trace.load(whole)

@@ -835,13 +835,19 @@ def _step_findings(
     # Backward: a module whose own parameter gradients differ, with nothing upstream. They
     # sum over every call of the module in the step (a head shared by FPN levels), so any
     # call's changed forward or output gradient is upstream of them. A module never called
-    # (whose weight another module reads, as attention does its `out_proj`) has its
-    # gradients made in the call of the nearest module that ran around it: upstream where
-    # that call's backward or forward differs. (Around it only the model ran: nothing tells
-    # its own difference from one that reached it, so it stays an origin.)
+    # has its gradients made in the calls that read its weight: the call of the nearest
+    # module that ran around it (attention reads its `out_proj` so), and any call that took
+    # its parameter as an input (DETR's decoder is passed `query_embed.weight`). They are
+    # upstream where such a call's backward or forward differs. (Where no call but the
+    # model's own did, nothing tells its own difference from one that reached it, so it
+    # stays an origin.)
     called = {m for m, _ in calls} | {m for (at, p, m, _) in slots if at == step
                                        and p in (FORWARD, BACKWARD)}
     grads_only = {(m, c) for (at, p, m, c) in slots if at == step and p == GRAD and m not in called}
+    readers: dict[str, set[str]] = defaultdict(set)  # module -> the modules that took its weight
+    for at, module, reads in zip(ref.calls["step"], ref.calls["module"], ref.calls["reads"]):
+        for read in reads if at == step else ():
+            readers[read].add(module)
     for (s, phase, module, call), ds in slots.items():
         if s != step or phase != GRAD or not module_level:
             continue
@@ -852,9 +858,9 @@ def _step_findings(
             for (at, p, m, c) in slots if at == step and m == module
         )
         if (module, call) in grads_only and not upstream:
-            around = _nearest_called(module, called)
-            upstream = bool(around) and any(
-                at == step and p in (FORWARD, BACKWARD) and m == around for (at, p, m, _) in slots)
+            around = {_nearest_called(module, called)} - {None, ""} | readers[module]
+            upstream = any(
+                at == step and p in (FORWARD, BACKWARD) and m in around for (at, p, m, _) in slots)
         if not upstream and (module, call) not in candidates[BACKWARD]:
             candidates[BACKWARD].append((module, call))
             pending.append((BACKWARD, module, call, ds, False))

@@ -565,7 +565,7 @@ def store_records(trace: Trace, step: int, records: Any) -> None:
     for key, print_ in zip(records.keys, records.prints):
         trace.add_record(step, key, print_)
     for call in records.calls:
-        trace.add_call(step, call.module, call.index, call.parent)
+        trace.add_call(step, call.module, call.index, call.parent, call.reads)
 
 
 def _check_fault_module(fault: Fault, model: torch.nn.Module) -> None:

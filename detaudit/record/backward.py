@@ -53,6 +53,9 @@ class Call:
     # forward call this call runs again, a checkpoint's recomputation (-1: a call of its own).
     backward_node: Any = None
     original: int = -1
+    # The modules whose parameters the call took as inputs (DETR's decoder is passed
+    # `query_embed.weight`): those parameters' gradients come out of this call's backward.
+    reads: list[str] = field(default_factory=list)
 
 
 class BackwardBoundaries:

@@ -104,6 +104,7 @@ class Recorder(BackwardBoundaries):
         self._buffers_seen: dict[str, tuple[weakref.ref, int | None]] = {}
         self._names = {id(m): name for name, m in self._models[0].named_modules()}
         self._params = dict(self._models[0].named_parameters())
+        self._param_owners: dict[int, str] | None = None  # (see _note_read)
         self._handles: list[Any] = []
         self._step_handles: list[Any] = []
         self._step = -1
@@ -355,6 +356,7 @@ class Recorder(BackwardBoundaries):
         self._names.update({id(m): n for n, m in model.named_modules(prefix=name)
                             if id(m) not in hooked})
         self._params.update(model.named_parameters(prefix=name))
+        self._param_owners = None
         if self._handles:
             self._install([model], skip=hooked)
 
@@ -467,10 +469,21 @@ class Recorder(BackwardBoundaries):
                 edge = (tensor.grad_fn, tensor.output_nr) if tensor.grad_fn else (tensor, 0)
                 call.inputs.setdefault((id(edge[0]), edge[1]), path)
                 call.edge_objects.append(edge[0])
+                if isinstance(tensor, nn.Parameter):
+                    self._note_read(call, tensor)
         self._calls.append(call)
         rng = _module_rng_state() if self.track_rng and recording and original < 0 else None
         host = _host_rng_state() if self.watch_host_rng else None
         self._stack.append((len(self._calls) - 1, rng, host))
+
+    def _note_read(self, call: Call, param: nn.Parameter) -> None:
+        """`call` took `param`, a recorded model's parameter, as an input."""
+        if self._param_owners is None:
+            self._param_owners = {id(p): name.rpartition(".")[0]
+                                  for name, p in self._params.items()}
+        owner = self._param_owners.get(id(param))
+        if owner is not None and owner not in call.reads:
+            call.reads.append(owner)
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not self._stack or self._elsewhere(torch._C._current_autograd_node()):
