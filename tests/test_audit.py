@@ -80,20 +80,24 @@ def test_fault_in_module_without_input_gradient_uses_its_parameter_gradient():
 
 
 class _Decoding(nn.Module):
-    """Takes the model's learned queries as an input, as DETR's transformer does."""
+    """Takes the model's learned queries as an input, as DETR's transformer does, and their
+    positions repeated over the batch, as Hugging Face's DETR does."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
 
-    def forward(self, memory: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-        return self.lin(memory + queries)
+    def forward(self, memory: torch.Tensor, queries: torch.Tensor, *,
+                positions: torch.Tensor) -> torch.Tensor:
+        return self.lin(memory + queries + positions)
 
 
 class _Attending(nn.Module):
     """Queries attending over the input: `nn.MultiheadAttention` reads its `out_proj`
     weight without calling it, as DETR's decoder does, and `query`'s weight is passed to
-    the decoding module, as DETR's `query_embed.weight` is. `emb`, never called either, is
+    the decoding module, as DETR's `query_embed.weight` is (`position`'s, repeated over the
+    batch, as Hugging Face's DETR passes its `query_position_embeddings`). `emb`, never
+    called either, is
     read by the model itself; `perturbed` (repeat, step) adds 1 ULP to its weight's
     gradient there, as a racing accumulation would."""
 
@@ -106,12 +110,14 @@ class _Attending(nn.Module):
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
         self.emb = nn.Embedding(6, 8)
         self.query = nn.Embedding(6, 8)
+        self.position = nn.Embedding(6, 8)
         self.decoding = _Decoding()
         self.head = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        attended = self.decoding(self.attn(self.queries(x), x, x, need_weights=False)[0],
-                                 self.query.weight)
+        attended = self.decoding(
+            self.attn(self.queries(x), x, x, need_weights=False)[0], self.query.weight,
+            positions=self.position.weight.unsqueeze(0).repeat(x.shape[0], 1, 1))
         return self.head(attended + _OneUlpInBackward.apply(self.emb.weight)[:x.shape[1]])
 
 
@@ -144,9 +150,9 @@ def _attending_probe(device: torch.device) -> Probe:
 
 @pytest.mark.parametrize("own_difference", [False, True])
 def test_a_module_whose_weight_another_reads_is_downstream_of_it_not_an_origin(own_difference):
-    """A backward fault in the head changes the gradients of the attention's `out_proj`
-    and of `query`, modules never called: they are downstream, in the attention's call and
-    in the call `query.weight` was passed to, not origins of their own. The embedding, never
+    """A backward fault in the head changes the gradients of the attention's `out_proj`,
+    `query` and `position`, modules never called: they are downstream, in the attention's
+    call and in the call their weights were passed to, not origins of their own. The embedding, never
     called either and read by the model alone, stays an origin where its own gradient
     changed in that step (nothing says it came from the head)."""
     _Attending.calls["repeat"], _Attending.perturbed = -1, (1, 1) if own_difference else None
@@ -157,10 +163,10 @@ def test_a_module_whose_weight_another_reads_is_downstream_of_it_not_an_origin(o
         _Attending.perturbed = None
     calls = result.traces[0].calls
     assert {(m, tuple(r)) for m, r in zip(calls["module"], calls["reads"]) if r} == {
-        ("decoding", ("query",))}
+        ("decoding", ("query", "position"))}
     c = result.comparison
     assert (c.first_step, c.cause) == (1, "backward")
-    assert {"attn.out_proj", "query"} <= {m for s, m, _ in c.grad_diffs if s == 1}
+    assert {"attn.out_proj", "query", "position"} <= {m for s, m, _ in c.grad_diffs if s == 1}
     assert _roles(c, 1, "backward")["attn"] == PROPAGATED
     assert [(o.module, o.phase) for o in c.origins] == [("head", "backward")] + (
         [("emb", "backward")] if own_difference else [])

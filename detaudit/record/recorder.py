@@ -34,6 +34,7 @@ from .fingerprint import Fingerprinter, TensorPrint
 from .structure import iter_leaves, iter_tensors, next_ulp, replace_first_float
 
 WATCH_MODULE, WATCH_CALLS, WATCH_NONE = "module", "calls", "none"
+_READ_HOPS = 4  # one-input ops between a parameter and the call input made of it (see _note_read)
 WATCH_LEVELS = (WATCH_MODULE, WATCH_CALLS, WATCH_NONE)
 RecordKey = tuple[str, str, int, str]  # (phase, module, call, slot)
 
@@ -469,15 +470,29 @@ class Recorder(BackwardBoundaries):
                 edge = (tensor.grad_fn, tensor.output_nr) if tensor.grad_fn else (tensor, 0)
                 call.inputs.setdefault((id(edge[0]), edge[1]), path)
                 call.edge_objects.append(edge[0])
-                if isinstance(tensor, nn.Parameter):
-                    self._note_read(call, tensor)
+                self._note_read(call, tensor)
         self._calls.append(call)
         rng = _module_rng_state() if self.track_rng and recording and original < 0 else None
         host = _host_rng_state() if self.watch_host_rng else None
         self._stack.append((len(self._calls) - 1, rng, host))
 
-    def _note_read(self, call: Call, param: nn.Parameter) -> None:
-        """`call` took `param`, a recorded model's parameter, as an input."""
+    def _note_read(self, call: Call, tensor: torch.Tensor) -> None:
+        """Where input `tensor` is a recorded model's parameter, or a view or copy of one
+        made by a short chain of one-input ops (HF's DETR passes
+        `query_position_embeddings.weight.unsqueeze(0).repeat(...)`), note its module as
+        read by `call`."""
+        param: Any = tensor
+        node = tensor.grad_fn
+        for _ in range(_READ_HOPS):
+            if node is None:
+                break
+            param = getattr(node, "variable", None)
+            if param is not None:
+                break
+            inputs = [f for f, _ in node.next_functions if f is not None]
+            node = inputs[0] if len(inputs) == 1 else None
+        if not isinstance(param, nn.Parameter):
+            return
         if self._param_owners is None:
             self._param_owners = {id(p): name.rpartition(".")[0]
                                   for name, p in self._params.items()}
