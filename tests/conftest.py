@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,21 +128,21 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
-def cores_held(request):
+def cores_held(request, tmp_path_factory):
     """Under pytest-xdist (`-n 2`), a test holds the run's lock file: shared when it is
     marked `shares_cores`, exclusive otherwise, so that a race that must fire on 2 threads
     (a test marked `alone`, or one that sets the thread count), a Mask R-CNN-sized test
     (`slow`: it keeps both cores busy by itself) or a test no one has looked at never has
-    another test beside it."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
+    another test beside it. The file lies in the run's temporary folder, which holds each
+    worker's (and which pytest removes with its older runs)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
     node = request.node
     beside = (node.get_closest_marker("shares_cores") is not None
               and not any(node.get_closest_marker(m) for m in ("alone", "slow"))
               and not {"two_threads", "threads"} & set(request.fixturenames))
-    with open(Path(tempfile.gettempdir()) / f"detaudit-tests-{run}.lock", "a") as lock:
+    with open(tmp_path_factory.getbasetemp().parent / "cores.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH if beside else fcntl.LOCK_EX)
         try:
             yield
