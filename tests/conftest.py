@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 
 import numpy as np
@@ -127,25 +126,27 @@ def pytest_configure(config):
         "(a real thread race must fire, which contention for the cores makes rare)")
 
 
-@pytest.fixture(autouse=True)
-def cores_held(request, tmp_path_factory):
-    """Under pytest-xdist (`-n 2`), a test holds the run's lock file: shared when it is
-    marked `shares_cores`, exclusive otherwise, so that a race that must fire on 2 threads
-    (a test marked `alone`, or one that sets the thread count), a Mask R-CNN-sized test
-    (`slow`: it keeps both cores busy by itself) or a test no one has looked at never has
-    another test beside it. The file lies in the run's temporary folder, which holds each
-    worker's (and which pytest removes with its older runs)."""
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist (`-n 2`), a test holds the run's lock file from before its first
+    fixture is made to after its last is torn down (a module's fixtures run an audit too):
+    shared when it is marked `shares_cores`, exclusive otherwise, so that a race that must
+    fire on 2 threads (a test marked `alone`, or one that sets the thread count), a Mask
+    R-CNN-sized test (`slow`: it keeps both cores busy by itself) or a test no one has
+    looked at never has another test beside it. The file lies in the run's temporary
+    folder, which holds each worker's (and which pytest removes with its older runs)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    node = request.node
-    beside = (node.get_closest_marker("shares_cores") is not None
-              and not any(node.get_closest_marker(m) for m in ("alone", "slow"))
-              and not {"two_threads", "threads"} & set(request.fixturenames))
-    with open(tmp_path_factory.getbasetemp().parent / "cores.lock", "a") as lock:
+        return (yield)
+    import fcntl  # (POSIX; xdist runs here)
+
+    beside = (item.get_closest_marker("shares_cores") is not None
+              and not any(item.get_closest_marker(m) for m in ("alone", "slow"))
+              and not {"two_threads", "threads"} & set(item.fixturenames))
+    folder = item.config._tmp_path_factory.getbasetemp().parent
+    with open(folder / "cores.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH if beside else fcntl.LOCK_EX)
         try:
-            yield
+            return (yield)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 

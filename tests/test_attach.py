@@ -811,7 +811,10 @@ def test_ctrl_c_ends_the_process_tree_and_keeps_what_was_recorded(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "detaudit", "exec", "--out", str(out), "--quiet", "--seed",
                "0", "--", sys.executable, str(SCRIPT), "--forever", "--workers", "2"]
-    audit = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # every process of the tree inherits the mark (another test may run the same script)
+    mark = f"DETAUDIT_TEST_TREE={tmp_path}"
+    audit = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "DETAUDIT_TEST_TREE": str(tmp_path)})
     deadline = time.monotonic() + 60
     while not any(out.glob("attach-*")) and time.monotonic() < deadline:
         time.sleep(0.5)  # the command's recording has begun (its first save)
@@ -826,7 +829,7 @@ def test_ctrl_c_ends_the_process_tree_and_keeps_what_was_recorded(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert "only 1 repeat was recorded" in summary["headline"], summary["headline"]
     assert summary["config"]["seed"] == 0 and not summary["loss"]["per_epoch"]
-    assert not _running(str(SCRIPT), "--forever")  # the script and its DataLoader workers
+    assert not _running(mark)  # the script and its DataLoader workers
 
 
 def test_ctrl_c_in_the_zoom_is_interrupted_never_a_verdict(tmp_path):
@@ -853,16 +856,16 @@ def test_ctrl_c_in_the_zoom_is_interrupted_never_a_verdict(tmp_path):
     assert "what was recorded: DIVERGENT: first at step 2" in summary["headline"]
 
 
-def _running(*words: str) -> list[str]:
-    """Processes whose command line holds every word (read from /proc, where there is one)."""
+def _running(variable: str) -> list[str]:
+    """The processes whose environment holds `variable` ("NAME=value"; read from /proc, where
+    there is one), by pid."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if variable.encode() in environ.read_bytes().split(b"\0"):
+                found.append(environ.parent.name)
         except OSError:
             continue
-        if all(w in text for w in words):
-            found.append(text)
     return found
 
 

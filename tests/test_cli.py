@@ -83,6 +83,7 @@ def test_user_probe_file_with_real_nondeterminism(tmp_path, capsys):
     assert summary["cause"]["kind"] == "backward"
 
 
+@pytest.mark.alone  # a real race must fire (its probe sets 2 threads)
 def test_epoch_two_drift_is_reported_at_its_first_step(tmp_path, capsys):
     code = main(["run", "--probe", str(PROBES / "unfreeze_at_epoch_2.py"), "--out", str(tmp_path),
                  "--json", "--epochs", "3", "--steps", "2", "--repeats", "3"])

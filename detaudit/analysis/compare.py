@@ -844,10 +844,12 @@ def _step_findings(
     called = {m for m, _ in calls} | {m for (at, p, m, _) in slots if at == step
                                        and p in (FORWARD, BACKWARD)}
     grads_only = {(m, c) for (at, p, m, c) in slots if at == step and p == GRAD and m not in called}
-    readers: dict[str, set[str]] = defaultdict(set)  # module -> the modules that took its weight
-    for at, module, reads in zip(ref.calls["step"], ref.calls["module"], ref.calls["reads"]):
-        for read in reads if at == step else ():
-            readers[read].add(module)
+    readers: dict[str, set[tuple[str, int]]] = defaultdict(set)  # module -> calls taking its weight
+    table = ref.calls
+    for at, module, index, reads in zip(table["step"], table["module"], table["index"],
+                                        table.get("reads", ())):
+        for read in reads if at == step and module else ():  # (not the model's own call)
+            readers[read].add((module, index))
     for (s, phase, module, call), ds in slots.items():
         if s != step or phase != GRAD or not module_level:
             continue
@@ -858,9 +860,11 @@ def _step_findings(
             for (at, p, m, c) in slots if at == step and m == module
         )
         if (module, call) in grads_only and not upstream:
-            around = {_nearest_called(module, called)} - {None, ""} | readers[module]
+            around = _nearest_called(module, called)
             upstream = any(
-                at == step and p in (FORWARD, BACKWARD) and m in around for (at, p, m, _) in slots)
+                at == step and p in (FORWARD, BACKWARD) and (m == around or (m, c) in readers[module])
+                and (carried is None or first_position(p, m, c) < mine)
+                for (at, p, m, c) in slots)
         if not upstream and (module, call) not in candidates[BACKWARD]:
             candidates[BACKWARD].append((module, call))
             pending.append((BACKWARD, module, call, ds, False))
@@ -908,11 +912,11 @@ def _evaluations(ref: Trace, step: int,
 
 
 def _nearest_called(module: str, called: set[str]) -> str | None:
-    """The innermost module around `module`, by name, that ran in the step ("", the model,
-    if only it did; None if not even it did)."""
+    """The innermost module around `module`, by name, that ran in the step, the model
+    itself not counted (None where only it did)."""
     while module:
         module = module.rpartition(".")[0]
-        if module in called:
+        if module and module in called:
             return module
     return None
 
