@@ -4,6 +4,7 @@ import pytest
 import torch
 import torchvision
 from conftest import SmallCNN, module_audit, small_cnn_probe
+from torch import nn
 
 from detaudit import Fault, Probe
 from detaudit.record.recorder import Recorder
@@ -400,3 +401,42 @@ def test_labels_beside_the_tensors_of_an_inference_output_are_compared():
                      "detections.0.box"]
     assert not result.deterministic
     assert [d.slot for d in result.comparison.first_diffs] == ["detections.0.label"]
+
+
+class _Carry(torch.autograd.Function):
+    """An identity whose ctx holds another tensor as `variable` (as a user's Function may)."""
+
+    @staticmethod
+    def forward(ctx, x, held):
+        ctx.variable = held
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Reading(nn.Module):
+    """`inner` is called with the model's `table` weight (repeated over the batch), with an
+    activation, and with an activation made by a Function whose ctx holds that weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.table, self.inner = nn.Linear(4, 4), nn.Embedding(3, 4), nn.Bilinear(4, 4, 1)
+
+    def forward(self, x):
+        repeated = self.table.weight.unsqueeze(0).repeat(x.shape[0], 1, 1)[:, 0]
+        hidden = self.stem(x)
+        return (self.inner(hidden, repeated) + self.inner(hidden, hidden)
+                + self.inner(_Carry.apply(hidden, self.table.weight), hidden))
+
+
+def test_a_call_given_a_parameter_or_a_copy_of_one_reads_its_module():
+    model = _Reading()
+    with Recorder(model) as recorder:
+        recorder.begin_step(0)
+        model(torch.ones(2, 4)).sum().backward()
+        calls = recorder.end_step().calls
+    assert [(c.module, c.index, c.reads) for c in calls] == [
+        ("", 0, []), ("stem", 0, []), ("inner", 0, ["table"]), ("inner", 1, []),
+        ("inner", 2, [])]

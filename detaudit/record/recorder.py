@@ -486,9 +486,11 @@ class Recorder(BackwardBoundaries):
         for _ in range(_READ_HOPS):
             if node is None:
                 break
-            param = getattr(node, "variable", None)
-            if param is not None:
+            # (known by its type: a custom Function's ctx may hold a `variable` of its own)
+            if type(node).__name__ == "AccumulateGrad":
+                param = node.variable
                 break
+            param = None
             inputs = [f for f, _ in node.next_functions if f is not None]
             node = inputs[0] if len(inputs) == 1 else None
         if not isinstance(param, nn.Parameter):
