@@ -23,6 +23,9 @@ from detaudit.record.environment import capture_environment
 from detaudit.record.oprecorder import op_matches
 from detaudit.trace import OP_PHASES
 
+# under pytest-xdist (conftest): the race tests take two_threads, which runs them alone
+pytestmark = pytest.mark.shares_cores
+
 
 def _until_divergent(run, attempts: int = 5):
     """Real thread races do not fire every time: retry until one run shows it."""
@@ -48,6 +51,7 @@ def test_real_gather_backward_is_named_as_index_put_of_that_module(two_threads):
     assert all(o["role"] != ORIGIN for o in drill["ops"][1:])
 
 
+@pytest.mark.alone  # a real race must fire
 def test_gather_on_cli_with_census_and_verified_fix(tmp_path):
     for _ in range(6):
         done = run_cli("run", "--probe", str(PROBES / "centre_gather.py"), "--repeats", "5",

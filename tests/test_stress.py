@@ -21,6 +21,9 @@ from detaudit.errors import EXIT_DIVERGED, EXIT_OK, TraceError
 from detaudit.report import render_console, render_markdown
 from detaudit.trace import Trace
 
+# under pytest-xdist (conftest): the race tests take two_threads, which runs them alone
+pytestmark = pytest.mark.shares_cores
+
 CELLS, VOTES = 64, 40_000  # 40,000 votes x 4 channels: well past torch's parallel grain
 
 
