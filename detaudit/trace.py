@@ -659,7 +659,8 @@ _CALL_DEFAULTS = {"reads": list}  # a column a trace written before it was kept 
 
 def _written_calls(calls: dict[str, list]) -> dict[str, list]:
     """The calls as a trace file holds them: `reads` only where a call read a parameter."""
-    return calls if any(calls["reads"]) else {k: v for k, v in calls.items() if k != "reads"}
+    return calls if any(calls.get("reads", ())) else {k: v for k, v in calls.items()
+                                                       if k != "reads"}
 
 
 def _bad(where: str, value: Any, expected: str) -> _Damaged:

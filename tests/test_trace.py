@@ -266,6 +266,10 @@ def test_calls_keep_the_parameters_they_read_and_traces_without_them_load(traces
     for path in (reading.save(tmp_path / "reads.json.gz"),
                  stream_trace(reading, tmp_path / "reads-s.json.gz").path):
         assert open_trace(path).calls == reading.calls
+    by_hand = Trace(probe=plain.probe, repeat=0, env=plain.env, steps=list(plain.steps),
+                    records=plain.records,  # a trace built with the columns of before
+                    calls={k: v for k, v in plain.calls.items() if k != "reads"})
+    assert Trace.load(by_hand.save(tmp_path / "by-hand.json.gz")).calls == plain.calls
     data["calls"]["reads"] = ["stem"] * len(data["calls"]["step"])
     whole.write_bytes(gzip.compress(json.dumps(data).encode()))
     with pytest.raises(TraceError, match=r"calls\.reads\[0\] is .*not a list of strings"):

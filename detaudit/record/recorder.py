@@ -34,9 +34,9 @@ from .fingerprint import Fingerprinter, TensorPrint
 from .structure import iter_leaves, iter_tensors, next_ulp, replace_first_float
 
 WATCH_MODULE, WATCH_CALLS, WATCH_NONE = "module", "calls", "none"
-_READ_HOPS = 4  # one-input ops between a parameter and the call input made of it (see _note_read)
 WATCH_LEVELS = (WATCH_MODULE, WATCH_CALLS, WATCH_NONE)
 RecordKey = tuple[str, str, int, str]  # (phase, module, call, slot)
+_READ_HOPS = 4  # one-input ops between a parameter and the call input made of it (see _note_read)
 
 
 @dataclass
