@@ -36,7 +36,7 @@ from detaudit.execution import _check_side_fault, _is_launcher
 from detaudit.record.structure import next_ulp
 from detaudit.trace import OUTSIDE_MODEL, Trace
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_plain.py"
 

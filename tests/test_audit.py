@@ -19,7 +19,7 @@ from detaudit.analysis.verdict import first_divergence
 from detaudit.drivers.loading import builtin_spec, make_factory
 from detaudit.report import render_console
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 
 def _roles(comparison, step, phase):

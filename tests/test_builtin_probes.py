@@ -9,7 +9,7 @@ from conftest import module_audit
 from detaudit import probes
 from detaudit.drivers.loading import builtin_spec, make_factory
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 NAMES = [name for name, _ in probes.available()]
 

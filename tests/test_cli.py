@@ -12,7 +12,7 @@ import pytest
 
 from detaudit.cli import main
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 PROBES = Path(__file__).parent / "probe_files"
 

@@ -16,7 +16,7 @@ from detaudit.drivers.loading import builtin_spec, make_factory
 from detaudit.drivers.runner import deterministic_settings, resolve_device
 from detaudit.errors import DetauditError
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 PROBES = Path(__file__).parent / "probe_files"
 

@@ -17,7 +17,7 @@ from detaudit.errors import DetauditError
 from detaudit.record.fingerprint import TensorPrint
 from detaudit.trace import StepInfo, Trace
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 PROBE = Path(__file__).parent / "probe_files" / "ddp_tiny.py"
 CHECKS = ("params", "grads", "shards", "epochs", "rng", "init")

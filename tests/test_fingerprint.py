@@ -18,7 +18,7 @@ from detaudit.record import fingerprint as fpmod
 from detaudit.record import fused
 from detaudit.record.fingerprint import Fingerprinter, fingerprint, wsum_device_value
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 ALGORITHMS = ["xxh3", "wsum"]
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

@@ -36,7 +36,7 @@ from detaudit.runfolder import RunInfo
 from detaudit.storage import dump_json
 from detaudit.trace import Trace
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 GOLDEN = Path(__file__).parent / "golden" / "planted"
 RAW = (GOLDEN / "trace-0.json.gz").read_bytes()

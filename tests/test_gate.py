@@ -21,7 +21,7 @@ from detaudit.report.junit import JUnitCase, junit_case, junit_xml, write_junit
 from detaudit.runfolder import load_baseline, save_baseline
 from detaudit.trace import TraceFile
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 pytest_plugins = ["detaudit.testing"]  # the detaudit_check fixture, as users get it
 

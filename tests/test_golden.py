@@ -29,7 +29,7 @@ from detaudit.report import (
 from detaudit.report.junit import junit_case, junit_xml
 from detaudit.runfolder import load_run
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 HERE = Path(__file__).parent / "golden"
 RUN = HERE / "planted"

@@ -25,7 +25,7 @@ from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
 
 from detaudit import probes
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 NAMES = [
     "fasterrcnn",

@@ -10,7 +10,7 @@ from detaudit import Fault, Probe
 from detaudit.record.recorder import Recorder
 from detaudit.seeding import seed_everything
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 
 def _maskrcnn_probe(device):

@@ -24,7 +24,7 @@ from detaudit.runfolder import LOCK_FILE, RunFolder, RunInfo, load_run, new_fold
 from detaudit.seeding import seed_everything
 from detaudit.trace import open_trace
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 PROBES = Path(__file__).parent / "probe_files"
 

@@ -23,7 +23,7 @@ from detaudit.report import render_github, render_html, render_markdown, write_r
 from detaudit.report.github import LIMIT
 from detaudit.report.markdown import fence
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 CHROMIUM = Path("/usr/bin/chromium")
 EVIL = "<script>alert(1)</script>"

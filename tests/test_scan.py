@@ -15,7 +15,7 @@ from torch import nn
 from detaudit import Fault, Probe, api, audit
 from detaudit.record.recorder import Recorder
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 PLANTED = [
     Fault("head", "backward", 2),

@@ -11,7 +11,7 @@ from detaudit.errors import TraceError
 from detaudit.storage import dump_json
 from detaudit.trace import Trace, TraceFile, open_trace
 
-pytestmark = pytest.mark.shares_cores  # under pytest-xdist: conftest.cores_held
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 
 @pytest.fixture(scope="module")
