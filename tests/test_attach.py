@@ -2789,6 +2789,45 @@ def test_exec_of_a_script_that_spawns_its_ranks_finds_unsharded_data(tmp_path):
         "trace-r0-0.json.gz", "trace-r0-1.json.gz", "trace-r1-0.json.gz", "trace-r1-1.json.gz"]
 
 
+def test_exec_of_an_fsdp2_script_compares_each_rank_with_itself_not_with_other_shards(tmp_path):
+    """FSDP2's parameters and gradients are DTensors, each rank holding a shard: they are
+    printed by that shard (they crashed the recording), compared run to run on each rank
+    but not across ranks (where they differ by design), and the zoomed step runs with them
+    (its prints no longer keep FSDP from freeing the all-gathered parameters, and the
+    collectives' outputs, which land after their ops return, are not taken for an op's)."""
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needed")
+    from torch.distributed import fsdp
+
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (fully_shard)")
+    done = _exec_ddp(tmp_path / "plain", "--max-steps", "3",
+                     script_args=("--launch", "torchrun", "--fsdp"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "DETERMINISTIC" in done.stdout
+    run = tmp_path / "plain" / "run"
+    for rank in (0, 1):
+        trace = Trace.load(run / f"trace-r{rank}-0.json.gz")
+        assert trace.probe["distributed"]["sharded"] == ["0.bias", "0.weight", "2.bias",
+                                                        "2.weight"]
+        grads = trace.frame().query("phase == 'grad' and module == '0'")
+        assert set(grads.slot) == {"param.weight", "param.bias"}
+        weights = grads[grads.slot == "param.weight"]["shape"]
+        assert {tuple(shape) for shape in weights} == {(8, 8)}  # its half of the 16 rows
+    summary = json.loads((run / "summary.json").read_text())
+    checks = {c["key"]: c for c in summary["ranks"]["checks"]}
+    assert checks["params"]["status"] == checks["grads"]["status"] == "not checked"
+    assert "4 parameters sharded" in checks["params"]["detail"]
+    assert checks["shards"]["status"] == "ok"
+
+    done = _exec_ddp(tmp_path / "fault", "--max-steps", "3", "--inject-fault", "2@backward:1",
+                     script_args=("--launch", "torchrun", "--fsdp"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    verdict = done.stdout.splitlines()[0]
+    assert "first at step 1 (epoch 1), backward, 2 (origin)" in verdict, verdict
+    assert "the planted fault, found where it was planted" in verdict, verdict
+    assert "zoomed in on step 1" in verdict and "all_gather" not in done.stdout
+
+
 def test_a_first_step_whose_forward_runs_inside_the_closure_records_its_gradients(tmp_path):
     """Lightning calls optimizer.step(closure) before the model was ever called: the step
     begins inside the closure, and its gradients are still recorded."""

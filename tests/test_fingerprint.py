@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from detaudit.record import fingerprint as fpmod
@@ -548,3 +549,54 @@ def test_sparse_nested_and_quantized_tensors_print_by_their_content():
         q = torch.quantize_per_tensor(torch.linspace(-1, 1, 8), 0.1, 0, torch.qint8)
         assert fp(q) != fp(torch.quantize_per_tensor(torch.linspace(-1, 1, 8), 0.2, 0,
                                                      torch.qint8))
+
+
+def test_a_printed_tensor_can_still_be_resized_as_fsdp_does():
+    """FSDP frees a parameter's memory by resizing its storage to 0 and refills it the same
+    way; `Tensor.numpy()` marks a storage not resizable for good, and a print made that way
+    failed the user's next forward ("Trying to resize storage that is not resizable")."""
+    tensors = [torch.randn(300), torch.randn(700, 800),  # one piece; a tree of 1 MiB pieces
+               torch.randn(8, dtype=torch.bfloat16),  # printed as bytes
+               torch.randn(30, 40)[:, :7]]  # strided: printed from a copy
+    for t in tensors:
+        before = fingerprint(t)
+        f = Fingerprinter()
+        f.add_many([t])
+        assert f.collect()[0] == before == fingerprint(t.clone())
+        t.untyped_storage().resize_(0)  # raised with the print taken by t.numpy()
+        assert t.untyped_storage().nbytes() == 0
+
+
+def test_a_wrapper_subclass_prints_by_the_tensors_it_holds():
+    """A tensor subclass that wraps others (FSDP2's parameters are DTensors) has no memory
+    of its own to read: it prints by what it holds. A DTensor is printed by its local
+    shard; a subclass holding two tensors by both."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(6), torch.randn(6)
+    pair = fingerprint(TwoTensor(a, b)).fp
+    assert pair == fingerprint(TwoTensor(a.clone(), b.clone())).fp
+    nudged = b.clone()
+    nudged[3] = torch.nextafter(b[3], torch.tensor(math.inf))
+    assert pair != fingerprint(TwoTensor(a, nudged)).fp
+    assert pair != fingerprint(TwoTensor(b, a)).fp
+
+
+def test_a_dtensor_prints_as_its_local_shard(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    tensor_api = pytest.importorskip("torch.distributed.tensor")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
+        weight = torch.randn(4, 3)
+        sharded = tensor_api.distribute_tensor(weight, mesh, [tensor_api.Shard(0)])
+        param = nn.Parameter(sharded)
+        assert fingerprint(param) == fingerprint(sharded) == fingerprint(sharded.to_local())
+        from detaudit.record.recorder import _is_shard
+
+        assert _is_shard(param) and not _is_shard(weight)
+        assert not _is_shard(tensor_api.distribute_tensor(weight, mesh,
+                                                          [tensor_api.Replicate()]))
+    finally:
+        dist.destroy_process_group()

@@ -204,11 +204,16 @@ class RankRecords:
     module_draws: list[dict[str, Any]] = field(default_factory=list)
     drew_in_modules: bool = False  # a module call's RNG draw was recorded
     module_level: bool = False  # forward records exist (module calls were recorded)
+    # parameters some rank holds its own shard of (FSDP2): neither they nor their
+    # gradients are the same on every rank, so they are not compared
+    sharded: list[str] = field(default_factory=list)
 
     @classmethod
     def read(cls, items: RankTraces) -> RankRecords:
         ranks = [rank for rank, _ in items]
-        seen = cls(batches={rank: {} for rank in ranks})
+        sharded = sorted({name for _, trace in items
+                          for name in _distributed(trace).get("sharded") or ()})
+        seen = cls(batches={rank: {} for rank in ranks}, sharded=sharded)
         params: dict[str, dict[str, Any]] = {}
         grads: dict[str, dict[str, Any]] = {}
         draws: dict[str, dict[str, Any]] = {}
@@ -219,9 +224,9 @@ class RankRecords:
             cut = [_StepPrints(step, c) for c in cuts]
             epoch = epochs.get(step)
             seen.params_compared += _disagreements(
-                step, epoch, ranks, [c.params for c in cut], params)
+                step, epoch, ranks, [c.params for c in cut], params, set(sharded))
             seen.grads_compared += _disagreements(
-                step, epoch, ranks, [c.grads for c in cut], grads)
+                step, epoch, ranks, [c.grads for c in cut], grads, set(sharded))
             _module_draws(step, epoch, ranks, [c.draws for c in cut], draws)
             for rank, c in zip(ranks, cut):
                 if c.batch:
@@ -262,9 +267,9 @@ class _StepPrints:
 def _check_params(items: RankTraces, seen: RankRecords) -> CheckResult:
     findings, compared = seen.params, seen.params_compared
     if not compared:
-        return NOT_CHECKED, "no parameter records common to every rank", []
+        return NOT_CHECKED, _none_common("parameter", seen), []
     if not findings:
-        return OK, f"{compared} parameter records identical on every rank", []
+        return OK, f"{compared} parameter records identical on every rank{_apart(seen)}", []
     first = findings[0]
     when = "before the first step" if first["phase"] == STATE else "after the optimizer step"
     return FLAGGED, (
@@ -277,9 +282,10 @@ def _check_params(items: RankTraces, seen: RankRecords) -> CheckResult:
 def _check_grads(items: RankTraces, seen: RankRecords) -> CheckResult:
     findings, compared = seen.grads, seen.grads_compared
     if not compared:
-        return NOT_CHECKED, "no gradient records common to every rank", []
+        return NOT_CHECKED, _none_common("gradient", seen), []
     if not findings:
-        return OK, f"{compared} all-reduced gradient records identical on every rank", []
+        return OK, (f"{compared} all-reduced gradient records identical on every rank"
+                    f"{_apart(seen)}"), []
     first = findings[0]
     return FLAGGED, (
         f"the gradient of {first['parameter']} differs between ranks "
@@ -289,19 +295,38 @@ def _check_grads(items: RankTraces, seen: RankRecords) -> CheckResult:
     ), findings
 
 
+def _none_common(kind: str, seen: RankRecords) -> str:
+    if not seen.sharded:
+        return f"no {kind} records common to every rank"
+    return (f"no {kind} records to compare: {counted(len(seen.sharded), 'parameter')} "
+            "sharded, each rank holding its own shard")
+
+
+def _apart(seen: RankRecords) -> str:
+    """What the parameter checks leave out: the parameters each rank holds a shard of."""
+    if not seen.sharded:
+        return ""
+    return (f" ({counted(len(seen.sharded), 'sharded parameter')} not compared: each rank "
+            "holds its own shard)")
+
+
 def _disagreements(
     step: int, epoch: int | None, ranks: list[int],
     prints: list[dict[tuple[str, str, str], str]], first: dict[str, dict[str, Any]],
+    sharded: set[str],
 ) -> int:
     """Note in `first` each parameter whose print at `step` is not the same on every rank
-    (its first such record only; rank 0's order); how many records every rank has."""
-    common = [key for key in prints[0] if all(key in p for p in prints[1:])]
+    (its first such record only; rank 0's order); how many records every rank has. The
+    `sharded` parameters are not compared."""
+    named = {key: f"{key[1]}.{key[2][len('param.'):]}" if key[1] else key[2][len("param."):]
+             for key in prints[0]}
+    common = [key for key in prints[0]
+              if named[key] not in sharded and all(key in p for p in prints[1:])]
     for key in common:
         fps = [p[key] for p in prints]
         if len(set(fps)) == 1:
             continue
-        phase, module, slot = key
-        name = f"{module}.{slot[len('param.'):]}" if module else slot[len("param."):]
+        phase, name = key[0], named[key]
         if name not in first:
             first[name] = {"step": step, "epoch": epoch, "phase": phase, "parameter": name,
                            "groups": _rank_groups(ranks, fps)}

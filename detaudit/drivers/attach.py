@@ -655,6 +655,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self.rank is not None:
             _note_group(self.rank)
             self.rank.epochs = self._samplers.get(self._train_loader or -1, [])
+            if self.recorder is not None:
+                self.rank.sharded = sorted(
+                    set(self.rank.sharded) | set(self.recorder.sharded_parameters()))
             self.rank.note_in(self.trace)
         self._write()
 

@@ -46,13 +46,14 @@ class RankWatch:
         self.init: dict[str, str] | None = None
         self.epochs: list[dict[str, Any]] = []
         self.fetches: list[dict[str, Any]] = []
+        self.sharded: list[str] = []  # parameters each rank holds its own shard of (FSDP2)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the trace."""
         return {
             "rank": self.rank, "world_size": self.world_size, "backend": self.backend,
             "wrapped_by": self.wrapped_by, "init": self.init, "epochs": self.epochs,
-            "fetches": self.fetches,
+            "fetches": self.fetches, "sharded": self.sharded,
         }
 
     def note_in(self, trace: Trace) -> None:

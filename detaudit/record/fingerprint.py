@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import xxhash
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import fused
 
@@ -77,20 +78,38 @@ def _describe(t: torch.Tensor) -> tuple[bytes, tuple[int, ...], str]:
 def _flat_view(t: torch.Tensor) -> np.ndarray:
     """A flat, zero-copy numpy view of a CPU tensor's logical content (copies only if strided).
 
-    Dtypes numpy lacks (bfloat16, complex, ...) come as bytes."""
+    Dtypes numpy lacks (bfloat16, complex, ...) come as bytes. The view is made from the
+    tensor's address (see _Memory), never by ``Tensor.numpy()``, which marks the tensor's
+    storage as not resizable for good: FSDP frees and refills its parameters' storage by
+    resizing it, and a script that did so after a print would fail."""
     if t.requires_grad:
         t = t.detach()
-    if t.dtype in _NUMPY_VIEWABLE and t.is_contiguous():
-        try:
-            return t.numpy() if t.dim() == 1 else t.numpy().reshape(-1)
-        except RuntimeError:  # a lazily negated view: resolved below
-            pass
-    flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
-    if flat.dtype in _NUMPY_VIEWABLE:
-        return flat.numpy()
-    if flat.dtype.is_complex:
-        flat = torch.view_as_real(flat).reshape(-1)
-    return flat.view(torch.uint8).numpy()
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg().contiguous()
+    typestr = _TYPESTRS.get(t.dtype)
+    if typestr is None:
+        return np.asarray(_Memory(t, "|u1", t.numel() * t.element_size()))
+    return np.asarray(_Memory(t, typestr, t.numel()))
+
+
+class _Memory:
+    """A contiguous CPU tensor's memory as numpy reads it (``__array_interface__``); the
+    view holds this, and this holds the tensor. (Marked writable, though nothing writes
+    to it: torch warns when it wraps a read-only array, as a print's stats do.)"""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor, typestr: str, count: int) -> None:
+        self.tensor = t
+        # (a tensor without elements may have no address; numpy wants one)
+        address = t.data_ptr() or _EMPTY.ctypes.data
+        self.__array_interface__ = {"data": (address, False), "shape": (count,),
+                                    "typestr": typestr, "version": 3}
+
+
+_EMPTY = np.empty(8, dtype=np.uint8)
+# numpy's name of each dtype it shares with torch (the rest are viewed as bytes)
+_TYPESTRS = {dtype: torch.empty(0, dtype=dtype).numpy().dtype.str for dtype in _NUMPY_VIEWABLE}
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -479,7 +498,16 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     ``nn.Embedding(sparse=True)``, a nested or a quantized tensor) a flat uint8 tensor of
     its content, after its shape: a sparse tensor's coalesced indices then values, a nested
     tensor's components in order (each after its shape), a quantized tensor's integers,
-    scales and zero points."""
+    scales and zero points. A tensor subclass that wraps others (a DTensor, as FSDP2's
+    parameters and gradients are) is printed by what it holds: a DTensor by its local
+    shard, as this process has it; one holding several tensors (a float8 tensor and its
+    scale) by its shape then each of them."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        # (a DTensor names its device mesh too, which is no tensor)
+        inner = [_plain(held) for held in (getattr(t, name) for name in names)
+                 if isinstance(held, torch.Tensor)]
+        return inner[0] if len(inner) == 1 else _as_bytes([_shape_of(t), *inner])
     if t.layout is torch.strided and not (t.is_nested or t.is_quantized):
         return t
     t = t.detach()
@@ -490,7 +518,12 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     else:
         coo = (t if t.layout is torch.sparse_coo else t.to_sparse_coo()).coalesce()
         parts = [_shape_of(t), coo.indices(), coo.values()]
-    return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
+    return _as_bytes(parts)
+
+
+def _as_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of `parts`, one after another, as one flat uint8 tensor."""
+    return torch.cat([p.detach().contiguous().reshape(-1).view(torch.uint8) for p in parts])
 
 
 def _quantization(t: torch.Tensor) -> list[torch.Tensor]:

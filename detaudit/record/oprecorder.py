@@ -32,9 +32,21 @@ from .structure import has_ulps, iter_tensors, next_ulp
 
 # Ops that only re-label memory or metadata: their outputs are their inputs.
 PASSTHROUGH_OPS = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}
-# Ops whose outputs are uninitialized memory: their bytes are noise until written.
+# Ops whose outputs are uninitialized memory: their bytes are noise until written. FSDP2's
+# all-gather buffer too: the op fills this rank's part of it, the all-gather the rest.
 UNINITIALIZED_OPS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
-                  "aten.new_empty_strided", "aten.empty_permuted"}
+                  "aten.new_empty_strided", "aten.empty_permuted", "fsdp.all_gather_copy_in"}
+# Collectives: their result lands when their work is waited on, after the op returns (but for
+# the wait itself), and running one again on one rank alone would hang the others
+COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "_c10d_functional_autograd.")
+WAITS = {"_c10d_functional.wait_tensor"}
+
+
+def unsettled(name: str) -> bool:
+    """Whether the outputs of op `name` are not yet what they will hold when it returns
+    (uninitialized memory, a collective's result): not recorded, nor re-executed."""
+    return name in UNINITIALIZED_OPS or (name.startswith(COLLECTIVE_NAMESPACES)
+                                         and name not in WAITS)
 ALERT_MARK = "does not have a deterministic implementation"
 
 
@@ -196,7 +208,7 @@ class OpRecorder(ModelOpMode):
         ):
             out = self._perturb(func, args, out)
         if prefix and self.record:
-            if name in UNINITIALIZED_OPS:
+            if unsettled(name):
                 self._remember_uninitialized(out)
             else:
                 # an in-place or out= op's output is its input, whose version counter is
@@ -229,7 +241,7 @@ class OpRecorder(ModelOpMode):
                 self._fresh[t.untyped_storage().data_ptr()] = (weakref.ref(t), t._version)
 
     def _uninitialized(self, t: torch.Tensor) -> bool:
-        """Whether `t` is (a view of) an empty() output not written since."""
+        """Whether `t` is (a view of) an unsettled op's output not written since."""
         entry = self._fresh.get(t.untyped_storage().data_ptr())
         if entry is None:
             return False

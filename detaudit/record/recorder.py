@@ -346,6 +346,11 @@ class Recorder(BackwardBoundaries):
         ids = {id(p) for p in params}
         return [(name, p) for name, p in self._params.items() if id(p) in ids]
 
+    def sharded_parameters(self) -> list[str]:
+        """The names of the parameters recorded that this process holds a shard of (a
+        DTensor placed as a shard, as FSDP2's are): their prints differ from rank to rank."""
+        return [name for name, p in self._params.items() if _is_shard(p)]
+
     def add_model(self, name: str, model: nn.Module) -> None:
         """Record `model` too, another top-level model of the same loop (trained by its own
         optimizer, or called apart from the first), its modules and parameters named under
@@ -627,6 +632,12 @@ def _printed_aside(keys: list[Any], tensors: list[torch.Tensor], stats: bool,
         fp.add_many(tensors, stats)
         prints = fp.collect()
     return list(zip(keys, prints))
+
+
+def _is_shard(t: Any) -> bool:
+    """Whether `t` is a DTensor placed as a shard on some dimension of its device mesh."""
+    return any(getattr(placement, "is_shard", lambda: False)()
+               for placement in getattr(t, "placements", None) or ())
 
 
 def _parameter_keys(phase: str, items: list[tuple[str, Any]], kind: str = "param",

@@ -1,7 +1,8 @@
 """A DDP training script that starts its own ranks, as users write them: with torchrun
 (``--launch torchrun``: it runs ``python -m torch.distributed.run --nproc-per-node 2`` on
 itself) or with ``torch.multiprocessing.spawn`` (``--launch spawn``). gloo on CPU, a
-DistributedSampler (unless --shared-data), seeded by the script itself."""
+DistributedSampler (unless --shared-data), seeded by the script itself. With ``--fsdp`` the
+model is sharded by FSDP2 instead of wrapped in DDP."""
 
 import argparse
 import os
@@ -22,7 +23,15 @@ def train(rank, world, args):
                torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, seed=0))
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler,
                                          shuffle=sampler is None)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    if args.fsdp:  # each rank holds a shard of every parameter (FSDP2: DTensors)
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (net[0], net[2]):
+            fully_shard(layer)
+        model = fully_shard(net)
+    else:
+        model = DistributedDataParallel(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for epoch in range(args.epochs):
         if sampler is not None:
@@ -46,6 +55,7 @@ def main():
     p.add_argument("--launch", choices=("torchrun", "spawn"), default="torchrun")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--shared-data", action="store_true", help="no sampler: every rank, all data")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2, not DDP")
     args = p.parse_args()
     if args.launch == "spawn":
         with socket.socket() as s:
