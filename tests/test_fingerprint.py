@@ -565,6 +565,16 @@ def test_a_printed_tensor_can_still_be_resized_as_fsdp_does():
         assert f.collect()[0] == before == fingerprint(t.clone())
         t.untyped_storage().resize_(0)  # raised with the print taken by t.numpy()
         assert t.untyped_storage().nbytes() == 0
+        # freed, as FSDP leaves a parameter between its uses: its elements are not read
+        # (torch's own ops crash on them), its shape is printed
+        # (no freed tensor in an assert: pytest's message would print its elements)
+        freed, again = fingerprint(t).fp, fingerprint(t).fp
+        assert freed == again != before.fp
+    a, b = torch.randn(2, 3), torch.randn(3, 2)
+    for t in (a, b):
+        t.untyped_storage().resize_(0)
+    freed_a, freed_b = fingerprint(a).fp, fingerprint(b).fp
+    assert freed_a != freed_b
 
 
 def test_a_wrapper_subclass_prints_by_the_tensors_it_holds():

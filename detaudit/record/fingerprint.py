@@ -498,10 +498,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     ``nn.Embedding(sparse=True)``, a nested or a quantized tensor) a flat uint8 tensor of
     its content, after its shape: a sparse tensor's coalesced indices then values, a nested
     tensor's components in order (each after its shape), a quantized tensor's integers,
-    scales and zero points. A tensor subclass that wraps others (a DTensor, as FSDP2's
-    parameters and gradients are) is printed by what it holds: a DTensor by its local
-    shard, as this process has it; one holding several tensors (a float8 tensor and its
-    scale) by its shape then each of them."""
+    scales and zero points; a tensor whose storage was freed, its shape. A tensor subclass
+    that wraps others (a DTensor, as FSDP2's parameters and gradients are) is printed by
+    what it holds: a DTensor by its local shard, as this process has it; one holding
+    several tensors (a float8 tensor and its scale) by its shape then each of them."""
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         # (a DTensor names its device mesh too, which is no tensor)
@@ -509,7 +509,9 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
                  if isinstance(held, torch.Tensor)]
         return inner[0] if len(inner) == 1 else _as_bytes([_shape_of(t), *inner])
     if t.layout is torch.strided and not (t.is_nested or t.is_quantized):
-        return t
+        # a storage resized to nothing, as FSDP frees a parameter between its uses, no
+        # longer holds the elements (torch's own ops crash on them): its shape is printed
+        return t if t.untyped_storage().nbytes() or not t.numel() else _as_bytes([_shape_of(t)])
     t = t.detach()
     if t.is_nested:
         parts = [part for c in t.unbind() for part in (_shape_of(c), c)]
