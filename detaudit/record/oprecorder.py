@@ -42,11 +42,13 @@ COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "_c10d_functional_autogra
 WAITS = {"_c10d_functional.wait_tensor"}
 
 
-def unsettled(name: str) -> bool:
-    """Whether the outputs of op `name` are not yet what they will hold when it returns
-    (uninitialized memory, a collective's result): not recorded, nor re-executed."""
-    return name in UNINITIALIZED_OPS or (name.startswith(COLLECTIVE_NAMESPACES)
-                                         and name not in WAITS)
+def collective(name: str) -> bool:
+    """Whether op `name` is a collective whose outputs are not settled when it returns: they
+    are not recorded at it (the ops that read them later record what they read), nor is it
+    re-executed."""
+    return name.startswith(COLLECTIVE_NAMESPACES) and name not in WAITS
+
+
 ALERT_MARK = "does not have a deterministic implementation"
 
 
@@ -208,9 +210,9 @@ class OpRecorder(ModelOpMode):
         ):
             out = self._perturb(func, args, out)
         if prefix and self.record:
-            if unsettled(name):
+            if name in UNINITIALIZED_OPS:
                 self._remember_uninitialized(out)
-            else:
+            elif not collective(name):
                 # an in-place or out= op's output is its input, whose version counter is
                 # bumped only after this returns: it must not pass for the unchanged input
                 self.recorder.record(op_phase, module, index, f"{prefix}/out", out,
@@ -241,7 +243,7 @@ class OpRecorder(ModelOpMode):
                 self._fresh[t.untyped_storage().data_ptr()] = (weakref.ref(t), t._version)
 
     def _uninitialized(self, t: torch.Tensor) -> bool:
-        """Whether `t` is (a view of) an unsettled op's output not written since."""
+        """Whether `t` is (a view of) an uninitialized output not written since."""
         entry = self._fresh.get(t.untyped_storage().data_ptr())
         if entry is None:
             return False

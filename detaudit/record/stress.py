@@ -29,7 +29,14 @@ from ..analysis.knowledge import applicable
 from ..trace import STRESS_COLUMNS
 from .difference import tensor_difference
 from .fingerprint import fingerprint
-from .oprecorder import PASSTHROUGH_OPS, ModelOpMode, accumulate_arg, op_name, unsettled
+from .oprecorder import (
+    PASSTHROUGH_OPS,
+    UNINITIALIZED_OPS,
+    ModelOpMode,
+    accumulate_arg,
+    collective,
+    op_name,
+)
 from .recorder import Recorder
 from .structure import iter_tensors
 
@@ -90,7 +97,7 @@ class StressMode(ModelOpMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = op_name(func)
-        if func.is_view or name in PASSTHROUGH_OPS or unsettled(name):
+        if func.is_view or name in PASSTHROUGH_OPS or name in UNINITIALIZED_OPS or collective(name):
             return func(*args, **kwargs)
         phase, call = self.where()
         accumulate = accumulate_arg(func, args, kwargs)
