@@ -238,6 +238,38 @@ def test_a_step_that_never_parts_again_is_intermittent():
     assert "unconfirmed from the step's state alone" in result.summary["cause"]["text"]
 
 
+def test_a_zoom_whose_replay_fails_says_so_not_that_the_step_did_not_part():
+    """A replay that fails (the module-level recording broke the user's step, as a print
+    once broke FSDP's) concludes nothing: the verdict gives its error, and the scan's
+    finding stands; it is not a step that "did not part when replayed"."""
+    _RUNS["built"] = 0
+
+    def probe(device):
+        _RUNS["built"] += 1
+        built, base = _RUNS["built"], small_cnn_probe(device)
+
+        def step(model, batch):
+            loss = base.step(model, batch)["mse"]
+            if step.calls == 2 and built == 2:  # the scan's second repeat parts at step 2
+                loss = loss * (1 + 2**-20)
+            if step.calls == 2 and built > 2:  # every replay fails there
+                raise RuntimeError("Trying to resize storage that is not resizable")
+            step.calls += 1
+            return {"mse": loss}
+
+        step.calls = 0
+        return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
+
+    result = _scan(probe, repeats=2, steps=4)
+    zoom = result.investigations["zoom"]
+    assert result.comparison.first_step == 2
+    assert (zoom["status"], zoom["step"], len(zoom["attempts"])) == ("replay failed", 2, 1)
+    assert result.verdict.kind == "divergent"
+    assert "the zoom's replay of step 2 failed (RuntimeError in step 2" in result.verdict.headline
+    assert "Trying to resize storage that is not resizable" in result.verdict.headline
+    assert "did not part" not in result.verdict.headline
+
+
 @pytest.mark.parametrize(("parted", "said"), [
     # the scanned runs part at step 3, the first replay at step 2, the second at step 0; the
     # one replay of step 0 that is left agrees

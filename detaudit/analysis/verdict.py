@@ -91,6 +91,10 @@ def judge(
         headline += f"; proven by re-execution: {_confirming(proofs, first)['line']}"
     if zoom is None and (zoom_found or {}).get("status") == "intermittent":
         headline += f"; intermittent: {_intermittent(zoom_found)}"
+    elif zoom is None and (zoom_found or {}).get("status") == "replay failed":
+        headline += (f"; the zoom's replay of step {zoom_found.get('step')} failed "
+                     f"({zoom_found.get('why')}), so the module and op are not named (the "
+                     "cause is the scan's)")
     if located is zoom:
         headline += f"; zoomed in on step {zoom.first_step} after a scan"
         if c.first_step is not None and zoom.first_step != c.first_step:  # a race fired sooner

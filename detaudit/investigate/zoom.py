@@ -42,6 +42,7 @@ from .drilldown import drill_down
 
 FOUND, INTERMITTENT = "found", "intermittent"
 NOT_REPRODUCED, NOT_POSSIBLE = "not reproduced", "not possible"
+REPLAY_FAILED = "replay failed"  # a replay ended in an error: nothing concluded from it
 HERE_FIRST = 2  # replays in this process that agree before runs recorded apart are replayed so
 
 
@@ -113,6 +114,11 @@ def zoom_by_replay(
                 continue
         how = "" if apart is None else (" (replayed in this process)" if here else
                                         " (each repeat replayed in its own process)")
+        failure = next((t.failure for t in traces if t.failure), None)
+        if failure is not None:  # (not a step that did not part: a replay that did not run)
+            attempts.append({"step": step, "outcome": f"the replay failed{how}: {failure}"})
+            return {"status": REPLAY_FAILED, "step": step, "attempts": attempts, "ops": None,
+                    "why": failure}, []
         zoomed = compare(traces, comparison.idle_rng)
         if zoomed.first_step is not None and zoomed.first_step < step:
             attempts.append({"step": step, "outcome": f"parted earlier, at step "

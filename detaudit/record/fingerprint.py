@@ -95,7 +95,9 @@ def _flat_view(t: torch.Tensor) -> np.ndarray:
 class _Memory:
     """A contiguous CPU tensor's memory as numpy reads it (``__array_interface__``); the
     view holds this, and this holds the tensor. (Marked writable, though nothing writes
-    to it: torch warns when it wraps a read-only array, as a print's stats do.)"""
+    to it: torch warns when it wraps a read-only array, as a print's stats do.) Unlike
+    ``Tensor.numpy()`` it does not stop another thread from resizing the storage while it
+    is read; FSDP frees and refills storage in the training thread, between prints."""
 
     __slots__ = ("__array_interface__", "tensor")
 
@@ -259,9 +261,9 @@ def _exact_stats(t: torch.Tensor) -> tuple[float, float, int]:
 
 def _cpu_print(t: torch.Tensor, stats: bool) -> TensorPrint:
     """The print of one CPU tensor: a small one at once, in this thread."""
-    a = _flat_view(t)
-    if a.nbytes > CHUNK_BYTES:
+    if t.numel() * t.element_size() > CHUNK_BYTES:
         return _cpu_prints([t], stats)[0]
+    a = _flat_view(t)
     header, shape, dtype = _describe(t)
     numpy_stats = stats and a.size > 0 and t.dtype in _NUMPY_FLOATS
     fp, sums = _hash_piece(a, 0, a.size, header, numpy_stats)
@@ -493,6 +495,38 @@ def _exact_dtype(t: torch.Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex())
 
 
+def storage_address(t: torch.Tensor) -> int | None:
+    """The address of `t`'s storage; None for a tensor without one of its own (a wrapper
+    subclass such as a DTensor, a tensor inside a ``torch.func`` transform)."""
+    if _wraps_tensors(t):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+_WRAPPERS: dict[type, bool] = {}
+
+
+def _wraps_tensors(t: torch.Tensor) -> bool:
+    """Whether `t` is a tensor subclass that wraps others (asked once per type)."""
+    kind = type(t)
+    wraps = _WRAPPERS.get(kind)
+    if wraps is None:
+        wraps = _WRAPPERS[kind] = is_traceable_wrapper_subclass(t)
+    return wraps
+
+
+def _freed(t: torch.Tensor) -> bool:
+    """Whether `t`'s storage was resized to nothing, as FSDP frees a parameter between its
+    uses: it no longer holds the elements (torch's own ops crash on them)."""
+    try:
+        return bool(t.numel()) and not t.untyped_storage().nbytes()
+    except NotImplementedError:  # a tensor inside a torch.func transform: no storage to ask
+        return False
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """`t`, or where its content is not one strided buffer (a sparse gradient of
     ``nn.Embedding(sparse=True)``, a nested or a quantized tensor) a flat uint8 tensor of
@@ -502,16 +536,14 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     that wraps others (a DTensor, as FSDP2's parameters and gradients are) is printed by
     what it holds: a DTensor by its local shard, as this process has it; one holding
     several tensors (a float8 tensor and its scale) by its shape then each of them."""
-    if is_traceable_wrapper_subclass(t):
+    if _wraps_tensors(t):
         names, _ = t.__tensor_flatten__()
         # (a DTensor names its device mesh too, which is no tensor)
         inner = [_plain(held) for held in (getattr(t, name) for name in names)
                  if isinstance(held, torch.Tensor)]
         return inner[0] if len(inner) == 1 else _as_bytes([_shape_of(t), *inner])
     if t.layout is torch.strided and not (t.is_nested or t.is_quantized):
-        # a storage resized to nothing, as FSDP frees a parameter between its uses, no
-        # longer holds the elements (torch's own ops crash on them): its shape is printed
-        return t if t.untyped_storage().nbytes() or not t.numel() else _as_bytes([_shape_of(t)])
+        return _as_bytes([_shape_of(t)]) if _freed(t) else t
     t = t.detach()
     if t.is_nested:
         parts = [part for c in t.unbind() for part in (_shape_of(c), c)]
@@ -630,6 +662,14 @@ class Fingerprinter:
             return True
         self._seen[key] = (weakref.ref(t), version, slot)
         return False
+
+    def forget(self, storages: set[int]) -> None:
+        """No print taken so far of a tensor in these storages is reused: they were written
+        without a version bump (a collective's result landing)."""
+        for key, (ref, _, _) in list(self._seen.items()):
+            held = ref()
+            if held is None or storage_address(held) in storages:
+                del self._seen[key]
 
     def add_print(self, print_: TensorPrint) -> None:
         """Queue a print taken earlier (by another fingerprinter)."""

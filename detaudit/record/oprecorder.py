@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..config import Fault
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
+from .fingerprint import storage_address
 from .recorder import Call, Recorder
 from .structure import has_ulps, iter_tensors, next_ulp
 
@@ -36,17 +37,22 @@ PASSTHROUGH_OPS = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_
 # all-gather buffer too: the op fills this rank's part of it, the all-gather the rest.
 UNINITIALIZED_OPS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
                   "aten.new_empty_strided", "aten.empty_permuted", "fsdp.all_gather_copy_in"}
-# Collectives: their result lands when their work is waited on, after the op returns (but for
-# the wait itself), and running one again on one rank alone would hang the others
-COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "_c10d_functional_autograd.")
-WAITS = {"_c10d_functional.wait_tensor"}
+# A wait for a collective's result: its input has not landed yet, its output has
+WAITS = {"_c10d_functional.wait_tensor", "c10d_functional.wait_tensor"}
+_COLLECTIVES: dict[Any, bool] = {}
 
 
-def collective(name: str) -> bool:
-    """Whether op `name` is a collective whose outputs are not settled when it returns: they
-    are not recorded at it (the ops that read them later record what they read), nor is it
-    re-executed."""
-    return name.startswith(COLLECTIVE_NAMESPACES) and name not in WAITS
+def collective(func: Any) -> bool:
+    """Whether `func` is a collective (it takes a process group, or a group's name): its
+    outputs are not settled when it returns (the result lands when its work is waited on),
+    so they are not recorded at it, and running it again on one rank alone would hang the
+    others."""
+    known = _COLLECTIVES.get(func)
+    if known is None:
+        known = _COLLECTIVES[func] = any(
+            "ProcessGroup" in str(arg.type) or arg.name in ("group_name", "group")
+            for arg in func._schema.arguments)
+    return known
 
 
 ALERT_MARK = "does not have a deterministic implementation"
@@ -192,7 +198,7 @@ class OpRecorder(ModelOpMode):
             k = self._ops[(op_phase, module, index)]
             self._ops[(op_phase, module, index)] = k + 1
             prefix = f"op{k}/{name}"
-            if self.record:
+            if self.record and name not in WAITS:
                 inputs = [list(args), kwargs]
                 # its Python numbers too (a scale drawn on the host makes a different op call)
                 self.recorder.record_values(op_phase, module, index, f"{prefix}/in.args", inputs)
@@ -212,11 +218,15 @@ class OpRecorder(ModelOpMode):
         if prefix and self.record:
             if name in UNINITIALIZED_OPS:
                 self._remember_uninitialized(out)
-            elif not collective(name):
+            elif collective(func):  # read fresh wherever they are read next
+                self.recorder.fp.forget({address for _, t in iter_tensors([args, kwargs, out])
+                                         if (address := storage_address(t)) is not None})
+            else:
                 # an in-place or out= op's output is its input, whose version counter is
                 # bumped only after this returns: it must not pass for the unchanged input
+                # (nor the result a wait returns for the tensor it was given)
                 self.recorder.record(op_phase, module, index, f"{prefix}/out", out,
-                                     written=func._schema.is_mutable)
+                                     written=func._schema.is_mutable or name in WAITS)
         if prefix and self.capture == (op_phase, module, index, prefix):
             self.captured = [t.detach().to("cpu", copy=True) for _, t in iter_tensors(out)]
         return out
@@ -239,12 +249,14 @@ class OpRecorder(ModelOpMode):
 
     def _remember_uninitialized(self, out: Any) -> None:
         for _, t in iter_tensors(out):
-            if not t.is_inference():  # no version counter: cannot tell when it is written
-                self._fresh[t.untyped_storage().data_ptr()] = (weakref.ref(t), t._version)
+            address = storage_address(t)
+            # (an inference tensor has no version counter: cannot tell when it is written)
+            if address is not None and not t.is_inference():
+                self._fresh[address] = (weakref.ref(t), t._version)
 
     def _uninitialized(self, t: torch.Tensor) -> bool:
         """Whether `t` is (a view of) an uninitialized output not written since."""
-        entry = self._fresh.get(t.untyped_storage().data_ptr())
+        entry = self._fresh.get(storage_address(t))
         if entry is None:
             return False
         tensor = entry[0]()

@@ -97,7 +97,7 @@ class StressMode(ModelOpMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = op_name(func)
-        if func.is_view or name in PASSTHROUGH_OPS or name in UNINITIALIZED_OPS or collective(name):
+        if func.is_view or name in PASSTHROUGH_OPS or name in UNINITIALIZED_OPS or collective(func):
             return func(*args, **kwargs)
         phase, call = self.where()
         accumulate = accumulate_arg(func, args, kwargs)

@@ -2,7 +2,7 @@
 (``--launch torchrun``: it runs ``python -m torch.distributed.run --nproc-per-node 2`` on
 itself) or with ``torch.multiprocessing.spawn`` (``--launch spawn``). gloo on CPU, a
 DistributedSampler (unless --shared-data), seeded by the script itself. With ``--fsdp`` the
-model is sharded by FSDP2 instead of wrapped in DDP."""
+model is sharded by FSDP2 instead of wrapped in DDP, and its gradients clipped."""
 
 import argparse
 import os
@@ -39,6 +39,8 @@ def train(rank, world, args):
         for x, y in loader:
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
+            if args.fsdp:  # an op on every DTensor gradient, in the step a zoom records
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
     print(f"rank {rank} trained {args.epochs} epochs", flush=True)
 
