@@ -114,6 +114,41 @@ def test_a_crashed_repeat_is_a_failure_compared_over_the_steps_all_completed():
     assert "the repeats agree over the 2 steps every repeat completed" in result.verdict.headline
 
 
+
+def test_a_bug_in_detaudits_recording_is_reported_as_one_with_its_traceback(
+        monkeypatch, capsys):
+    """A failure in the recording the runner drives (not in the user's step) says it is
+    detaudit's and prints the traceback it asks to be reported with; a user's error does not."""
+    from detaudit.errors import ProbeError
+    from detaudit.record import recorder
+
+    monkeypatch.setattr(recorder, "rng_states", lambda: {"torch": None})  # a bug, planted
+    with pytest.raises(ProbeError) as failed:  # (in the first step of the first repeat)
+        audit(small_cnn_probe, repeats=2, steps=2)
+    assert str(failed.value).startswith("detaudit's own recording failed in step 0")
+    assert "(TypeError at fingerprint.py:" in str(failed.value)
+    assert str(failed.value).endswith("a bug in detaudit, please report it")
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "TypeError" in err
+    monkeypatch.undo()
+
+    def crashing(device):
+        base = small_cnn_probe(device)
+
+        def step(model, batch):
+            if step.calls == 1:
+                raise RuntimeError("out of memory")
+            step.calls += 1
+            return base.step(model, batch)
+
+        step.calls = 0
+        return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
+
+    result = audit(crashing, repeats=2, steps=2)
+    assert result.verdict.headline.startswith("FAILED: repeat 0 stopped: RuntimeError in step 1")
+    assert "Traceback" not in capsys.readouterr().err
+
+
 # -- run folders ----------------------------------------------------------------------------
 def test_a_folder_holding_a_run_is_refused_unless_overwritten(tmp_path, capsys):
     args = ["run", "--probe", str(PROBES / "tiny_cnn.py"), "--out", str(tmp_path), "--epochs",

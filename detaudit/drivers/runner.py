@@ -8,6 +8,7 @@ import math
 import os
 import re
 import site
+import sys
 import sysconfig
 import traceback
 from collections.abc import Iterator
@@ -355,6 +356,8 @@ def run_repeat(
             except (Exception, SystemExit) as exc:  # noqa: BLE001 -- the user's step
                 done = stream.steps if stream is not None else len(trace.steps)
                 trace.failure = describe_user_error(exc, f"in step {done}")
+                if raised_in_detaudit(exc):  # the traceback the failure asks to report
+                    traceback.print_exception(exc, file=sys.stderr)
         if (fault is not None and not recorder.fault_fired and trace.failure is None
                 and not _replay_stops_before(ops, fault.step)):
             raise DetauditError(
@@ -604,17 +607,24 @@ def describe_user_error(exc: BaseException, when: str) -> str:
     user = [f for f in frames if not in_a_library(f.filename)]
     frame = (user or frames or [None])[-1]
     where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
-    inner_user = max((i for i, f in enumerate(frames) if f in user), default=-1)
-    inner_hook = max((i for i, f in enumerate(frames) if f.name in _HOOK_ENTRIES
-                      and os.path.abspath(f.filename).startswith(_PACKAGE_DIR)), default=-1)
-    if inner_hook > inner_user:
-        inner = frames[-1]  # raised in detaudit's hook, not in the code it watches
+    if raised_in_detaudit(exc):
+        inner = frames[-1]
         return (f"detaudit's own recording failed {when}{where} ({type(exc).__name__} "
                 f"at {os.path.basename(inner.filename)}:{inner.lineno}: "
                 f"{_first_line(exc)}): a bug in detaudit, please report it")
     if isinstance(exc, SystemExit):
         return f"the audited code called sys.exit({exc.code!r}) {when}{where}"
     return f"{type(exc).__name__} {when}{where}: {_first_line(exc)}".rstrip(": ")
+
+
+def raised_in_detaudit(exc: BaseException) -> bool:
+    """Whether `exc` was raised in detaudit's own hooks, not in the code they watch."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inner_user = max((i for i, f in enumerate(frames) if not in_a_library(f.filename)),
+                     default=-1)
+    inner_hook = max((i for i, f in enumerate(frames) if f.name in _HOOK_ENTRIES
+                      and os.path.abspath(f.filename).startswith(_PACKAGE_DIR)), default=-1)
+    return inner_hook > inner_user
 
 
 def user_call_site(frame: FrameType | None) -> str:
@@ -658,4 +668,7 @@ _HOOK_ENTRIES = frozenset({
     "_global_pre", "_global_post", "on_backward", "_before_update", "_after_update",
     "on_loader_pass", "on_loader_iter", "on_loader_batch", "on_scaler_update",  # Attachment
     "on_manual_seed", "on_parameter_made",
+    # the Recorder's entry points the runner calls between the user's calls
+    "begin_step", "end_step", "before_backward", "record", "record_optimizer",
+    "record_param_grads", "record_parameters", "record_state",
 })
