@@ -21,7 +21,7 @@ from .compare import (
     Comparison,
     draws_random_numbers,
 )
-from .ranks import RankAnalysis
+from .ranks import NOT_CHECKED, RankAnalysis
 
 MATCH, MISMATCH = "match", "mismatch"  # a run against a baseline or another run
 INTERRUPTED = "interrupted"  # the run was stopped before its end (the headline: what it recorded)
@@ -354,5 +354,9 @@ def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str
         more = f" (+{len(flagged) - 1} more cross-rank checks flagged)" if len(flagged) > 1 else ""
         return DIVERGENT, f"DIVERGENT ACROSS RANKS: {flagged[0].detail}{more}"
     if kind == DETERMINISTIC:
-        headline += f"; {ranks.world_size} ranks in sync"
+        # (in sync only where their parameters were compared: not an FSDP model's shards)
+        apart = next((c for c in ranks.checks if c.key == "params" and c.status == NOT_CHECKED),
+                     None)
+        headline += (f"; {ranks.world_size} ranks in sync" if apart is None else
+                     f"; {ranks.world_size} ranks, their parameters not compared ({apart.detail})")
     return kind, headline
