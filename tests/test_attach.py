@@ -2831,6 +2831,31 @@ def test_exec_of_an_fsdp2_script_compares_each_rank_with_itself_not_with_other_s
     assert "zoomed in on step 1" in verdict and "all_gather" not in done.stdout
 
 
+
+def test_exec_of_a_tensor_parallel_script_expects_its_ranks_to_share_batches(tmp_path):
+    """Tensor parallelism (DTensor shards outside FSDP): every rank works on the same batch by
+    design, so the data-shards check does not apply; a planted fault is planted in each
+    rank's part of a DTensor (an op on the whole one would be a collective) and named."""
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    script = ("--launch", "torchrun", "--tp", "--shared-data")
+    done = _exec_ddp(tmp_path / "plain", "--max-steps", "3", script_args=script)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(
+        "DETERMINISTIC: 2 repeats bit-identical over 3 steps; 2 ranks in sync"), done.stdout
+    checks = {c["key"]: c for c in json.loads(
+        (tmp_path / "plain" / "run" / "summary.json").read_text())["ranks"]["checks"]}
+    assert checks["shards"]["status"] == "not checked"
+    assert "tensor parallel" in checks["shards"]["detail"]
+    # 0.weight, 0.bias and 2.weight are split; 2.bias is replicated, and compared
+    assert checks["params"]["status"] == "ok" and "3 sharded" in checks["params"]["detail"]
+
+    done = _exec_ddp(tmp_path / "fault", "--max-steps", "3", "--inject-fault",
+                     "2/aten.mm@backward:1", script_args=script)
+    assert done.returncode == 1, done.stdout + done.stderr
+    verdict = done.stdout.splitlines()[0]
+    assert verdict.startswith("DIVERGENT: first at step 1 (epoch 1), backward, 2 (origin)"), verdict
+    assert "op: aten.mm in 2 (the planted fault, found where it was planted)" in verdict
+
 def test_a_first_step_whose_forward_runs_inside_the_closure_records_its_gradients(tmp_path):
     """Lightning calls optimizer.step(closure) before the model was ever called: the step
     begins inside the closure, and its gradients are still recorded."""

@@ -592,7 +592,7 @@ def test_a_wrapper_subclass_prints_by_the_tensors_it_holds():
     assert pair != fingerprint(TwoTensor(b, a)).fp
 
 
-def test_a_dtensor_prints_as_its_local_shard(tmp_path):
+def test_a_dtensor_prints_as_its_local_shard_and_a_pending_collective_once_landed(tmp_path):
     dist = pytest.importorskip("torch.distributed")
     tensor_api = pytest.importorskip("torch.distributed.tensor")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
@@ -608,5 +608,11 @@ def test_a_dtensor_prints_as_its_local_shard(tmp_path):
         assert _is_shard(param) and not _is_shard(weight)
         assert not _is_shard(tensor_api.distribute_tensor(weight, mesh,
                                                           [tensor_api.Replicate()]))
+        # a functional collective's result lands when waited for: its print waits first
+        from torch.distributed import _functional_collectives as funcol
+
+        pending = funcol.all_reduce(weight, "sum", dist.group.WORLD)
+        assert isinstance(pending, funcol.AsyncCollectiveTensor) and not pending.completed
+        assert fingerprint(pending) == fingerprint(weight) and pending.completed
     finally:
         dist.destroy_process_group()

@@ -51,7 +51,7 @@ from ..config import (
     Fault,
 )
 from ..record.environment import capture_environment
-from ..record.fingerprint import TensorPrint
+from ..record.fingerprint import TensorPrint, storages_of
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder, RecordKey, StepRecords
 from ..record.structure import iter_leaves, iter_tensors
@@ -270,7 +270,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             return replaced
         if self._depth == 0 and self.info is not None and module.training:
             self._step_outputs.extend(
-                s for s in (t.untyped_storage() for _, t in iter_tensors(output)) if s.data_ptr())
+                s for _, t in iter_tensors(output) for s in storages_of(t) if s.data_ptr())
         return self._side_call_ends(args, kwargs or {}, output) if self._depth == 0 else None
 
     def _adopt(self, module: nn.Module) -> None:
@@ -658,6 +658,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             if self.recorder is not None:
                 self.rank.sharded = sorted(
                     set(self.rank.sharded) | set(self.recorder.sharded_parameters()))
+                self.rank.tensor_parallel |= self.recorder.tensor_parallel()
             self.rank.note_in(self.trace)
         self._write()
 
@@ -702,7 +703,8 @@ def _data_only(value: Any, made: set[int]) -> Any:
     """`value` with each tensor whose storage the step's own calls made (`made`: data
     pointers) replaced by a marker: the step's work, compared where it is made."""
     if isinstance(value, torch.Tensor):
-        return "made in this step" if value.untyped_storage().data_ptr() in made else value
+        return "made in this step" if any(
+            s.data_ptr() in made for s in storages_of(value)) else value
     if isinstance(value, (list, tuple)):
         return [_data_only(v, made) for v in value]
     if isinstance(value, dict):

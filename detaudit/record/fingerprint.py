@@ -506,6 +506,19 @@ def storage_address(t: torch.Tensor) -> int | None:
         return None
 
 
+def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding `t`'s elements: its own, or those of the tensors a wrapper
+    subclass holds (a DTensor's local shard); none for a tensor without storage."""
+    if _wraps_tensors(t):
+        names, _ = t.__tensor_flatten__()
+        return [s for held in (getattr(t, name) for name in names)
+                if isinstance(held, torch.Tensor) for s in storages_of(held)]
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):
+        return []
+
+
 _WRAPPERS: dict[type, bool] = {}
 
 
@@ -535,8 +548,12 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     scales and zero points; a tensor whose storage was freed, its shape. A tensor subclass
     that wraps others (a DTensor, as FSDP2's parameters and gradients are) is printed by
     what it holds: a DTensor by its local shard, as this process has it; one holding
-    several tensors (a float8 tensor and its scale) by its shape then each of them."""
+    several tensors (a float8 tensor and its scale) by its shape then each of them; an
+    AsyncCollectiveTensor by its result, once it has landed."""
     if _wraps_tensors(t):
+        settled = getattr(t, "trigger_wait", None)
+        if callable(settled):  # an async collective's result: waited for, as its use would
+            return _plain(settled())
         names, _ = t.__tensor_flatten__()
         # (a DTensor names its device mesh too, which is no tensor)
         inner = [_plain(held) for held in (getattr(t, name) for name in names)

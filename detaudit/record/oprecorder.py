@@ -29,7 +29,7 @@ from ..config import Fault
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
 from .fingerprint import storage_address
 from .recorder import Call, Recorder
-from .structure import has_ulps, iter_tensors, next_ulp
+from .structure import has_ulps, is_dtensor, iter_tensors, next_ulp, on_local
 
 # Ops that only re-label memory or metadata: their outputs are their inputs.
 PASSTHROUGH_OPS = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}
@@ -288,6 +288,8 @@ def accumulate_arg(func: Any, args: tuple, kwargs: dict) -> bool | None:
 
 
 def _perturbed(t: torch.Tensor, largest: bool = False) -> torch.Tensor | None:
+    if is_dtensor(t):  # (each process changes the part it holds)
+        return on_local(t, lambda local: _perturbed(local, largest))
     if not t.numel():
         return None
     if has_ulps(t):  # an all-zero output (a gradient nothing reached) is skipped:

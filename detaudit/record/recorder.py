@@ -351,6 +351,15 @@ class Recorder(BackwardBoundaries):
         DTensor placed as a shard, as FSDP2's are): their prints differ from rank to rank."""
         return [name for name, p in self._params.items() if _is_shard(p)]
 
+    def tensor_parallel(self) -> bool:
+        """Whether the models are split across ranks by tensor parallelism (DTensor shards
+        not FSDP's, or placed on a mesh of two dimensions or more): the ranks of one group
+        then work on the same batch by design."""
+        shards = [p for p in self._params.values() if _is_shard(p)]
+        fsdp = any(any(c.__name__ == "FSDPModule" for c in type(m).__mro__)
+                   for root in self._models for m in root.modules())
+        return bool(shards) and (not fsdp or any(p.device_mesh.ndim > 1 for p in shards))
+
     def add_model(self, name: str, model: nn.Module) -> None:
         """Record `model` too, another top-level model of the same loop (trained by its own
         optimizer, or called apart from the first), its modules and parameters named under

@@ -82,12 +82,37 @@ def has_ulps(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+def is_dtensor(t: Any) -> bool:
+    """Whether `t` is a DTensor (each process holds a local shard or copy of it)."""
+    return hasattr(t, "to_local") and hasattr(t, "placements") and hasattr(t, "device_mesh")
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this process holds: a DTensor's local shard or copy, else `t`."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def on_local(t: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor | None]
+             ) -> torch.Tensor | None:
+    """`change(t)`; of a DTensor, `change` of the part this process holds, placed as `t`
+    was (its ops on the whole tensor would be collectives, and some are not supported)."""
+    if not is_dtensor(t):
+        return change(t)
+    changed = change(t.to_local())
+    if changed is None:
+        return None
+    return type(t).from_local(changed, t.device_mesh, t.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
+
+
 def next_ulp(t: torch.Tensor, largest: bool = False) -> torch.Tensor:
     """`t` with one element moved up by one ULP, as a graph-preserving new tensor: the
     first element, or with `largest` the one of largest magnitude (the first of them) --
     for gradients, which are often zero where nothing reached, and 1 ULP of zero vanishes
     in the next sum. Of a complex tensor, one real or imaginary part (the first element's
-    real part)."""
+    real part). Of a DTensor, in the part this process holds."""
+    if is_dtensor(t):
+        return on_local(t, lambda local: next_ulp(local, largest))  # type: ignore[return-value]
     parts = torch.view_as_real(t.detach().resolve_conj()) if t.is_complex() else t.detach()
     flat = parts.reshape(-1)
     i = int(torch.nan_to_num(flat.abs().float(), nan=0.0, posinf=0.0).argmax()) if (

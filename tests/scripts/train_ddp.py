@@ -2,7 +2,8 @@
 (``--launch torchrun``: it runs ``python -m torch.distributed.run --nproc-per-node 2`` on
 itself) or with ``torch.multiprocessing.spawn`` (``--launch spawn``). gloo on CPU, a
 DistributedSampler (unless --shared-data), seeded by the script itself. With ``--fsdp`` the
-model is sharded by FSDP2 instead of wrapped in DDP, and its gradients clipped."""
+model is sharded by FSDP2 instead of wrapped in DDP, with ``--tp`` split by tensor
+parallelism; either way its gradients are clipped."""
 
 import argparse
 import os
@@ -30,6 +31,16 @@ def train(rank, world, args):
         for layer in (net[0], net[2]):
             fully_shard(layer)
         model = fully_shard(net)
+    elif args.tp:  # each rank holds a slice of each layer, and works on the same batches
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     else:
         model = DistributedDataParallel(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -39,7 +50,7 @@ def train(rank, world, args):
         for x, y in loader:
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
-            if args.fsdp:  # an op on every DTensor gradient, in the step a zoom records
+            if args.fsdp or args.tp:  # an op on every DTensor gradient, in a zoomed step
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
     print(f"rank {rank} trained {args.epochs} epochs", flush=True)
@@ -58,6 +69,8 @@ def main():
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--shared-data", action="store_true", help="no sampler: every rank, all data")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2, not DDP")
+    p.add_argument("--tp", action="store_true",
+                   help="split the model by tensor parallelism (with --shared-data)")
     args = p.parse_args()
     if args.launch == "spawn":
         with socket.socket() as s:
