@@ -7,6 +7,7 @@ from conftest import SmallCNN, module_audit, small_cnn_probe
 from torch import nn
 
 from detaudit import Fault, Probe
+from detaudit.record.fingerprint import Fingerprinter
 from detaudit.record.recorder import Recorder
 from detaudit.seeding import seed_everything
 
@@ -440,3 +441,46 @@ def test_a_call_given_a_parameter_or_a_copy_of_one_reads_its_module():
     assert [(c.module, c.index, c.reads) for c in calls] == [
         ("", 0, []), ("stem", 0, []), ("inner", 0, ["table"]), ("inner", 1, []),
         ("inner", 2, [])]
+
+
+def test_sharded_and_tensor_parallel_models_are_told_apart(tmp_path):
+    """The cross-rank checks leave out the parameters each rank holds a shard of (FSDP2,
+    tensor parallelism), and tensor parallelism alone gives a group's ranks the same batches:
+    FSDP2 (and HSDP) shard each parameter on one mesh dimension, tensor parallelism without
+    FSDP or on a second one."""
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    tp = pytest.importorskip("torch.distributed.tensor.parallel")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (fully_shard)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def told(model):
+        recorder = Recorder(model, Fingerprinter())
+        return recorder.tensor_parallel(), recorder.sharded_parameters()
+
+    def net():
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    everything = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        assert told(net()) == (False, [])
+        model = net()
+        fsdp.fully_shard(model)
+        assert told(model) == (False, everything)
+        model = net()
+        fsdp.fully_shard(model, mesh=init_device_mesh("cpu", (1, 1),
+                                                      mesh_dim_names=("replicate", "shard")))
+        assert told(model) == (False, everything)  # HSDP
+        model = net()
+        tp.parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": tp.ColwiseParallel()})
+        assert told(model) == (True, ["0.weight", "0.bias"])
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        model = net()
+        tp.parallelize_module(model, mesh["tp"], {"0": tp.ColwiseParallel()})
+        fsdp.fully_shard(model, mesh=mesh["dp"])
+        assert told(model) == (True, everything)
+    finally:
+        dist.destroy_process_group()

@@ -336,8 +336,8 @@ def _disagreements(
 def _check_shards(items: RankTraces, seen: RankRecords) -> CheckResult:
     if any(_distributed(trace).get("tensor_parallel") for _, trace in items):
         return NOT_CHECKED, (
-            "the model is split across ranks (tensor parallel: DTensor shards outside FSDP, "
-            "or a mesh of 2+ dimensions), whose groups load the same batches by design"), []
+            "the model is split across ranks (tensor parallel: DTensor shards without FSDP, "
+            "or on a second mesh dimension), whose groups load the same batches by design"), []
     samplers = _samplers(items)
     if samplers is None:
         return _check_shards_by_batch(items, seen)

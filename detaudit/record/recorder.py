@@ -353,12 +353,13 @@ class Recorder(BackwardBoundaries):
 
     def tensor_parallel(self) -> bool:
         """Whether the models are split across ranks by tensor parallelism (DTensor shards
-        not FSDP's, or placed on a mesh of two dimensions or more): the ranks of one group
-        then work on the same batch by design."""
+        without FSDP, or sharded on two mesh dimensions: FSDP's and another): the ranks of
+        one group then work on the same batch by design. (FSDP2 alone, HSDP included, shards
+        each parameter on one mesh dimension.)"""
         shards = [p for p in self._params.values() if _is_shard(p)]
         fsdp = any(any(c.__name__ == "FSDPModule" for c in type(m).__mro__)
                    for root in self._models for m in root.modules())
-        return bool(shards) and (not fsdp or any(p.device_mesh.ndim > 1 for p in shards))
+        return bool(shards) and (not fsdp or any(_shard_dims(p) > 1 for p in shards))
 
     def add_model(self, name: str, model: nn.Module) -> None:
         """Record `model` too, another top-level model of the same loop (trained by its own
@@ -645,8 +646,13 @@ def _printed_aside(keys: list[Any], tensors: list[torch.Tensor], stats: bool,
 
 def _is_shard(t: Any) -> bool:
     """Whether `t` is a DTensor placed as a shard on some dimension of its device mesh."""
-    return any(getattr(placement, "is_shard", lambda: False)()
-               for placement in getattr(t, "placements", None) or ())
+    return _shard_dims(t) > 0
+
+
+def _shard_dims(t: Any) -> int:
+    """On how many dimensions of its device mesh a DTensor is placed as a shard."""
+    return sum(1 for placement in getattr(t, "placements", None) or ()
+               if getattr(placement, "is_shard", lambda: False)())
 
 
 def _parameter_keys(phase: str, items: list[tuple[str, Any]], kind: str = "param",
