@@ -546,6 +546,11 @@ def test_sparse_nested_and_quantized_tensors_print_by_their_content():
         nested = [torch.ones(2), torch.zeros(3)]
         assert fp(torch.nested.nested_tensor(nested)) != fp(
             torch.nested.nested_tensor([torch.ones(3), torch.zeros(2)]))
+        # a jagged one is a wrapper subclass with a symbolic size: printed by its components
+        jagged = torch.nested.nested_tensor([torch.ones(2, 4), torch.zeros(3, 4)],
+                                            layout=torch.jagged)
+        assert fp(jagged) != fp(torch.nested.nested_tensor(
+            [torch.ones(3, 4), torch.zeros(2, 4)], layout=torch.jagged))
         q = torch.quantize_per_tensor(torch.linspace(-1, 1, 8), 0.1, 0, torch.qint8)
         assert fp(q) != fp(torch.quantize_per_tensor(torch.linspace(-1, 1, 8), 0.2, 0,
                                                      torch.qint8))

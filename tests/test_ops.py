@@ -418,3 +418,17 @@ def test_an_op_given_a_different_python_number_is_not_blamed():
     headline = result.verdict.headline
     assert "1 (origin)" in headline and "op: aten.mul" not in headline, headline
     assert "outside the dispatcher: no op in 1 differs on equal inputs" in headline, headline
+
+
+def test_collectives_are_told_by_their_process_group_not_by_a_group_count():
+    """A collective's outputs land after it returns (not recorded at it; never re-executed
+    by stress); GroupNorm's `int group` makes no collective (its outputs were dropped)."""
+    from detaudit.record.oprecorder import collective
+
+    ops = torch.ops
+    assert collective(ops.c10d.allreduce_.default)
+    assert collective(ops._c10d_functional.all_reduce.default)
+    assert not collective(ops._c10d_functional.wait_tensor.default)
+    assert not collective(ops.aten.native_group_norm.default)
+    assert not collective(ops.aten.native_group_norm_backward.default)
+    assert not collective(ops.aten.add.Tensor)

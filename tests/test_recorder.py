@@ -445,9 +445,10 @@ def test_a_call_given_a_parameter_or_a_copy_of_one_reads_its_module():
 
 def test_sharded_and_tensor_parallel_models_are_told_apart(tmp_path):
     """The cross-rank checks leave out the parameters each rank holds a shard of (FSDP2,
-    tensor parallelism), and tensor parallelism alone gives a group's ranks the same batches:
-    FSDP2 (and HSDP) shard each parameter on one mesh dimension, tensor parallelism without
-    FSDP or on a second one."""
+    tensor parallelism) and the gradients each holds a partial sum of (SequenceParallel),
+    and tensor parallelism alone gives a group's ranks the same batches: FSDP2 (and HSDP)
+    shard each parameter on one mesh dimension, tensor parallelism without FSDP or on a
+    second one."""
     dist = pytest.importorskip("torch.distributed")
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     tp = pytest.importorskip("torch.distributed.tensor.parallel")
@@ -482,5 +483,17 @@ def test_sharded_and_tensor_parallel_models_are_told_apart(tmp_path):
         tp.parallelize_module(model, mesh["tp"], {"0": tp.ColwiseParallel()})
         fsdp.fully_shard(model, mesh=mesh["dp"])
         assert told(model) == (True, everything)
+        # SequenceParallel's norm: replicated weights whose gradients are partial sums
+        from torch.distributed.tensor import Shard
+
+        model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.Linear(4, 2))
+        tp.parallelize_module(model, init_device_mesh("cpu", (1,)), {
+            "0": tp.SequenceParallel(), "1": tp.ColwiseParallel(input_layouts=Shard(1)),
+            "2": tp.RowwiseParallel()})
+        model(torch.randn(2, 3, 4)).sum().backward()
+        recorder = Recorder(model, Fingerprinter())
+        recorder.record_param_grads()
+        assert recorder.partial_gradients() == ["0.bias", "0.weight"]
+        assert "0.weight" not in recorder.sharded_parameters()
     finally:
         dist.destroy_process_group()

@@ -3,6 +3,7 @@ outputs checked before the work, JSON and console output that stay clean."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -130,6 +131,15 @@ def test_a_bug_in_detaudits_recording_is_reported_as_one_with_its_traceback(
     assert str(failed.value).endswith("a bug in detaudit, please report it")
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "TypeError" in err
+    # a device's error surfaces at the next sync, often detaudit's first read: the step's
+    # (raised by torch itself, with no Python frame of its own, as a CUDA error would be)
+    device_error = functools.partial(torch.ops.aten._assert_async.msg, torch.tensor(False),
+                                     "CUDA error: device-side assert triggered")
+    monkeypatch.setattr(recorder, "rng_states", device_error)
+    with pytest.raises(ProbeError) as failed:
+        audit(small_cnn_probe, repeats=2, steps=2)
+    assert str(failed.value).startswith("RuntimeError in step 0")
+    assert "Traceback" not in capsys.readouterr().err
     monkeypatch.undo()
 
     def crashing(device):

@@ -270,6 +270,33 @@ def test_a_zoom_whose_replay_fails_says_so_not_that_the_step_did_not_part():
     assert "did not part" not in result.verdict.headline
 
 
+def test_a_replay_that_parts_earlier_and_then_fails_moves_the_zoom_there():
+    """Where the replay parted comes before its failure: the zoom moves to that step."""
+    _RUNS["built"] = 0
+
+    def probe(device):
+        _RUNS["built"] += 1
+        built, base = _RUNS["built"], small_cnn_probe(device)
+
+        def step(model, batch):
+            loss = base.step(model, batch)["mse"]
+            if (step.calls == 3 and built == 2) or (step.calls == 1 and built == 4):
+                loss = loss * (1 + 2**-20)  # the scan parts at step 3, a replay at step 1
+            if built == 4 and step.calls == 2:  # and then fails on it
+                raise RuntimeError("loss spiked")
+            step.calls += 1
+            return {"mse": loss}
+
+        step.calls = 0
+        return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
+
+    result = _scan(probe, repeats=2, steps=5)
+    zoom = result.investigations["zoom"]
+    assert result.comparison.first_step == 3
+    assert zoom["attempts"][0]["outcome"].startswith("parted earlier, at step 1")
+    assert zoom["step"] == 1 and "failed" not in result.verdict.headline
+
+
 @pytest.mark.parametrize(("parted", "said"), [
     # the scanned runs part at step 3, the first replay at step 2, the second at step 0; the
     # one replay of step 0 that is left agrees

@@ -207,13 +207,18 @@ class RankRecords:
     # parameters some rank holds its own shard of (FSDP2): neither they nor their
     # gradients are the same on every rank, so they are not compared
     sharded: list[str] = field(default_factory=list)
+    # parameters whose gradients some rank holds as a partial sum (SequenceParallel's norms)
+    partial: list[str] = field(default_factory=list)
 
     @classmethod
     def read(cls, items: RankTraces) -> RankRecords:
         ranks = [rank for rank, _ in items]
         sharded = sorted({name for _, trace in items
                           for name in _distributed(trace).get("sharded") or ()})
-        seen = cls(batches={rank: {} for rank in ranks}, sharded=sharded)
+        partial = sorted({name for _, trace in items
+                          for name in _distributed(trace).get("partial_grads") or ()}
+                         - set(sharded))
+        seen = cls(batches={rank: {} for rank in ranks}, sharded=sharded, partial=partial)
         params: dict[str, dict[str, Any]] = {}
         grads: dict[str, dict[str, Any]] = {}
         draws: dict[str, dict[str, Any]] = {}
@@ -226,7 +231,7 @@ class RankRecords:
             seen.params_compared += _disagreements(
                 step, epoch, ranks, [c.params for c in cut], params, set(sharded))
             seen.grads_compared += _disagreements(
-                step, epoch, ranks, [c.grads for c in cut], grads, set(sharded))
+                step, epoch, ranks, [c.grads for c in cut], grads, {*sharded, *partial})
             _module_draws(step, epoch, ranks, [c.draws for c in cut], draws)
             for rank, c in zip(ranks, cut):
                 if c.batch:
@@ -285,7 +290,7 @@ def _check_grads(items: RankTraces, seen: RankRecords) -> CheckResult:
         return NOT_CHECKED, _none_common("gradient", seen), []
     if not findings:
         return OK, (f"{compared} all-reduced gradient records identical on every rank"
-                    f"{_apart(seen)}"), []
+                    f"{_apart(seen, grads=True)}"), []
     first = findings[0]
     return FLAGGED, (
         f"the gradient of {first['parameter']} differs between ranks "
@@ -302,12 +307,13 @@ def _none_common(kind: str, seen: RankRecords) -> str:
             "sharded, each rank holding its own shard")
 
 
-def _apart(seen: RankRecords) -> str:
-    """What the parameter checks leave out: the parameters each rank holds a shard of."""
-    if not seen.sharded:
-        return ""
-    return (f" ({counted(len(seen.sharded), 'sharded parameter')} not compared: each rank "
-            "holds its own shard)")
+def _apart(seen: RankRecords, grads: bool = False) -> str:
+    """What the parameter (`grads`: gradient) check leaves out: the parameters each rank
+    holds a shard of, and the gradients each holds a partial sum of."""
+    parts = [counted(len(seen.sharded), "sharded parameter")] if seen.sharded else []
+    if grads and seen.partial:
+        parts.append(counted(len(seen.partial), "partial-sum gradient"))
+    return f" ({' and '.join(parts)} not compared: each rank holds its own part)" if parts else ""
 
 
 def _disagreements(

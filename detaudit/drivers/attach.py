@@ -659,6 +659,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
                 self.rank.sharded = sorted(
                     set(self.rank.sharded) | set(self.recorder.sharded_parameters()))
                 self.rank.tensor_parallel |= self.recorder.tensor_parallel()
+                self.rank.partial_grads = sorted(
+                    set(self.rank.partial_grads) | set(self.recorder.partial_gradients()))
             self.rank.note_in(self.trace)
         self._write()
 

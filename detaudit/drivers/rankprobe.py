@@ -48,6 +48,7 @@ class RankWatch:
         self.fetches: list[dict[str, Any]] = []
         self.sharded: list[str] = []  # parameters each rank holds its own shard of (FSDP2)
         self.tensor_parallel = False  # ranks split the model: a group shares its batches
+        self.partial_grads: list[str] = []  # parameters whose gradients are partial sums
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the trace."""
@@ -55,7 +56,7 @@ class RankWatch:
             "rank": self.rank, "world_size": self.world_size, "backend": self.backend,
             "wrapped_by": self.wrapped_by, "init": self.init, "epochs": self.epochs,
             "fetches": self.fetches, "sharded": self.sharded,
-            "tensor_parallel": self.tensor_parallel,
+            "tensor_parallel": self.tensor_parallel, "partial_grads": self.partial_grads,
         }
 
     def note_in(self, trace: Trace) -> None:

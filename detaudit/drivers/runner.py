@@ -618,7 +618,12 @@ def describe_user_error(exc: BaseException, when: str) -> str:
 
 
 def raised_in_detaudit(exc: BaseException) -> bool:
-    """Whether `exc` was raised in detaudit's own hooks, not in the code they watch."""
+    """Whether `exc` was raised in detaudit's own hooks, not in the code they watch. An
+    error of the device or of the tensors' data (a CUDA error raised at the next sync, which
+    is often detaudit's first read of the step's tensors; out of memory; a meta tensor's
+    missing data) is the step's, wherever it surfaced."""
+    if isinstance(exc, _DEVICE_ERRORS) or any(m in str(exc) for m in _DEVICE_MESSAGES):
+        return False
     frames = traceback.extract_tb(exc.__traceback__)
     inner_user = max((i for i, f in enumerate(frames) if not in_a_library(f.filename)),
                      default=-1)
@@ -663,6 +668,10 @@ _TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 # Where detaudit's code is entered from torch's hooks around the user's code: an exception
 # whose innermost frame outside torch is one of these (or below one) is detaudit's own.
+_DEVICE_ERRORS = tuple(getattr(torch, name) for name in ("OutOfMemoryError", "AcceleratorError")
+                       if hasattr(torch, name))
+_DEVICE_MESSAGES = ("CUDA error", "device-side assert", "out of memory", "meta tensor",
+                    "HIP error", "XPU error", "MPS backend")
 _HOOK_ENTRIES = frozenset({
     "_pre_hook", "_post_hook", "hook",  # Recorder (a hook on a tensor or an autograd node)
     "_global_pre", "_global_post", "on_backward", "_before_update", "_after_update",

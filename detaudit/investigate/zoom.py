@@ -114,17 +114,17 @@ def zoom_by_replay(
                 continue
         how = "" if apart is None else (" (replayed in this process)" if here else
                                         " (each repeat replayed in its own process)")
-        failure = next((t.failure for t in traces if t.failure), None)
-        if failure is not None:  # (not a step that did not part: a replay that did not run)
-            attempts.append({"step": step, "outcome": f"the replay failed{how}: {failure}"})
-            return {"status": REPLAY_FAILED, "step": step, "attempts": attempts, "ops": None,
-                    "why": failure}, []
         zoomed = compare(traces, comparison.idle_rng)
         if zoomed.first_step is not None and zoomed.first_step < step:
             attempts.append({"step": step, "outcome": f"parted earlier, at step "
                              f"{zoomed.first_step}: zooming there{how}"})
             step = zoomed.first_step
             continue
+        failure = next((t.failure for t in traces if t.failure), None)
+        if failure is not None:  # (not a step that did not part: a replay that did not run)
+            attempts.append({"step": step, "outcome": f"the replay failed{how}: {failure}"})
+            return {"status": REPLAY_FAILED, "step": step, "attempts": attempts, "ops": None,
+                    "why": failure}, []
         if zoomed.first_step == step:
             attempts.append({"step": step, "outcome": f"parted again{how}"})
             if not here and agreed_here.get(step, 0) >= HERE_FIRST:

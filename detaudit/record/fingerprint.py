@@ -550,7 +550,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     what it holds: a DTensor by its local shard, as this process has it; one holding
     several tensors (a float8 tensor and its scale) by its shape then each of them; an
     AsyncCollectiveTensor by its result, once it has landed."""
-    if _wraps_tensors(t):
+    if _wraps_tensors(t) and not t.is_nested:  # (a jagged nested tensor is one: see below)
         settled = getattr(t, "trigger_wait", None)
         if callable(settled):  # an async collective's result: waited for, as its use would
             return _plain(settled())

@@ -43,14 +43,15 @@ _COLLECTIVES: dict[Any, bool] = {}
 
 
 def collective(func: Any) -> bool:
-    """Whether `func` is a collective (it takes a process group, or a group's name): its
-    outputs are not settled when it returns (the result lands when its work is waited on),
-    so they are not recorded at it, and running it again on one rank alone would hang the
-    others."""
+    """Whether `func` is a collective (it takes a process group, or a group's name; not
+    GroupNorm's `int group`): its outputs are not settled when it returns (the result lands
+    when its work is waited on), so they are not recorded at it, and running it again on one
+    rank alone would hang the others."""
     known = _COLLECTIVES.get(func)
     if known is None:
         known = _COLLECTIVES[func] = any(
-            "ProcessGroup" in str(arg.type) or arg.name in ("group_name", "group")
+            "ProcessGroup" in str(arg.type) or arg.name == "group_name"
+            or (arg.name == "group" and str(arg.type) == "str")
             for arg in func._schema.arguments)
     return known
 

@@ -106,6 +106,7 @@ class Recorder(BackwardBoundaries):
         self._names = {id(m): name for name, m in self._models[0].named_modules()}
         self._params = dict(self._models[0].named_parameters())
         self._param_owners: dict[int, str] | None = None  # (see _note_read)
+        self._partial: set[str] = set()  # see partial_gradients
         self._handles: list[Any] = []
         self._step_handles: list[Any] = []
         self._step = -1
@@ -317,7 +318,9 @@ class Recorder(BackwardBoundaries):
         self._record_per_parameter(GRAD, stats, self._grads(of), call)
 
     def _grads(self, of: Iterable[torch.Tensor] | None) -> list[tuple[str, torch.Tensor]]:
-        return [(name, p.grad) for name, p in self._among(of) if p.grad is not None]
+        grads = [(name, p.grad) for name, p in self._among(of) if p.grad is not None]
+        self._partial.update(name for name, g in grads if _is_partial(g))
+        return grads
 
     def print_param_grads(self, stats: bool) -> list[tuple[RecordKey, TensorPrint]]:
         """The records :meth:`record_param_grads` would make now, taken aside (fetched at
@@ -350,6 +353,12 @@ class Recorder(BackwardBoundaries):
         """The names of the parameters recorded that this process holds a shard of (a
         DTensor placed as a shard, as FSDP2's are): their prints differ from rank to rank."""
         return [name for name, p in self._params.items() if _is_shard(p)]
+
+    def partial_gradients(self) -> list[str]:
+        """The names of the parameters whose gradient was seen as a partial sum (a DTensor
+        placed `Partial`, as a norm's under SequenceParallel: each rank holds its own part,
+        reduced later): their prints differ from rank to rank."""
+        return sorted(self._partial)
 
     def tensor_parallel(self) -> bool:
         """Whether the models are split across ranks by tensor parallelism (DTensor shards
@@ -647,6 +656,12 @@ def _printed_aside(keys: list[Any], tensors: list[torch.Tensor], stats: bool,
 def _is_shard(t: Any) -> bool:
     """Whether `t` is a DTensor placed as a shard on some dimension of its device mesh."""
     return _shard_dims(t) > 0
+
+
+def _is_partial(t: Any) -> bool:
+    """Whether `t` is a DTensor holding a partial sum on some dimension of its mesh."""
+    return any(getattr(placement, "is_partial", lambda: False)()
+               for placement in getattr(t, "placements", None) or ())
 
 
 def _shard_dims(t: Any) -> int:
