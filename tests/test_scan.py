@@ -188,17 +188,15 @@ def test_a_real_race_ends_with_its_origin_or_an_honest_intermittent(two_threads)
 _RUNS = {"built": 0}
 
 
-def _parts_at(step_of_build):
-    """A probe whose repeats part at a step that depends on how many were built before."""
+def _built_probe(change):
+    """A probe whose step's loss is `change(built, step, loss)`: `built` counts the probes
+    built before it and itself (the scan's repeats first, then the replays)."""
     def probe(device):
         _RUNS["built"] += 1
-        part_at = step_of_build(_RUNS["built"])
-        base = small_cnn_probe(device)
+        built, base = _RUNS["built"], small_cnn_probe(device)
 
         def step(model, batch):
-            loss = base.step(model, batch)["mse"]
-            if step.calls == part_at:
-                loss = loss * (1 + 2**-20)
+            loss = change(built, step.calls, base.step(model, batch)["mse"])
             step.calls += 1
             return {"mse": loss}
 
@@ -206,6 +204,12 @@ def _parts_at(step_of_build):
         return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
 
     return probe
+
+
+def _parts_at(step_of_build):
+    """A probe whose repeats part at a step that depends on how many were built before."""
+    return _built_probe(lambda built, step, loss: loss * (1 + 2**-20)
+                        if step == step_of_build(built) else loss)
 
 
 def test_a_replay_that_parts_earlier_moves_the_zoom_there():
@@ -244,22 +248,14 @@ def test_a_zoom_whose_replay_fails_says_so_not_that_the_step_did_not_part():
     finding stands; it is not a step that "did not part when replayed"."""
     _RUNS["built"] = 0
 
-    def probe(device):
-        _RUNS["built"] += 1
-        built, base = _RUNS["built"], small_cnn_probe(device)
+    def change(built, step, loss):
+        if step == 2 and built == 2:  # the scan's second repeat parts at step 2
+            return loss * (1 + 2**-20)
+        if step == 2 and built > 2:  # every replay fails there
+            raise RuntimeError("Trying to resize storage that is not resizable")
+        return loss
 
-        def step(model, batch):
-            loss = base.step(model, batch)["mse"]
-            if step.calls == 2 and built == 2:  # the scan's second repeat parts at step 2
-                loss = loss * (1 + 2**-20)
-            if step.calls == 2 and built > 2:  # every replay fails there
-                raise RuntimeError("Trying to resize storage that is not resizable")
-            step.calls += 1
-            return {"mse": loss}
-
-        step.calls = 0
-        return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
-
+    probe = _built_probe(change)
     result = _scan(probe, repeats=2, steps=4)
     zoom = result.investigations["zoom"]
     assert result.comparison.first_step == 2
@@ -274,22 +270,14 @@ def test_a_replay_that_parts_earlier_and_then_fails_moves_the_zoom_there():
     """Where the replay parted comes before its failure: the zoom moves to that step."""
     _RUNS["built"] = 0
 
-    def probe(device):
-        _RUNS["built"] += 1
-        built, base = _RUNS["built"], small_cnn_probe(device)
+    def change(built, step, loss):
+        if built == 4 and step == 2:  # a replay fails after it parted
+            raise RuntimeError("loss spiked")
+        if (step == 3 and built == 2) or (step == 1 and built == 4):
+            return loss * (1 + 2**-20)  # the scan parts at step 3, a replay at step 1
+        return loss
 
-        def step(model, batch):
-            loss = base.step(model, batch)["mse"]
-            if (step.calls == 3 and built == 2) or (step.calls == 1 and built == 4):
-                loss = loss * (1 + 2**-20)  # the scan parts at step 3, a replay at step 1
-            if built == 4 and step.calls == 2:  # and then fails on it
-                raise RuntimeError("loss spiked")
-            step.calls += 1
-            return {"mse": loss}
-
-        step.calls = 0
-        return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
-
+    probe = _built_probe(change)
     result = _scan(probe, repeats=2, steps=5)
     zoom = result.investigations["zoom"]
     assert result.comparison.first_step == 3
