@@ -483,6 +483,10 @@ def test_sharded_and_tensor_parallel_models_are_told_apart(tmp_path):
         tp.parallelize_module(model, mesh["tp"], {"0": tp.ColwiseParallel()})
         fsdp.fully_shard(model, mesh=mesh["dp"])
         assert told(model) == (True, everything)
+        model = net()  # tensor parallel in one layer, FSDP2 in the other
+        tp.parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": tp.ColwiseParallel()})
+        fsdp.fully_shard(model[1])
+        assert told(model) == (True, everything)
         # SequenceParallel's norm: replicated weights whose gradients are partial sums
         from torch.distributed.tensor import Shard
 

@@ -361,14 +361,15 @@ class Recorder(BackwardBoundaries):
         return sorted(self._partial)
 
     def tensor_parallel(self) -> bool:
-        """Whether the models are split across ranks by tensor parallelism (DTensor shards
-        without FSDP, or sharded on two mesh dimensions: FSDP's and another): the ranks of
-        one group then work on the same batch by design. (FSDP2 alone, HSDP included, shards
-        each parameter on one mesh dimension.)"""
-        shards = [p for p in self._params.values() if _is_shard(p)]
-        fsdp = any(any(c.__name__ == "FSDPModule" for c in type(m).__mro__)
-                   for root in self._models for m in root.modules())
-        return bool(shards) and (not fsdp or any(_shard_dims(p) > 1 for p in shards))
+        """Whether the models are split across ranks by tensor parallelism (a DTensor shard
+        that no FSDP module holds, or one sharded on two mesh dimensions: FSDP's and
+        another): the ranks of one group then work on the same batch by design. (FSDP2
+        alone, HSDP included, shards each parameter on one mesh dimension.)"""
+        by_fsdp = {id(p) for root in self._models for m in root.modules()
+                   if any(c.__name__ == "FSDPModule" for c in type(m).__mro__)
+                   for p in m.parameters()}
+        return any(_is_shard(p) and (id(p) not in by_fsdp or _shard_dims(p) > 1)
+                   for p in self._params.values())
 
     def add_model(self, name: str, model: nn.Module) -> None:
         """Record `model` too, another top-level model of the same loop (trained by its own
