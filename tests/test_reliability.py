@@ -90,16 +90,18 @@ def test_an_internal_error_is_exit_3_in_one_line(tmp_path, capsys, monkeypatch):
                            "(run with --debug for the traceback)")
 
 
-def test_a_crashed_repeat_is_a_failure_compared_over_the_steps_all_completed():
+def _crashing(at_step: int, in_build: int | None = None):
+    """A probe whose step `at_step` raises the user's own error: in the `in_build`-th probe
+    built (counting from 1), or in every one."""
     built = {"n": 0}
 
     def probe(device):
         built["n"] += 1
-        crashing = built["n"] == 2
+        crashing = in_build in (None, built["n"])
         base = small_cnn_probe(device)
 
         def step(model, batch):
-            if crashing and step.calls == 2:
+            if crashing and step.calls == at_step:
                 raise RuntimeError("out of memory")
             step.calls += 1
             return base.step(model, batch)
@@ -107,7 +109,11 @@ def test_a_crashed_repeat_is_a_failure_compared_over_the_steps_all_completed():
         step.calls = 0
         return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
 
-    result = audit(probe, repeats=2, steps=4)
+    return probe
+
+
+def test_a_crashed_repeat_is_a_failure_compared_over_the_steps_all_completed():
+    result = audit(_crashing(at_step=2, in_build=2), repeats=2, steps=4)
     assert result.comparison.common_steps == 2 and result.comparison.first_step is None
     assert result.verdict.kind == "failed" and result.verdict.exit_code == 3
     assert result.verdict.headline.startswith("FAILED: repeat 1 stopped: RuntimeError in "
@@ -142,19 +148,7 @@ def test_a_bug_in_detaudits_recording_is_reported_as_one_with_its_traceback(
     assert "Traceback" not in capsys.readouterr().err
     monkeypatch.undo()
 
-    def crashing(device):
-        base = small_cnn_probe(device)
-
-        def step(model, batch):
-            if step.calls == 1:
-                raise RuntimeError("out of memory")
-            step.calls += 1
-            return base.step(model, batch)
-
-        step.calls = 0
-        return Probe(model=base.model, batches=base.batches, step=step, optimizer=base.optimizer)
-
-    result = audit(crashing, repeats=2, steps=2)
+    result = audit(_crashing(at_step=1), repeats=2, steps=2)
     assert result.verdict.headline.startswith("FAILED: repeat 0 stopped: RuntimeError in step 1")
     assert "Traceback" not in capsys.readouterr().err
 

@@ -319,15 +319,15 @@ def _apart(seen: RankRecords, grads: bool = False) -> str:
 def _disagreements(
     step: int, epoch: int | None, ranks: list[int],
     prints: list[dict[tuple[str, str, str], str]], first: dict[str, dict[str, Any]],
-    sharded: set[str],
+    left_out: set[str],
 ) -> int:
     """Note in `first` each parameter whose print at `step` is not the same on every rank
     (its first such record only; rank 0's order); how many records every rank has. The
-    `sharded` parameters are not compared."""
+    parameters `left_out` (each rank holds its own part of them) are not compared."""
     named = {key: f"{key[1]}.{key[2][len('param.'):]}" if key[1] else key[2][len("param."):]
              for key in prints[0]}
     common = [key for key in prints[0]
-              if named[key] not in sharded and all(key in p for p in prints[1:])]
+              if named[key] not in left_out and all(key in p for p in prints[1:])]
     for key in common:
         fps = [p[key] for p in prints]
         if len(set(fps)) == 1:

@@ -510,13 +510,19 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages holding `t`'s elements: its own, or those of the tensors a wrapper
     subclass holds (a DTensor's local shard); none for a tensor without storage."""
     if _wraps_tensors(t):
-        names, _ = t.__tensor_flatten__()
-        return [s for held in (getattr(t, name) for name in names)
-                if isinstance(held, torch.Tensor) for s in storages_of(held)]
+        return [s for held in _held_tensors(t) for s in storages_of(held)]
     try:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError):
         return []
+
+
+def _held_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper subclass holds (a DTensor's `__tensor_flatten__` also names its
+    device mesh, which is no tensor)."""
+    names, _ = t.__tensor_flatten__()
+    return [held for held in (getattr(t, name) for name in names)
+            if isinstance(held, torch.Tensor)]
 
 
 _WRAPPERS: dict[type, bool] = {}
@@ -554,10 +560,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
         settled = getattr(t, "trigger_wait", None)
         if callable(settled):  # an async collective's result: waited for, as its use would
             return _plain(settled())
-        names, _ = t.__tensor_flatten__()
-        # (a DTensor names its device mesh too, which is no tensor)
-        inner = [_plain(held) for held in (getattr(t, name) for name in names)
-                 if isinstance(held, torch.Tensor)]
+        inner = [_plain(held) for held in _held_tensors(t)]
         return inner[0] if len(inner) == 1 else _as_bytes([_shape_of(t), *inner])
     if t.layout is torch.strided and not (t.is_nested or t.is_quantized):
         return _as_bytes([_shape_of(t)]) if _freed(t) else t
