@@ -41,9 +41,9 @@ pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 SCRIPT = Path(__file__).parent / "scripts" / "train_plain.py"
 
 
-def _exec(tmp_path, *options, script_args=(), script=SCRIPT):
+def _exec(tmp_path, *options, script_args=(), script=SCRIPT, env=None):
     return run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", *options, "--",
-                   sys.executable, str(script), *script_args)
+                   sys.executable, str(script), *script_args, env=env)
 
 
 # -- exec ------------------------------------------------------------------------------------
@@ -782,8 +782,10 @@ def test_exec_of_a_script_that_seeds_itself_needs_no_seed(tmp_path):
 
 def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_path):
     started = time.monotonic()
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--repeats", "1",
-                 script_args=("--forever", "--workers", "2"))
+                 script_args=("--forever", "--workers", "2"), env={"TMPDIR": str(temporary)})
     # one run, stopped cleanly; nothing to compare it with, which is no pass
     assert done.returncode == 2 and "NOT COMPARED" in done.stdout, done.stdout + done.stderr
     assert time.monotonic() - started < 60
@@ -791,6 +793,9 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
     assert len(trace.steps) == 3 and trace.failure is None
     # 2 steps per epoch: the configuration says the 2 epochs the command ran, not a stand-in
     assert json.loads((tmp_path / "run" / "run.json").read_text())["config"]["epochs"] == 2
+    # its DataLoader workers were ended as a loop's end ends them, not killed: each removed
+    # the temporary folder it made to pass batches (killed, each left a pymp-* folder)
+    assert not list(temporary.glob("pymp-*"))
 
 
 def test_the_run_ends_at_an_evaluation_after_the_last_steps_update(tmp_path):

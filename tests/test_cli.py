@@ -17,8 +17,8 @@ pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 PROBES = Path(__file__).parent / "probe_files"
 
 
-def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+def run_cli(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}, **(env or {})}
     return subprocess.run([sys.executable, "-m", "detaudit", *args], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=600, check=False)
 

@@ -148,6 +148,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         # each DataLoader iterator's pass: (its loader's id, the loader's pass number)
         self._iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]] = (
             weakref.WeakKeyDictionary())
+        self.loader_iterators: weakref.WeakSet[Any] = weakref.WeakSet()
         self._losses = 0
         self._loss_values: dict[str, torch.Tensor] = {}  # read once the step is over
         # losses backward was called on before any model call was seen (the model runs

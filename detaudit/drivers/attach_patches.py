@@ -38,6 +38,7 @@ class Callbacks(Protocol):
     making_iterator: int  # DataLoader.__iter__ calls under way (see _begin_pass_outside_iter)
     # a DataLoader iterator -> its pass: (its loader's id, the loader's pass number)
     _iterators: weakref.WeakKeyDictionary[Any, tuple[int, int]]
+    loader_iterators: weakref.WeakSet[Any]  # every DataLoader iterator made, while alive
 
     def on_backward(self, tensor: Any) -> None: ...
     def after_backward(self) -> None: ...
@@ -128,13 +129,17 @@ def wrap_loader_iter(attachment: Callbacks) -> Callable[..., Any]:
 
 
 def wrap_loader_iterator_init(attachment: Callbacks) -> Callable[..., Any]:
-    """A DataLoader iterator made outside ``DataLoader.__iter__`` (a loader of its own that
-    calls ``_get_iterator``, as Ultralytics' does) begins a pass as well."""
+    """Every DataLoader iterator is kept (weakly) while it lives, for its workers to be
+    ended with the process (see attach_process); one made outside ``DataLoader.__iter__``
+    (a loader of its own that calls ``_get_iterator``, as Ultralytics' does) begins a pass
+    as well."""
     original = LoaderIterator.__init__
 
     @functools.wraps(original)
     def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
         original(self, loader, *args, **kwargs)
+        with contextlib.suppress(TypeError):  # (a subclass that takes no weak reference)
+            attachment.loader_iterators.add(self)
         _begin_pass_outside_iter(attachment, self, loader)
 
     return __init__

@@ -135,9 +135,10 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
         rank.wrapped_by = "script"  # the user's code builds its DDP model
     attachment = Attachment(path, job["probe"], int(job.get("repeat", 0)),
                             max_steps=job.get("max_steps"), max_epochs=job.get("max_epochs"),
-                            on_limit=_end_process, zoom=job.get("zoom"), fault=fault,
+                            zoom=job.get("zoom"), fault=fault,
                             rank=rank, planted_step=job.get("planted_step"),
                             mode=job.get("mode", AUTO), claim=claim)
+    attachment.on_limit = functools.partial(_end_at_the_limit, attachment)
     attachment.install()
     sys.excepthook = failure_hook(attachment)
     atexit.register(attachment.finish)
@@ -215,10 +216,24 @@ def _on_terminate(attachment: Attachment) -> Callable[..., None]:
     return handler
 
 
+def _end_at_the_limit(attachment: Attachment) -> None:
+    """The step or epoch limit is reached and the trace saved (between steps, or as a
+    DataLoader pass begins): the DataLoader workers end as the end of a loop ends them,
+    each removing its temporary folder (killed with the process group, each would leave a
+    ``pymp-*`` folder behind), then the process ends."""
+    for iterator in list(attachment.loader_iterators):
+        shut_down = getattr(iterator, "_shutdown_workers", None)  # (not one without workers)
+        if shut_down is not None:
+            with contextlib.suppress(Exception):
+                shut_down()
+    _end_process()
+
+
 def _end_process(code: int = 0) -> None:
-    """The limit is reached (or SIGTERM came) and the trace saved: end the process now,
-    whatever the script would catch (``detaudit exec`` then ends the rest of its process
-    group)."""
+    """The trace is saved: end the process now, whatever the script would catch
+    (``detaudit exec`` then ends the rest of its process group). On SIGTERM the
+    DataLoader workers are not asked to end first: the signal may have come in the middle
+    of the loader's own queue operations."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
