@@ -372,6 +372,42 @@ def test_an_op_fault_in_a_complex_output_is_one_ulp_and_measured_so():
     assert 0 < origin["max_abs_diff"] < 1e-5
 
 
+class _SparseEmbedding(nn.Module):
+    """``nn.Embedding(sparse=True)``: its weight's gradient is a sparse tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 4, sparse=True)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1))
+
+
+def _sparse_embedding_probe(device):
+    torch.manual_seed(0)
+    model = _SparseEmbedding()
+    g = torch.Generator().manual_seed(1)
+    return Probe(model=model, batches=[torch.randint(0, 50, (8, 5), generator=g) for _ in range(3)],
+                 step=lambda m, ids: m(ids).pow(2).mean(),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # (takes sparse grads)
+
+
+@pytest.mark.parametrize("op", [None, "aten._sparse_coo_tensor_with_dims_and_tensors"])
+def test_a_backward_fault_in_a_sparse_gradient_is_planted_in_its_values_and_named(op):
+    """A planted backward fault in a module whose gradient is sparse is 1 ULP in one of its
+    values (it crashed: ``!=`` has no sparse kernel), at module level and in the op that
+    makes the sparse gradient."""
+    result = audit(_sparse_embedding_probe, repeats=2, epochs=1,
+                   fault=Fault("emb", "backward", 1, op=op), drill_down=op is not None)
+    origin = result.comparison.origins[0]
+    assert (origin.module, origin.phase, origin.step) == ("emb", "backward", 1)
+    if op is not None:
+        named = result.investigations["ops"]["ops"][0]
+        assert (named["op"], named["module"], named["planted"]) == (op, "emb", True)
+        assert (named["elements"], named["max_ulp"]) == (1, 1)
+
+
 def test_tensor_difference_of_complex_values_counts_the_ulps_of_their_parts():
     a = torch.tensor([1 + 1j, 2 + 2j], dtype=torch.complex64)
     b = a.clone()

@@ -19,7 +19,7 @@ from ..analysis.knowledge import lookup
 from ..analysis.stress import stressed_ops
 from ..config import AuditConfig, Fault, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
-from ..record.difference import tensor_difference
+from ..record.difference import identical, tensor_difference
 from ..record.oprecorder import op_matches
 from ..record.structure import within
 from ..trace import OP_PHASES, Trace
@@ -173,7 +173,7 @@ def _capture_difference(
     for repeat in others:
         outputs = _capture(factory, config, origin, repeat, spec) or []
         for a, b in zip(reference, outputs):
-            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            if not identical(a, b):
                 return tensor_difference(a, b)
     return None
 

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..trace import BACKWARD
-from .structure import has_ulps, iter_tensors, local_part, next_ulp, within
+from .structure import has_ulps, iter_tensors, next_ulp, some_nonzero, within
 
 _AccumulateGrad = torch._C._functions.AccumulateGrad  # the node that fills a leaf's .grad
 SeqIndex = tuple[list[int], list[list[int]]]  # sequence numbers -> enclosing calls from there
@@ -240,7 +240,7 @@ class BackwardBoundaries:
                 ):
                     with _disable_current_modes():  # the fault's own ops are not the model's
                         # an all-zero gradient (nothing reached that input) cannot carry 1 ULP
-                        if bool((local_part(grad) != 0).any()):
+                        if some_nonzero(grad):
                             grads[k] = next_ulp(grad, largest=True)
                             changed = self.fault_fired = True
                 if slot is not None and self._records_modules:

@@ -10,9 +10,23 @@ _INT_OF_FLOAT = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
                  torch.float32: torch.int32, torch.float64: torch.int64}
 
 
+def identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two versions of one tensor are equal (sparse ones: their coalesced indices
+    and values)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
+        return False
+    if a.layout is torch.sparse_coo:
+        a, b = a.coalesce(), b.coalesce()
+        return torch.equal(a.indices(), b.indices()) and torch.equal(a.values(), b.values())
+    return torch.equal(a, b)
+
+
 def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     """How two versions of one tensor differ: elements, max |a-b|, max ULP, relative error
-    (complex: |a-b| as a modulus, ULPs of the real and imaginary parts)."""
+    (complex: |a-b| as a modulus, ULPs of the real and imaginary parts; sparse: those of
+    their values, where their indices agree)."""
+    if torch.sparse_coo in (a.layout, b.layout):
+        return _sparse_difference(a, b)
     if a.shape != b.shape or a.dtype != b.dtype:
         return {"elements": None, "of": a.numel(),
                 "note": f"{tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"}
@@ -35,6 +49,16 @@ def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
         norm = float(a.to(wide).norm())
         out["rel_error"] = float(diff.norm()) / norm if norm else None
     return out
+
+
+def _sparse_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    if a.layout == b.layout and a.shape == b.shape:
+        a, b = a.coalesce(), b.coalesce()
+        if torch.equal(a.indices(), b.indices()):
+            return tensor_difference(a.values(), b.values())
+    stored = a._nnz() if a.layout is torch.sparse_coo else a.numel()
+    return {"elements": None, "of": stored, "note": "sparse, with different indices"
+            if a.layout == b.layout else f"{a.layout} vs {b.layout}"}
 
 
 def _ordered_bits(t: torch.Tensor) -> torch.Tensor:

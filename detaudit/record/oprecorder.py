@@ -29,7 +29,7 @@ from ..config import Fault
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
 from .fingerprint import storage_address
 from .recorder import Call, Recorder
-from .structure import has_ulps, is_dtensor, iter_tensors, next_ulp, on_local
+from .structure import has_ulps, is_dtensor, iter_tensors, next_ulp, on_local, some_nonzero
 
 # Ops that only re-label memory or metadata: their outputs are their inputs.
 PASSTHROUGH_OPS = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}
@@ -293,8 +293,10 @@ def _perturbed(t: torch.Tensor, largest: bool = False) -> torch.Tensor | None:
         return on_local(t, lambda local: _perturbed(local, largest))
     if not t.numel():
         return None
-    if has_ulps(t):  # an all-zero output (a gradient nothing reached) is skipped:
-        return next_ulp(t, largest) if bool((t != 0).any()) else None  # 1 ULP of 0 vanishes
+    if has_ulps(t):  # an all-zero output (a gradient nothing reached) is skipped
+        return next_ulp(t, largest) if some_nonzero(t) else None
+    if t.layout is not torch.strided:  # (integers in a sparse layout: rare, left alone)
+        return None
     flat = t.reshape(-1)
     different = (flat != flat[0]).nonzero()
     if not len(different):

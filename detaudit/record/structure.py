@@ -78,8 +78,21 @@ def replace_first_float(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) ->
 
 
 def has_ulps(t: torch.Tensor) -> bool:
-    """Whether `t` holds floating-point numbers (real or complex) that :func:`next_ulp` moves."""
-    return t.is_floating_point() or t.is_complex()
+    """Whether `t` holds floating-point numbers (real or complex) that :func:`next_ulp` moves:
+    in a strided tensor, or in the values of a sparse one (``nn.Embedding(sparse=True)``'s
+    gradient)."""
+    return (t.is_floating_point() or t.is_complex()) and t.layout in _MOVABLE_LAYOUTS
+
+
+_MOVABLE_LAYOUTS = (torch.strided, torch.sparse_coo)
+
+
+def some_nonzero(t: torch.Tensor) -> bool:
+    """Whether `t` (the part this process holds; of a sparse tensor, its values) has an
+    element other than zero: 1 ULP of zero vanishes in the next sum (a gradient nothing
+    reached is all zeros), so a fault is planted only where there is one."""
+    t = local_part(t)
+    return bool(((t._values() if t.layout is torch.sparse_coo else t) != 0).any())
 
 
 def is_dtensor(t: Any) -> bool:
@@ -110,9 +123,14 @@ def next_ulp(t: torch.Tensor, largest: bool = False) -> torch.Tensor:
     first element, or with `largest` the one of largest magnitude (the first of them) --
     for gradients, which are often zero where nothing reached, and 1 ULP of zero vanishes
     in the next sum. Of a complex tensor, one real or imaginary part (the first element's
-    real part). Of a DTensor, in the part this process holds."""
+    real part). Of a DTensor, in the part this process holds; of a sparse tensor, in its
+    values (coalesced first: the sum of duplicates, which its user would take, moves)."""
     if is_dtensor(t):
         return on_local(t, lambda local: next_ulp(local, largest))  # type: ignore[return-value]
+    if t.layout is torch.sparse_coo:
+        coalesced = t.coalesce()
+        return torch.sparse_coo_tensor(coalesced.indices(), next_ulp(coalesced.values(), largest),
+                                       t.shape, is_coalesced=True, check_invariants=False)
     parts = torch.view_as_real(t.detach().resolve_conj()) if t.is_complex() else t.detach()
     flat = parts.reshape(-1)
     i = int(torch.nan_to_num(flat.abs().float(), nan=0.0, posinf=0.0).argmax()) if (
