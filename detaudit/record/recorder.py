@@ -351,8 +351,11 @@ class Recorder(BackwardBoundaries):
 
     def sharded_parameters(self) -> list[str]:
         """The names of the parameters recorded that this process holds a shard of (a
-        DTensor placed as a shard, as FSDP2's are): their prints differ from rank to rank."""
-        return [name for name, p in self._params.items() if _is_shard(p)]
+        DTensor placed as a shard, as FSDP2's are; one an FSDP1 module shards: its flat
+        parameter, or the views of its shard that ``use_orig_params`` gives): their prints
+        differ from rank to rank."""
+        by_fsdp1 = _sharded_by_fsdp1(self._models)
+        return [name for name, p in self._params.items() if _is_shard(p) or id(p) in by_fsdp1]
 
     def partial_gradients(self) -> list[str]:
         """The names of the parameters whose gradient was seen as a partial sum (a DTensor
@@ -652,6 +655,27 @@ def _printed_aside(keys: list[Any], tensors: list[torch.Tensor], stats: bool,
         fp.add_many(tensors, stats)
         prints = fp.collect()
     return list(zip(keys, prints))
+
+
+def _sharded_by_fsdp1(models: list[nn.Module]) -> set[int]:
+    """The ids of the parameters that FSDP1 modules (``FullyShardedDataParallel``) in
+    `models` hold sharded: each module's own (not those of the FSDP modules inside it),
+    unless its strategy is NO_SHARD or its shard group has one rank."""
+    wrapped = [m for root in models for m in root.modules() if _is_fsdp1(m)]
+    held: set[int] = set()
+    for fsdp in wrapped:
+        strategy = getattr(fsdp, "sharding_strategy", None)
+        if getattr(strategy, "name", "") == "NO_SHARD" or getattr(fsdp, "world_size", 2) < 2:
+            continue
+        inner = {id(p) for m in fsdp.modules() if m is not fsdp and _is_fsdp1(m)
+                 for p in m.parameters()}
+        held |= {id(p) for p in fsdp.parameters()} - inner
+    return held
+
+
+def _is_fsdp1(module: nn.Module) -> bool:
+    return any(c.__name__ == "FullyShardedDataParallel"
+               and c.__module__.startswith("torch.distributed.fsdp") for c in type(module).__mro__)
 
 
 def _is_shard(t: Any) -> bool:

@@ -2,8 +2,9 @@
 (``--launch torchrun``: it runs ``python -m torch.distributed.run --nproc-per-node 2`` on
 itself) or with ``torch.multiprocessing.spawn`` (``--launch spawn``). gloo on CPU, a
 DistributedSampler (unless --shared-data), seeded by the script itself. With ``--fsdp`` the
-model is sharded by FSDP2 instead of wrapped in DDP, with ``--tp`` split by tensor
-parallelism; either way its gradients are clipped."""
+model is sharded by FSDP2 instead of wrapped in DDP, with ``--fsdp1`` by FSDP1
+(``FullyShardedDataParallel``, one flat parameter), with ``--tp`` split by tensor
+parallelism; in each of those its gradients are clipped."""
 
 import argparse
 import os
@@ -31,6 +32,10 @@ def train(rank, world, args):
         for layer in (net[0], net[2]):
             fully_shard(layer)
         model = fully_shard(net)
+    elif args.fsdp1:  # each rank holds a shard of one flat parameter of the whole model
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(net, device_id=torch.device("cpu"))
     elif args.tp:  # each rank holds a slice of each layer, and works on the same batches
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (
@@ -50,7 +55,7 @@ def train(rank, world, args):
         for x, y in loader:
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
-            if args.fsdp or args.tp:  # an op on every DTensor gradient, in a zoomed step
+            if args.fsdp or args.fsdp1 or args.tp:  # an op on every sharded gradient
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
     print(f"rank {rank} trained {args.epochs} epochs", flush=True)
@@ -69,6 +74,7 @@ def main():
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--shared-data", action="store_true", help="no sampler: every rank, all data")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2, not DDP")
+    p.add_argument("--fsdp1", action="store_true", help="shard the model with FSDP1, not DDP")
     p.add_argument("--tp", action="store_true",
                    help="split the model by tensor parallelism (with --shared-data)")
     args = p.parse_args()
