@@ -33,6 +33,7 @@ from torch import nn
 import detaudit
 from detaudit.drivers.attach import Attachment
 from detaudit.execution import _check_side_fault, _is_launcher
+from detaudit.record.recorder import printed_now
 from detaudit.record.structure import next_ulp
 from detaudit.trace import OUTSIDE_MODEL, Trace
 
@@ -2366,9 +2367,10 @@ def test_a_step_the_loop_ends_in_before_its_update_is_not_counted(tmp_path):
 
 
 def _train_by_hand(out: Path, nudge_at: int | None = None,
-                   nudged: str = "update") -> detaudit.watch:
+                   nudged: str = "update", through_data: bool = False) -> detaudit.watch:
     """SGD the loop does itself (no torch.optim), 2 epochs of 3 batches; `nudge_at`: one
-    `nudged` ("update", or "grad": the gradient backward starts from) is 1 ULP off."""
+    `nudged` ("update", or "grad": the gradient backward starts from) is 1 ULP off;
+    `through_data`: written as ``p.data -= step``, which bumps no version counter."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
     g = torch.Generator().manual_seed(3)
@@ -2385,14 +2387,31 @@ def _train_by_hand(out: Path, nudge_at: int | None = None,
                     step = 0.1 * p.grad
                     if update == nudge_at and nudged == "update":
                         step = torch.nextafter(step, torch.full_like(step, math.inf))
-                    p -= step
+                    if through_data:
+                        p.data -= step
+                    else:
+                        p -= step
                     p.grad = None
     return w
 
 
-def test_a_loop_that_updates_by_hand_has_a_step_per_update(tmp_path):
+@pytest.mark.parametrize("through_data", [False, True])
+def test_a_loop_that_updates_by_hand_has_a_step_per_update(tmp_path, through_data):
     """No optimizer: an update the loop makes in place after backward ends the step (the
-    whole run was one step, and a difference in the updates could pass unseen)."""
+    whole run was one step, and a difference in the updates could pass unseen), also one
+    written through ``p.data``, which bumps no version counter (its steps were taken for
+    gradients thrown away, and the run was one step)."""
+    if through_data:
+        same = _train_by_hand(tmp_path / "same", through_data=True)
+        _train_by_hand(tmp_path / "same", through_data=True)
+        assert [(s.step, s.optimizer_stepped) for s in same.trace.steps] == [
+            (k, True) for k in range(6)]
+        assert detaudit.compare(tmp_path / "same").exit_code == 0
+        _train_by_hand(tmp_path / "nudged", through_data=True)
+        _train_by_hand(tmp_path / "nudged", nudge_at=4, through_data=True)
+        c = detaudit.compare(tmp_path / "nudged").comparison
+        assert (c.first_step, c.cause) == (4, "optimizer")
+        return
     same = _train_by_hand(tmp_path / "same")
     _train_by_hand(tmp_path / "same")
     assert [(s.step, s.optimizer_stepped) for s in same.trace.steps] == [
@@ -2425,6 +2444,83 @@ def test_a_loop_that_updates_by_hand_has_a_step_per_update(tmp_path):
 
     detaudit.compare(tmp_path / "grad", out=tmp_path / "compared")
     assert render_folder(tmp_path / "compared")["headline"] == result.verdict.headline
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """SGD as older code writes it, through ``p.data`` (which bumps no version counter);
+    `nudged`: its updates are 1 ULP off."""
+
+    def __init__(self, params, lr: float, nudged: bool = False):
+        super().__init__(params, {"lr": lr})
+        self.nudged = nudged
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                update = p.grad * group["lr"]
+                if self.nudged:
+                    update = torch.nextafter(update, torch.full_like(update, math.inf))
+                p.data.sub_(update)
+
+
+class _Averaged(torch.optim.Optimizer):
+    """A wrapper optimizer (as Lookahead, ZeroRedundancyOptimizer are): its step runs the
+    inner optimizer's, then changes the parameters again."""
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.inner = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+        self.param_groups = inner.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.inner.step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(0.5)
+
+
+def _train_with(out: Path, make_optimizer: Callable[[list], torch.optim.Optimizer]
+                ) -> tuple[detaudit.watch, list[list[torch.Tensor]]]:
+    """3 steps of a small model under watch (the optimizer found by its hooks), and the
+    parameters after each step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = make_optimizer(list(model.parameters()))
+    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(3))
+    after = []
+    with detaudit.watch(model, out=out) as w:
+        for i in range(3):
+            model(x[4 * i:4 * i + 4]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            after.append([p.detach().clone() for p in model.parameters()])
+    return w, after
+
+
+def test_an_update_through_p_data_is_recorded_as_it_left_the_parameters(tmp_path):
+    """An optimizer that writes ``p.data`` bumps no version counter: the parameters after
+    its update at step 0 were recorded by their print from before it, so a difference in
+    that update was first seen at step 1, in the forward."""
+    _train_with(tmp_path / "run", lambda params: _DataSGD(params, 0.1))
+    _train_with(tmp_path / "run", lambda params: _DataSGD(params, 0.1, nudged=True))
+    c = detaudit.compare(tmp_path / "run").comparison
+    assert (c.first_step, c.cause) == (0, "optimizer")
+
+
+def test_the_inner_optimizer_of_a_wrapper_is_no_update_of_its_own(tmp_path):
+    """A wrapper optimizer's step runs its inner optimizer's: the step is the wrapper's,
+    with the parameters it leaves (ZeroRedundancyOptimizer's inner one updates one rank's
+    partition, before the wrapper broadcasts the others: ranks were found out of sync)."""
+    w, after = _train_with(tmp_path / "run",
+                           lambda params: _Averaged(torch.optim.SGD(params, lr=0.1)))
+    assert [(s.step, s.optimizer_stepped) for s in w.trace.steps] == [(k, True) for k in range(3)]
+    records = w.trace.frame()
+    for step, params in enumerate(after):
+        expected = [print_.fp for _, print_ in printed_now(params)]
+        recorded = records.query(f"step == {step} and phase == 'optimizer'")
+        assert list(recorded.fp) == expected
 
 
 def test_in_place_changes_in_an_optimizer_script_are_no_updates_by_hand(tmp_path):

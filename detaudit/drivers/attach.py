@@ -157,6 +157,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         # the model's trainable parameters and their versions after the open step's last
         # backward, in a loop that may update by hand (see _updated_by_hand)
         self._by_hand: list[tuple[torch.Tensor, int]] = []
+        self._by_hand_prints: list[str] = []  # their prints then
         self._optimizer_used = False  # an optimizer's step has begun (its closure may run)
         self._by_hand_possible: bool | None = None  # see _updates_by_hand
         self._grads_by_hand: list[tuple[RecordKey, TensorPrint]] = []  # see after_backward

@@ -16,6 +16,8 @@ attachment's state (its recorder, its open step) as the rest of the class does.
 from __future__ import annotations
 
 import math
+import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -23,9 +25,28 @@ from torch._C._autograd import _get_sequence_nr
 
 from ..config import CALLS_UNSEEN, DROPPED_STEPS
 from ..record.environment import capture_environment
-from ..record.recorder import WATCH_NONE, StepRecords
+from ..record.recorder import WATCH_NONE, StepRecords, printed_now
 from ..trace import OPTIMIZER, STATE
 from .attach_models import MAX_MODEL_SEARCHES, held_by_an_optimizer, parameters_of
+
+# the code of every optimizer's step as torch runs it, with the step hooks around it
+_STEP_WITH_HOOKS = torch.optim.Optimizer.profile_hook_step(lambda *args: None).__code__
+
+
+def _inside_another_step(optimizer: torch.optim.Optimizer, frame: FrameType | None) -> bool:
+    """Whether `optimizer` steps inside another optimizer's step: it is the inner optimizer
+    of a wrapper (ZeroRedundancyOptimizer, Lookahead, accelerate's AcceleratedOptimizer),
+    whose own hooks see the update as the loop does. (ZeRO's inner optimizer updates this
+    rank's partition alone, before the wrapper broadcasts the others.)"""
+    while frame is not None:
+        if frame.f_code is _STEP_WITH_HOOKS and frame.f_locals.get("self") is not optimizer:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _prints_of(params: list[torch.Tensor]) -> list[str]:
+    return [print_.fp for _, print_ in printed_now(params)]
 
 
 class Updates:
@@ -34,6 +55,8 @@ class Updates:
 
     # -- the optimizer and the scaler ------------------------------------------------------
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _inside_another_step(optimizer, sys._getframe(1)):
+            return
         self._optimizer_used = True  # (any optimizer: the loop does not update by hand)
         self._discarded = False  # (the gradients were not thrown away after all)
         if self._auto and self.inferring:
@@ -74,6 +97,8 @@ class Updates:
                                          of=params)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _inside_another_step(optimizer, sys._getframe(1)):
+            return
         if self.stopped or self.inferring or self.info is None or self.recorder is None or (
                 self.optimizer is not None and optimizer is not self.optimizer):
             return
@@ -116,7 +141,8 @@ class Updates:
         mine = self.recorder.parameter_ids()
         # (parameters changed since the backward: an update, or SAM's perturbation)
         self._discarded = any(id(p) in mine for p in params) and all(
-            p._version == version for p, version in self._at_backward)
+            p._version == version for p, version in self._at_backward) and not (
+            self._updates_by_hand() and self._updated_by_hand())
 
     def _closure_evaluated(self) -> None:
         """Inside ``step(closure)``, the closure zeroes the gradients to evaluate again (LBFGS
@@ -168,10 +194,13 @@ class Updates:
     # -- updates by hand -------------------------------------------------------------------
     def _updated_by_hand(self) -> bool:
         """Whether a loop that has no optimizer changed the model's parameters in place
-        since the open step's last backward (`p -= lr * p.grad` under no_grad): an update
-        it makes itself, which ends the step like an optimizer's."""
-        return bool(self._by_hand and not self._optimizer_used and any(
-            p._version != version for p, version in self._by_hand))
+        since the open step's last backward (`p -= lr * p.grad` under no_grad, or
+        `p.data -= lr * p.grad`, which bumps no version counter: their prints tell): an
+        update it makes itself, which ends the step like an optimizer's."""
+        if not self._by_hand or self._optimizer_used:
+            return False
+        return any(p._version != version for p, version in self._by_hand) or (
+            _prints_of([p for p, _ in self._by_hand]) != self._by_hand_prints)
 
     def _updates_by_hand(self) -> bool:
         """Whether the loop may update the model by hand: no optimizer was given, none has
@@ -210,6 +239,7 @@ class Updates:
         # what the parameters are now: a change from here on is the loop's update
         self._by_hand = [(p, p._version) for p in model.parameters()
                          if p.requires_grad and not p.is_inference()]
+        self._by_hand_prints = _prints_of([p for p, _ in self._by_hand])
         # the gradients as this backward left them: the update's, if it comes next (a loop's
         # own update or zero_grad would change them before it is seen)
         self._grads_by_hand = self.recorder.print_param_grads(

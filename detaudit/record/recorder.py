@@ -296,9 +296,11 @@ class Recorder(BackwardBoundaries):
         each update; only those among `of` when it is given). Stats only when asked (a step
         recorded module by module, which a tolerance diff measures): at scan level, 3 passes
         over every weight per step would dominate the cost."""
-        self._record_per_parameter(phase, stats, [
-            (name, p) for name, p in self._among(of) if phase == STATE or p.requires_grad
-        ])
+        items = [(name, p) for name, p in self._among(of) if phase == STATE or p.requires_grad]
+        self._keys += _parameter_keys(phase, items)
+        # after an update, no print taken before it is reused: an update may write without
+        # bumping the version counter (`p.data.add_(...)`, a collective's broadcast)
+        self.fp.add_many([t for _, t in items], stats, written=phase != STATE)
 
     def record_side_state(self, params: list[tuple[str, torch.Tensor]],
                           buffers: list[tuple[str, torch.Tensor]]) -> None:
