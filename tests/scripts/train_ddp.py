@@ -4,7 +4,8 @@ itself) or with ``torch.multiprocessing.spawn`` (``--launch spawn``). gloo on CP
 DistributedSampler (unless --shared-data), seeded by the script itself. With ``--fsdp`` the
 model is sharded by FSDP2 instead of wrapped in DDP, with ``--fsdp1`` by FSDP1
 (``FullyShardedDataParallel``, one flat parameter), with ``--tp`` split by tensor
-parallelism; in each of those its gradients are clipped."""
+parallelism; in each of those its gradients are clipped. ``--zero``: DDP with a
+ZeroRedundancyOptimizer (each rank updates its partition, then broadcasts it)."""
 
 import argparse
 import os
@@ -48,7 +49,12 @@ def train(rank, world, args):
         model = parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     else:
         model = DistributedDataParallel(net)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if args.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
@@ -75,6 +81,7 @@ def main():
     p.add_argument("--shared-data", action="store_true", help="no sampler: every rank, all data")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2, not DDP")
     p.add_argument("--fsdp1", action="store_true", help="shard the model with FSDP1, not DDP")
+    p.add_argument("--zero", action="store_true", help="a ZeroRedundancyOptimizer (with DDP)")
     p.add_argument("--tp", action="store_true",
                    help="split the model by tensor parallelism (with --shared-data)")
     args = p.parse_args()
