@@ -2891,8 +2891,8 @@ def test_exec_of_a_script_that_spawns_its_ranks_finds_unsharded_data(tmp_path):
 
 
 @pytest.mark.parametrize("sharding,said,sharded", [
-    ("--fsdp1", "2 ranks, their parameters not compared (no parameter records to compare: 1 "
-     "parameter sharded", ["_fsdp_wrapped_module._flat_param"]),
+    ("--fsdp1", ("2 ranks, their parameters not compared (no parameter records to compare: 1 "
+                 "parameter sharded"), ["_fsdp_wrapped_module._flat_param"]),
     ("--zero", "2 ranks in sync", []),
 ])
 def test_exec_of_a_script_sharding_its_model_or_optimizer_across_ranks_is_no_false_alarm(
