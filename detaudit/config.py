@@ -32,6 +32,18 @@ ROOT_NAME = "(model)"  # the model itself, as reports (and --inject-fault) name 
 OP_FAULT_MODULE = "an op fault names the innermost module the op runs in, not a parent of it"
 
 
+def scripted_fault(module: str, scripted: str) -> str:
+    """What to say of a fault planted in (or inside) the TorchScript module `scripted`."""
+    caller = scripted.rpartition(".")[0] or ROOT_NAME
+    where = "" if module == scripted else f"inside {scripted!r}, "
+    return (f"module {module!r} is {where}a TorchScript module (torch.jit.script), which takes "
+            f"no hooks: plant at the module that calls it ({caller}) or at an op there "
+            f"({caller}/OP)")
+
+
+SCRIPTED = "scripted"  # the TorchScript modules of a trace's model (see scripted_fault)
+
+
 def nearest_modules(name: str, names: list[str], listed: str) -> str:
     """What to say of a module name that is not among `names`: the nearest ones, or the
     outermost few of them (in their order) and how many there are, under `listed`
@@ -44,11 +56,16 @@ def nearest_modules(name: str, names: list[str], listed: str) -> str:
     return f"{listed}: {', '.join(outermost)}{more}"
 
 
-def fault_not_fired(fault: Fault, steps: int) -> str:
+def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None) -> str:
     """Why a planted fault never fired in a run of `steps` steps (after "the planted fault
-    never fired: ")."""
+    never fired: "); `scripted`: the TorchScript modules of the model (see
+    Recorder.scripted_modules)."""
     if steps <= fault.step:
         return f"the run has only {steps} steps (0 to {steps - 1})"
+    inside = next((name for name in scripted or () if fault.module == name
+                   or fault.module.startswith(f"{name}.")), None)
+    if inside is not None:
+        return scripted_fault(fault.module, inside)
     of = f"at step {fault.step} of {counted(steps, 'recorded step')}"
     if fault.op and not fault.module:
         return f"op {fault.op!r} did not run {fault.phase} in any module {of}"

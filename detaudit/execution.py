@@ -40,6 +40,7 @@ from .config import (
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
     SCAN,
+    SCRIPTED,
     SIDE_MODELS,
     TRAIN,
     AuditConfig,
@@ -48,6 +49,7 @@ from .config import (
     ProbeSpec,
     fault_not_fired,
     nearest_modules,
+    scripted_fault,
 )
 from .errors import DetauditError
 from .runfolder import (
@@ -379,8 +381,9 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     if fault is not None and not any(t.probe.get(FAULT_FIRED) for t in recorded.values()) \
             and not any(t.failure for t in recorded.values()):
         steps = max(len(t.steps) for t in recorded.values())
+        scripted = next((t.probe[SCRIPTED] for t in recorded.values() if SCRIPTED in t.probe), [])
         raise DetauditError(
-            f"the planted fault never fired: {fault_not_fired(fault, steps)}"
+            f"the planted fault never fired: {fault_not_fired(fault, steps, scripted)}"
             + ("; the model runs inside a compiled function, whose first step runs compiled "
                "before detaudit knows the model: plant at step 1 or later"
                if fault.step == 0 and any(t.probe.get(CALLS_UNSEEN) for t in recorded.values())
@@ -411,6 +414,10 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
             f"{len(trace.steps)} step{'' if len(trace.steps) == 1 else 's'} "
             f"(0 to {len(trace.steps) - 1})")
     _check_side_fault(fault, trace.probe.get(SIDE_MODELS) or [])
+    inside = next((name for name in trace.probe.get(SCRIPTED) or () if fault.module == name
+                   or fault.module.startswith(f"{name}.")), None)
+    if inside is not None:
+        raise DetauditError(f"--inject-fault: {scripted_fault(fault.module, inside)}")
     modules: set[str] = set()
     owners: set[str] = set()  # modules with parameters, called or not
     for step, cut in trace.by_step():

@@ -3,6 +3,7 @@ alerts, the fix is verified with its cost, `detaudit env` flags risky settings."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -18,6 +19,7 @@ from detaudit import Fault, Probe, audit, seed_everything
 from detaudit.analysis.compare import ORIGIN
 from detaudit.analysis.knowledge import KNOWN, lookup
 from detaudit.analysis.risks import risks
+from detaudit.errors import DetauditError
 from detaudit.record.difference import tensor_difference
 from detaudit.record.environment import capture_environment
 from detaudit.record.oprecorder import op_matches
@@ -370,6 +372,64 @@ def test_an_op_fault_in_a_complex_output_is_one_ulp_and_measured_so():
     assert (origin["op"], origin["module"], origin["planted"]) == ("aten._fft_r2c", "to_freq", True)
     assert (origin["elements"], origin["max_ulp"]) == (1, 1)
     assert 0 < origin["max_abs_diff"] < 1e-5
+
+
+class _OwnCode(nn.Module):
+    """Two layers, an op called as a function between them (in the model's own code), and
+    optionally a TorchScript block after it, which takes no hooks."""
+
+    def __init__(self, scripted: bool = False):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.block = torch.jit.script(nn.Sequential(nn.Linear(6, 6), nn.Tanh())) if scripted \
+            else None
+        self.c = nn.Linear(6, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.a(x))
+        return self.c(self.block(x) if self.block is not None else x)
+
+
+@pytest.mark.parametrize("op,scripted,slots", [
+    ("aten.relu", False, ["in.0 of c"]),  # (the 1 ULP vanishes in c's rounding)
+    ("aten.tanh", True, ["out"]),
+])
+def test_a_difference_made_in_the_models_own_code_is_its_origin_not_the_data(op, scripted, slots):
+    """An op the model calls between its layers (`torch.relu`), or inside a TorchScript
+    module (which takes no hooks: hooking it crashed every zoom), makes the next layer's
+    input differ while the model's own input agrees: the origin is the model's own code,
+    in forward, and the drill-down names the op there (it was `cause: data`, "a value
+    computed outside the model")."""
+    fault = Fault("", "forward", 1, op=op)
+    with _profiling_executor(False):  # (see below)
+        result = audit(_mean_square_probe(functools.partial(_OwnCode, scripted)), repeats=2,
+                       epochs=1, fault=fault, drill_down=True)
+    c = result.comparison
+    assert (c.first_step, c.cause) == (1, "forward")
+    origin = c.origins[0]
+    assert (origin.module, origin.phase, origin.role) == ("", "forward", ORIGIN)
+    assert origin.slots == slots
+    named = result.investigations["ops"]["ops"][0]
+    assert (named["op"], named["module"], named["planted"]) == (op, "(model)", True)
+
+
+@contextlib.contextmanager
+def _profiling_executor(on: bool):
+    """TorchScript's profiling executor runs a scripted module's first calls as they are,
+    then optimized: in-process repeats, each a new module, part in their first steps."""
+    before = torch._C._jit_set_profiling_executor(on)
+    try:
+        yield
+    finally:
+        torch._C._jit_set_profiling_executor(before)
+
+
+def test_a_fault_planted_in_a_torchscript_module_says_where_to_plant_instead():
+    with pytest.raises(DetauditError, match=r"module 'block' is a TorchScript module "
+                       r"\(torch.jit.script\), which takes no hooks: plant at the module that "
+                       r"calls it"):
+        audit(_mean_square_probe(functools.partial(_OwnCode, True)), repeats=2, epochs=1,
+              fault=Fault("block", "forward", 1))
 
 
 class _SparseEmbedding(nn.Module):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from ..config import SEEDED_AFTER_PARAMETERS, SIDE_MODELS
@@ -868,6 +868,7 @@ def _step_findings(
         if not upstream and (module, call) not in candidates[BACKWARD]:
             candidates[BACKWARD].append((module, call))
             pending.append((BACKWARD, module, call, ds, False))
+    pending += _made_by_own_code(step, pending, calls, differs, params_differ)
     findings = []
     for phase, module, call, ds, propagated in pending:
         if propagated:
@@ -886,6 +887,38 @@ def _step_findings(
             )
         )
     return findings
+
+
+def _made_by_own_code(
+    step: int, pending: list[tuple[str, str, int, list[RecordDiff], bool]],
+    calls: dict[tuple[str, int], tuple[str, int] | None],
+    differs: Callable[[int, str, str, int, str], bool], params_differ: Callable[[int, str], bool],
+) -> list[tuple[str, str, int, list[RecordDiff], bool]]:
+    """The calls whose own code made a differing input of a call inside them: a call's
+    input differs while the call around it began alike (its inputs and parameters) and no
+    call inside that one before it gave a differing output. The difference was made between
+    its children (an op called as a function, such as ``torch.relu`` or ``roi_align``; a
+    TorchScript module, which takes no hooks), even where it then vanished in rounding
+    (it was taken for the loop's data)."""
+    order = {key: i for i, key in enumerate(calls)}
+    seen = {(module, call) for phase, module, call, _, _ in pending if phase == FORWARD}
+    differing_out = [(m, c) for phase, m, c, _, _ in pending
+                     if phase == FORWARD and differs(step, FORWARD, m, c, "out")]
+    made: dict[tuple[str, int], list[RecordDiff]] = {}
+    for phase, module, call, ds, propagated in pending:
+        parent = calls.get((module, call))
+        if (phase != FORWARD or not propagated or parent is None or parent in seen
+                or not differs(step, FORWARD, module, call, "in")):
+            continue
+        began_apart = (differs(step, FORWARD, *parent, "in") or differs(step, FORWARD, *parent, "rng.in")
+                       or params_differ(step, parent[0]))
+        before = order.get((module, call), -1)
+        sibling = any(_is_ancestor(parent, inner, calls) and order.get(inner, -1) < before
+                      for inner in differing_out)
+        if not began_apart and not sibling:
+            made.setdefault(parent, []).extend(
+                replace(d, slot=f"{d.slot} of {module}") for d in ds if d.slot.startswith("in"))
+    return [(FORWARD, module, call, ds, False) for (module, call), ds in made.items()]
 
 
 def _evaluations(ref: Trace, step: int,

@@ -45,6 +45,7 @@ from ..config import (
     FAULT_FIRED,
     INFER,
     INFERRED,
+    SCRIPTED,
     SEEDED_AFTER_PARAMETERS,
     SIDE_MODELS,
     TRAIN,
@@ -654,6 +655,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
     def save(self) -> None:
         if self.fault is not None:
             self.trace.probe[FAULT_FIRED] = self.fault_fired
+        if self.recorder is not None and (scripted := self.recorder.scripted_modules()):
+            self.trace.probe[SCRIPTED] = scripted
         if self.rank is not None:
             _note_group(self.rank)
             self.rank.epochs = self._samplers.get(self._train_loader or -1, [])

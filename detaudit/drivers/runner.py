@@ -361,7 +361,8 @@ def run_repeat(
         if (fault is not None and not recorder.fault_fired and trace.failure is None
                 and not _replay_stops_before(ops, fault.step)):
             raise DetauditError(
-                f"the planted fault never fired: {fault_not_fired(fault, steps_done)}")
+                "the planted fault never fired: "
+                + fault_not_fired(fault, steps_done, recorder.scripted_modules()))
     steady = ends[-1] - ends[0] if len(ends) >= 2 else None
     timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes,
                           steady, stress.seconds if stress is not None else 0.0)

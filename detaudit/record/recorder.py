@@ -138,8 +138,8 @@ class Recorder(BackwardBoundaries):
         seen = set(skip or ())
         for root in models if models is not None else self._models:
             for module in root.modules():
-                if id(module) in seen:
-                    continue
+                if id(module) in seen or isinstance(module, torch.jit.ScriptModule):
+                    continue  # (a TorchScript module takes no hooks: see scripted_modules)
                 seen.add(id(module))
                 self._hook(module)
 
@@ -411,6 +411,14 @@ class Recorder(BackwardBoundaries):
     def _owns(self, hook: Any) -> bool:
         """Whether a module's hook is one of this recorder's."""
         return isinstance(hook, _Hook) and getattr(hook.hook, "__self__", None) is self
+
+    def scripted_modules(self) -> list[str]:
+        """The names of the TorchScript modules (``torch.jit.script``) in the recorded
+        models, the outermost: they take no hooks, so their calls are not recorded by
+        module; their ops are, in the module that calls them."""
+        names = [self._names[id(m)] for root in self._models for m in root.modules()
+                 if isinstance(m, torch.jit.ScriptModule) and id(m) in self._names]
+        return [n for n in names if not any(n.startswith(f"{outer}.") for outer in names)]
 
     def module_names(self) -> set[str]:
         """The names of the recorded models' modules, and of the models."""
