@@ -425,6 +425,12 @@ def _profiling_executor(on: bool):
 
 
 def test_a_fault_planted_in_a_torchscript_module_says_where_to_plant_instead():
+    """And the risk of in-process repeats of one is said, with the modules' names."""
+    with _profiling_executor(False):
+        result = audit(_mean_square_probe(functools.partial(_OwnCode, True)), repeats=2,
+                       epochs=1, drill_down=False)
+    assert result.verdict.kind == "deterministic", result.verdict.headline
+    assert "TorchScript modules (block)" in result.summary["env_risks"]["torchscript"]
     with pytest.raises(DetauditError, match=r"module 'block' is a TorchScript module "
                        r"\(torch.jit.script\), which takes no hooks: plant at the module that "
                        r"calls it"):

@@ -22,6 +22,7 @@ import torch
 from ..config import (
     ROOT_NAME,
     SCAN,
+    SCRIPTED,
     AuditConfig,
     Fault,
     ProbeSpec,
@@ -348,6 +349,8 @@ def run_repeat(
 
         watch = WATCH_NONE if config.granularity == SCAN else WATCH_MODULE
         with Recorder(probe.model, fingerprinter, fault=fault, watch=watch) as recorder:
+            if scripted := recorder.scripted_modules():
+                trace.probe[SCRIPTED] = scripted
             try:
                 steps_done = _run_steps(probe, config, recorder, trace, train, step_ended, fault,
                                         ops, stress, stream)

@@ -14,7 +14,7 @@ from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, cause_of, one_based, stressed_ops
-from ..config import CALLS_UNSEEN, INFERRED, LOADER_IN_A_THREAD, SIDE_MODELS
+from ..config import CALLS_UNSEEN, INFERRED, LOADER_IN_A_THREAD, SCRIPTED, SIDE_MODELS
 from ..runfolder import RunInfo
 from ..trace import STATE, Trace
 
@@ -43,6 +43,20 @@ def _modules(traces: list[Trace]) -> list[str]:
             next((side for side in sides if m == side or m.startswith(side + ".")), m)
             for m in owners))
     return []
+
+
+def _scripted_risk(traces: list[Trace]) -> dict[str, str]:
+    """The TorchScript modules of the model, a risk of their own where repeats share a
+    process."""
+    scripted = next(((t.probe or {}).get(SCRIPTED) for t in traces
+                     if (t.probe or {}).get(SCRIPTED)), None)
+    if not scripted:
+        return {}
+    return {"torchscript": (
+        f"the model holds TorchScript modules ({', '.join(scripted)}): in a process, the first "
+        "calls of a scripted module run unoptimized and later ones optimized, so repeats in one "
+        "process (run's default isolation, watch twice) can part in their first steps; "
+        "separate processes (--isolation process, exec) do not")}
 
 
 def _short_epochs(info: RunInfo, c: Comparison) -> dict[str, Any] | None:
@@ -148,7 +162,8 @@ def summarize(
         "map_truncated": max(0, len(cells) - MAP_LIMIT),
         "failures": {str(k): v for k, v in c.failures.items()},
         "env": traces[0].env if traces else {},
-        "env_risks": risks(traces[0].env) if traces and traces[0].env else {},
+        "env_risks": {**(risks(traces[0].env) if traces and traces[0].env else {}),
+                      **_scripted_risk(traces)},
         "env_differences": _env_differences(traces),
         "extra": extra,
         "ops": ops.get("ops") or [],
