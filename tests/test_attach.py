@@ -2481,16 +2481,17 @@ class _Averaged(torch.optim.Optimizer):
                 p.mul_(0.5)
 
 
-def _train_with(out: Path, make_optimizer: Callable[[list], torch.optim.Optimizer]
+def _train_with(out: Path, make_optimizer: Callable[[list], torch.optim.Optimizer],
+                given: Callable[[Any], torch.optim.Optimizer | None] = lambda opt: None,
                 ) -> tuple[detaudit.watch, list[list[torch.Tensor]]]:
-    """3 steps of a small model under watch (the optimizer found by its hooks), and the
-    parameters after each step."""
+    """3 steps of a small model under watch (given `given(optimizer)`, or the optimizer
+    found by its hooks), and the parameters after each step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = make_optimizer(list(model.parameters()))
     x = torch.randn(12, 6, generator=torch.Generator().manual_seed(3))
     after = []
-    with detaudit.watch(model, out=out) as w:
+    with detaudit.watch(model, given(opt), out=out) as w:
         for i in range(3):
             model(x[4 * i:4 * i + 4]).pow(2).mean().backward()
             opt.step()
@@ -2521,6 +2522,10 @@ def test_the_inner_optimizer_of_a_wrapper_is_no_update_of_its_own(tmp_path):
         expected = [print_.fp for _, print_ in printed_now(params)]
         recorded = records.query(f"step == {step} and phase == 'optimizer'")
         assert list(recorded.fp) == expected
+    # the inner optimizer given to watch is the one recorded, wrapped or not
+    w, _ = _train_with(tmp_path / "inner", lambda params: _Averaged(torch.optim.SGD(params, lr=0.1)),
+                       given=lambda wrapper: wrapper.inner)
+    assert [(s.step, s.optimizer_stepped) for s in w.trace.steps] == [(k, True) for k in range(3)]
 
 
 def test_in_place_changes_in_an_optimizer_script_are_no_updates_by_hand(tmp_path):

@@ -424,6 +424,35 @@ def _profiling_executor(on: bool):
         torch._C._jit_set_profiling_executor(before)
 
 
+def test_in_process_repeats_of_a_fresh_torchscript_module_part_and_are_told_why():
+    """A scripted module's first calls in a process run unoptimized (profiled), later ones
+    optimized: in-process repeats part in the first steps, and the replays of the zoom, run
+    later, do not. The headline says why, beside "intermittent"."""
+
+    class Block(nn.Module):  # (a class of this test's own: no TorchScript cache warms it)
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x)) * torch.sigmoid(x)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.block, self.c = nn.Linear(6, 6), torch.jit.script(Block()), nn.Linear(6, 1)
+
+        def forward(self, x):
+            return self.c(self.block(self.a(x)))
+
+    with _profiling_executor(True):
+        result = audit(_mean_square_probe(Model), repeats=2, epochs=1)
+    assert result.verdict.kind == "divergent" and result.comparison.first_step == 0
+    assert "intermittent" in result.verdict.headline
+    assert ("the model holds TorchScript modules (block), whose first calls in a process run "
+            "unoptimized") in result.verdict.headline
+
+
 def test_a_fault_planted_in_a_torchscript_module_says_where_to_plant_instead():
     """And the risk of in-process repeats of one is said, with the modules' names."""
     with _profiling_executor(False):

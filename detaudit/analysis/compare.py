@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from ..config import SEEDED_AFTER_PARAMETERS, SIDE_MODELS
+from ..config import SCRIPTED, SEEDED_AFTER_PARAMETERS, SIDE_MODELS
 from ..trace import (
     BACKWARD,
     FORWARD,
@@ -200,6 +200,7 @@ class Comparison:
     # the first divergent step holds a batch as the DataLoader yielded it (exec, watch)
     loader_batch: bool = False
     side_models: list[str] = field(default_factory=list)  # recorded, trained by no optimizer
+    scripted: list[str] = field(default_factory=list)  # the model's TorchScript modules
     # the zoomed step parted only in replays each in its own process (see PER_PROCESS)
     per_process: str | None = None
 
@@ -761,6 +762,7 @@ class _StepDiffs:
             per_process=per_process,
             loader_batch=loader_batch,
             side_models=list((getattr(traces[0], "probe", None) or {}).get(SIDE_MODELS, [])),
+            scripted=list((getattr(traces[0], "probe", None) or {}).get(SCRIPTED, [])),
         )
 
     def _drawn_during(
@@ -868,7 +870,9 @@ def _step_findings(
         if not upstream and (module, call) not in candidates[BACKWARD]:
             candidates[BACKWARD].append((module, call))
             pending.append((BACKWARD, module, call, ds, False))
-    pending += _made_by_own_code(step, pending, calls, differs, params_differ)
+    made = _made_by_own_code(step, pending, calls, differs, params_differ)
+    pending += made
+    candidates[FORWARD] += [(module, call) for _, module, call, _, _ in made]
     findings = []
     for phase, module, call, ds, propagated in pending:
         if propagated:

@@ -38,6 +38,11 @@ EXIT_CODES = {
 }
 
 
+# The steps in which a freshly scripted module may still run unoptimized (TorchScript's
+# profiling executor profiles its first calls, then optimizes).
+SCRIPTED_WARM_UP_STEPS = 3
+
+
 def exit_code(kind: str) -> int:
     """The process exit code of a verdict."""
     return EXIT_CODES[kind]
@@ -95,6 +100,11 @@ def judge(
         headline += (f"; the zoom's replay of step {zoom_found.get('step')} failed "
                      f"({zoom_found.get('why')}), so the module and op are not named (the "
                      "cause is the scan's)")
+    if ((zoom_found or {}).get("status") == "intermittent" and c.scripted
+            and (c.first_step or 0) < SCRIPTED_WARM_UP_STEPS):
+        headline += (f"; the model holds TorchScript modules ({', '.join(c.scripted)}), whose "
+                     "first calls in a process run unoptimized: repeats sharing a process "
+                     "part in their first steps (--isolation process compares separate ones)")
     if located is zoom:
         headline += f"; zoomed in on step {zoom.first_step} after a scan"
         if c.first_step is not None and zoom.first_step != c.first_step:  # a race fired sooner

@@ -46,7 +46,7 @@ def _inside_another_step(optimizer: torch.optim.Optimizer, frame: FrameType | No
 
 
 def _prints_of(params: list[torch.Tensor]) -> list[str]:
-    return [print_.fp for _, print_ in printed_now(params)]
+    return [print_.fp for _, print_ in printed_now(params, stats=False)]
 
 
 class Updates:
@@ -55,8 +55,8 @@ class Updates:
 
     # -- the optimizer and the scaler ------------------------------------------------------
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if _inside_another_step(optimizer, sys._getframe(1)):
-            return
+        if optimizer is not self.optimizer and _inside_another_step(optimizer, sys._getframe(1)):
+            return  # (the optimizer given is the one recorded, wrapped or not)
         self._optimizer_used = True  # (any optimizer: the loop does not update by hand)
         self._discarded = False  # (the gradients were not thrown away after all)
         if self._auto and self.inferring:
@@ -97,8 +97,8 @@ class Updates:
                                          of=params)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if _inside_another_step(optimizer, sys._getframe(1)):
-            return
+        if optimizer is not self.optimizer and _inside_another_step(optimizer, sys._getframe(1)):
+            return  # (the optimizer given is the one recorded, wrapped or not)
         if self.stopped or self.inferring or self.info is None or self.recorder is None or (
                 self.optimizer is not None and optimizer is not self.optimizer):
             return

@@ -648,7 +648,7 @@ class Fingerprinter:
         on_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for t in map(_plain, tensors):
             xxh3 = self._by_xxh3(t, algorithm)
-            if not written and self._reuse(t, want_stats, len(self._done), xxh3):
+            if self._reuse(t, want_stats, len(self._done), xxh3, written):
                 continue
             if xxh3:
                 batch.append((len(self._done), t))
@@ -669,15 +669,16 @@ class Fingerprinter:
         device_stats = _device_float_stats(flat) if stats and t.is_floating_point() else None
         self._pending.append((slot, value, device_stats, _describe(t)))
 
-    def _reuse(self, t: torch.Tensor, stats: bool, slot: int, xxh3: bool) -> bool:
+    def _reuse(self, t: torch.Tensor, stats: bool, slot: int, xxh3: bool,
+               written: bool = False) -> bool:
         """Point at the earlier slot of this very tensor, unchanged since and printed by the
-        same algorithm; else remember it."""
+        same algorithm; else (or where it was `written` since) remember it."""
         if t.is_inference():  # no version counter, and changes in place in inference mode
             return False
         key = (id(t), stats, xxh3)
         version = t._version
         seen = self._seen.get(key)
-        if seen is not None and seen[1] == version and seen[0]() is t:
+        if not written and seen is not None and seen[1] == version and seen[0]() is t:
             self._done.append(seen[2])
             return True
         self._seen[key] = (weakref.ref(t), version, slot)

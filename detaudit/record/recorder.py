@@ -647,12 +647,13 @@ def call_prints(module: str, call: int, args: tuple, kwargs: dict, output: Any
     return _printed_aside(keys, tensors, stats=False)
 
 
-def printed_now(value: Any, algorithm: str | None = None) -> list[tuple[str, TensorPrint]]:
+def printed_now(value: Any, algorithm: str | None = None, stats: bool = True
+                ) -> list[tuple[str, TensorPrint]]:
     """Every tensor in `value` printed now, apart from any step, by its path: a batch as the
     DataLoader yielded it, before the loop changes it in place (a Mixup), for
     :meth:`Recorder.add_printed` to add to the step it feeds."""
     leaves = list(iter_tensors(value))
-    return _printed_aside([path for path, _ in leaves], [t for _, t in leaves], stats=True,
+    return _printed_aside([path for path, _ in leaves], [t for _, t in leaves], stats=stats,
                           algorithm=algorithm)
 
 
