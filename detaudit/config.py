@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,18 @@ ROOT_NAME = "(model)"  # the model itself, as reports (and --inject-fault) name 
 OP_FAULT_MODULE = "an op fault names the innermost module the op runs in, not a parent of it"
 
 
-def scripted_fault(module: str, scripted: str) -> str:
-    """What to say of a fault planted in (or inside) the TorchScript module `scripted`."""
-    caller = scripted.rpartition(".")[0] or ROOT_NAME
-    where = "" if module == scripted else f"inside {scripted!r}, "
+def scripted_fault(module: str, scripted: Iterable[str]) -> str | None:
+    """What to say of a fault planted in (or inside) one of the TorchScript modules
+    `scripted` (see Recorder.scripted_modules); None where `module` is in none of them."""
+    inside = next((name for name in scripted if module == name
+                   or module.startswith(f"{name}.")), None)
+    if inside is None:
+        return None
+    caller = inside.rpartition(".")[0] or ROOT_NAME
+    where = "" if module == inside else f"inside {inside!r}, "
     return (f"module {module!r} is {where}a TorchScript module (torch.jit.script), which takes "
-            f"no hooks: plant at the module that calls it ({caller}) or at an op there "
-            f"({caller}/OP)")
+            f"no hooks: plant at the module that calls it, {caller!r}, or at an op in that "
+            f"one ('{caller}/OP')")
 
 
 SCRIPTED = "scripted"  # the TorchScript modules of a trace's model (see scripted_fault)
@@ -62,10 +68,9 @@ def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None)
     Recorder.scripted_modules)."""
     if steps <= fault.step:
         return f"the run has only {steps} steps (0 to {steps - 1})"
-    inside = next((name for name in scripted or () if fault.module == name
-                   or fault.module.startswith(f"{name}.")), None)
-    if inside is not None:
-        return scripted_fault(fault.module, inside)
+    said = scripted_fault(fault.module, scripted or ())
+    if said is not None:
+        return said
     of = f"at step {fault.step} of {counted(steps, 'recorded step')}"
     if fault.op and not fault.module:
         return f"op {fault.op!r} did not run {fault.phase} in any module {of}"

@@ -414,10 +414,9 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
             f"{len(trace.steps)} step{'' if len(trace.steps) == 1 else 's'} "
             f"(0 to {len(trace.steps) - 1})")
     _check_side_fault(fault, trace.probe.get(SIDE_MODELS) or [])
-    inside = next((name for name in trace.probe.get(SCRIPTED) or () if fault.module == name
-                   or fault.module.startswith(f"{name}.")), None)
-    if inside is not None:
-        raise DetauditError(f"--inject-fault: {scripted_fault(fault.module, inside)}")
+    said = scripted_fault(fault.module, trace.probe.get(SCRIPTED) or ())
+    if said is not None:
+        raise DetauditError(f"--inject-fault: {said}")
     modules: set[str] = set()
     owners: set[str] = set()  # modules with parameters, called or not
     for step, cut in trace.by_step():

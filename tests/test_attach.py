@@ -1211,7 +1211,12 @@ _GAN = (
                                       "known before it runs; another model, trained by an "
                                       "optimizer of its own, is known from that update on: "
                                       "plant at step 1 or later)")),
-], ids=["unused-layer", "model-known-later"])
+    # a TorchScript module, which takes no hooks (hooking it crashed every zoom)
+    (_UNUSED_LAYER.replace("self.used, self.unused = torch.nn.Linear(4, 1)",
+                           "self.used, self.unused = torch.jit.script(torch.nn.Linear(4, 1))"),
+     "used@forward:1", ("module 'used' is a TorchScript module (torch.jit.script), which takes "
+                        "no hooks: plant at the module that calls it, '(model)'")),
+], ids=["unused-layer", "model-known-later", "torchscript"])
 def test_a_fault_in_a_module_that_exists_but_was_not_seen_says_why(tmp_path, script, fault,
                                                                    message):
     path = tmp_path / "train.py"
