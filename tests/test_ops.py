@@ -454,7 +454,9 @@ def test_in_process_repeats_of_a_fresh_torchscript_module_part_and_are_told_why(
 
 
 def test_a_fault_planted_in_a_torchscript_module_says_where_to_plant_instead():
-    """And the risk of in-process repeats of one is said, with the modules' names."""
+    """A model holding a TorchScript module audits deterministic (its executor's warm-up
+    aside, see above), the module named among the risks; a fault planted in it is refused
+    with where to plant instead."""
     with _profiling_executor(False):
         result = audit(_mean_square_probe(functools.partial(_OwnCode, True)), repeats=2,
                        epochs=1, drill_down=False)
