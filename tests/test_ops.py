@@ -505,6 +505,22 @@ def test_a_backward_fault_in_a_sparse_gradient_is_planted_in_its_values_and_name
         assert (named["elements"], named["max_ulp"]) == (1, 1)
 
 
+def test_tensor_difference_of_sparse_tensors_is_that_of_their_values_where_indices_agree():
+    from detaudit.record.difference import identical
+
+    def sparse(indices, values, size=(4,)):
+        return torch.sparse_coo_tensor(torch.tensor([indices]), torch.tensor(values), size)
+
+    a = sparse([0, 2], [1.0, 2.0])
+    b = sparse([2, 0], [torch.nextafter(torch.tensor(2.0), torch.tensor(3.0)).item(), 1.0])
+    assert identical(a, sparse([2, 0], [2.0, 1.0])) and not identical(a, b)
+    assert (tensor_difference(a, b)["elements"], tensor_difference(a, b)["max_ulp"]) == (1, 1)
+    assert tensor_difference(a, sparse([0, 3], [1.0, 2.0]))["note"] == (
+        "sparse, with different indices")
+    assert tensor_difference(a, sparse([0, 2], [1.0, 2.0], (5,)))["note"] == (
+        "(4,) torch.sparse_coo vs (5,) torch.sparse_coo")
+
+
 def test_tensor_difference_of_complex_values_counts_the_ulps_of_their_parts():
     a = torch.tensor([1 + 1j, 2 + 2j], dtype=torch.complex64)
     b = a.clone()

@@ -52,13 +52,14 @@ def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
 
 
 def _sparse_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
-    if a.layout == b.layout and a.shape == b.shape:
-        a, b = a.coalesce(), b.coalesce()
-        if torch.equal(a.indices(), b.indices()):
-            return tensor_difference(a.values(), b.values())
     stored = a._nnz() if a.layout is torch.sparse_coo else a.numel()
-    return {"elements": None, "of": stored, "note": "sparse, with different indices"
-            if a.layout == b.layout else f"{a.layout} vs {b.layout}"}
+    if a.layout != b.layout or a.shape != b.shape:
+        return {"elements": None, "of": stored,
+                "note": f"{tuple(a.shape)} {a.layout} vs {tuple(b.shape)} {b.layout}"}
+    a, b = a.coalesce(), b.coalesce()
+    if not torch.equal(a.indices(), b.indices()):
+        return {"elements": None, "of": stored, "note": "sparse, with different indices"}
+    return tensor_difference(a.values(), b.values())
 
 
 def _ordered_bits(t: torch.Tensor) -> torch.Tensor:

@@ -296,11 +296,11 @@ class Recorder(BackwardBoundaries):
         each update; only those among `of` when it is given). Stats only when asked (a step
         recorded module by module, which a tolerance diff measures): at scan level, 3 passes
         over every weight per step would dominate the cost."""
-        items = [(name, p) for name, p in self._among(of) if phase == STATE or p.requires_grad]
-        self._keys += _parameter_keys(phase, items)
         # after an update, no print taken before it is reused: an update may write without
         # bumping the version counter (`p.data.add_(...)`, a collective's broadcast)
-        self.fp.add_many([t for _, t in items], stats, written=phase != STATE)
+        self._record_per_parameter(phase, stats, [
+            (name, p) for name, p in self._among(of) if phase == STATE or p.requires_grad
+        ], written=phase != STATE)
 
     def record_side_state(self, params: list[tuple[str, torch.Tensor]],
                           buffers: list[tuple[str, torch.Tensor]]) -> None:
@@ -371,7 +371,7 @@ class Recorder(BackwardBoundaries):
         another): the ranks of one group then work on the same batch by design. (FSDP2
         alone, HSDP included, shards each parameter on one mesh dimension.)"""
         by_fsdp = {id(p) for root in self._models for m in root.modules()
-                   if any(c.__name__ == "FSDPModule" for c in type(m).__mro__)
+                   if _is_fsdp_class(m, "FSDPModule")
                    for p in m.parameters()}
         return any(_is_shard(p) and (id(p) not in by_fsdp or _shard_dims(p) > 1)
                    for p in self._params.values())
@@ -459,11 +459,13 @@ class Recorder(BackwardBoundaries):
         self.fp.add_many(tensors, stats=stats)
 
     def _record_per_parameter(
-        self, phase: str, stats: bool, items: list[tuple[str, torch.Tensor]], call: int = 0
+        self, phase: str, stats: bool, items: list[tuple[str, torch.Tensor]], call: int = 0,
+        written: bool = False,
     ) -> None:
-        """One tensor per named parameter, keyed (phase, owning module, call, param.<name>)."""
+        """One tensor per named parameter, keyed (phase, owning module, call, param.<name>);
+        `written`: see Fingerprinter.add_many."""
         self._keys += _parameter_keys(phase, items, call=call)
-        self.fp.add_many([t for _, t in items], stats)
+        self.fp.add_many([t for _, t in items], stats, written=written)
 
     # -- forward hooks -------------------------------------------------------------------
     def _elsewhere(self, node: Any) -> bool:
@@ -672,21 +674,25 @@ def _sharded_by_fsdp1(models: list[nn.Module]) -> set[int]:
     """The ids of the parameters that FSDP1 modules (``FullyShardedDataParallel``) in
     `models` hold sharded: each module's own (not those of the FSDP modules inside it),
     unless its strategy is NO_SHARD or its shard group has one rank."""
-    wrapped = [m for root in models for m in root.modules() if _is_fsdp1(m)]
+    wrapped = [m for root in models for m in root.modules()
+               if _is_fsdp_class(m, "FullyShardedDataParallel")]
     held: set[int] = set()
     for fsdp in wrapped:
         strategy = getattr(fsdp, "sharding_strategy", None)
         if getattr(strategy, "name", "") == "NO_SHARD" or getattr(fsdp, "world_size", 2) < 2:
             continue
-        inner = {id(p) for m in fsdp.modules() if m is not fsdp and _is_fsdp1(m)
+        inner = {id(p) for m in fsdp.modules()
+                 if m is not fsdp and _is_fsdp_class(m, "FullyShardedDataParallel")
                  for p in m.parameters()}
         held |= {id(p) for p in fsdp.parameters()} - inner
     return held
 
 
-def _is_fsdp1(module: nn.Module) -> bool:
-    return any(c.__name__ == "FullyShardedDataParallel"
-               and c.__module__.startswith("torch.distributed.fsdp") for c in type(module).__mro__)
+def _is_fsdp_class(module: nn.Module, name: str) -> bool:
+    """Whether `module` is an instance of torch's FSDP class `name` (FSDP2's ``FSDPModule``,
+    FSDP1's ``FullyShardedDataParallel``), found by name: FSDP is imported only where used."""
+    return any(c.__name__ == name and c.__module__.startswith("torch.distributed")
+               for c in type(module).__mro__)
 
 
 def _is_shard(t: Any) -> bool:
