@@ -151,6 +151,22 @@ def pytest_runtest_protocol(item, nextitem):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def temporary_folder_of_started_processes(tmp_path_factory):
+    """Processes the tests start make their temporary files in the run's temporary folder,
+    which pytest removes with its older runs: torchrun leaves a log folder
+    (``torchelastic_*``) on every run, and a DataLoader worker that a test ends by a signal
+    leaves its ``pymp-*`` folder."""
+    folder = tmp_path_factory.mktemp("started-processes")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    yield
+    if before is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before
+
+
 @pytest.fixture(autouse=True)
 def no_hooks_left_behind():
     """Every test must leave no global module hook or dispatch mode installed."""
