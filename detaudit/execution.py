@@ -108,9 +108,10 @@ def exec_command(
             timings = []
             progress.start(job.repeats, "run", f"exec: {spec.source}")
             probe = trace_probe(spec, config, run_id)
+            since_ns = time.time_ns()  # (a file written after this, a run of this audit wrote)
             for repeat in range(job.repeats):
                 recorded, timing = _run_once(command, job, folder.path, repeat, probe, output,
-                                             stdin=stdin)
+                                             stdin=stdin, since_ns=since_ns)
                 if runs and (None in recorded) != (None in runs[0]):
                     raise DetauditError(
                         f"repeat {repeat} recorded {_what(recorded)} and repeat 0 "
@@ -147,7 +148,7 @@ def exec_command(
                 folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
                 progress.stage("zoom")
                 zoomed = _zoom_command(command, job, folder, probe, comparison, config, spec,
-                                       output, primary, stdin)
+                                       output, primary, stdin, since_ns)
         except KeyboardInterrupt:
             _keep_partial(folder, len(runs))
             mark_interrupted(folder)
@@ -231,7 +232,7 @@ def _clear_attached(folder: Path, repeat: int) -> None:
 def _zoom_command(
     command: list[str], job: ExecJob, folder: RunFolder, probe: dict[str, Any],
     comparison: Comparison, config: AuditConfig, spec: ProbeSpec, output: Any,
-    rank: int | None = None, stdin: Any = None,
+    rank: int | None = None, stdin: Any = None, since_ns: int | None = None,
 ) -> Comparison | None:
     """Run the command again, each run recording the first divergent step at module and op
     level (the scan runs before it must agree again: if a run parts earlier, the zoom moves
@@ -243,7 +244,8 @@ def _zoom_command(
         # a fault planted after the step (a real divergence came first) is not reached
         planted = job.fault if job.fault is not None and job.fault.step <= step else None
         runs = [_run_once(command, replace(job, max_steps=step + 1, fault=planted),
-                          folder.path, r, probe, output, zoom=step, stdin=stdin)[0]
+                          folder.path, r, probe, output, zoom=step, stdin=stdin,
+                          since_ns=since_ns)[0]
                 for r in range(job.repeats)]
         replayed = _of_rank(runs, rank)
         for trace in replayed:
@@ -298,9 +300,10 @@ def _repeated_stdin() -> Any:
 
 def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
               probe: dict[str, Any], output: Any, zoom: int | None = None, stdin: Any = None,
-              ) -> tuple[Recorded, dict[str, Any]]:
+              since_ns: int | None = None) -> tuple[Recorded, dict[str, Any]]:
     """One run of the command in its own process group; its trace, or each rank's. `stdin`:
-    its standard input (see _repeated_stdin), read from the start."""
+    its standard input (see _repeated_stdin), read from the start; `since_ns`: when the
+    audit began (the run notes the files it loads that an earlier run wrote)."""
     path = folder.absolute() / _attach_name(repeat)  # (the command may change directory)
     fault = job.fault if job.fault is not None and repeat == job.repeats - 1 else None
     env = dict(os.environ)
@@ -311,7 +314,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         "max_steps": job.max_steps, "max_epochs": job.max_epochs, "zoom": zoom,
         "fault": asdict(fault) if fault is not None else None,
         "planted_step": job.fault.step if job.fault is not None else None, "mode": job.mode,
-        "launcher": _is_launcher(command),
+        "launcher": _is_launcher(command), "since_ns": since_ns,
     })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:

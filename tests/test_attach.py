@@ -31,6 +31,7 @@ from test_cli import run_cli
 from torch import nn
 
 import detaudit
+from detaudit.config import LOADED_FROM_EARLIER_RUNS
 from detaudit.drivers.attach import Attachment
 from detaudit.execution import _check_side_fault, _is_launcher
 from detaudit.record.recorder import printed_now
@@ -797,6 +798,34 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
     # its DataLoader workers were ended as a loop's end ends them, not killed: each removed
     # the temporary folder it made to pass batches (killed, each left a pymp-* folder)
     assert not list(temporary.glob("pymp-*"))
+
+
+@pytest.mark.parametrize("saved", ["weights", "progress"])
+def test_a_script_that_resumes_from_what_an_earlier_run_saved_is_told_so(tmp_path, saved):
+    """The script saves a checkpoint after each epoch and resumes from it when it finds one
+    (as PyTorch's DDP tutorial does): the second run begins at epoch 2, from the first run's
+    weights (cause init), or, with only the epoch saved, from the seeded weights with the
+    same batches, so it agrees step for step until it ends early (cause length, which said
+    no more than that). Either way the file it loaded is named."""
+    checkpoint = tmp_path / "ck.pt"
+    done = _exec(tmp_path, "--seed", "0", "--max-epochs", "2", "--json", script_args=(
+        "--workers", "0", "--epochs", "3", "--resume", str(checkpoint),
+        *(["--resume-progress-only"] if saved == "progress" else [])))
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    cause = summary["cause"]
+    assert cause["kind"] == ("init" if saved == "weights" else "length"), cause
+    assert f"repeat 1 loaded {checkpoint} (torch.load), written by an earlier run" in cause["text"]
+    assert summary["first_divergence"]["step"] == (0 if saved == "weights" else 2)
+    # a checkpoint written before the audit began is the script's input, loaded alike by
+    # every run (stopped before an epoch's end, none saves one), and not noted
+    torch.save({"epoch": 1}, checkpoint)
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "1", "--overwrite", script_args=(
+        "--workers", "0", "--epochs", "3", "--resume", str(checkpoint)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    traces = [Trace.load(tmp_path / "run" / f"trace-{r}.json.gz") for r in (0, 1)]
+    assert [t.steps[0].epoch for t in traces] == [0, 0]  # (the script's epoch 1 is their first)
+    assert not any(LOADED_FROM_EARLIER_RUNS in t.probe for t in traces)
 
 
 def test_the_run_ends_at_an_evaluation_after_the_last_steps_update(tmp_path):

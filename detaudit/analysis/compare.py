@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from ..config import SCRIPTED, SEEDED_AFTER_PARAMETERS, SIDE_MODELS
+from ..config import LOADED_FROM_EARLIER_RUNS, SCRIPTED, SEEDED_AFTER_PARAMETERS, SIDE_MODELS
 from ..trace import (
     BACKWARD,
     FORWARD,
@@ -187,6 +187,9 @@ class Comparison:
     # with cause "init": where a run seeded torch's RNG after parameters were made, before
     # its first step ("file:line"), when one did
     seeded_late: str | None = None
+    # exec: repeat -> the files it loaded with torch.load that an earlier run of the same
+    # audit wrote (a checkpoint the script resumes from)
+    loaded_earlier: dict[int, list[str]] = field(default_factory=dict)
     # with cause "optimizer": each repeat's learning rates at the first divergent step, when
     # they differ (a schedule that depends on something that differs between the runs)
     lr_by_repeat: list[list[float | None]] | None = None
@@ -265,7 +268,13 @@ class Comparison:
                     "from a checkpoint an earlier run wrote, not built anew (fix: build, and "
                     "seed, the model in each run; remove the checkpoints an earlier run left, "
                     "or give each run its own output folder; in a notebook, re-run the cell "
-                    "that builds it)")
+                    "that builds it)" + self._loaded_note())
+        if self.cause in ("init", "length") and self.loaded_earlier:
+            what = ("the parameters differ before the first step" if self.cause == "init"
+                    else _CAUSE_TEXT["length"].split(" (")[0])
+            return (what + self._loaded_note() + " (a checkpoint the script resumed from, or "
+                    "its progress: fix: remove what an earlier run left before each run, or "
+                    "give each run its own output folder)")
         # the RNG streams whose state differs as the step begins (never drawn: left out)
         differing = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
                             if _rng_state(d)})
@@ -385,6 +394,12 @@ class Comparison:
                      "DataLoader's workers, e.g. detaudit.seeded_loader_kwargs)")
         return text
 
+    def _loaded_note(self) -> str:
+        """Which repeats loaded files an earlier run of the audit wrote (empty if none)."""
+        loaded = "; ".join(f"repeat {n} loaded {_listed(files)}"
+                           for n, files in sorted(self.loaded_earlier.items()))
+        return f"; {loaded} (torch.load), written by an earlier run" if loaded else ""
+
     def _outside_the_model(self, at_step: list[CallFinding]) -> str | None:
         """The text for a step whose model computed the same forward in every repeat (no
         module's forward differs) while the loss, or the gradient it sends into the model's
@@ -459,6 +474,8 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
     for step, cuts in aligned_steps(traces, common):
         seen.add(step, cuts)
     comparison = seen.comparison(traces, common)
+    comparison.loaded_earlier = {n: files for n, t in enumerate(traces) if (files := (
+        getattr(t, "probe", None) or {}).get(LOADED_FROM_EARLIER_RUNS))}
     if comparison.cause == "init":
         comparison.continued_from = _continued(traces)
         comparison.seeded_late = next((site for t in traces if (site := (

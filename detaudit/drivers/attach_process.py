@@ -15,6 +15,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,7 @@ from ..config import (
     CLAIM_SUFFIX,
     EXIT_CALL,
     JOB_VARIABLE,
+    LOADED_FROM_EARLIER_RUNS,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
     Fault,
@@ -144,10 +146,32 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
     atexit.register(attachment.finish)
     attachment._patch(os, "_exit", _exit_saving(attachment))
     attachment._patch(sys, "exit", _exit_noting_where(attachment))
+    if job.get("since_ns") is not None:
+        attachment._patch(torch, "load", _loading_noted(attachment, torch.load,
+                                                         int(job["since_ns"]), time.time_ns()))
     if (threading.current_thread() is threading.main_thread()  # (torch imported in a thread)
             and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
         signal.signal(signal.SIGTERM, _on_terminate(attachment))
     return attachment
+
+
+def _loading_noted(attachment: Attachment, load: Callable[..., Any], since_ns: int,
+                   began_ns: int) -> Callable[..., Any]:
+    """``torch.load`` that notes, in the trace, a file last written after the audit began
+    (`since_ns`) and before this run did (`began_ns`): one an earlier run of the audit wrote,
+    such as a checkpoint the script resumes from, which makes the runs differ."""
+    @functools.wraps(load)
+    def loading(f: Any, *args: Any, **kwargs: Any) -> Any:
+        name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+        with contextlib.suppress(OSError, TypeError, ValueError):  # (load says what is wrong)
+            if isinstance(name, (str, os.PathLike)) and (
+                    since_ns <= os.stat(name).st_mtime_ns < began_ns):
+                noted = attachment.trace.probe.setdefault(LOADED_FROM_EARLIER_RUNS, [])
+                if os.fspath(name) not in noted and len(noted) < 5:
+                    noted.append(os.fspath(name))
+        return load(f, *args, **kwargs)
+
+    return loading
 
 
 def _spawn_ranks_through(entry: Callable[..., Any]) -> None:

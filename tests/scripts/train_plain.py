@@ -71,6 +71,9 @@ def main():
                    "backward on it too (step); the aot_eager backend")
     p.add_argument("--spawn", action="store_true", help="DataLoader workers started by spawn")
     p.add_argument("--evaluated", help="a file written after each evaluation")
+    p.add_argument("--resume", help="a checkpoint saved after each epoch, resumed from if found")
+    p.add_argument("--resume-progress-only", action="store_true",
+                   help="the checkpoint holds the epoch reached, not the weights")
     args = p.parse_args()
     if args.seed_self:
         torch.manual_seed(0)
@@ -112,6 +115,11 @@ def main():
         persistent_workers=args.spawn and args.workers > 0)
     steps = 0
     epoch = 0
+    if args.resume and Path(args.resume).exists():
+        saved = torch.load(args.resume)
+        epoch = saved["epoch"]
+        if "model" in saved:
+            model.load_state_dict(saved["model"])
     while epoch < args.epochs or args.forever:
         model.train()
         for i, (x, y) in enumerate(loader):
@@ -132,6 +140,9 @@ def main():
             model(torch.zeros(2, 3, 16, 16))
         if args.evaluated:
             Path(args.evaluated).write_text(f"evaluated after epoch {epoch}")
+        if args.resume:
+            weights = {} if args.resume_progress_only else {"model": model.state_dict()}
+            torch.save({"epoch": epoch + 1, **weights}, args.resume)
         epoch += 1
     print(f"trained {steps} steps")
 
