@@ -300,6 +300,9 @@ SEEDED_AFTER_PARAMETERS = "seeded_after_parameters"
 # files an exec run loaded with torch.load that an earlier run of the same audit wrote (a
 # checkpoint the script resumes from), as the script named them
 LOADED_FROM_EARLIER_RUNS = "loaded_from_earlier_runs"
+# the model's parameters were in shared memory as its first step began (share_memory():
+# other processes may write them, as Hogwild training in child processes does)
+SHARED_PARAMETERS = "shared_parameters"
 
 
 def rank_trace_path(path: str | Path, rank: int) -> Path:

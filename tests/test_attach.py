@@ -828,6 +828,51 @@ def test_a_script_that_resumes_from_what_an_earlier_run_saved_is_told_so(tmp_pat
     assert not any(LOADED_FROM_EARLIER_RUNS in t.probe for t in traces)
 
 
+HOGWILD = """
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def train(model):
+    torch.seed()  # (each run's updates differ, as Hogwild's interleaving makes them)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    model.share_memory()
+    trainer = mp.get_context("spawn").Process(target=train, args=(model,))
+    trainer.start()
+    trainer.join()
+    model.eval()
+    with torch.no_grad():
+        print(model(torch.ones(2, 3)))
+"""
+
+
+def test_a_model_trained_by_other_processes_through_shared_memory_is_told_so(tmp_path):
+    """PyTorch's Hogwild example: child processes train the model in shared memory, the
+    script's own process evaluates it. The recording process saw parameters that differ
+    before its first call; that read as an unseeded model ("the numpy, python RNG state
+    differs"), while the script seeds and the children trained it."""
+    script = tmp_path / "hogwild.py"
+    script.write_text(HOGWILD)
+    done = _exec(tmp_path, script=script)
+    assert done.returncode == 1, done.stdout + done.stderr
+    cause = json.loads((tmp_path / "run" / "summary.json").read_text())["cause"]
+    assert cause["kind"] == "init"
+    assert "they are in shared memory (share_memory()): other processes write them" in cause["text"]
+    assert "RNG state differs" not in cause["text"]
+    trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")  # the evaluation, not the child
+    assert len(trace.steps) == 1 and trace.probe["inferred"]
+
+
 def test_the_run_ends_at_an_evaluation_after_the_last_steps_update(tmp_path):
     """--max-steps 1 with one step per epoch (4 batches accumulated): how many optimizers
     update in a step is not known at step 0, so its end was seen only at the next training

@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from ..config import LOADED_FROM_EARLIER_RUNS, SCRIPTED, SEEDED_AFTER_PARAMETERS, SIDE_MODELS
+from ..config import (
+    LOADED_FROM_EARLIER_RUNS,
+    SCRIPTED,
+    SEEDED_AFTER_PARAMETERS,
+    SHARED_PARAMETERS,
+    SIDE_MODELS,
+)
 from ..trace import (
     BACKWARD,
     FORWARD,
@@ -190,6 +196,9 @@ class Comparison:
     # exec: repeat -> the files it loaded with torch.load that an earlier run of the same
     # audit wrote (a checkpoint the script resumes from)
     loaded_earlier: dict[int, list[str]] = field(default_factory=dict)
+    # the model's parameters were in shared memory as the runs began (another process may
+    # write them: Hogwild training in child processes)
+    shared_parameters: bool = False
     # with cause "optimizer": each repeat's learning rates at the first divergent step, when
     # they differ (a schedule that depends on something that differs between the runs)
     lr_by_repeat: list[list[float | None]] | None = None
@@ -260,6 +269,14 @@ class Comparison:
         return text
 
     def _cause_text(self) -> str:
+        if self.cause in ("init", "params") and self.shared_parameters:
+            return ("the parameters differ before the step, and they are in shared memory "
+                    "(share_memory()): other processes write them, as Hogwild training in "
+                    "child processes does, whose updates interleave differently in every run "
+                    "(nondeterministic by design); or the model was built from an unseeded "
+                    "RNG. detaudit records one process, the first to begin a step, not the "
+                    "others (to audit the training steps, run the training in the script's "
+                    "own process)")
         if self.cause == "init" and self.continued_from is not None:
             n, m, step, last = self.continued_from
             had = "ended with" if last else f"had after its step {step}"
@@ -474,6 +491,8 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
     for step, cuts in aligned_steps(traces, common):
         seen.add(step, cuts)
     comparison = seen.comparison(traces, common)
+    comparison.shared_parameters = any(
+        (getattr(t, "probe", None) or {}).get(SHARED_PARAMETERS) for t in traces)
     comparison.loaded_earlier = {n: files for n, t in enumerate(traces) if (files := (
         getattr(t, "probe", None) or {}).get(LOADED_FROM_EARLIER_RUNS))}
     if comparison.cause == "init":

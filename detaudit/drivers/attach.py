@@ -47,6 +47,7 @@ from ..config import (
     INFERRED,
     SCRIPTED,
     SEEDED_AFTER_PARAMETERS,
+    SHARED_PARAMETERS,
     SIDE_MODELS,
     TRAIN,
     Fault,
@@ -477,6 +478,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self._ops = OpRecorder(self.recorder, step, record=step == self.zoom,
                                    fault=self.fault)
             self._ops.__enter__()
+        if step == 0 and any(map(_in_shared_memory, self.recorder.trainable_parameters())):
+            self.trace.probe[SHARED_PARAMETERS] = True
         if step == 0 or self._adopted:
             self.recorder.record_parameters(STATE)
             self._adopted = False
@@ -700,6 +703,14 @@ def _in_a_module_init() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _in_shared_memory(param: torch.Tensor) -> bool:
+    """Whether a CPU parameter lives in shared memory (``share_memory()``; a CUDA tensor
+    always counts as shared), where another process may write it."""
+    if param.device.type != "cpu" or param.layout != torch.strided:
+        return False
+    return param.is_shared()
 
 
 def _device_of(model: nn.Module) -> torch.device:
