@@ -48,6 +48,12 @@ def scripted_fault(module: str, scripted: Iterable[str]) -> str | None:
 
 
 SCRIPTED = "scripted"  # the TorchScript modules of a trace's model (see scripted_fault)
+# where a loop has several top-level models: the names their modules are recorded under
+# ("" the first model's, a class name another's)
+MODELS = "models"
+# the ops a planted op fault's module ran in its phase at its step, where the fault's op
+# never ran (see Recorder.ops_at_fault)
+OPS_AT_FAULT = "ops_at_fault"
 
 
 def nearest_modules(name: str, names: list[str], listed: str) -> str:
@@ -62,10 +68,12 @@ def nearest_modules(name: str, names: list[str], listed: str) -> str:
     return f"{listed}: {', '.join(outermost)}{more}"
 
 
-def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None) -> str:
+def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None,
+                    ran: Iterable[str] = ()) -> str:
     """Why a planted fault never fired in a run of `steps` steps (after "the planted fault
     never fired: "); `scripted`: the TorchScript modules of the model (see
-    Recorder.scripted_modules)."""
+    Recorder.scripted_modules); `ran`: the ops an op fault's module ran in its phase at its
+    step (see Recorder.ops_at_fault)."""
     if steps <= fault.step:
         return f"the run has only {steps} steps (0 to {steps - 1})"
     said = scripted_fault(fault.module, scripted or ())
@@ -74,9 +82,12 @@ def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None)
     of = f"at step {fault.step} of {counted(steps, 'recorded step')}"
     if fault.op and not fault.module:
         return f"op {fault.op!r} did not run {fault.phase} in any module {of}"
+    ran = sorted(ran)
+    ops = (f"; the ops it ran {fault.phase} there: {', '.join(ran[:10])}"
+           + (f" and {len(ran) - 10} more" if len(ran) > 10 else "") if ran else "")
     where = f"op {fault.op!r} in " if fault.op else ""
     return (f"{where}module {fault.module or ROOT_NAME!r} did not run {fault.phase} {of}"
-            + (f" ({OP_FAULT_MODULE})" if fault.op else "")
+            + (f" ({OP_FAULT_MODULE}{ops})" if fault.op else "")
             + (" (a module that needs no gradient, for its parameters or its inputs, as a "
                "frozen layer, runs no backward: plant @forward)"
                if fault.phase == BACKWARD and not fault.op else ""))

@@ -37,6 +37,7 @@ from .config import (
     FAULT_FIRED,
     INFER,
     JOB_VARIABLE,
+    OPS_AT_FAULT,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
     SCAN,
@@ -385,8 +386,9 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             and not any(t.failure for t in recorded.values()):
         steps = max(len(t.steps) for t in recorded.values())
         scripted = next((t.probe[SCRIPTED] for t in recorded.values() if SCRIPTED in t.probe), [])
+        ran = {op for t in recorded.values() for op in t.probe.get(OPS_AT_FAULT, ())}
         raise DetauditError(
-            f"the planted fault never fired: {fault_not_fired(fault, steps, scripted)}"
+            f"the planted fault never fired: {fault_not_fired(fault, steps, scripted, ran)}"
             + ("; the model runs inside a compiled function, whose first step runs compiled "
                "before detaudit knows the model: plant at step 1 or later"
                if fault.step == 0 and any(t.probe.get(CALLS_UNSEEN) for t in recorded.values())

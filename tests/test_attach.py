@@ -1290,7 +1290,11 @@ _GAN = (
                            "self.used, self.unused = torch.jit.script(torch.nn.Linear(4, 1))"),
      "used@forward:1", ("module 'used' is a TorchScript module (torch.jit.script), which takes "
                         "no hooks: plant at the module that calls it, '(model)'")),
-], ids=["unused-layer", "model-known-later", "torchscript"])
+    # an op the module does not run: the ops it ran are named (their names vary by version)
+    (_UNUSED_LAYER, "used/aten.convolution@backward:1",
+     ("(an op fault names the innermost module the op runs in, not a parent of it; the ops it "
+      "ran backward there: aten.mm, aten.sum)")),
+], ids=["unused-layer", "model-known-later", "torchscript", "op-not-run"])
 def test_a_fault_in_a_module_that_exists_but_was_not_seen_says_why(tmp_path, script, fault,
                                                                    message):
     path = tmp_path / "train.py"
@@ -3395,10 +3399,12 @@ def test_a_reader_that_closes_the_pipe_early_leaves_the_exit_code_the_verdicts(t
         assert "internal error" not in rest and "Exception ignored" not in rest
 
 
-def _gan(path: Path, fault=None, planted_step=2) -> Trace:
+def _gan(path: Path, fault=None, planted_step=2, reuse_fakes=False) -> Trace:
     """A GAN's loop: each iteration a discriminator update (on the generator's detached
-    fakes), then a generator update; the generator is called first in both. The step a
-    `fault` is planted at is recorded module by module (in the run without it too)."""
+    fakes), then a generator update; the generator is called first in both, or, with
+    `reuse_fakes`, only in the first, its update going through the fakes that made (as
+    PyTorch's DCGAN example does). The step a `fault` is planted at is recorded module by
+    module (in the run without it too)."""
     torch.manual_seed(0)
     gen = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     disc = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -3409,12 +3415,12 @@ def _gan(path: Path, fault=None, planted_step=2) -> Trace:
     try:
         for _ in range(3):
             z, real = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
-            fake = gen(z).detach()
-            d_loss = (disc(real) - 1).pow(2).mean() + disc(fake).pow(2).mean()
+            fake = gen(z)
+            d_loss = (disc(real) - 1).pow(2).mean() + disc(fake.detach()).pow(2).mean()
             opt_d.zero_grad()
             d_loss.backward()
             opt_d.step()
-            g_loss = (disc(gen(z)) - 1).pow(2).mean()
+            g_loss = (disc(fake if reuse_fakes else gen(z)) - 1).pow(2).mean()
             opt_g.zero_grad()
             g_loss.backward()
             opt_g.step()
@@ -3436,6 +3442,22 @@ def test_a_generator_called_before_the_discriminator_belongs_to_the_step_it_star
     c = compare([plain, faulted])
     assert (c.first_step, c.cause) == (2, "forward")
     assert [(o.module, o.phase) for o in c.origins] == [("Sequential.2", "forward")]
+
+
+def test_a_generator_update_through_the_fakes_of_the_step_before_is_downstream_of_it(tmp_path):
+    """The generator's update goes through fakes it made in the discriminator's step: the
+    generator runs no call in its own step. A fault in the discriminator's backward there
+    changes the generator's gradients too, which were named as further origins (no call of
+    the step led to them)."""
+    from detaudit.analysis.compare import compare
+    from detaudit.config import Fault
+
+    plain = _gan(tmp_path / "a.json.gz", planted_step=3, reuse_fakes=True)
+    faulted = _gan(tmp_path / "b.json.gz", Fault("0", "backward", 3), reuse_fakes=True)
+    c = compare([plain, faulted])
+    assert (c.first_step, c.cause) == (3, "backward")
+    assert {m for s, m, _ in c.grad_diffs if s == 3} == {"Sequential.0", "Sequential.2"}
+    assert [(o.module, o.phase) for o in c.origins] == [("0", "backward")]
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])

@@ -118,6 +118,11 @@ def test_process_isolation_finds_hash_seed_dependence(tmp_path):
       "--no-census", "--inject-fault", "op:torchvision.nms"],
      ("never fired: op 'torchvision.nms' did not run forward in any module at step 0 of 1 "
       "recorded step")),
+    # an op the module does not run: the ops it did run are named (op names vary by version)
+    (["run", "--probe", str(PROBES / "tiny_cnn.py"), "--epochs", "1", "--steps", "1",
+      "--no-census", "--inject-fault", "6/aten.convolution"],
+     ("did not run forward at step 0 of 1 recorded step (an op fault names the innermost "
+      "module the op runs in, not a parent of it; the ops it ran forward there: aten.addmm)")),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path)]) == 2

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from ..config import (
     LOADED_FROM_EARLIER_RUNS,
+    MODELS,
     SCRIPTED,
     SEEDED_AFTER_PARAMETERS,
     SHARED_PARAMETERS,
@@ -899,8 +900,13 @@ def _step_findings(
         )
         if (module, call) in grads_only and not upstream:
             around = _nearest_called(module, called)
+            # its model ran in no call of the step: the graph its gradient came through was
+            # built in an earlier one (a GAN's generator update through the fakes its
+            # discriminator step made), reached from this step's calls
+            apart = _model_of(module, ref.probe.get(MODELS, [""])) not in called
             upstream = any(
-                at == step and p in (FORWARD, BACKWARD) and (m == around or (m, c) in readers[module])
+                at == step and p in (FORWARD, BACKWARD)
+                and (apart or m == around or (m, c) in readers[module])
                 and (carried is None or first_position(p, m, c) < mine)
                 for (at, p, m, c) in slots)
         if not upstream and (module, call) not in candidates[BACKWARD]:
@@ -982,6 +988,12 @@ def _evaluations(ref: Trace, step: int,
                for (at, phase, module, call), ds in slots.items()
                if at == step and phase == GRAD and call < last_evaluation for d in ds]
     return position, min((p for p in carried if p >= 0), default=None)
+
+
+def _model_of(module: str, models: list[str]) -> str:
+    """The name of the recorded model `module` belongs to (see MODELS)."""
+    return max((m for m in models if not m or module == m or module.startswith(m + ".")),
+               key=len, default="")
 
 
 def _nearest_called(module: str, called: set[str]) -> str | None:

@@ -45,6 +45,8 @@ from ..config import (
     FAULT_FIRED,
     INFER,
     INFERRED,
+    MODELS,
+    OPS_AT_FAULT,
     SCRIPTED,
     SEEDED_AFTER_PARAMETERS,
     SHARED_PARAMETERS,
@@ -658,8 +660,12 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
     def save(self) -> None:
         if self.fault is not None:
             self.trace.probe[FAULT_FIRED] = self.fault_fired
+            if not self.fault_fired and self.recorder is not None and self.recorder.ops_at_fault:
+                self.trace.probe[OPS_AT_FAULT] = sorted(self.recorder.ops_at_fault)
         if self.recorder is not None and (scripted := self.recorder.scripted_modules()):
             self.trace.probe[SCRIPTED] = scripted
+        if self.recorder is not None and len(models := self.recorder.model_names()) > 1:
+            self.trace.probe[MODELS] = models
         if self.rank is not None:
             _note_group(self.rank)
             self.rank.epochs = self._samplers.get(self._train_loader or -1, [])

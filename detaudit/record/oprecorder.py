@@ -211,11 +211,11 @@ class OpRecorder(ModelOpMode):
         else:
             out = func(*args, **kwargs)
         fault = self.fault
-        if (
-            fault is not None and fault.phase == phase and not self.recorder.fault_fired
-            and fault.module in ("", module) and op_matches(fault.op, name, phase)
-        ):
-            out = self._perturb(func, args, out)
+        if fault is not None and fault.phase == phase and fault.module in ("", module):
+            if not skip:
+                self.recorder.ops_at_fault.add(name)
+            if not self.recorder.fault_fired and op_matches(fault.op, name, phase):
+                out = self._perturb(func, args, out)
         if prefix and self.record:
             if name in UNINITIALIZED_OPS:
                 self._remember_uninitialized(out)

@@ -95,6 +95,9 @@ class Recorder(BackwardBoundaries):
         self.fault = fault if fault is not None and not fault.op else None  # op faults: OpRecorder
         self.track_rng = track_rng
         self.fault_fired = False
+        # the ops an op fault's module ran in its phase at its step (see OpRecorder): what
+        # to name where the fault's op never ran
+        self.ops_at_fault: set[str] = set()
         # Python's and numpy's global RNGs are outside the dispatcher: with watch_host_rng,
         # the module calls during which they advanced are kept in host_draws.
         self.watch_host_rng = False
@@ -419,6 +422,10 @@ class Recorder(BackwardBoundaries):
         names = [self._names[id(m)] for root in self._models for m in root.modules()
                  if isinstance(m, torch.jit.ScriptModule) and id(m) in self._names]
         return [n for n in names if not any(n.startswith(f"{outer}.") for outer in names)]
+
+    def model_names(self) -> list[str]:
+        """The names the recorded models' modules go under ("" the first model's)."""
+        return list(self._prefixes)
 
     def module_names(self) -> set[str]:
         """The names of the recorded models' modules, and of the models."""
