@@ -308,6 +308,9 @@ INFERRED = "inferred"  # a trace recorded as inference because auto mode took it
 # where the code seeded torch's RNG after parameters were made, before the first step (a
 # model built, then seeded: Hugging Face's Trainer seeds in its __init__)
 SEEDED_AFTER_PARAMETERS = "seeded_after_parameters"
+# the first seed the code gave torch before the first step, and where ([value, "file:line"]):
+# a seed drawn at random differs from run to run
+FIRST_SEED = "first_seed"
 # files an exec run loaded with torch.load that an earlier run of the same audit wrote (a
 # checkpoint the script resumes from), as the script named them
 LOADED_FROM_EARLIER_RUNS = "loaded_from_earlier_runs"

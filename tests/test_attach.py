@@ -2396,6 +2396,33 @@ def test_a_model_built_before_the_code_seeds_is_told_so_with_where_it_seeds(tmp_
     assert c.cause == "init" and c.seeded_late is None, c.cause_text
 
 
+def test_a_seed_drawn_at_random_in_each_run_is_told_so_with_its_values(tmp_path):
+    """PyTorch's DCGAN example seeds torch with `random.randint(1, 10000)` when given no
+    seed: each run seeds, with a value of its own. That read as a model initialised from an
+    unseeded RNG ("fix: seed every RNG"), which the script does."""
+    def loop(seed: int) -> None:
+        torch.manual_seed(seed)  # the line named
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+
+    line = inspect.getsourcelines(loop)[1] + 1
+    with torch.random.fork_rng():
+        for run, seed in enumerate((4014, 9916)):
+            _attached(tmp_path / f"trace-{run}.json.gz", functools.partial(loop, seed))
+    c = detaudit.compare(tmp_path).comparison
+    assert c.cause == "init"
+    assert c.cause_text.startswith(
+        "the parameters differ before the first step: the code seeds torch with a different "
+        f"value in each run (4014 in repeat 0, 9916 in repeat 1; at {__file__}:{line})")
+    # the same seed in each run: nothing differs, nothing to say
+    with torch.random.fork_rng():
+        for run in range(2):
+            _attached(tmp_path / "same" / f"trace-{run}.json.gz", functools.partial(loop, 7))
+    assert detaudit.compare(tmp_path / "same").verdict.kind == "deterministic"
+
+
 def test_a_script_that_resumes_from_the_checkpoint_of_the_run_before_is_told_so(tmp_path):
     """Each run saves a checkpoint every step and loads one when it finds it: the second run
     starts where the first was two steps in, not from the seeded initialisation."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from ..config import (
+    FIRST_SEED,
     LOADED_FROM_EARLIER_RUNS,
     MODELS,
     SCRIPTED,
@@ -197,6 +198,9 @@ class Comparison:
     # exec: repeat -> the files it loaded with torch.load that an earlier run of the same
     # audit wrote (a checkpoint the script resumes from)
     loaded_earlier: dict[int, list[str]] = field(default_factory=dict)
+    # each repeat's first seed given to torch before its first step, and where ([value,
+    # "file:line"], or None where it gave none)
+    first_seeds: list[list[Any] | None] = field(default_factory=list)
     # the model's parameters were in shared memory as the runs began (another process may
     # write them: Hogwild training in child processes)
     shared_parameters: bool = False
@@ -261,6 +265,9 @@ class Comparison:
 
     @property
     def cause_text(self) -> str:
+        seeded_apart = self._seeded_apart()
+        if seeded_apart is not None:
+            return seeded_apart
         text = self._cause_text()
         if (self.cause == "init" and self.continued_from is None
                 and any(d.phase == STATE and d.slot.startswith("batch") for d in self.first_diffs)):
@@ -268,6 +275,24 @@ class Comparison:
                      "from an unseeded RNG too (the same seeding, done before the DataLoader is "
                      "built, fixes both; for its workers, e.g. detaudit.seeded_loader_kwargs)")
         return text
+
+    def _seeded_apart(self) -> str | None:
+        """The text for runs whose code seeded torch with a different value each (a seed
+        drawn at random where none is given), where that is what parts them at the first
+        step; None otherwise."""
+        seeds = [s for s in self.first_seeds if s is not None]
+        if (self.cause not in ("init", "rng", "data") or self.first_step != 0 or len(seeds) < 2
+                or len({value for value, _ in seeds}) < 2):
+            return None
+        values = ", ".join(f"{s[0]} in repeat {n}" for n, s in enumerate(self.first_seeds)
+                           if s is not None)
+        what = {"init": "the parameters differ before the first step",
+                "rng": "an RNG stream differs", "data": "the batch differs"}[self.cause]
+        return (f"{what}: the code seeds torch with a different value in each run ({values}; "
+                f"at {seeds[0][1] or 'a library call'}), a seed drawn at random where none is "
+                "given (random.randint, the time); fix: give the script a fixed seed (its own "
+                "seed option), or seed the RNG it draws the seed from (`detaudit exec --seed "
+                "0` seeds python's random, numpy and torch before the code runs)")
 
     def _cause_text(self) -> str:
         if self.cause in ("init", "params") and self.shared_parameters:
@@ -492,6 +517,7 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
     for step, cuts in aligned_steps(traces, common):
         seen.add(step, cuts)
     comparison = seen.comparison(traces, common)
+    comparison.first_seeds = [(getattr(t, "probe", None) or {}).get(FIRST_SEED) for t in traces]
     comparison.shared_parameters = any(
         (getattr(t, "probe", None) or {}).get(SHARED_PARAMETERS) for t in traces)
     comparison.loaded_earlier = {n: files for n, t in enumerate(traces) if (files := (

@@ -43,6 +43,7 @@ from ..config import (
     AUTO,
     ENDED,
     FAULT_FIRED,
+    FIRST_SEED,
     INFER,
     INFERRED,
     MODELS,
@@ -401,12 +402,17 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         """A module registered a parameter (a model being built)."""
         self._parameters_made = self._parameters_made or param is not None
 
-    def on_manual_seed(self, frame: FrameType) -> None:
-        """The code seeds torch's RNG (called from `frame`): where it first did, if that was
-        after parameters were made and before the first step, is kept (the model may have
-        been built from an unseeded RNG: Hugging Face's Trainer seeds in its __init__). A
-        seed before any parameter was made built the model seeded: later ones are the
-        code's own (fixed noise drawn under fork_rng)."""
+    def on_manual_seed(self, frame: FrameType, seed: Any) -> None:
+        """The code seeds torch's RNG with `seed` (called from `frame`): the first seed
+        before the first step is kept with where it was given (one drawn at random differs
+        from run to run), and where the code first seeded, if that was after parameters were
+        made and before the first step (the model may have been built from an unseeded RNG:
+        Hugging Face's Trainer seeds in its __init__). A seed before any parameter was made
+        built the model seeded: later ones are the code's own (fixed noise drawn under
+        fork_rng)."""
+        if FIRST_SEED not in self.trace.probe and self.info is None and not self.stream.steps:
+            with contextlib.suppress(TypeError, ValueError, RuntimeError):  # (torch says why)
+                self.trace.probe[FIRST_SEED] = [int(seed), user_call_site(frame)]
         if not self._parameters_made:
             self._seeded_first = True
         elif (not self._seeded_first and self.info is None and not self.stream.steps
