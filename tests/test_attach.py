@@ -828,6 +828,46 @@ def test_a_script_that_resumes_from_what_an_earlier_run_saved_is_told_so(tmp_pat
     assert not any(LOADED_FROM_EARLIER_RUNS in t.probe for t in traces)
 
 
+LSTM_SCRIPT = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, 1)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(5, 4, 8), torch.randn(5, 4, 1)
+for _ in range(3):
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+"""
+
+
+def test_the_scratch_memory_of_a_fused_lstm_is_not_taken_for_a_result(tmp_path):
+    """On CPU, nn.LSTM's oneDNN kernel returns a workspace, part of it never written, which
+    differs from run to run: every zoom named that op (aten.mkldnn_rnn_layer) as the
+    origin, in forward, wherever the runs parted."""
+    script = tmp_path / "lstm.py"
+    script.write_text(LSTM_SCRIPT)
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", "--inject-fault",
+                 "head/aten.mm@backward:1", script=script)
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert [(o["op"], o["module"], o["phase"], o.get("planted")) for o in summary["ops"]
+            if o["role"] == "origin"] == [("aten.mm", "head", "backward", True)]
+
+
 HOGWILD = """
 import torch
 import torch.multiprocessing as mp

@@ -37,6 +37,12 @@ PASSTHROUGH_OPS = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_
 # all-gather buffer too: the op fills this rank's part of it, the all-gather the rest.
 UNINITIALIZED_OPS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
                   "aten.new_empty_strided", "aten.empty_permuted", "fsdp.all_gather_copy_in"}
+# A fused RNN's scratch memory (oneDNN's workspace, cuDNN's and MIOpen's reserve), part of
+# which the kernel never writes: noise, as uninitialized memory is. The forward op's outputs
+# at these positions, and the backward op's arguments by these names, are not recorded.
+SCRATCH_OUTPUTS = {"aten.mkldnn_rnn_layer": 3, "aten._cudnn_rnn": 3, "aten.miopen_rnn": 3}
+SCRATCH_ARGUMENTS = frozenset({"workspace", "reserve"})
+_SCRATCH_POSITIONS: dict[Any, tuple[int, ...]] = {}
 # A wait for a collective's result: its input has not landed yet, its output has
 WAITS = {"_c10d_functional.wait_tensor", "c10d_functional.wait_tensor"}
 _COLLECTIVES: dict[Any, bool] = {}
@@ -54,6 +60,22 @@ def collective(func: Any) -> bool:
             or (arg.name == "group" and str(arg.type) == "str")
             for arg in func._schema.arguments)
     return known
+
+
+def without_scratch(func: Any, name: str, args: tuple, kwargs: dict, out: Any
+                    ) -> tuple[list[Any], dict[str, Any], Any]:
+    """An op's arguments and outputs less its scratch memory (see SCRATCH_OUTPUTS), each
+    left out as None."""
+    positions = _SCRATCH_POSITIONS.get(func)
+    if positions is None:
+        positions = _SCRATCH_POSITIONS[func] = tuple(
+            i for i, arg in enumerate(func._schema.arguments) if arg.name in SCRATCH_ARGUMENTS)
+    args = [None if i in positions else a for i, a in enumerate(args)]
+    kwargs = {k: None if k in SCRATCH_ARGUMENTS else v for k, v in kwargs.items()}
+    scratch = SCRATCH_OUTPUTS.get(name)
+    if scratch is not None and isinstance(out, (tuple, list)):
+        out = tuple(None if i == scratch else o for i, o in enumerate(out))
+    return args, kwargs, out
 
 
 ALERT_MARK = "does not have a deterministic implementation"
@@ -200,7 +222,7 @@ class OpRecorder(ModelOpMode):
             self._ops[(op_phase, module, index)] = k + 1
             prefix = f"op{k}/{name}"
             if self.record and name not in WAITS:
-                inputs = [list(args), kwargs]
+                inputs = list(without_scratch(func, name, args, kwargs, None)[:2])
                 # its Python numbers too (a scale drawn on the host makes a different op call)
                 self.recorder.record_values(op_phase, module, index, f"{prefix}/in.args", inputs)
                 if self._fresh:
@@ -226,10 +248,12 @@ class OpRecorder(ModelOpMode):
                 # an in-place or out= op's output is its input, whose version counter is
                 # bumped only after this returns: it must not pass for the unchanged input
                 # (nor the result a wait returns for the tensor it was given)
-                self.recorder.record(op_phase, module, index, f"{prefix}/out", out,
+                self.recorder.record(op_phase, module, index, f"{prefix}/out",
+                                     without_scratch(func, name, (), {}, out)[2],
                                      written=func._schema.is_mutable or name in WAITS)
         if prefix and self.capture == (op_phase, module, index, prefix):
-            self.captured = [t.detach().to("cpu", copy=True) for _, t in iter_tensors(out)]
+            self.captured = [t.detach().to("cpu", copy=True) for _, t
+                             in iter_tensors(without_scratch(func, name, (), {}, out)[2])]
         return out
 
     def _run_catching_alert(self, func: Any, args: tuple, kwargs: dict, alert: Alert) -> Any:

@@ -36,6 +36,7 @@ from .oprecorder import (
     accumulate_arg,
     collective,
     op_name,
+    without_scratch,
 )
 from .recorder import Recorder
 from .structure import iter_tensors
@@ -166,8 +167,9 @@ def _parallel(args: tuple, kwargs: dict) -> bool:
 
 
 def _results(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
-    """What an op produced: its returned tensors, and the arguments it wrote in place."""
-    produced = [t for _, t in iter_tensors(out)]
+    """What an op produced: its returned tensors (less its scratch memory), and the
+    arguments it wrote in place."""
+    produced = [t for _, t in iter_tensors(without_scratch(func, op_name(func), (), {}, out)[2])]
     if func._schema.is_mutable:
         for i, argument in enumerate(func._schema.arguments):
             if argument.alias_info is not None and argument.alias_info.is_write:
