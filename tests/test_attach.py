@@ -2436,6 +2436,37 @@ def test_a_model_built_before_the_code_seeds_is_told_so_with_where_it_seeds(tmp_
     assert c.cause == "init" and c.seeded_late is None, c.cause_text
 
 
+def test_an_evaluation_without_gradients_in_a_loop_with_no_loader_begins_no_step(tmp_path):
+    """PyTorch's time-sequence example trains on tensors, then predicts under no_grad
+    without eval(): that call began the next step, its input taken for the step's batch and
+    a fault planted in the step's forward put into it (the loss never differed)."""
+    from detaudit.analysis.compare import compare
+    from detaudit.config import Fault
+
+    def loop() -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y, x_test = torch.randn(16, 4), torch.randn(16, 1), torch.randn(3, 4)
+        for _ in range(3):
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            with torch.no_grad():
+                model(x_test)  # (still in training mode)
+
+    plain = _attached(tmp_path / "a.json.gz", loop, planted_step=2)
+    faulted = _attached(tmp_path / "b.json.gz", loop, fault=Fault("0", "forward", 2),
+                        planted_step=2)
+    batches = plain.frame().query("slot == 'batch.0'")
+    assert list(batches.step) == [0, 1, 2] and {tuple(s) for s in batches["shape"]} == {(16, 4)}
+    c = compare([plain, faulted])
+    assert [(o.module, o.phase, o.step) for o in c.origins] == [("0", "forward", 2)]
+    outs = faulted.frame().query("step == 2 and phase == 'forward' and module == '0' "
+                                 "and slot == 'out'")
+    assert [tuple(s) for s in outs["shape"]] == [(16, 8)]  # the training forward's, alone
+
+
 def test_a_seed_drawn_at_random_in_each_run_is_told_so_with_its_values(tmp_path):
     """PyTorch's DCGAN example seeds torch with `random.randint(1, 10000)` when given no
     seed: each run seeds, with a value of its own. That read as a model initialised from an

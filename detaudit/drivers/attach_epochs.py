@@ -185,8 +185,9 @@ class Epochs:
 
     def _evaluating(self) -> bool:
         """A call in training mode without gradients that would begin a step, though no
-        loader that feeds steps yielded a batch for it (the loop evaluates on a validation
-        loader or tensors after an update, having forgot ``eval()``): no step begins (a
-        pseudo-labelling call on the next step's own batch still begins one)."""
-        return (not torch.is_grad_enabled() and bool(self._step_loaders) and not self._fed
+        loader that feeds steps yielded a batch for it, or no loader feeds steps at all (the
+        loop evaluates on a validation loader or tensors after an update, having forgot
+        ``eval()``): no step begins (a pseudo-labelling call on the next step's own batch
+        from a loader still begins one; without a loader, it is taken for an evaluation)."""
+        return (not torch.is_grad_enabled() and not (self._step_loaders and self._fed)
                 and (self.info is None or self._updated))
