@@ -262,3 +262,17 @@ def test_optional_sections_render_when_present(planted: tuple[Path, dict[str, An
             "environment differences",
         ):
             assert expected in text, (name, expected)
+
+
+def test_the_map_shows_a_module_called_several_times_by_its_role_nearest_the_origin(
+        planted: tuple[Path, dict[str, Any]]) -> None:
+    """An RNN's cell, called at every time step: its first call the origin, the later ones
+    propagated. The map kept the last call's role, so the origin was never shown in it."""
+    from detaudit.report.sections import map_rows
+
+    summary = copy.deepcopy(planted[1])
+    summary["map"] = [{"step": 1, "module": "cell", "phase": "forward", "role": role}
+                      for role in ("origin", "propagated", "propagated")]
+    assert map_rows(summary) == {"cell": {1: {"forward": "origin"}}}
+    row = next(line for line in render_markdown(summary).splitlines() if line.startswith("| cell "))
+    assert row.replace(" ", "").startswith("|cell|1|–|–|")  # origin at steps: 1

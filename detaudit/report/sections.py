@@ -147,12 +147,20 @@ def epoch_starts(summary: dict[str, Any]) -> list[tuple[int, int]]:
     return sorted(seen.items())
 
 
+# how near the origin a call's role is (of a module's calls in a step, the map shows the
+# nearest)
+ROLE_RANK = {"propagated": 0, GRADIENTS_DIFFER: 0, "contains-origin": 1, "origin": 2}
+
+
 def map_rows(summary: dict[str, Any]) -> dict[str, dict[int, dict[str, str]]]:
-    """module -> step -> phase -> role, modules in order of first appearance."""
+    """module -> step -> phase -> role, modules in order of first appearance; of a module
+    called several times in a step (an RNN's cell), the role nearest the origin."""
     grid: dict[str, dict[int, dict[str, str]]] = {}
     for cell in summary.get("map", []):
-        steps = grid.setdefault(cell["module"], {})
-        steps.setdefault(cell["step"], {})[cell["phase"]] = cell["role"]
+        phases = grid.setdefault(cell["module"], {}).setdefault(cell["step"], {})
+        had = phases.get(cell["phase"])
+        if had is None or ROLE_RANK.get(cell["role"], 0) > ROLE_RANK.get(had, 0):
+            phases[cell["phase"]] = cell["role"]
     return grid
 
 

@@ -8,7 +8,7 @@ from html import escape
 from typing import Any, Callable
 
 from ..analysis.compare import GRADIENTS_DIFFER
-from .sections import epoch_starts, map_rows
+from .sections import ROLE_RANK, epoch_starts, map_rows
 
 WIDTH = 1120
 MAX_POINTS = 1500  # points per line before thinning
@@ -17,7 +17,6 @@ MAX_MODULES = 150  # rows of the divergence map
 COLORS = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00", "#1b7c83", "#bf3989", "#6e7781")
 ROLE_COLORS = {"origin": "#cf222e", "contains-origin": "#fb8f44", "propagated": "#9ec5fe",
                GRADIENTS_DIFFER: "#8250df"}
-ROLE_RANK = {"propagated": 0, GRADIENTS_DIFFER: 0, "contains-origin": 1, "origin": 2}
 
 
 @dataclass
