@@ -379,3 +379,22 @@ def test_module_called_twice_is_an_origin_only_where_its_calls_say(model, fault,
     assert [(o.module, o.phase) for o in c.origins] == [origin]
     if fault.module == "b":  # shared's parameter gradient did differ, downstream of b
         assert (1, "shared", "weight") in c.grad_diffs
+
+
+def _rounded_away(device: torch.device) -> Probe:
+    """A step whose update is too small to change any parameter (lr 1e-12)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
+    batches = [torch.randn(8, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    return Probe(model=model, batches=batches, step=lambda m, x: m(x).pow(2).mean(),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=1e-12))
+
+
+def test_gradients_that_differ_while_parameters_and_loss_agree_are_called_gradients():
+    """A backward difference whose update rounds away: only gradients differ, yet the
+    headline said "the loss stayed bit-identical while parameters diverged"."""
+    result = audit(_rounded_away, repeats=2, epochs=1, fault=Fault("0", "backward", 1))
+    c = result.comparison
+    assert (c.first_step, c.cause, c.drifted) == (1, "backward", "gradients")
+    assert "the loss stayed bit-identical while gradients diverged" in result.verdict.headline
+    assert "gradients diverged from step 1" in render_console(_summary(result))

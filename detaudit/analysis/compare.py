@@ -171,7 +171,7 @@ class Comparison:
     findings: list[CallFinding]  # every differing module call, all steps
     cause: str
     loss: LossDrift
-    param_drift_step: int | None
+    param_drift_step: int | None  # the first step whose parameters or gradients differ
     fork: RecordDiff | None
     differing_by_step: dict[int, int]
     failures: dict[int, str]
@@ -201,6 +201,9 @@ class Comparison:
     # each repeat's first seed given to torch before its first step, and where ([value,
     # "file:line"], or None where it gave none)
     first_seeds: list[list[Any] | None] = field(default_factory=list)
+    # what differs from param_drift_step on: "parameters", or only their "gradients" (an
+    # update that rounds a difference in them away)
+    drifted: str = "parameters"
     # the model's parameters were in shared memory as the runs began (another process may
     # write them: Hogwild training in child processes)
     shared_parameters: bool = False
@@ -629,6 +632,7 @@ class _StepDiffs:
         self.fork: tuple[tuple[int, int, int], RecordDiff] | None = None
         self.rng_forks: dict[str, tuple[tuple[int, int, int], RecordDiff]] = {}
         self.param_drift: int | None = None
+        self.parameters_differ = False  # (not only their gradients)
         self.detailed = 0  # divergent steps kept in detail
         self.more = False  # divergent steps beyond them
         self.first_cut: tuple[int, Trace, set[Key]] | None = None  # for the RNG gap
@@ -673,8 +677,10 @@ class _StepDiffs:
         if rest:
             self.counts[step] = len(rest)
             self.missing += sum(1 for d in rest if d.missing)
-            if any(d.phase in (GRAD, OPTIMIZER) or (d.phase == STATE and "param" in d.slot)
-                   for d in rest) and self.param_drift is None:
+            parameters = any(d.phase == OPTIMIZER or (d.phase == STATE and "param" in d.slot)
+                             for d in rest)
+            self.parameters_differ = self.parameters_differ or parameters
+            if (parameters or any(d.phase == GRAD for d in rest)) and self.param_drift is None:
                 self.param_drift = step
         detail = bool(rest) and self.detailed < DETAIL_STEPS
         if rest and not detail:
@@ -808,6 +814,7 @@ class _StepDiffs:
                 per_process=bool(per_process)),
             loss=_loss_drift(traces, common),
             param_drift_step=self.param_drift,
+            drifted="parameters" if self.parameters_differ else "gradients",
             fork=min(forks, key=lambda fork: fork[0])[1] if forks else None,
             differing_by_step=dict(sorted(by_step.items())),
             failures={t.repeat: t.failure for t in traces if t.failure},

@@ -55,7 +55,7 @@ class Verdict:
     kind: str  # deterministic, divergent, nondeterministic op, failed, interrupted, not compared
     headline: str
     first: dict[str, Any] | None  # the first divergence, 1-based epoch (None: none)
-    loss_hidden: bool  # parameters diverged while the loss stayed bit-identical
+    loss_hidden: bool  # parameters (or gradients) diverged, the loss bit-identical
 
     @property
     def exit_code(self) -> int:
@@ -83,11 +83,12 @@ def judge(
     located = zoom if zoom is not None and zoom.first_step is not None else c
     first = first_divergence(located)
     kind = c.verdict
-    hidden = (  # (parameters of a run that ended are missing, not diverged; inference has
-        # no loss to hide it)
+    # what diverged while the loss stayed bit-identical, if anything did (parameters of a
+    # run that ended are missing, not diverged; inference has no loss to hide it)
+    hidden = c.drifted if (
         c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
         and c.cause != "length" and bool(c.loss.per_step)
-    )
+    ) else None
     headline = _headline(kind, located, first, hidden, ops or {})
     if c.proven and kind == DETERMINISTIC:
         kind, headline = PROVEN, _proven_headline(c)
@@ -129,7 +130,7 @@ def judge(
                    REFUSED if interrupted.startswith(REFUSED) else INTERRUPTED)
         kind = stopped
         headline = f"{stopped.upper()} ({interrupted}); what was recorded: {headline}"
-    return Verdict(kind, headline, first, hidden)
+    return Verdict(kind, headline, first, hidden is not None)
 
 
 def _intermittent(zoom_found: dict[str, Any]) -> str:
@@ -214,8 +215,8 @@ def _steps(c: Comparison) -> str:
 
 
 def _headline(
-    kind: str, c: Comparison, first: dict[str, Any] | None, hidden: bool, ops: dict[str, Any]
-) -> str:
+    kind: str, c: Comparison, first: dict[str, Any] | None, hidden: str | None,
+    ops: dict[str, Any]) -> str:
     if kind == FAILED:
         return f"FAILED: {_stopped(c)}; {_common(c)}"
     if first is None:
@@ -237,7 +238,7 @@ def _headline(
         text += (f"; outside the dispatcher: no op in {outside['module']} differs on equal "
                  "inputs")
     if hidden:
-        text += "; the loss stayed bit-identical while parameters diverged"
+        text += f"; the loss stayed bit-identical while {hidden} diverged"
     if c.failures:
         text += f"; then {_stopped(c)}"
     return text

@@ -93,7 +93,8 @@ def render_console(summary: dict[str, Any]) -> str:
         )
     if summary.get("loss_hidden"):
         lines.append(
-            f"parameters diverged from step {summary['param_drift_step']} while the loss stayed "
+            f"{summary.get('param_drift_what', 'parameters')} diverged from step "
+            f"{summary['param_drift_step']} while the loss stayed "
             "bit-identical: the loss alone hides this"
         )
     lines.extend(_stress_lines(summary))

@@ -388,7 +388,8 @@ def _loss(s: dict[str, Any]) -> Section | None:
         blocks.append(Text(nonfinite_line(loss["nonfinite"]), strong=True))
     if s.get("loss_hidden"):
         blocks.append(Text(
-            f"Parameters diverged from step {s['param_drift_step']} while the loss stayed "
+            f"{s.get('param_drift_what', 'parameters').capitalize()} diverged from step "
+            f"{s['param_drift_step']} while the loss stayed "
             "bit-identical: the loss alone hides this."
         ))
     values = [p["rel_diff"] for p in loss["per_step"]]

@@ -149,6 +149,7 @@ def summarize(
             },
         },
         "param_drift_step": c.param_drift_step,
+        "param_drift_what": c.drifted,
         "loss_hidden": verdict.loss_hidden,
         "fork": _record(c.fork, c) if c.fork else None,
         "records": {
