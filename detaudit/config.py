@@ -305,6 +305,8 @@ LOADER_IN_A_THREAD = "loader_in_a_thread"  # a DataLoader was iterated outside t
 DROPPED_STEPS = "dropped_steps"  # backward passes whose gradients were zeroed unused: no steps
 SIDE_MODELS = "side_models"  # models a trace recorded that no optimizer trains (an EMA copy)
 INFERRED = "inferred"  # a trace recorded as inference because auto mode took it for one
+# a step limit in epochs was given, and no DataLoader fed the steps: no epoch to count
+EPOCHS_UNSEEN = "epochs_unseen"
 # where the code seeded torch's RNG after parameters were made, before the first step (a
 # model built, then seeded: Hugging Face's Trainer seeds in its __init__)
 SEEDED_AFTER_PARAMETERS = "seeded_after_parameters"

@@ -36,6 +36,7 @@ from detaudit.drivers.attach import Attachment
 from detaudit.execution import _check_side_fault, _is_launcher
 from detaudit.record.recorder import printed_now
 from detaudit.record.structure import next_ulp
+from detaudit.report import render_console
 from detaudit.trace import OUTSIDE_MODEL, Trace
 
 pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
@@ -2465,6 +2466,30 @@ def test_an_evaluation_without_gradients_in_a_loop_with_no_loader_begins_no_step
     outs = faulted.frame().query("step == 2 and phase == 'forward' and module == '0' "
                                  "and slot == 'out'")
     assert [tuple(s) for s in outs["shape"]] == [(16, 8)]  # the training forward's, alone
+
+
+@pytest.mark.parametrize("loader", [False, True])
+def test_max_epochs_without_a_loader_to_count_them_by_says_it_had_no_effect(tmp_path, loader):
+    """PyTorch's word-language-model example batches a tensor by hand: `--max-epochs 1` ran
+    both its epochs, and the report said "1 epoch", with no word."""
+    def loop() -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.randn(8, 4)
+        batches = torch.utils.data.DataLoader(data, batch_size=4) if loader else data.split(4)
+        for _ in range(2):  # epochs
+            for x in batches:
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    for run in range(2):
+        _attached(tmp_path / f"trace-{run}.json.gz", loop, max_epochs=1)
+    result = detaudit.compare(tmp_path)
+    assert result.summary["epochs_unseen"] is not loader
+    assert ("--max-epochs had no effect" in render_console(result.summary)) is not loader
+    assert len(result.traces[0].steps) == (2 if loader else 4)
 
 
 def test_a_seed_drawn_at_random_in_each_run_is_told_so_with_its_values(tmp_path):

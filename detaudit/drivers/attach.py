@@ -42,6 +42,7 @@ from ..config import (
     ATTACH_MODES,
     AUTO,
     ENDED,
+    EPOCHS_UNSEEN,
     FAULT_FIRED,
     FIRST_SEED,
     INFER,
@@ -672,6 +673,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self.trace.probe[SCRIPTED] = scripted
         if self.recorder is not None and len(models := self.recorder.model_names()) > 1:
             self.trace.probe[MODELS] = models
+        if (self.max_epochs is not None and self.stream.steps and self._train_pass is None
+                and self.explicit_epoch is None):
+            self.trace.probe[EPOCHS_UNSEEN] = True
         if self.rank is not None:
             _note_group(self.rank)
             self.rank.epochs = self._samplers.get(self._train_loader or -1, [])

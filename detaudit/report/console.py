@@ -10,6 +10,7 @@ from ..analysis.verdict import random_origin_op
 from ..words import counted
 from .sections import (
     CALLS_UNSEEN_NOTE,
+    EPOCHS_UNSEEN_NOTE,
     INFERRED_NOTE,
     LOADER_IN_A_THREAD_NOTE,
     SIDE_HEADERS,
@@ -69,6 +70,8 @@ def render_console(summary: dict[str, Any]) -> str:
         lines.append(f"note: {LOADER_IN_A_THREAD_NOTE}")
     if summary.get("inferred"):
         lines.append(f"note: {INFERRED_NOTE}")
+    if summary.get("epochs_unseen"):
+        lines.append(f"note: {EPOCHS_UNSEEN_NOTE}")
     flagged = summary.get("env_risks") or {}
     if flagged:
         lines.append("")

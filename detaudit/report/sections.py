@@ -188,6 +188,8 @@ def _verdict(s: dict[str, Any]) -> Section:
         blocks.append(Text(f"Note: {LOADER_IN_A_THREAD_NOTE}"))
     if s.get("inferred"):
         blocks.append(Text(f"Note: {INFERRED_NOTE}"))
+    if s.get("epochs_unseen"):
+        blocks.append(Text(f"Note: {EPOCHS_UNSEEN_NOTE}"))
     return Section("verdict", "Verdict", blocks)
 
 
@@ -212,6 +214,12 @@ INFERRED_NOTE = (
     "without gradients and no optimizer existed (a run that trains after it is recorded as "
     "training from there, unless a step limit ended it first: give --mode train, or "
     "watch(mode='train'), to record only training).")
+
+
+EPOCHS_UNSEEN_NOTE = (
+    "--max-epochs had no effect: no DataLoader fed the training steps (an epoch is a pass "
+    "over the DataLoader whose batches the steps train on), so every step is in epoch 1 and "
+    "the run went on (use --max-steps).")
 
 
 def short_epochs_note(short: dict[str, Any]) -> str:

@@ -14,7 +14,14 @@ from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, cause_of, one_based, stressed_ops
-from ..config import CALLS_UNSEEN, INFERRED, LOADER_IN_A_THREAD, SCRIPTED, SIDE_MODELS
+from ..config import (
+    CALLS_UNSEEN,
+    EPOCHS_UNSEEN,
+    INFERRED,
+    LOADER_IN_A_THREAD,
+    SCRIPTED,
+    SIDE_MODELS,
+)
 from ..runfolder import RunInfo
 from ..trace import STATE, Trace
 
@@ -124,6 +131,7 @@ def summarize(
         "calls_unseen": any(t.probe.get(CALLS_UNSEEN) for t in traces),
         "loader_in_a_thread": any(t.probe.get(LOADER_IN_A_THREAD) for t in traces),
         "inferred": any(t.probe.get(INFERRED) for t in traces),
+        "epochs_unseen": any(t.probe.get(EPOCHS_UNSEEN) for t in traces),
         "zoom": (info.extra or {}).get("zoom"),
         "modules": _modules(traces),
         "loss": {
