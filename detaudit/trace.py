@@ -138,8 +138,9 @@ class StepInfo:
 
     def loss_total(self) -> float:
         """The loss the step minimised: the sum of what backward was called on (``loss``,
-        ``loss.1``, ... under exec and watch, whose named terms are parts of it), else of
-        every term (a probe's loss dict)."""
+        ``loss.1``, ... under exec and watch, whose named terms are parts of it; not the
+        later evaluations of an optimizer's closure, ``loss@1``...), else of every term (a
+        probe's loss dict)."""
         values = self.loss_values()
         backward = [v for name, v in values.items() if _BACKWARD_LOSS.fullmatch(name)]
         return sum(backward or values.values())

@@ -2273,7 +2273,10 @@ def test_exec_keeps_the_steps_before_an_error_between_two_updates(tmp_path):
 
 def test_watch_records_an_optimizer_that_steps_with_a_closure(tmp_path):
     """step(closure) runs forward and backward inside the optimizer step (LBFGS, Lightning):
-    the gradients are recorded as the update used them, each closure call's loss kept."""
+    the gradients are recorded as the update used them, each closure call's loss kept;
+    the step's loss is the first evaluation's, which step() returns (it was their sum)."""
+    returned = []
+
     def train() -> detaudit.watch:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -2286,13 +2289,14 @@ def test_watch_records_an_optimizer_that_steps_with_a_closure(tmp_path):
                     loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
                     loss.backward()
                     return loss
-                opt.step(closure)
+                returned.append(opt.step(closure).item())
         return w
 
     w = train()
     records = w.trace.frame()
     assert len(w.trace.steps) == 3
-    assert set(w.trace.steps[0].losses) == {"loss", "loss.1"}  # two closure calls
+    assert set(w.trace.steps[0].losses) == {"loss", "loss@1"}  # two closure calls
+    assert [s.loss_total() for s in w.trace.steps] == returned
     assert set(records[records.phase == "grad"].step) == {0, 1, 2}
     train()
     assert detaudit.compare(tmp_path).verdict.kind == "deterministic"

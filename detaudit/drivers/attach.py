@@ -138,6 +138,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         # step(closure): its optimizer, and the closure's evaluations whose gradients were
         # recorded (see _closure_evaluated)
         self._closure_step: tuple[Any, int] = (None, 0)
+        self._closure_losses = 0  # the step's losses before its closure's last evaluation
         self._batches = 0  # top-level training calls in the open step
         self._rng_taken = False  # the open step recorded the RNG states as it began
         self._before_step: tuple[Any, ...] = (None, 0, frozenset(), 0, 0)  # see _drop_step
@@ -391,7 +392,11 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
     def _record_loss(self, tensor: torch.Tensor) -> None:
         """Record one loss backward is called on (in the open step)."""
         assert self.recorder is not None and self.info is not None
-        name = "loss" if self._losses == 0 else f"loss.{self._losses}"
+        # (a closure evaluated again by its optimizer, LBFGS: its losses are kept apart
+        # from the step's own, the first evaluation's, which step() returns)
+        evaluation = self._closure_step[1] if self._grads_pending else 0
+        n = self._losses - (self._closure_losses if evaluation else 0)
+        name = ("loss" if n == 0 else f"loss.{n}") + (f"@{evaluation}" if evaluation else "")
         self._losses += 1
         self.recorder.record(OUTPUT, "", 0, name, tensor.detach())
         if tensor.numel() == 1:

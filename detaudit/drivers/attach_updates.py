@@ -157,6 +157,7 @@ class Updates:
         self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
                                          of=parameters_of(optimizer), call=evaluations)
         self._closure_step = (optimizer, evaluations + 1)
+        self._closure_losses = self._losses
 
     def _drop_step(self) -> None:
         """Forget the open step as if it had not begun: its records (batch, loss,

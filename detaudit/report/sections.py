@@ -195,7 +195,9 @@ def _verdict(s: dict[str, Any]) -> Section:
 
 CALLS_UNSEEN_NOTE = (
     "no call of the model was seen as the loop's training call: it runs inside a compiled "
-    "function or a torch.func transform, or trains in eval mode. It was found at its "
+    "function or a torch.func transform, trains in eval mode, or is run by calling its "
+    "forward() directly (model.forward(x), which runs no hooks, rather than model(x)). It "
+    "was found at its "
     "optimizer's first update, as the module holding the parameters it updates; its steps are "
     "recorded from the batches the training DataLoader yields, the losses, the gradients and "
     "the parameters, and a zoomed step module by module where its calls can be seen "
