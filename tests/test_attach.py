@@ -2494,6 +2494,9 @@ def test_max_epochs_without_a_loader_to_count_them_by_says_it_had_no_effect(tmp_
     assert result.summary["epochs_unseen"] is not loader
     assert ("--max-epochs had no effect" in render_console(result.summary)) is not loader
     assert len(result.traces[0].steps) == (2 if loader else 4)
+    # the model holds its parameters itself: a fault is planted at "(model)" (the list of
+    # modules a fault may name was empty)
+    assert result.summary["modules"] == ["(model)"]
 
 
 def test_a_seed_drawn_at_random_in_each_run_is_told_so_with_its_values(tmp_path):

@@ -19,6 +19,7 @@ from ..config import (
     EPOCHS_UNSEEN,
     INFERRED,
     LOADER_IN_A_THREAD,
+    ROOT_NAME,
     SCRIPTED,
     SIDE_MODELS,
 )
@@ -44,8 +45,8 @@ def _modules(traces: list[Trace]) -> list[str]:
     sides = (traces[0].probe or {}).get(SIDE_MODELS) or [] if traces else []
     for _, cut in traces[0].by_step() if traces else ():
         r = cut.records
-        owners = [m for p, m, s in zip(r["phase"], r["module"], r["slot"])
-                  if p == STATE and s.startswith("param.") and m]
+        owners = [m or ROOT_NAME for p, m, s in zip(r["phase"], r["module"], r["slot"])
+                  if p == STATE and s.startswith("param.")]  # (a model's own: "(model)")
         return list(dict.fromkeys(
             next((side for side in sides if m == side or m.startswith(side + ".")), m)
             for m in owners))
