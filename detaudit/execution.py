@@ -348,8 +348,14 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             f"the Python detaudit is installed in, e.g. detaudit exec -- {sys.executable} "
             "SCRIPT.py")
     unattached.unlink(missing_ok=True)  # (a child's, a Python of another tool: not the run's)
+    if not recorded and code != 0:
+        raise DetauditError(
+            f"repeat {repeat}: {_shell_line(command)!r} exited with code {code} before its "
+            "first step, and nothing was recorded: the command failed (its own output above "
+            "says why; it records in a Python that has detaudit and torch installed, as "
+            f"{sys.executable} does)")
     if not recorded:
-        how = "ended" if code == 0 else f"exited with code {code}"
+        how = "ended"
         raise DetauditError(
             f"repeat {repeat}: {_shell_line(command)!r} {how} before its first step ("
             + ("no optimizer step was seen, and --mode train takes nothing else for a step"

@@ -1348,6 +1348,10 @@ def test_a_fault_in_a_module_that_exists_but_was_not_seen_says_why(tmp_path, scr
 @pytest.mark.parametrize(("command", "message"), [
     (["no-such-command-here"], "cannot run 'no-such-command-here'"),
     ([sys.executable, "-c", "print('no training here')"], "before its first step (no optimizer step"),
+    # a command that fails at once (its own argparse error): said first, not buried after an
+    # explanation of what a step is
+    ([sys.executable, "-c", "import sys; sys.exit(2)"],
+     "exited with code 2 before its first step, and nothing was recorded: the command failed"),
     ([], "needs the command to audit"),
     (["{no_shebang}"], "Exec format error"),  # an executable script without #!
 ])
