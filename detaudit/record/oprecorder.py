@@ -62,17 +62,18 @@ def collective(func: Any) -> bool:
     return known
 
 
-def without_scratch(func: Any, name: str, args: tuple, kwargs: dict, out: Any
+def without_scratch(func: Any, args: tuple, kwargs: dict, out: Any
                     ) -> tuple[list[Any], dict[str, Any], Any]:
     """An op's arguments and outputs less its scratch memory (see SCRATCH_OUTPUTS), each
     left out as None."""
+    schema = func._schema
     positions = _SCRATCH_POSITIONS.get(func)
     if positions is None:
         positions = _SCRATCH_POSITIONS[func] = tuple(
-            i for i, arg in enumerate(func._schema.arguments) if arg.name in SCRATCH_ARGUMENTS)
+            i for i, arg in enumerate(schema.arguments) if arg.name in SCRATCH_ARGUMENTS)
     args = [None if i in positions else a for i, a in enumerate(args)]
     kwargs = {k: None if k in SCRATCH_ARGUMENTS else v for k, v in kwargs.items()}
-    scratch = SCRATCH_OUTPUTS.get(name)
+    scratch = SCRATCH_OUTPUTS.get(schema.name.replace("::", "."))
     if scratch is not None and isinstance(out, (tuple, list)):
         out = tuple(None if i == scratch else o for i, o in enumerate(out))
     return args, kwargs, out
@@ -222,7 +223,7 @@ class OpRecorder(ModelOpMode):
             self._ops[(op_phase, module, index)] = k + 1
             prefix = f"op{k}/{name}"
             if self.record and name not in WAITS:
-                inputs = list(without_scratch(func, name, args, kwargs, None)[:2])
+                inputs = list(without_scratch(func, args, kwargs, None)[:2])
                 # its Python numbers too (a scale drawn on the host makes a different op call)
                 self.recorder.record_values(op_phase, module, index, f"{prefix}/in.args", inputs)
                 if self._fresh:
@@ -249,11 +250,11 @@ class OpRecorder(ModelOpMode):
                 # bumped only after this returns: it must not pass for the unchanged input
                 # (nor the result a wait returns for the tensor it was given)
                 self.recorder.record(op_phase, module, index, f"{prefix}/out",
-                                     without_scratch(func, name, (), {}, out)[2],
+                                     without_scratch(func, (), {}, out)[2],
                                      written=func._schema.is_mutable or name in WAITS)
         if prefix and self.capture == (op_phase, module, index, prefix):
             self.captured = [t.detach().to("cpu", copy=True) for _, t
-                             in iter_tensors(without_scratch(func, name, (), {}, out)[2])]
+                             in iter_tensors(without_scratch(func, (), {}, out)[2])]
         return out
 
     def _run_catching_alert(self, func: Any, args: tuple, kwargs: dict, alert: Alert) -> Any:

@@ -169,7 +169,7 @@ def _parallel(args: tuple, kwargs: dict) -> bool:
 def _results(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
     """What an op produced: its returned tensors (less its scratch memory), and the
     arguments it wrote in place."""
-    produced = [t for _, t in iter_tensors(without_scratch(func, op_name(func), (), {}, out)[2])]
+    produced = [t for _, t in iter_tensors(without_scratch(func, (), {}, out)[2])]
     if func._schema.is_mutable:
         for i, argument in enumerate(func._schema.arguments):
             if argument.alias_info is not None and argument.alias_info.is_write:
