@@ -149,7 +149,7 @@ def exec_command(
                 folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
                 progress.stage("zoom")
                 zoomed = _zoom_command(command, job, folder, probe, comparison, config, spec,
-                                       output, primary, stdin, since_ns)
+                                       output, primary, stdin, since_ns, progress)
         except KeyboardInterrupt:
             _keep_partial(folder, len(runs))
             mark_interrupted(folder)
@@ -234,6 +234,7 @@ def _zoom_command(
     command: list[str], job: ExecJob, folder: RunFolder, probe: dict[str, Any],
     comparison: Comparison, config: AuditConfig, spec: ProbeSpec, output: Any,
     rank: int | None = None, stdin: Any = None, since_ns: int | None = None,
+    progress: Progress | None = None,
 ) -> Comparison | None:
     """Run the command again, each run recording the first divergent step at module and op
     level (the scan runs before it must agree again: if a run parts earlier, the zoom moves
@@ -244,10 +245,15 @@ def _zoom_command(
     def replay(step: int) -> list[AnyTrace]:
         # a fault planted after the step (a real divergence came first) is not reached
         planted = job.fault if job.fault is not None and job.fault.step <= step else None
-        runs = [_run_once(command, replace(job, max_steps=step + 1, fault=planted),
-                          folder.path, r, probe, output, zoom=step, stdin=stdin,
-                          since_ns=since_ns)[0]
-                for r in range(job.repeats)]
+        shown = progress or Progress()
+        shown.start(job.repeats, "run", f"zoom: step {step}, module and op level")
+        runs = []
+        for r in range(job.repeats):
+            runs.append(_run_once(command, replace(job, max_steps=step + 1, fault=planted),
+                                  folder.path, r, probe, output, zoom=step, stdin=stdin,
+                                  since_ns=since_ns)[0])
+            shown.advance(f"zoom: step {step}, run {r + 1}/{job.repeats} replayed")
+        shown.close()
         replayed = _of_rank(runs, rank)
         for trace in replayed:
             folder.add_zoom_trace(trace)  # moved out of the command's own files, cleared next
