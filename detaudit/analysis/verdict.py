@@ -368,6 +368,7 @@ def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str
         # (in sync only where their parameters were compared: not an FSDP model's shards)
         apart = next((c for c in ranks.checks if c.key == "params" and c.status == NOT_CHECKED),
                      None)
-        headline += (f"; {ranks.world_size} ranks in sync" if apart is None else
-                     f"; {ranks.world_size} ranks, their parameters not compared ({apart.detail})")
+        ranked = counted(ranks.world_size, "rank")
+        headline += (f"; {ranked} in sync" if apart is None else
+                     f"; {ranked}, their parameters not compared ({apart.detail})")
     return kind, headline
