@@ -40,6 +40,7 @@ from .config import (
     OPS_AT_FAULT,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
+    ROOT_NAME,
     SCAN,
     SCRIPTED,
     SIDE_MODELS,
@@ -435,14 +436,21 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
     if said is not None:
         raise DetauditError(f"--inject-fault: {said}")
     modules: set[str] = set()
+    ran: set[str] = set()  # (and the model itself, "")
     owners: set[str] = set()  # modules with parameters, called or not
     for step, cut in trace.by_step():
         r = cut.records
         owners |= {m for p, m, s in zip(r["phase"], r["module"], r["slot"])
                    if p == STATE and s.startswith("param.")}
         if step == fault.step:
-            modules = {m for p, m in zip(r["phase"], r["module"]) if p == FORWARD and m}
+            ran = {m for p, m in zip(r["phase"], r["module"]) if p == FORWARD}
+            modules = ran - {""}
             break
+    if fault.module and ran == {""}:  # (a bare nn.Linear: the model is its only module)
+        raise DetauditError(
+            f"--inject-fault: no module {fault.module!r} ran at step {fault.step}: the model "
+            f"ran no submodule there (it has none, or calls none): name the model itself, "
+            f"{ROOT_NAME}")
     if fault.module and modules and fault.module not in modules:
         if fault.module in owners:
             raise DetauditError(

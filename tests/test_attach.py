@@ -1297,6 +1297,14 @@ _UNUSED_LAYER = (
     "    model(torch.ones(2, 4)).sum().backward()\n"
     "    opt.step()\n"
     "    opt.zero_grad()\n")
+_BARE_MODEL = (
+    "import torch\n"
+    "fc = torch.nn.Linear(4, 1)\n"
+    "opt = torch.optim.SGD(fc.parameters(), lr=0.1)\n"
+    "for _ in range(3):\n"
+    "    fc(torch.ones(2, 4)).sum().backward()\n"
+    "    opt.step()\n"
+    "    opt.zero_grad()\n")
 _GAN = (
     "import torch\n"
     "from torch import nn\n"
@@ -1335,7 +1343,12 @@ _GAN = (
     (_UNUSED_LAYER, "used/aten.convolution@backward:1",
      ("(an op fault names the innermost module the op runs in, not a parent of it; the ops it "
       "ran backward there: aten.mm, aten.sum)")),
-], ids=["unused-layer", "model-known-later", "torchscript", "op-not-run"])
+    # a model with no submodules, named by the variable that holds it (it ran every run,
+    # then said the fault never fired, with no word of "(model)")
+    (_BARE_MODEL,
+     "fc@forward:1", ("no module 'fc' ran at step 1: the model ran no submodule there (it has "
+                     "none, or calls none): name the model itself, (model)")),
+], ids=["unused-layer", "model-known-later", "torchscript", "op-not-run", "bare-model"])
 def test_a_fault_in_a_module_that_exists_but_was_not_seen_says_why(tmp_path, script, fault,
                                                                    message):
     path = tmp_path / "train.py"
