@@ -270,3 +270,22 @@ def test_a_batch_sampler_that_holds_no_sampler_leaves_the_order_unchecked():
     assert sampler_snapshot(plain)["indices"] == data
     sharded = torch.utils.data.DataLoader(data, batch_sampler=Sharded(plain.batch_sampler))
     assert sampler_snapshot(sharded) is None
+
+
+def test_the_randomness_check_says_only_what_was_recorded():
+    """exec records no data loading's draws: a zoomed step's module records alone said "no
+    rank drew randomness while loading data or in a module", of loading it never saw."""
+    def zoomed(rank: int) -> Trace:
+        trace = Trace(probe={"distributed": {"rank": rank, "world_size": 2, "backend": "gloo"}},
+                      repeat=0, env={})
+        trace.steps.append(StepInfo(step=0, epoch=0, index=0, losses={"loss": (1.0).hex()}))
+        for phase, slot in (("state", "batch.0"), ("forward", "out")):
+            trace.add_record(0, (phase, "module.fc", 0, slot),
+                             TensorPrint(f"{slot}{rank}", (2,), "float32", 1.0, 1.0, 0))
+        return trace
+
+    by_rank = {0: [zoomed(0)], 1: [zoomed(1)]}
+    rng = {c.key: c for c in analyse(by_rank, compare_ranks(by_rank)).checks}["rng"]
+    assert rng.status == "ok"
+    assert rng.detail == ("no rank drew randomness in a module at the steps recorded module by "
+                          "module (data loading's draws were not recorded)")

@@ -443,15 +443,20 @@ def _check_rng(items: RankTraces, seen: RankRecords) -> CheckResult:
     findings = _shared_loading_draws(items) + seen.module_draws
     drew = any(f["drew"] for _, t in items for f in _distributed(t).get("fetches", [])) or (
         seen.drew_in_modules)
-    observed = any(_distributed(t).get("fetches") for _, t in items) or seen.module_level
-    if not findings and not observed:
+    loading = any(_distributed(t).get("fetches") for _, t in items)
+    if not findings and not loading and not seen.module_level:
         return NOT_CHECKED, (
             "the draws of data loading and modules were not recorded (a scan records the "
             "RNG states at each step only)"), []
     if not findings:
+        # (exec records no data loading's draws: only modules', at a zoomed step)
+        where = ("while loading data or in a module" if loading else
+                 "in a module at the steps recorded module by module (data loading's draws "
+                 "were not recorded)")
         if not drew:
-            return OK, "no rank drew randomness while loading data or in a module", []
-        return OK, "every rank draws its own randomness (data loading and module draws)", []
+            return OK, f"no rank drew randomness {where}", []
+        return OK, ("every rank draws its own randomness (data loading and module draws)"
+                    if loading else f"every rank draws its own randomness {where}"), []
     findings.sort(key=lambda f: f["step"])
     first = findings[0]
     where = "while loading its batch" if first["where"] == "data loading" else (
