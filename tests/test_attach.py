@@ -2402,6 +2402,7 @@ def test_a_run_that_trains_on_the_model_of_the_run_before_is_told_apart_from_uns
         c = result.comparison
         assert (c.cause, c.continued_from) == ("init", None) and "unseeded RNG" in c.cause_text
         assert ("the first batch differs as well" in c.cause_text) == (folder == "unseeded-data")
+        assert "seeded_loader_kwargs" not in c.cause_text  # (no DataLoader: no workers to seed)
         # the parameters are named first, not the batch the step then sees
         assert result.summary["first_divergence"]["slots"][0].startswith("param."), folder
 

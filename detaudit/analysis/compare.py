@@ -275,8 +275,10 @@ class Comparison:
         if (self.cause == "init" and self.continued_from is None
                 and any(d.phase == STATE and d.slot.startswith("batch") for d in self.first_diffs)):
             text += ("; the first batch differs as well: the data order or augmentation draws "
-                     "from an unseeded RNG too (the same seeding, done before the DataLoader is "
-                     "built, fixes both; for its workers, e.g. detaudit.seeded_loader_kwargs)")
+                     "from an unseeded RNG too (the same seeding, done before the data is "
+                     "drawn, fixes both" + ("; for a DataLoader's workers, e.g. "
+                                            "detaudit.seeded_loader_kwargs)" if self.loader_batch
+                                            else ")"))
         return text
 
     def _seeded_apart(self) -> str | None:
