@@ -289,3 +289,14 @@ def test_the_randomness_check_says_only_what_was_recorded():
     assert rng.status == "ok"
     assert rng.detail == ("no rank drew randomness in a module at the steps recorded module by "
                           "module (data loading's draws were not recorded)")
+
+
+def test_one_rank_is_compared_with_no_other():
+    """A script that spawns one rank (PyTorch's ImageNet example with --world-size 1) and
+    no DDP on CPU: the cross-rank checks said "gradients identical across ranks after
+    all-reduce: ok", of an all-reduce that never ran; only the sampler's epochs apply."""
+    one = {0: [_trace(0, "g0", [0, 1, 2, 3], "s")]}
+    checks = {c.key: c for c in analyse(one, compare_ranks(one)).checks}
+    assert {k for k, c in checks.items() if c.status == "not checked"} >= {
+        "params", "grads", "shards", "rng", "init"}
+    assert checks["grads"].detail == "one rank: nothing to compare it with"

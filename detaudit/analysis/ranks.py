@@ -121,7 +121,8 @@ def analyse(
         items = [(r, traces_by_rank[r][k]) for r in ranks]
         seen = RankRecords.read(items)
         for key, _, check in CHECKS:
-            results[key].append(check(items, seen))
+            results[key].append(check(items, seen) if len(ranks) > 1 or key in ALONE else (
+                NOT_CHECKED, "one rank: nothing to compare it with", []))
     checks = [_merge(key, title, results[key]) for key, title, _ in CHECKS]
     backends = [_distributed(t).get("backend") for ts in traces_by_rank.values() for t in ts]
     return RankAnalysis(
@@ -539,6 +540,9 @@ CHECKS: tuple[tuple[str, str, Callable[[RankTraces, RankRecords], CheckResult]],
     ("rng", "randomness distinct per rank (augmentation, module draws)", _check_rng),
     ("init", "initialisation identical across ranks", _check_init),
 )
+
+
+ALONE = {"epochs"}  # the checks that apply to a rank by itself (one rank: the others do not)
 
 
 def _merge(key: str, title: str, results: list[CheckResult]) -> RankCheck:

@@ -369,6 +369,7 @@ def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str
         apart = next((c for c in ranks.checks if c.key == "params" and c.status == NOT_CHECKED),
                      None)
         ranked = counted(ranks.world_size, "rank")
-        headline += (f"; {ranked} in sync" if apart is None else
+        headline += ("; 1 rank, nothing to compare across ranks" if ranks.world_size == 1
+                     else f"; {ranked} in sync" if apart is None else
                      f"; {ranked}, their parameters not compared ({apart.detail})")
     return kind, headline
