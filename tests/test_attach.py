@@ -3547,12 +3547,14 @@ def test_a_reader_that_closes_the_pipe_early_leaves_the_exit_code_the_verdicts(t
         assert "internal error" not in rest and "Exception ignored" not in rest
 
 
-def _gan(path: Path, fault=None, planted_step=2, reuse_fakes=False) -> Trace:
+def _gan(path: Path, fault=None, planted_step=2, reuse_fakes=False, no_grad_fakes=False
+         ) -> Trace:
     """A GAN's loop: each iteration a discriminator update (on the generator's detached
     fakes), then a generator update; the generator is called first in both, or, with
     `reuse_fakes`, only in the first, its update going through the fakes that made (as
-    PyTorch's DCGAN example does). The step a `fault` is planted at is recorded module by
-    module (in the run without it too)."""
+    PyTorch's DCGAN example does), or, with `no_grad_fakes`, the discriminator's fakes made
+    without gradients. The step a `fault` is planted at is recorded module by module (in
+    the run without it too)."""
     torch.manual_seed(0)
     gen = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     disc = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -3563,7 +3565,8 @@ def _gan(path: Path, fault=None, planted_step=2, reuse_fakes=False) -> Trace:
     try:
         for _ in range(3):
             z, real = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
-            fake = gen(z)
+            with torch.no_grad() if no_grad_fakes else contextlib.nullcontext():
+                fake = gen(z)
             d_loss = (disc(real) - 1).pow(2).mean() + disc(fake.detach()).pow(2).mean()
             opt_d.zero_grad()
             d_loss.backward()
@@ -3584,12 +3587,14 @@ def test_a_generator_called_before_the_discriminator_belongs_to_the_step_it_star
     from detaudit.analysis.compare import compare
     from detaudit.config import Fault
 
-    plain = _gan(tmp_path / "a.json.gz")
-    faulted = _gan(tmp_path / "b.json.gz", Fault("Sequential.2", "forward", 2))
-    assert len(plain.steps) == len(faulted.steps) == 6  # one per update
-    c = compare([plain, faulted])
-    assert (c.first_step, c.cause) == (2, "forward")
-    assert [(o.module, o.phase) for o in c.origins] == [("Sequential.2", "forward")]
+    for no_grad in (False, True):  # (the fakes made without gradients: the same)
+        plain = _gan(tmp_path / "a.json.gz", no_grad_fakes=no_grad)
+        faulted = _gan(tmp_path / "b.json.gz", Fault("Sequential.2", "forward", 2),
+                       no_grad_fakes=no_grad)
+        assert len(plain.steps) == len(faulted.steps) == 6  # one per update
+        c = compare([plain, faulted])
+        assert (c.first_step, c.cause) == (2, "forward")
+        assert [(o.module, o.phase) for o in c.origins] == [("Sequential.2", "forward")]
 
 
 def test_a_generator_update_through_the_fakes_of_the_step_before_is_downstream_of_it(tmp_path):

@@ -245,7 +245,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
                 self._on_batch(module, args, {})
             return
         found = self.models.found(module) and torch.is_grad_enabled()
-        if (module.training or found) and not self._evaluating():
+        if (module.training or found) and not self._evaluating(module):
             if self.models.add_candidate(module) and self.models.replaces_model(module):
                 self._adopt(module)
             # A step begins at the model's call, or at the first call after an update

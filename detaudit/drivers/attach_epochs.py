@@ -18,6 +18,7 @@ from types import CodeType
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from ..config import LOADER_IN_A_THREAD
 from ..record.recorder import printed_now
@@ -183,11 +184,16 @@ class Epochs:
             self._epochs_fed += 1
         return self.explicit_epoch if self.explicit_epoch is not None else self._epochs_fed
 
-    def _evaluating(self) -> bool:
-        """A call in training mode without gradients that would begin a step, though no
-        loader that feeds steps yielded a batch for it, or no loader feeds steps at all (the
-        loop evaluates on a validation loader or tensors after an update, having forgot
-        ``eval()``): no step begins (a pseudo-labelling call on the next step's own batch
-        from a loader still begins one; without a loader, it is taken for an evaluation)."""
-        return (not torch.is_grad_enabled() and not (self._step_loaders and self._fed)
-                and (self.info is None or self._updated))
+    def _evaluating(self, module: nn.Module) -> bool:
+        """A call of `module` in training mode without gradients that would begin a step,
+        though no loader that feeds steps yielded a batch for it (the loop evaluates on a
+        validation loader or tensors after an update, having forgot ``eval()``): no step
+        begins (a pseudo-labelling call on the next step's own batch still begins one).
+        With no loader feeding steps, only a call of the model, in a loop that trains no
+        other, is taken for an evaluation (a GAN's generator, called without gradients to
+        make the fakes of its discriminator's step, begins that step)."""
+        if torch.is_grad_enabled() or not (self.info is None or self._updated):
+            return False
+        if self._step_loaders:
+            return not self._fed
+        return module is self.models.current() and not self.models.others
