@@ -322,7 +322,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         "max_steps": job.max_steps, "max_epochs": job.max_epochs, "zoom": zoom,
         "fault": asdict(fault) if fault is not None else None,
         "planted_step": job.fault.step if job.fault is not None else None, "mode": job.mode,
-        "launcher": _is_launcher(command), "since_ns": since_ns,
+        "launcher": _is_launcher(command), "since_ns": since_ns, "began_ns": time.time_ns(),
     })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:
@@ -355,14 +355,14 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             f"the Python detaudit is installed in, e.g. detaudit exec -- {sys.executable} "
             "SCRIPT.py")
     unattached.unlink(missing_ok=True)  # (a child's, a Python of another tool: not the run's)
-    if not recorded and code != 0:
+    if not recorded and code != 0 and claimed_by is None:
         raise DetauditError(
             f"repeat {repeat}: {_shell_line(command)!r} exited with code {code} before its "
             "first step, and nothing was recorded: the command failed (its own output above "
             "says why; it records in a Python that has detaudit and torch installed, as "
             f"{sys.executable} does)")
     if not recorded:
-        how = "ended"
+        how = "ended" if code == 0 else f"exited with code {code}"
         raise DetauditError(
             f"repeat {repeat}: {_shell_line(command)!r} {how} before its first step ("
             + ("no optimizer step was seen, and --mode train takes nothing else for a step"
@@ -446,7 +446,7 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
             ran = {m for p, m in zip(r["phase"], r["module"]) if p == FORWARD}
             modules = ran - {""}
             break
-    if fault.module and ran == {""}:  # (a bare nn.Linear: the model is its only module)
+    if fault.module and ran == {""} and fault.module not in owners:  # (a bare nn.Linear)
         raise DetauditError(
             f"--inject-fault: no module {fault.module!r} ran at step {fault.step}: the model "
             f"ran no submodule there (it has none, or calls none): name the model itself, "

@@ -914,6 +914,27 @@ def test_a_model_trained_by_other_processes_through_shared_memory_is_told_so(tmp
     assert len(trace.steps) == 1 and trace.probe["inferred"]
 
 
+def test_a_file_an_earlier_run_wrote_is_said_beside_an_unseeded_model_not_instead(tmp_path):
+    """An unseeded script that also loads a cache the first run wrote (a vocabulary): the
+    seeding fix stays, the file is named beside it (it replaced the whole diagnosis)."""
+    from detaudit.analysis.compare import compare
+
+    def loop() -> None:
+        model = nn.Linear(4, 1)
+        model(torch.ones(2, 4)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+    with torch.random.fork_rng():
+        for run in range(2):
+            torch.seed()  # (each run's own unseeded state, as a new process has)
+            _attached(tmp_path / f"trace-{run}.json.gz", loop)
+    traces = [Trace.load(tmp_path / f"trace-{run}.json.gz") for run in range(2)]
+    traces[1].probe[LOADED_FROM_EARLIER_RUNS] = ["vocab.pt"]
+    c = compare(traces)
+    assert c.cause == "init" and "unseeded" in c.cause_text
+    assert c.cause_text.endswith("; repeat 1 loaded vocab.pt (torch.load), written by an earlier run")
+
+
 def test_the_run_ends_at_an_evaluation_after_the_last_steps_update(tmp_path):
     """--max-steps 1 with one step per epoch (4 batches accumulated): how many optimizers
     update in a step is not known at step 0, so its end was seen only at the next training

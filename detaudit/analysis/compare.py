@@ -201,9 +201,9 @@ class Comparison:
     # each repeat's first seed given to torch before its first step, and where ([value,
     # "file:line"], or None where it gave none)
     first_seeds: list[list[Any] | None] = field(default_factory=list)
-    # what differs from param_drift_step on: "parameters", or only their "gradients" (an
-    # update that rounds a difference in them away)
-    drifted: str = "parameters"
+    # what differs at param_drift_step: "parameters", or only their "gradients" (an update
+    # that rounds a difference in them away); None where nothing does
+    drifted: str | None = None
     # the model's parameters were in shared memory as the runs began (another process may
     # write them: Hogwild training in child processes)
     shared_parameters: bool = False
@@ -272,6 +272,8 @@ class Comparison:
         if seeded_apart is not None:
             return seeded_apart
         text = self._cause_text()
+        if self.cause == "init" and self.loaded_earlier and self._loaded_note() not in text:
+            text += self._loaded_note()  # (beside an RNG that differs: the files, said too)
         if (self.cause == "init" and self.continued_from is None
                 and any(d.phase == STATE and d.slot.startswith("batch") for d in self.first_diffs)):
             text += ("; the first batch differs as well: the data order or augmentation draws "
@@ -317,15 +319,16 @@ class Comparison:
                     "seed, the model in each run; remove the checkpoints an earlier run left, "
                     "or give each run its own output folder; in a notebook, re-run the cell "
                     "that builds it)" + self._loaded_note())
-        if self.cause in ("init", "length") and self.loaded_earlier:
-            what = ("the parameters differ before the first step" if self.cause == "init"
-                    else _CAUSE_TEXT["length"].split(" (")[0])
-            return (what + self._loaded_note() + " (a checkpoint the script resumed from, or "
-                    "its progress: fix: remove what an earlier run left before each run, or "
-                    "give each run its own output folder)")
         # the RNG streams whose state differs as the step begins (never drawn: left out)
         differing = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
                             if _rng_state(d)})
+        if self.loaded_earlier and (self.cause == "length"
+                                    or self.cause == "init" and not differing):
+            what = ("the parameters differ before the first step while every RNG state agrees"
+                    if self.cause == "init" else _CAUSE_TEXT["length"].split(" (")[0])
+            return (what + self._loaded_note() + " (a checkpoint the script resumed from, or "
+                    "its progress: fix: remove what an earlier run left before each run, or "
+                    "give each run its own output folder)")
         if self.cause == "init" and self.seeded_late and not any(
                 s == "torch" or s.startswith("cuda") for s in differing):
             return ("the parameters differ before the first step while torch's RNG state "
@@ -634,7 +637,7 @@ class _StepDiffs:
         self.fork: tuple[tuple[int, int, int], RecordDiff] | None = None
         self.rng_forks: dict[str, tuple[tuple[int, int, int], RecordDiff]] = {}
         self.param_drift: int | None = None
-        self.parameters_differ = False  # (not only their gradients)
+        self.drifted: str | None = None  # what differs first at param_drift (see Comparison)
         self.detailed = 0  # divergent steps kept in detail
         self.more = False  # divergent steps beyond them
         self.first_cut: tuple[int, Trace, set[Key]] | None = None  # for the RNG gap
@@ -681,9 +684,9 @@ class _StepDiffs:
             self.missing += sum(1 for d in rest if d.missing)
             parameters = any(d.phase == OPTIMIZER or (d.phase == STATE and "param" in d.slot)
                              for d in rest)
-            self.parameters_differ = self.parameters_differ or parameters
             if (parameters or any(d.phase == GRAD for d in rest)) and self.param_drift is None:
                 self.param_drift = step
+                self.drifted = "parameters" if parameters else "gradients"
         detail = bool(rest) and self.detailed < DETAIL_STEPS
         if rest and not detail:
             self.more = True
@@ -816,7 +819,7 @@ class _StepDiffs:
                 per_process=bool(per_process)),
             loss=_loss_drift(traces, common),
             param_drift_step=self.param_drift,
-            drifted="parameters" if self.parameters_differ else "gradients",
+            drifted=self.drifted,
             fork=min(forks, key=lambda fork: fork[0])[1] if forks else None,
             differing_by_step=dict(sorted(by_step.items())),
             failures={t.repeat: t.failure for t in traces if t.failure},

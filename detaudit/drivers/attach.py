@@ -727,8 +727,9 @@ def _in_a_module_init() -> bool:
 
 
 def _in_shared_memory(param: torch.Tensor) -> bool:
-    """Whether a CPU parameter lives in shared memory (``share_memory()``; a CUDA tensor
-    always counts as shared), where another process may write it."""
+    """Whether a CPU parameter lives in shared memory (``share_memory()``), where another
+    process may write it (``is_shared()`` is true of every CUDA tensor: only CPU ones are
+    asked)."""
     if param.device.type != "cpu" or param.layout != torch.strided:
         return False
     return param.is_shared()

@@ -15,7 +15,6 @@ import shlex
 import signal
 import sys
 import threading
-import time
 from typing import Any, Callable
 
 import torch
@@ -147,8 +146,8 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
     attachment._patch(os, "_exit", _exit_saving(attachment))
     attachment._patch(sys, "exit", _exit_noting_where(attachment))
     if job.get("since_ns") is not None:
-        attachment._patch(torch, "load", _loading_noted(attachment, torch.load,
-                                                         int(job["since_ns"]), time.time_ns()))
+        attachment._patch(torch, "load", _loading_noted(
+            attachment, torch.load, int(job["since_ns"]), int(job.get("began_ns") or 0)))
     if (threading.current_thread() is threading.main_thread()  # (torch imported in a thread)
             and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
         signal.signal(signal.SIGTERM, _on_terminate(attachment))
@@ -158,8 +157,9 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
 def _loading_noted(attachment: Attachment, load: Callable[..., Any], since_ns: int,
                    began_ns: int) -> Callable[..., Any]:
     """``torch.load`` that notes, in the trace, a file last written after the audit began
-    (`since_ns`) and before this run did (`began_ns`): one an earlier run of the audit wrote,
-    such as a checkpoint the script resumes from, which makes the runs differ."""
+    (`since_ns`) and before this run of the command did (`began_ns`; not this process: the
+    command's own first script may write what its second loads): one an earlier run of the
+    audit wrote, such as a checkpoint the script resumes from, which makes the runs differ."""
     @functools.wraps(load)
     def loading(f: Any, *args: Any, **kwargs: Any) -> Any:
         name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
