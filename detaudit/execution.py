@@ -446,19 +446,16 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
             ran = {m for p, m in zip(r["phase"], r["module"]) if p == FORWARD}
             modules = ran - {""}
             break
-    if fault.module and ran == {""} and fault.module not in owners:  # (a bare nn.Linear)
-        raise DetauditError(
-            f"--inject-fault: no module {fault.module!r} ran at step {fault.step}: the model "
-            f"ran no submodule there (it has none, or calls none): name the model itself, "
-            f"{ROOT_NAME}")
-    if fault.module and modules and fault.module not in modules:
+    if fault.module and ran and fault.module not in modules:
         if fault.module in owners:
             raise DetauditError(
                 f"--inject-fault: the model has a module {fault.module!r}, but it was not seen "
                 f"running at step {fault.step} (" + (_KNOWN_LATER if fault.step == 0 else
                                                      "a layer the forward never calls, or "
                                                      "calls at other steps only") + ")")
-        hint = nearest_modules(fault.module, sorted(modules), "modules that ran")
+        hint = (nearest_modules(fault.module, sorted(modules), "modules that ran") if modules
+                else "the model ran no submodule there (it has none, or calls none): name "
+                     f"the model itself, {ROOT_NAME}")  # (a bare nn.Linear)
         raise DetauditError(
             f"--inject-fault: no module {fault.module!r} ran at step {fault.step}; {hint}")
 

@@ -1367,7 +1367,7 @@ _GAN = (
     # a model with no submodules, named by the variable that holds it (it ran every run,
     # then said the fault never fired, with no word of "(model)")
     (_BARE_MODEL,
-     "fc@forward:1", ("no module 'fc' ran at step 1: the model ran no submodule there (it has "
+     "fc@forward:1", ("no module 'fc' ran at step 1; the model ran no submodule there (it has "
                      "none, or calls none): name the model itself, (model)")),
 ], ids=["unused-layer", "model-known-later", "torchscript", "op-not-run", "bare-model"])
 def test_a_fault_in_a_module_that_exists_but_was_not_seen_says_why(tmp_path, script, fault,

@@ -42,7 +42,8 @@ UNINITIALIZED_OPS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "ate
 # at these positions, and the backward op's arguments by these names, are not recorded.
 SCRATCH_OUTPUTS = {"aten.mkldnn_rnn_layer": 3, "aten._cudnn_rnn": 3, "aten.miopen_rnn": 3}
 SCRATCH_ARGUMENTS = frozenset({"workspace", "reserve"})
-_SCRATCH_POSITIONS: dict[Any, tuple[int, ...]] = {}
+# op -> (its scratch arguments' positions, its scratch output's position or None)
+_SCRATCH: dict[Any, tuple[tuple[int, ...], int | None]] = {}
 # A wait for a collective's result: its input has not landed yet, its output has
 WAITS = {"_c10d_functional.wait_tensor", "c10d_functional.wait_tensor"}
 _COLLECTIVES: dict[Any, bool] = {}
@@ -66,14 +67,17 @@ def without_scratch(func: Any, args: tuple, kwargs: dict, out: Any
                     ) -> tuple[list[Any], dict[str, Any], Any]:
     """An op's arguments and outputs less its scratch memory (see SCRATCH_OUTPUTS), each
     left out as None."""
-    schema = func._schema
-    positions = _SCRATCH_POSITIONS.get(func)
-    if positions is None:
-        positions = _SCRATCH_POSITIONS[func] = tuple(
-            i for i, arg in enumerate(schema.arguments) if arg.name in SCRATCH_ARGUMENTS)
+    known = _SCRATCH.get(func)
+    if known is None:
+        schema = func._schema
+        known = _SCRATCH[func] = (
+            tuple(i for i, arg in enumerate(schema.arguments) if arg.name in SCRATCH_ARGUMENTS),
+            SCRATCH_OUTPUTS.get(schema.name.replace("::", ".")))
+    positions, scratch = known
+    if not positions and scratch is None:  # (nearly every op: nothing to leave out)
+        return list(args), kwargs, out
     args = [None if i in positions else a for i, a in enumerate(args)]
     kwargs = {k: None if k in SCRATCH_ARGUMENTS else v for k, v in kwargs.items()}
-    scratch = SCRATCH_OUTPUTS.get(schema.name.replace("::", "."))
     if scratch is not None and isinstance(out, (tuple, list)):
         out = tuple(None if i == scratch else o for i, o in enumerate(out))
     return args, kwargs, out
