@@ -1442,6 +1442,34 @@ def _train(out: Path, *, nudge_at: int | None = None, steps: int = 6,
     return w
 
 
+
+def test_a_warning_aimed_at_the_caller_of_a_wrapped_function_names_the_users_line(
+        tmp_path, monkeypatch):
+    """torch's warnings with a stacklevel (torch.load's, a DataLoader's) name the line that
+    called the function: detaudit's wrapper in between must not take that place."""
+    zero_grad = torch.optim.Optimizer.zero_grad
+
+    def warning_zero_grad(self, *args, **kwargs):  # a library function warning its caller
+        warnings.warn("zero_grad called", UserWarning, stacklevel=2)
+        return zero_grad(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", warning_zero_grad)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught, \
+            detaudit.watch(model, opt, out=tmp_path, max_steps=1):
+        warnings.simplefilter("always")
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+        line = inspect.currentframe().f_lineno + 1
+        opt.zero_grad()
+        warnings.warn("the user's own", UserWarning)
+    shown = [(w.filename, w.lineno) for w in caught if "zero_grad called" in str(w.message)]
+    assert shown == [(__file__, line)]
+    own = [w for w in caught if "the user's own" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in own] == [(__file__, line + 1)]
+
+
 def _ema_loop(out: Path, decay: float) -> detaudit.watch:
     """Two epochs of 2 steps; an EMA copy of the model, updated after each step, evaluated
     after each epoch; the model itself evaluated once before training (a sanity check)."""

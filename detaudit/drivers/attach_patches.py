@@ -7,7 +7,8 @@ the step belongs to (``DataLoader.__iter__``, its iterators' ``__next__``), a sk
 (``GradScaler.update``), compiled code (``torch.compile``, ``Module.compile``) and, in one rank
 of a distributed command, the parameters as built (``DistributedDataParallel.__init__``).
 Each wrapper here calls the original and calls back into the attachment (the
-:class:`Callbacks` it is made for). :class:`Installing`, a part of the attachment (a mixin),
+:class:`Callbacks` it is made for); a warning torch aims at the caller of a wrapped function
+is shown at the user's line, not at the wrapper (:func:`shown_past_wrappers`). :class:`Installing`, a part of the attachment (a mixin),
 puts them and the global hooks in and takes them out again.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import re
 import sys
 import warnings
@@ -322,6 +324,8 @@ class Installing:
         # is the top-level call, the module it wraps a call inside it
         warnings.filterwarnings("ignore", message=re.escape(
             "Using `torch.compile(module)` when there are global hooks"))
+        if hasattr(warnings, "_showwarnmsg"):
+            self._patch(warnings, "_showwarnmsg", shown_past_wrappers(warnings._showwarnmsg))
         if self.rank is not None:
             ddp = torch.nn.parallel.DistributedDataParallel
             self._patch(ddp, "__init__", wrap_ddp_init(self.rank))
@@ -379,6 +383,40 @@ class Installing:
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
         self._patches.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def shown_past_wrappers(show: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``warnings._showwarnmsg`` that moves a warning torch (or any library) aims at its
+    caller (``stacklevel``) from the detaudit wrapper that called it to the code that called
+    the wrapper: ``torch.load``'s or a DataLoader's warnings then name the user's line, as
+    they do without detaudit. detaudit's own warnings stay where they are."""
+
+    def _showwarnmsg(message: Any) -> Any:
+        if str(message.filename).startswith(_PACKAGE):
+            caller = _past_wrappers(sys._getframe(1), message.filename, message.lineno)
+            if caller is not None:
+                message.filename, message.lineno = caller.f_code.co_filename, caller.f_lineno
+                message.line = None  # read again from the new place
+        return show(message)
+
+    return _showwarnmsg
+
+
+def _past_wrappers(frame: Any, filename: str, lineno: int) -> Any:
+    """The first frame outside detaudit that called the frame a warning is shown at, or
+    None where detaudit itself warned (or the frame is not on the stack)."""
+    while frame is not None and frame.f_globals.get("__name__") == "warnings":
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_filename.startswith(_PACKAGE):
+        return None
+    while frame is not None and (frame.f_code.co_filename, frame.f_lineno) != (filename, lineno):
+        frame = frame.f_back
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    return frame
 
 
 def _register_global_post(hook: Callable[..., Any]) -> Any:
