@@ -31,6 +31,7 @@ from test_cli import run_cli
 from torch import nn
 
 import detaudit
+from detaudit.analysis.verdict import cause_of
 from detaudit.config import LOADED_FROM_EARLIER_RUNS
 from detaudit.drivers.attach import Attachment
 from detaudit.execution import _check_side_fault, _is_launcher
@@ -2586,6 +2587,13 @@ def test_a_seed_drawn_at_random_in_each_run_is_told_so_with_its_values(tmp_path)
     assert c.cause_text.startswith(
         "the parameters differ before the first step: the code seeds torch with a different "
         f"value in each run (4014 in repeat 0, 9916 in repeat 1; at {__file__}:{line})")
+    # under `exec --seed`, which seeds every RNG first, such a seed comes from the clock (or
+    # os.urandom): --seed is no fix, the line and the values are named
+    cause, text = cause_of(c, None, seed=0)
+    assert (cause, text.split(" although")[0]) == ("init", (
+        "the code seeds torch with a different value in each run (4014 in repeat 0, 9916 in "
+        f"repeat 1; at {__file__}:{line})"))
+    assert "--seed" not in text and "the clock" in text
     # the same seed in each run: nothing differs, nothing to say
     with torch.random.fork_rng():
         for run in range(2):

@@ -283,23 +283,30 @@ class Comparison:
                                             else ")"))
         return text
 
+    def seeds_apart(self) -> str | None:
+        """The values the code seeded torch with, where they differ between the runs, and
+        where it did ("4014 in repeat 0, 9916 in repeat 1; at main.py:50"); None otherwise."""
+        seeds = [s for s in self.first_seeds if s is not None]
+        if len(seeds) < 2 or len({value for value, _ in seeds}) < 2:
+            return None
+        values = ", ".join(f"{s[0]} in repeat {n}" for n, s in enumerate(self.first_seeds)
+                           if s is not None)
+        return f"{values}; at {seeds[0][1] or 'a library call'}"
+
     def _seeded_apart(self) -> str | None:
         """The text for runs whose code seeded torch with a different value each (a seed
         drawn at random where none is given), where that is what parts them at the first
         step; None otherwise."""
-        seeds = [s for s in self.first_seeds if s is not None]
-        if (self.cause not in ("init", "rng", "data") or self.first_step != 0 or len(seeds) < 2
-                or len({value for value, _ in seeds}) < 2):
+        apart = self.seeds_apart()
+        if self.cause not in ("init", "rng", "data") or self.first_step != 0 or apart is None:
             return None
-        values = ", ".join(f"{s[0]} in repeat {n}" for n, s in enumerate(self.first_seeds)
-                           if s is not None)
         what = {"init": "the parameters differ before the first step",
                 "rng": "an RNG stream differs", "data": "the batch differs"}[self.cause]
-        return (f"{what}: the code seeds torch with a different value in each run ({values}; "
-                f"at {seeds[0][1] or 'a library call'}), a seed drawn at random where none is "
-                "given (random.randint, the time); fix: give the script a fixed seed (its own "
-                "seed option), or seed the RNG it draws the seed from (`detaudit exec --seed "
-                "0` seeds python's random, numpy and torch before the code runs)")
+        return (f"{what}: the code seeds torch with a different value in each run ({apart}), "
+                "a seed drawn at random where none is given (random.randint, the time); fix: "
+                "give the script a fixed seed (its own seed option), or seed the RNG it draws "
+                "the seed from (`detaudit exec --seed 0` seeds python's random, numpy and "
+                "torch before the code runs)")
 
     def _cause_text(self) -> str:
         if self.cause in ("init", "params") and self.shared_parameters:

@@ -264,6 +264,16 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
     without --seed), the hash seed is named where nothing more specific (`planted` fault,
     an op, an RNG state) explains the difference."""
     reseeded = c.unseeded_at_start
+    apart = c.seeds_apart()
+    if seed is not None and reseeded and apart is not None:
+        return c.cause, (
+            f"the code seeds torch with a different value in each run ({apart}) although "
+            f"detaudit seeded every RNG ({seed}) before the code ran: it draws the seed from a "
+            "source that differs between runs (the clock, os.urandom, the process id), so "
+            + ("the parameters differ before the first step" if c.cause == "init" else
+               "the RNG state differs before the first step")
+            + " (fix: seed with a constant, e.g. the script's own seed option, or drop that "
+            "reseed)")
     if seed is not None and reseeded:
         return c.cause, (
             f"the {', '.join(reseeded)} RNG state differs before the first step although "
