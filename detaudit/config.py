@@ -319,6 +319,9 @@ LOADED_FROM_EARLIER_RUNS = "loaded_from_earlier_runs"
 # the model's parameters were in shared memory as its first step began (share_memory():
 # other processes may write them, as Hogwild training in child processes does)
 SHARED_PARAMETERS = "shared_parameters"
+# parameters the model holds under more than one name (tied weights: an embedding and the
+# output layer), by the name records go under -> its other names
+TIED_PARAMETERS = "tied_parameters"
 
 
 def rank_trace_path(path: str | Path, rank: int) -> Path:

@@ -113,6 +113,25 @@ def test_exec_names_a_planted_fault_by_module_phase_step_and_op(tmp_path, fault,
     assert theirs.endswith("--workers 0 --accumulate 1")
 
 
+
+def test_a_fault_in_the_backward_of_a_layer_whose_weight_is_tied_names_that_layer(tmp_path):
+    """nanoGPT ties its embedding's weight to its output layer's: the weight is recorded
+    under its first name (classes.weight here), and a fault planted in the output layer's
+    weight-gradient op was headlined at the embedding. The op names the layer."""
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", "--inject-fault",
+                 "head/aten.mm@backward:1",
+                 script_args=("--tied", "--workers", "0", "--accumulate", "1"))
+    assert done.returncode == 1, done.stderr
+    summary = json.loads(done.stdout)
+    first = summary["first_divergence"]
+    assert (first["module"], first["phase"], first["step"], first["slots"]) == (
+        "head", "backward", 1, ["param.weight"])
+    assert "head (origin; its weight is tied to classes.weight)" in summary["headline"]
+    report = (tmp_path / "run" / "report.md").read_text()
+    listed = report.split("modules with parameters")[1].split("\n\n")[1]
+    assert [row.strip("| ") for row in listed.splitlines()[2:]] == ["stem", "classes", "head"]
+
+
 @pytest.mark.alone  # a real race must fire
 @pytest.mark.parametrize("update", ["optimizer", "by-hand"])
 def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path, update):

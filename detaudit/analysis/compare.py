@@ -20,6 +20,7 @@ from ..config import (
     SEEDED_AFTER_PARAMETERS,
     SHARED_PARAMETERS,
     SIDE_MODELS,
+    TIED_PARAMETERS,
 )
 from ..trace import (
     BACKWARD,
@@ -207,6 +208,9 @@ class Comparison:
     # the model's parameters were in shared memory as the runs began (another process may
     # write them: Hogwild training in child processes)
     shared_parameters: bool = False
+    # parameters held under more than one name (tied weights): the name records go under ->
+    # the others
+    tied: dict[str, list[str]] = field(default_factory=dict)
     # with cause "optimizer": each repeat's learning rates at the first divergent step, when
     # they differ (a schedule that depends on something that differs between the runs)
     lr_by_repeat: list[list[float | None]] | None = None
@@ -535,6 +539,7 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
     comparison.first_seeds = [(getattr(t, "probe", None) or {}).get(FIRST_SEED) for t in traces]
     comparison.shared_parameters = any(
         (getattr(t, "probe", None) or {}).get(SHARED_PARAMETERS) for t in traces)
+    comparison.tied = (getattr(traces[0], "probe", None) or {}).get(TIED_PARAMETERS) or {}
     comparison.loaded_earlier = {n: files for n, t in enumerate(traces) if (files := (
         getattr(t, "probe", None) or {}).get(LOADED_FROM_EARLIER_RUNS))}
     if comparison.cause == "init":

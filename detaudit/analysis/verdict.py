@@ -81,7 +81,7 @@ def judge(
     that re-execution proved nondeterministic (``c.proven``) makes agreeing repeats a
     divergence found all the same; after a divergence it confirms the origin."""
     located = zoom if zoom is not None and zoom.first_step is not None else c
-    first = first_divergence(located)
+    first = _held_where_op_ran(first_divergence(located), located.tied, ops or {})
     kind = c.verdict
     # what diverged while the loss stayed bit-identical, if anything did (parameters of a
     # run that ended are missing, not diverged; inference has no loss to hide it)
@@ -199,6 +199,32 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
     }
 
 
+def _held_where_op_ran(first: dict[str, Any] | None, tied: dict[str, list[str]],
+                       ops: dict[str, Any]) -> dict[str, Any] | None:
+    """A tied parameter (an embedding's weight that is the output layer's too) is recorded
+    under its first name: where its gradient is the first divergence and the drill-down's
+    origin op ran in a module that holds it under another name, that module is named (its
+    gradient sums what each holder's backward adds: the op tells whose differs). `tied`
+    (the first name -> its others) is noted in the first divergence either way."""
+    if first is None or not tied or not first["slots"] or not all(
+            s.startswith("param.") for s in first["slots"]):
+        return first
+    names = [f"{first['module']}.{s.removeprefix('param.')}".lstrip(".")
+             for s in first["slots"]]
+    aliases = [a for n in names for a in tied.get(n, ())]
+    if not aliases:
+        return first
+    op = (ops.get("ops") or [{}])[0]
+    for alias in aliases if op.get("role") == ORIGIN else ():
+        module, _, local = alias.rpartition(".")
+        if module == op.get("module"):
+            return {**first, "module": module, "slots": [f"param.{local}"],
+                    "tied": {local: names[0]}}
+    return {**first, "tied": {s.removeprefix("param."): ", ".join(tied.get(n, ()))
+                              for s, n in zip(first["slots"], names) if n in tied},
+            "tied_as": "also"}
+
+
 def one_based(epoch: int | None) -> int | None:
     """An epoch as people count them."""
     return None if epoch is None else epoch + 1
@@ -222,9 +248,12 @@ def _headline(
     if first is None:
         return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {_steps(c)}"
     where = first.get("outside") or first["module"] or "(model)"
+    tied = "".join(
+        f"; its {local} is {'also' if first.get('tied_as') else 'tied to'} {other}"
+        for local, other in (first.get("tied") or {}).items())
     text = (
         f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "
-        f"{where} ({first['role']}); cause: {cause_of(c, ops)[0]}"
+        f"{where} ({first['role']}{tied}); cause: {cause_of(c, ops)[0]}"
     )
     origin_op = (ops.get("ops") or [{}])[0]
     outside = ops.get("outside_dispatcher")

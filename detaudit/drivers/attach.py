@@ -53,6 +53,7 @@ from ..config import (
     SEEDED_AFTER_PARAMETERS,
     SHARED_PARAMETERS,
     SIDE_MODELS,
+    TIED_PARAMETERS,
     TRAIN,
     Fault,
 )
@@ -678,6 +679,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self.trace.probe[SCRIPTED] = scripted
         if self.recorder is not None and len(models := self.recorder.model_names()) > 1:
             self.trace.probe[MODELS] = models
+        if self.recorder is not None and (tied := self.recorder.tied_parameters()):
+            self.trace.probe[TIED_PARAMETERS] = tied
         if (self.max_epochs is not None and self.stream.steps and self._train_pass is None
                 and self.explicit_epoch is None):
             self.trace.probe[EPOCHS_UNSEEN] = True

@@ -23,6 +23,7 @@ from ..config import (
     ROOT_NAME,
     SCAN,
     SCRIPTED,
+    TIED_PARAMETERS,
     AuditConfig,
     Fault,
     ProbeSpec,
@@ -351,6 +352,8 @@ def run_repeat(
         with Recorder(probe.model, fingerprinter, fault=fault, watch=watch) as recorder:
             if scripted := recorder.scripted_modules():
                 trace.probe[SCRIPTED] = scripted
+            if tied := recorder.tied_parameters():
+                trace.probe[TIED_PARAMETERS] = tied
             try:
                 steps_done = _run_steps(probe, config, recorder, trace, train, step_ended, fault,
                                         ops, stress, stream)

@@ -423,6 +423,17 @@ class Recorder(BackwardBoundaries):
                  if isinstance(m, torch.jit.ScriptModule) and id(m) in self._names]
         return [n for n in names if not any(n.startswith(f"{outer}.") for outer in names)]
 
+    def tied_parameters(self) -> dict[str, list[str]]:
+        """The parameters the recorded models hold under more than one name (tied weights,
+        whose records go under the first name): that name -> the others."""
+        tied: dict[str, list[str]] = {}
+        first = {id(p): name for name, p in self._params.items()}
+        for model, prefix in zip(self._models, self._prefixes):
+            for name, p in model.named_parameters(prefix=prefix, remove_duplicate=False):
+                if first.get(id(p), name) != name:
+                    tied.setdefault(first[id(p)], []).append(name)
+        return tied
+
     def model_names(self) -> list[str]:
         """The names the recorded models' modules go under ("" the first model's)."""
         return list(self._prefixes)

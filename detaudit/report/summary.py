@@ -22,6 +22,7 @@ from ..config import (
     ROOT_NAME,
     SCRIPTED,
     SIDE_MODELS,
+    TIED_PARAMETERS,
 )
 from ..runfolder import RunInfo
 from ..trace import STATE, Trace
@@ -39,14 +40,19 @@ def _updates_without_backward(traces: list[Trace]) -> list[int]:
 
 def _modules(traces: list[Trace]) -> list[str]:
     """The modules with parameters of the first repeat's models as its first step recorded
-    them, in the models' order (model.2 before model.12): the names ``--inject-fault
-    MODULE@phase:STEP`` takes (a model the loop calls apart by its own name only: a fault
-    is planted at its output)."""
-    sides = (traces[0].probe or {}).get(SIDE_MODELS) or [] if traces else []
+    them, in the models' order (model.2 before model.12), a module that holds a tied
+    parameter under another name after the module it is recorded under: the names
+    ``--inject-fault MODULE@phase:STEP`` takes (a model the loop calls apart by its own name
+    only: a fault is planted at its output)."""
+    probe = (traces[0].probe or {}) if traces else {}
+    sides = probe.get(SIDE_MODELS) or []
+    tied = probe.get(TIED_PARAMETERS) or {}
     for _, cut in traces[0].by_step() if traces else ():
         r = cut.records
-        owners = [m or ROOT_NAME for p, m, s in zip(r["phase"], r["module"], r["slot"])
-                  if p == STATE and s.startswith("param.")]  # (a model's own: "(model)")
+        owners = [holder or ROOT_NAME for p, m, s in zip(r["phase"], r["module"], r["slot"])
+                  if p == STATE and s.startswith("param.")  # (a model's own: "(model)")
+                  for holder in (m, *(alias.rpartition(".")[0] for alias in tied.get(
+                      f"{m}.{s.removeprefix('param.')}".lstrip("."), ())))]
         return list(dict.fromkeys(
             next((side for side in sides if m == side or m.startswith(side + ".")), m)
             for m in owners))

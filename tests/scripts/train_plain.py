@@ -39,17 +39,22 @@ class CentreGather(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, race=False):
+    def __init__(self, race=False, tied=False):
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, padding=1)
         self.gather = CentreGather() if race else None
-        self.head = nn.Linear(8, 4)
+        self.classes = nn.Embedding(4, 8) if tied else None  # a class prior, tied to the head
+        self.head = nn.Linear(8, 4, bias=not tied)
+        if tied:
+            self.classes.weight = self.head.weight
 
     def forward(self, x):
         features = torch.relu(self.stem(x))
         pooled = features.mean((2, 3))
         if self.gather is not None:
             pooled = pooled + self.gather(features)
+        if self.classes is not None:
+            pooled = pooled + self.classes(torch.arange(4)).mean(0)
         return self.head(pooled)
 
 
@@ -63,6 +68,7 @@ def main():
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long each step")
     p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
     p.add_argument("--race", action="store_true", help="a duplicate-index gather (2 threads)")
+    p.add_argument("--tied", action="store_true", help="a layer sharing the head's weight")
     p.add_argument("--by-hand", action="store_true", help="SGD written out, no torch.optim")
     p.add_argument("--label-noise", action="store_true", help="unseeded noise in the labels")
     p.add_argument("--compile", choices=("wrapper", "in-place", "function", "step"),
@@ -79,7 +85,7 @@ def main():
         torch.manual_seed(0)
     if args.race:
         torch.set_num_threads(2)
-    model = Net(args.race)
+    model = Net(args.race, args.tied)
     if args.compile == "wrapper":
         model = torch.compile(model, backend="aot_eager")
     elif args.compile == "in-place":
