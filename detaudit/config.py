@@ -316,6 +316,9 @@ FIRST_SEED = "first_seed"
 # files an exec run loaded with torch.load that an earlier run of the same audit wrote (a
 # checkpoint the script resumes from), as the script named them
 LOADED_FROM_EARLIER_RUNS = "loaded_from_earlier_runs"
+# beside a run's trace: those files, loaded by a process of the run that made no step (a
+# script that resumed from what an earlier run saved, with nothing left to train), a line each
+STEPLESS_LOADS = ".loaded"
 # the model's parameters were in shared memory as its first step began (share_memory():
 # other processes may write them, as Hogwild training in child processes does)
 SHARED_PARAMETERS = "shared_parameters"

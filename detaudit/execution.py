@@ -37,6 +37,7 @@ from .config import (
     FAULT_FIRED,
     INFER,
     JOB_VARIABLE,
+    LOADED_FROM_EARLIER_RUNS,
     OPS_AT_FAULT,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
@@ -44,6 +45,7 @@ from .config import (
     SCAN,
     SCRIPTED,
     SIDE_MODELS,
+    STEPLESS_LOADS,
     TRAIN,
     AuditConfig,
     ExecJob,
@@ -112,8 +114,10 @@ def exec_command(
             probe = trace_probe(spec, config, run_id)
             since_ns = time.time_ns()  # (a file written after this, a run of this audit wrote)
             for repeat in range(job.repeats):
-                recorded, timing = _run_once(command, job, folder.path, repeat, probe, output,
-                                             stdin=stdin, since_ns=since_ns)
+                recorded, timing = _run_once(
+                    command, job, folder.path, repeat, probe, output, stdin=stdin,
+                    since_ns=since_ns, stepped_before=any(
+                        t.steps for run in runs for t in run.values()))
                 if runs and (None in recorded) != (None in runs[0]):
                     raise DetauditError(
                         f"repeat {repeat} recorded {_what(recorded)} and repeat 0 "
@@ -308,10 +312,14 @@ def _repeated_stdin() -> Any:
 
 def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
               probe: dict[str, Any], output: Any, zoom: int | None = None, stdin: Any = None,
-              since_ns: int | None = None) -> tuple[Recorded, dict[str, Any]]:
+              since_ns: int | None = None, stepped_before: bool = False,
+              ) -> tuple[Recorded, dict[str, Any]]:
     """One run of the command in its own process group; its trace, or each rank's. `stdin`:
     its standard input (see _repeated_stdin), read from the start; `since_ns`: when the
-    audit began (the run notes the files it loads that an earlier run wrote)."""
+    audit began (the run notes the files it loads that an earlier run wrote). A run that
+    ends (exit 0) before its first step after an earlier run made steps is a run of no
+    steps, compared with the others (a script that resumed from what an earlier run saved,
+    with nothing left to train), not an error."""
     path = folder.absolute() / _attach_name(repeat)  # (the command may change directory)
     fault = job.fault if job.fault is not None and repeat == job.repeats - 1 else None
     env = dict(os.environ)
@@ -355,6 +363,12 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             f"the Python detaudit is installed in, e.g. detaudit exec -- {sys.executable} "
             "SCRIPT.py")
     unattached.unlink(missing_ok=True)  # (a child's, a Python of another tool: not the run's)
+    stepless = path.with_name(path.name + STEPLESS_LOADS)
+    loaded = list(dict.fromkeys(stepless.read_text().splitlines())) if stepless.exists() else []
+    stepless.unlink(missing_ok=True)
+    if not recorded and code == 0 and stepped_before and claimed_by is None:
+        recorded = {None: Trace(probe={**probe, ENDED: True, **(
+            {LOADED_FROM_EARLIER_RUNS: loaded} if loaded else {})}, repeat=repeat, env={})}
     if not recorded and code != 0 and claimed_by is None:
         raise DetauditError(
             f"repeat {repeat}: {_shell_line(command)!r} exited with code {code} before its "

@@ -849,6 +849,29 @@ def test_a_script_that_resumes_from_what_an_earlier_run_saved_is_told_so(tmp_pat
     assert not any(LOADED_FROM_EARLIER_RUNS in t.probe for t in traces)
 
 
+def test_a_run_that_resumes_with_nothing_left_to_train_is_a_run_of_no_steps(tmp_path):
+    """Original DETR, resumed from its own output folder: the second run loads the first
+    run's checkpoint at the last epoch and makes no step. That ended the audit as a usage
+    error (exit 2, "ended before its first step"), the first run's trace dropped and the
+    checkpoint not named: the runs differ in length, and the file is why."""
+    checkpoint = tmp_path / "ck.pt"
+    done = _exec(tmp_path, "--seed", "0", "--json", script_args=(
+        "--workers", "0", "--epochs", "1", "--resume", str(checkpoint)))
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["cause"]["kind"] == "length"
+    assert (f"repeat 1 loaded {checkpoint} (torch.load), written by an earlier run"
+            in summary["cause"]["text"])
+    traces = [Trace.load(tmp_path / "run" / f"trace-{r}.json.gz") for r in (0, 1)]
+    assert [len(t.steps) for t in traces] == [2, 0]
+    assert not list((tmp_path / "run").glob("*.loaded"))
+    # the first run making no step is still the command's failure to train: exit 2
+    done = _exec(tmp_path, "--seed", "0", "--overwrite", script_args=(
+        "--workers", "0", "--epochs", "1", "--resume", str(checkpoint)))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "repeat 0:" in done.stderr and "before its first step" in done.stderr
+
+
 LSTM_SCRIPT = """
 import torch
 from torch import nn

@@ -47,12 +47,14 @@ from ..config import (
     FIRST_SEED,
     INFER,
     INFERRED,
+    LOADED_FROM_EARLIER_RUNS,
     MODELS,
     OPS_AT_FAULT,
     SCRIPTED,
     SEEDED_AFTER_PARAMETERS,
     SHARED_PARAMETERS,
     SIDE_MODELS,
+    STEPLESS_LOADS,
     TIED_PARAMETERS,
     TRAIN,
     Fault,
@@ -648,7 +650,14 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.trace.probe[ENDED] = True
         if not self._claimed and (self.stopped or not (failure or self.trace.failure)
                                   or not self._claims_the_trace()):
-            return  # no step (a failure before the first is this process's to say, if it may)
+            # no step (a failure before the first is this process's to say, if it may); the
+            # files it loaded from earlier runs are said all the same (a run that resumed
+            # with nothing left to train)
+            loaded = self.trace.probe.get(LOADED_FROM_EARLIER_RUNS)
+            if loaded and not (failure or self.trace.failure):
+                with open(self.path.with_name(self.path.name + STEPLESS_LOADS), "a") as notes:
+                    notes.writelines(f"{name}\n" for name in loaded)
+            return
         if self.stopped:
             self.save()
             return
