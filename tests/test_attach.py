@@ -564,7 +564,13 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     assert summary["idle_rng"] == []
     assert "note: the RNG state" not in done.stderr
     report = (tmp_path / "run" / "report.md").read_text()
-    assert "device cpu; unseeded;" in report and "cpu; seed 0" not in report
+    assert "device cpu; not seeded by detaudit;" in report and "cpu; seed 0" not in report
+    # a script that seeds itself is said to, where (it was labelled "unseeded")
+    done = _exec(tmp_path, "--max-steps", "2", "--overwrite", script_args=("--seed-self",))
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = SCRIPT.read_text().splitlines().index("        torch.manual_seed(0)") + 1
+    report = (tmp_path / "run" / "report.md").read_text().replace("\\_", "_")
+    assert f"device cpu; seeded by the code (0 at {SCRIPT}:{line});" in report
 
 
 # A loader that fetches one batch ahead of the loop, as accelerate's does (to know which

@@ -372,7 +372,7 @@ def test_scan_map_is_the_modules_whose_parameter_gradients_differ_by_step():
     cells = [(c["step"], c["module"], c["params"]) for c in result.summary["map"]
              if c["role"] == "gradients differ"]
     assert cells == [(step, module, ["weight", "bias"]) for step in range(3) for module in "02"]
-    assert "parameter gradients differ at steps (scanned)" in render_markdown(result.summary)
+    assert "parameter gradients differ at scanned steps" in render_markdown(result.summary)
     assert ">gradients differ</text>" in render_html(result.summary)
 
 

@@ -17,7 +17,8 @@ FINDINGS_SHOWN = 20  # rows of one cross-rank check's findings in a report
 MAP_ROLES = {  # a map cell's role -> its column in the table
     "origin": "origin at steps", "contains-origin": "contains an origin at steps",
     "propagated": "propagated at steps",
-    GRADIENTS_DIFFER: "parameter gradients differ at steps (scanned)",
+    GRADIENTS_DIFFER: "parameter gradients differ at scanned steps (a zoomed step: the "
+    "columns before)",
 }
 ROLE_TEXT = {
     "origin": "origin: the difference starts in this call (its inputs agree)",
@@ -262,8 +263,12 @@ def _run_line(s: dict[str, Any]) -> str:
             f"{counted(n, 'step')} in {counted(e, 'epoch')}" for n, e in zip(lengths, epochs))
             + " (the runs differ in length)")
     for key in ("mode", "device", "seed"):
-        if key in config:
-            parts.append("unseeded" if config[key] is None else f"{key} {config[key]}")
+        if key in config and (key != "seed" or config[key] is not None):
+            parts.append(f"{key} {config[key]}")
+    if "seed" in config and config["seed"] is None:  # (exec without --seed, watch)
+        code = s.get("code_seed")
+        parts.append(f"seeded by the code ({code[0]} at {code[1] or 'a library call'})"
+                     if code else "not seeded by detaudit")
     if "deterministic" in config:
         parts.append(f"deterministic algorithms {'on' if config['deterministic'] else 'off'}")
     fault = config.get("fault")

@@ -141,6 +141,9 @@ def summarize(
         "epochs_unseen": any(t.probe.get(EPOCHS_UNSEEN) for t in traces),
         "zoom": (info.extra or {}).get("zoom"),
         "modules": _modules(traces),
+        # the first seed the code gave torch, [value, "file:line"] (exec without --seed: the
+        # script's own seeding), or None
+        "code_seed": next((seed for seed in c.first_seeds if seed), None),
         "loss": {
             "nonfinite": None if c.loss.nonfinite is None else dict(zip(
                 ("step", "epoch", "value", "finite_again"),
