@@ -312,7 +312,10 @@ def check_fault_seen(fault: Fault | None, comparison: Comparison) -> None:
         f"the planted fault fired ({where}{fault.module or '(model)'}, {fault.phase}, step "
         f"{fault.step}) but no recorded value differs: the 1-ULP change rounded away before "
         "anything detaudit records; plant it elsewhere (a module's own output, or one nearer "
-        "the parameters)")
+        "the parameters)" + ("; a parameter's gradient is recorded as the optimizer receives "
+                             "it, so clipping (clip_grad_norm_) or a scaling in between can "
+                             "round a change in it away: plant it in forward"
+                             if fault.phase == "backward" else ""))
 
 
 class _Unsaved:

@@ -878,6 +878,37 @@ def test_a_run_that_resumes_with_nothing_left_to_train_is_a_run_of_no_steps(tmp_
     assert "repeat 0:" in done.stderr and "before its first step" in done.stderr
 
 
+CLIPPED_SCRIPT = """
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+body, head = nn.Linear(8, 32), nn.Linear(32, 10, bias=False)
+model = nn.Sequential(body, nn.Tanh(), head)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(3):
+    x, y = torch.randn(16, 8), torch.randint(0, 10, (16,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.0)  # (whatever backward did)
+    opt.step()
+"""
+
+
+def test_a_backward_fault_that_clipping_rounds_away_is_said_to_be(tmp_path):
+    """minGPT clips its gradients: a fault planted at the output layer's weight-gradient op
+    rounded away in the clipping, and the refusal advised planting "nearer the
+    parameters", where it already was. (Clipped to norm 0 here, so that it always does.)"""
+    script = tmp_path / "clipped.py"
+    script.write_text(CLIPPED_SCRIPT)
+    done = _exec(tmp_path, "--seed", "0", "--inject-fault", "2/aten.mm@backward:1",
+                 script=script)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no recorded value differs" in done.stderr
+    assert "clipping (clip_grad_norm_)" in done.stderr and "plant it in forward" in done.stderr
+
+
 LSTM_SCRIPT = """
 import torch
 from torch import nn
