@@ -6,6 +6,7 @@ and the first divergent step zoomed by running the command again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -535,13 +536,24 @@ def _attach_name(repeat: int | str) -> str:
 
 
 def _script_name(command: list[str]) -> str:
-    """A short name for the command: its script or module (``train.py``, ``pkg.train``)."""
+    """A short name for the command: its script or module (``train.py``, ``pkg.train``),
+    also inside a shell's command line (``bash -c "cd detr && python main.py"``)."""
+    import shlex
+
     for i, part in enumerate(command[1:], 1):
         if command[i - 1] == "-m":
             return part
         if part.endswith(".py"):
             return Path(part).name
+        if command[i - 1] == "-c" and Path(command[0]).name in _SHELLS:
+            with contextlib.suppress(ValueError):  # (unbalanced quotes: the shell's to say)
+                inner = _script_name(["sh", *shlex.split(part)])
+                if inner != "sh":
+                    return inner
     return Path(command[0]).name
+
+
+_SHELLS = {"sh", "bash", "dash", "zsh", "ksh"}
 
 
 def _shell_line(command: list[str]) -> str:

@@ -34,7 +34,7 @@ import detaudit
 from detaudit.analysis.verdict import cause_of
 from detaudit.config import LOADED_FROM_EARLIER_RUNS
 from detaudit.drivers.attach import Attachment
-from detaudit.execution import _check_side_fault, _is_launcher
+from detaudit.execution import _check_side_fault, _is_launcher, _script_name
 from detaudit.record.recorder import printed_now
 from detaudit.record.structure import next_ulp
 from detaudit.report import render_console
@@ -1330,6 +1330,17 @@ def test_exec_records_the_script_that_trains_whatever_comes_before_torch(tmp_pat
 ])
 def test_a_launcher_is_told_from_the_script_it_runs(command, launcher):
     assert _is_launcher(command.split()) is launcher
+
+
+@pytest.mark.parametrize(("command", "name"), [
+    (["python", "train.py", "--lr", "1"], "train.py"), (["python", "-m", "pkg.train"], "pkg.train"),
+    (["torchrun", "--nproc-per-node", "2", "tools/train.py"], "train.py"),
+    (["bash", "-c", "cd detr && python main.py --epochs 2"], "main.py"),  # (was "bash")
+    (["sh", "-c", "python -m pkg.train"], "pkg.train"), (["bash", "-c", "echo 'x"], "bash"),
+    (["./run.sh"], "run.sh"),
+])
+def test_the_reports_name_the_script_a_command_runs(command, name):
+    assert _script_name(command) == name
 
 
 @pytest.mark.parametrize(("env", "records_as"), [
