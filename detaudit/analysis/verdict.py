@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from ..runfolder import INTERRUPTED as CUT_SHORT
 from ..trace import GRAD, OPTIMIZER, STATE
 from ..words import counted
 from .compare import (
@@ -128,6 +129,8 @@ def judge(
     if interrupted:  # no verdict on what was recorded: the headline says what it was
         stopped = (FAILED if interrupted.startswith("failed") else
                    REFUSED if interrupted.startswith(REFUSED) else INTERRUPTED)
+        if kind == FAILED and all(why == CUT_SHORT for why in c.failures.values()):
+            headline = _common(c)  # (the repeat it cut short did not fail)
         kind = stopped
         headline = f"{stopped.upper()} ({interrupted}); what was recorded: {headline}"
     return Verdict(kind, headline, first, hidden is not None)
