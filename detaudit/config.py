@@ -307,6 +307,9 @@ SIDE_MODELS = "side_models"  # models a trace recorded that no optimizer trains 
 INFERRED = "inferred"  # a trace recorded as inference because auto mode took it for one
 # a step limit in epochs was given, and no DataLoader fed the steps: no epoch to count
 EPOCHS_UNSEEN = "epochs_unseen"
+# a step limit in epochs was given, and the run ended within its first pass over the
+# training DataLoader: that pass's length in batches (None where the loader has no len)
+FIRST_PASS_UNFINISHED = "first_pass_unfinished"
 # where the code seeded torch's RNG after parameters were made, before the first step (a
 # model built, then seeded: Hugging Face's Trainer seeds in its __init__)
 SEEDED_AFTER_PARAMETERS = "seeded_after_parameters"

@@ -909,6 +909,44 @@ def test_a_backward_fault_that_clipping_rounds_away_is_said_to_be(tmp_path):
     assert "clipping (clip_grad_norm_)" in done.stderr and "plant it in forward" in done.stderr
 
 
+ENDLESS_SCRIPT = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+loader = DataLoader(data, batch_size=4,
+                    sampler=RandomSampler(data, replacement=True, num_samples=10**6))
+model = nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step, (x, y) in enumerate(loader):  # minGPT's Trainer: ended by max_iters
+    (model(x) - y).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if step == 3:
+        break
+"""
+
+
+def test_max_epochs_that_an_endless_sampler_never_lets_fire_is_said_to(tmp_path):
+    """minGPT's loader samples with replacement, 10**10 samples: its first pass never ends,
+    so --max-epochs never fires (without max_iters the run goes on until killed), and
+    nothing said so. A run that ends after whole passes gets no such note."""
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS_SCRIPT)
+    done = _exec(tmp_path, "--seed", "0", "--max-epochs", "1", "--json", script=script)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["first_pass_unfinished"] == [250_000]
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert ("--max-epochs did not end the runs: they ended within their first pass over the "
+            "training DataLoader, which is 250,000 batches long") in report
+    done = _exec(tmp_path, "--seed", "0", "--max-epochs", "3", "--json", "--overwrite",
+                 script_args=("--workers", "0", "--epochs", "1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["first_pass_unfinished"] is None
+
+
 LSTM_SCRIPT = """
 import torch
 from torch import nn

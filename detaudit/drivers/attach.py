@@ -44,6 +44,7 @@ from ..config import (
     ENDED,
     EPOCHS_UNSEEN,
     FAULT_FIRED,
+    FIRST_PASS_UNFINISHED,
     FIRST_SEED,
     INFER,
     INFERRED,
@@ -188,6 +189,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._step_loaders: set[int] = set()
         self._fed = False
         self._passes: dict[int, int] = {}
+        # with max_epochs: loader -> its len, and (loader, pass) -> the batches it yielded
+        self._pass_lengths: dict[int, int | None] = {}
+        self._pass_batches: dict[tuple[int, int], int] = {}
         self.rank = rank
         self._samplers: dict[int, list[dict[str, Any]]] = {}  # loader -> its passes' orders
         self._handles: list[Any] = []
@@ -679,6 +683,16 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.end_step()
         self.save()
 
+    def _first_pass_unfinished(self) -> bool:
+        """Whether --max-epochs was given and the run, not stopped by a limit, ends within
+        its first pass over the training loader, of a known length (a sampler drawing with
+        replacement makes a pass endless in effect)."""
+        if (self.max_epochs is None or not self.stream.steps or self.epoch != 0 or self.stopped
+                or self.explicit_epoch is not None or self._train_pass is None):
+            return False
+        length = self._pass_lengths.get(self._train_loader)
+        return length is not None and self._pass_batches.get(self._train_pass, 0) < length
+
     def save(self) -> None:
         if self.fault is not None:
             self.trace.probe[FAULT_FIRED] = self.fault_fired
@@ -693,6 +707,10 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if (self.max_epochs is not None and self.stream.steps and self._train_pass is None
                 and self.explicit_epoch is None):
             self.trace.probe[EPOCHS_UNSEEN] = True
+        # (saved at each step too: said of the end only, when not a limit that ended it)
+        self.trace.probe.pop(FIRST_PASS_UNFINISHED, None)
+        if self._first_pass_unfinished():
+            self.trace.probe[FIRST_PASS_UNFINISHED] = self._pass_lengths[self._train_loader]
         if self.rank is not None:
             _note_group(self.rank)
             self.rank.epochs = self._samplers.get(self._train_loader or -1, [])

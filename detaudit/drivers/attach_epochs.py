@@ -62,6 +62,11 @@ class Epochs:
         key = id(loader)
         self._passes[key] = self._passes.get(key, 0) + 1
         self._latest_loader = key
+        if self.max_epochs is not None and key not in self._pass_lengths:
+            try:
+                self._pass_lengths[key] = len(loader)
+            except Exception:  # noqa: BLE001 -- an iterable dataset's loader, a len that fails
+                self._pass_lengths[key] = None
         if self.rank is not None:
             self._samplers.setdefault(key, []).append(
                 {"epoch": self._passes[key] - 1, "sampler": sampler_snapshot(loader)})
@@ -103,6 +108,8 @@ class Epochs:
             del self._iterators[iterator]
             started = self._iterators[iterator] = self.on_loader_pass(called[0])
         self._yielded = started
+        if self.max_epochs is not None:  # (see _first_pass_unfinished)
+            self._pass_batches[started] = self._pass_batches.get(started, 0) + 1
         loader = started[0]
         if self.info is not None and not self._updated:
             self._step_loaders.add(loader)

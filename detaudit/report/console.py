@@ -14,6 +14,7 @@ from .sections import (
     INFERRED_NOTE,
     LOADER_IN_A_THREAD_NOTE,
     SIDE_HEADERS,
+    first_pass_note,
     nonfinite_line,
     short_epochs_note,
     side_rows,
@@ -72,6 +73,8 @@ def render_console(summary: dict[str, Any]) -> str:
         lines.append(f"note: {INFERRED_NOTE}")
     if summary.get("epochs_unseen"):
         lines.append(f"note: {EPOCHS_UNSEEN_NOTE}")
+    if summary.get("first_pass_unfinished"):
+        lines.append(f"note: {first_pass_note(summary)}")
     flagged = summary.get("env_risks") or {}
     if flagged:
         lines.append("")

@@ -191,6 +191,8 @@ def _verdict(s: dict[str, Any]) -> Section:
         blocks.append(Text(f"Note: {INFERRED_NOTE}"))
     if s.get("epochs_unseen"):
         blocks.append(Text(f"Note: {EPOCHS_UNSEEN_NOTE}"))
+    if s.get("first_pass_unfinished"):
+        blocks.append(Text(f"Note: {first_pass_note(s)}"))
     return Section("verdict", "Verdict", blocks)
 
 
@@ -223,6 +225,17 @@ EPOCHS_UNSEEN_NOTE = (
     "--max-epochs had no effect: no DataLoader fed the training steps (an epoch is a pass "
     "over the DataLoader whose batches the steps train on), so every step is in epoch 1 and "
     "the run went on (use --max-steps).")
+
+
+def first_pass_note(s: dict[str, Any]) -> str:
+    """That ``--max-epochs`` never fired: the runs ended in their first pass over the
+    training DataLoader (a sentence to put after "note: ")."""
+    length = s["first_pass_unfinished"][0]
+    long = f", which is {length:,} batches long" if isinstance(length, int) else ""
+    return ("--max-epochs did not end the runs: they ended within their first pass over the "
+            f"training DataLoader{long} (a sampler that draws with replacement, "
+            "RandomSampler(replacement=True, num_samples=...), makes its pass as long as "
+            "num_samples, endless in effect: --max-steps bounds such a run).")
 
 
 def short_epochs_note(short: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from ..analysis.verdict import Verdict, cause_of, one_based, stressed_ops
 from ..config import (
     CALLS_UNSEEN,
     EPOCHS_UNSEEN,
+    FIRST_PASS_UNFINISHED,
     INFERRED,
     LOADER_IN_A_THREAD,
     ROOT_NAME,
@@ -139,6 +140,9 @@ def summarize(
         "loader_in_a_thread": any(t.probe.get(LOADER_IN_A_THREAD) for t in traces),
         "inferred": any(t.probe.get(INFERRED) for t in traces),
         "epochs_unseen": any(t.probe.get(EPOCHS_UNSEEN) for t in traces),
+        # --max-epochs, and every run ended within its first pass: [that pass's length]
+        "first_pass_unfinished": [t.probe[FIRST_PASS_UNFINISHED] for t in traces[:1]] if (
+            traces and all(FIRST_PASS_UNFINISHED in t.probe for t in traces)) else None,
         "zoom": (info.extra or {}).get("zoom"),
         "modules": _modules(traces),
         # the first seed the code gave torch, [value, "file:line"] (exec without --seed: the
