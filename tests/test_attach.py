@@ -937,7 +937,7 @@ def test_max_epochs_that_an_endless_sampler_never_lets_fire_is_said_to(tmp_path)
     script.write_text(ENDLESS_SCRIPT)
     done = _exec(tmp_path, "--seed", "0", "--max-epochs", "1", "--json", script=script)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert json.loads(done.stdout)["first_pass_unfinished"] == [250_000]
+    assert json.loads(done.stdout)["first_pass_unfinished"] == {"batches": 250_000}
     report = (tmp_path / "run" / "report.md").read_text()
     assert ("--max-epochs did not end the runs: they ended within their first pass over the "
             "training DataLoader, which is 250,000 batches long") in report

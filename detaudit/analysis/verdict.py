@@ -208,7 +208,7 @@ def _held_where_op_ran(first: dict[str, Any] | None, tied: dict[str, list[str]],
     under its first name: where its gradient is the first divergence and the drill-down's
     origin op ran in a module that holds it under another name, that module is named (its
     gradient sums what each holder's backward adds: the op tells whose differs). `tied`
-    (the first name -> its others) is noted in the first divergence either way."""
+    (the first name -> its others) is said in the first divergence either way."""
     if first is None or not tied or not first["slots"] or not all(
             s.startswith("param.") for s in first["slots"]):
         return first
@@ -222,10 +222,9 @@ def _held_where_op_ran(first: dict[str, Any] | None, tied: dict[str, list[str]],
         module, _, local = alias.rpartition(".")
         if module == op.get("module"):
             return {**first, "module": module, "slots": [f"param.{local}"],
-                    "tied": {local: names[0]}}
-    return {**first, "tied": {s.removeprefix("param."): ", ".join(tied.get(n, ()))
-                              for s, n in zip(first["slots"], names) if n in tied},
-            "tied_as": "also"}
+                    "tied": [f"its {local} is tied to {names[0]}"]}
+    return {**first, "tied": [f"its {s.removeprefix('param.')} is also {', '.join(tied[n])}"
+                              for s, n in zip(first["slots"], names) if n in tied]}
 
 
 def one_based(epoch: int | None) -> int | None:
@@ -251,9 +250,7 @@ def _headline(
     if first is None:
         return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {_steps(c)}"
     where = first.get("outside") or first["module"] or "(model)"
-    tied = "".join(
-        f"; its {local} is {'also' if first.get('tied_as') else 'tied to'} {other}"
-        for local, other in (first.get("tied") or {}).items())
+    tied = "".join(f"; {said}" for said in first.get("tied") or ())
     text = (
         f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "
         f"{where} ({first['role']}{tied}); cause: {cause_of(c, ops)[0]}"

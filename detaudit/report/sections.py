@@ -230,7 +230,7 @@ EPOCHS_UNSEEN_NOTE = (
 def first_pass_note(s: dict[str, Any]) -> str:
     """That ``--max-epochs`` never fired: the runs ended in their first pass over the
     training DataLoader (a sentence to put after "note: ")."""
-    length = s["first_pass_unfinished"][0]
+    length = s["first_pass_unfinished"]["batches"]
     long = f", which is {length:,} batches long" if isinstance(length, int) else ""
     return ("--max-epochs did not end the runs: they ended within their first pass over the "
             f"training DataLoader{long} (a sampler that draws with replacement, "

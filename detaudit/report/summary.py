@@ -140,8 +140,8 @@ def summarize(
         "loader_in_a_thread": any(t.probe.get(LOADER_IN_A_THREAD) for t in traces),
         "inferred": any(t.probe.get(INFERRED) for t in traces),
         "epochs_unseen": any(t.probe.get(EPOCHS_UNSEEN) for t in traces),
-        # --max-epochs, and every run ended within its first pass: [that pass's length]
-        "first_pass_unfinished": [t.probe[FIRST_PASS_UNFINISHED] for t in traces[:1]] if (
+        # --max-epochs, and every run ended within its first pass: {"batches": its length}
+        "first_pass_unfinished": {"batches": traces[0].probe[FIRST_PASS_UNFINISHED]} if (
             traces and all(FIRST_PASS_UNFINISHED in t.probe for t in traces)) else None,
         "zoom": (info.extra or {}).get("zoom"),
         "modules": _modules(traces),
