@@ -2035,6 +2035,19 @@ def test_watch_twice_in_one_process_compares_deterministic(tmp_path):
     assert shown.startswith('<iframe srcdoc="&lt;!DOCTYPE html&gt;') and "<style" not in shown
 
 
+def test_runs_of_different_lengths_compare_their_losses_over_the_steps_all_ran(tmp_path):
+    """A run one epoch shorter (a script that reads what the run before left): its missing
+    steps were counted as identical losses, "bit-identical in every step", steps 0-5."""
+    _train(tmp_path, steps=6), _train(tmp_path, steps=3)
+    result = detaudit.compare(tmp_path)
+    assert (result.verdict.kind, result.comparison.cause) == ("divergent", "length")
+    loss = result.summary["loss"]
+    assert [p["step"] for p in loss["per_step"]] == [0, 1, 2]
+    assert [e["epoch"] for e in loss["per_epoch"]] == [1]
+    assert "loss: bit-identical in the 3 steps every repeat ran (steps 3–5 ran in some only)" \
+        in render_console(result.summary)
+
+
 def test_an_optimizer_made_for_another_model_is_refused_at_once(tmp_path):
     """A notebook: the cell that builds the model run again, the optimizer's not: the
     watched model never trains (compare called the two runs different models)."""

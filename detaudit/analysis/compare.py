@@ -1131,18 +1131,18 @@ def _cause(
 
 
 def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
-    """First step where any loss term differs bitwise, and the relative difference per step."""
+    """First step where any loss term differs bitwise, and the relative difference per step,
+    over the steps every repeat ran (one that only some ran is no step alike)."""
     ref = traces[0]
     first_step = first_epoch = None
     nonfinite = finite_again = None
     per_step = []
-    for i, info in enumerate(ref.steps[:common]):
+    ran = min(len(t.steps) for t in traces)
+    for i, info in enumerate(ref.steps[:ran if common is None else min(common, ran)]):
         values = info.loss_values()
         rel = 0.0
         bitwise_differs = False
         for other in traces[1:]:
-            if i >= len(other.steps):
-                continue
             theirs = other.steps[i].loss_values()
             for name in set(values) | set(theirs):
                 a, b = values.get(name), theirs.get(name)

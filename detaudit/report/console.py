@@ -15,6 +15,7 @@ from .sections import (
     LOADER_IN_A_THREAD_NOTE,
     SIDE_HEADERS,
     first_pass_note,
+    identical_loss,
     nonfinite_line,
     short_epochs_note,
     side_rows,
@@ -87,7 +88,7 @@ def render_console(summary: dict[str, Any]) -> str:
         if loss.get("nonfinite"):
             lines.append(nonfinite_line(loss["nonfinite"]))
         if loss["first_step"] is None:
-            lines.append("loss: bit-identical in every step")
+            lines.append(f"loss: {identical_loss(summary)}")
         else:
             lines.append(f"loss first differs at step {loss['first_step']} (epoch {loss['first_epoch']})")
         lines.append(

@@ -403,12 +403,22 @@ def _cause(s: dict[str, Any]) -> Section | None:
     return Section("cause", "Cause", blocks)
 
 
+def identical_loss(s: dict[str, Any]) -> str:
+    """"bit-identical in every step", and over which steps where the runs differ in
+    length (a step only some ran is not compared)."""
+    lengths = s.get("steps_per_repeat") or []
+    if len(set(lengths)) < 2:
+        return "bit-identical in every step"
+    return (f"bit-identical in the {counted(min(lengths), 'step')} every repeat ran (steps "
+            f"{min(lengths)}–{max(lengths) - 1} ran in some only)")
+
+
 def _loss(s: dict[str, Any]) -> Section | None:
     loss = s.get("loss", {})
     if not loss.get("per_epoch"):
         return None
     if loss.get("first_step") is None:
-        lead = "The loss was bit-identical in every step."
+        lead = f"The loss was {identical_loss(s)}."
     else:
         lead = f"The loss first differs at step {loss['first_step']} (epoch {loss['first_epoch']})."
     blocks: list[Block] = [Text(lead)]

@@ -117,7 +117,7 @@ def drift(summary: dict[str, Any]) -> str:
     if not finite:
         body.append(
             f'<text x="{f.left + f.width / 2}" y="{f.top + f.height / 2}" text-anchor="middle" '
-            'fill="#59636e">the loss was bit-identical in every step</text>'
+            'fill="#59636e">the loss was bit-identical in every step shown</text>'
         )
     return _svg(zero_y + 45, "relative loss difference per step, log scale", body)
 
