@@ -328,6 +328,7 @@ SHARED_PARAMETERS = "shared_parameters"
 # parameters the model holds under more than one name (tied weights: an embedding and the
 # output layer), by the name records go under -> its other names
 TIED_PARAMETERS = "tied_parameters"
+UNJOINED = "unknown"  # the backend of a rank that has joined no process group (yet)
 
 
 def rank_trace_path(path: str | Path, rank: int) -> Path:

@@ -2048,6 +2048,37 @@ def test_runs_of_different_lengths_compare_their_losses_over_the_steps_all_ran(t
         in render_console(result.summary)
 
 
+def _bn_loop(out: Path, momentum: float) -> None:
+    """A model with BatchNorm, trained 3 steps under watch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model[1].momentum = momentum
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1))
+    with detaudit.watch(model, opt, out=out):
+        for i in range(3):
+            model(x[4 * i:4 * i + 4]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_batchnorm_running_statistics_are_recorded_though_their_version_never_moves(tmp_path):
+    """The batch-norm kernel writes running_mean and running_var in place without moving
+    their version counters: only num_batches_tracked was recorded, and running statistics
+    that differ (they decide what the model computes in eval mode) passed unseen."""
+    _bn_loop(tmp_path / "same", 0.1), _bn_loop(tmp_path / "same", 0.1)
+    same = detaudit.compare(tmp_path / "same")
+    assert same.verdict.kind == "deterministic"
+    records = same.traces[0].frame()
+    stats = records[records.slot.isin(["buffer.running_mean", "buffer.running_var"])]
+    assert sorted(set(stats.step)) == [1, 2] and set(stats.module) == {"1"}
+    _bn_loop(tmp_path / "apart", 0.1), _bn_loop(tmp_path / "apart", 0.1 + 1e-4)
+    apart = detaudit.compare(tmp_path / "apart")
+    assert (apart.verdict.kind, apart.comparison.first_step) == ("divergent", 1)
+    assert "the model's buffers (1.running_mean, 1.running_var) differ" in (
+        apart.comparison.cause_text)
+
+
 def test_an_optimizer_made_for_another_model_is_refused_at_once(tmp_path):
     """A notebook: the cell that builds the model run again, the optimizer's not: the
     watched model never trains (compare called the two runs different models)."""
@@ -3308,6 +3339,23 @@ def test_exec_of_a_script_that_starts_torchrun_records_each_rank_in_sync(tmp_pat
     assert not list(run.glob("attach-*"))  # the launcher recorded nothing of its own
     checks = _checks(run)
     assert checks["params"] == checks["grads"] == checks["init"] == checks["shards"] == "ok"
+
+
+def test_ranks_that_never_join_a_process_group_are_said_to_train_alone(tmp_path):
+    """torchrun starting a script that does not distribute (or `accelerate launch
+    --multi_gpu` falling back where no GPU is found): each rank trains alone on all the
+    data. That read "DIVERGENT ACROSS RANKS: ranks 0 and 1 share 16 samples", with its
+    gradients "identical after all-reduce", where nothing was all-reduced."""
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0", "--",
+                   sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", str(SCRIPT), "--workers", "0", "--epochs", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 ranks that never joined a process group (each trains a model of its own" \
+        in done.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["ranks"]["backend"] == "no process group"
+    checks = _checks(tmp_path / "run")
+    assert checks["grads"] == checks["shards"] == "not checked" and checks["params"] == "ok"
 
 
 def test_exec_of_a_script_that_spawns_its_ranks_finds_unsharded_data(tmp_path):

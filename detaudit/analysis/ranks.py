@@ -14,6 +14,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from ..config import UNJOINED
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, PROBE_DISTRIBUTED, STATE, AnyTrace, Trace
 from ..words import counted
 from .compare import DIVERGENT, ORIGIN, Comparison, aligned_steps, compare
@@ -116,17 +117,23 @@ def analyse(
     rows = [_rank_row(rank, comparisons[rank]) for rank in ranks]
     _mark_all_reduce(rows, comparisons)
     repeats = min(len(traces) for traces in traces_by_rank.values())
+    backends = [_distributed(t).get("backend") for ts in traces_by_rank.values() for t in ts]
+    joined = any(b and b != UNJOINED for b in backends)
     results: dict[str, list[CheckResult]] = {key: [] for key, _, _ in CHECKS}
     for k in range(repeats):
         items = [(r, traces_by_rank[r][k]) for r in ranks]
         seen = RankRecords.read(items)
         for key, _, check in CHECKS:
-            results[key].append(check(items, seen) if len(ranks) > 1 or key in ALONE else (
-                NOT_CHECKED, "one rank: nothing to compare it with", []))
+            results[key].append(
+                (NOT_CHECKED, "one rank: nothing to compare it with", [])
+                if len(ranks) < 2 and key not in ALONE else
+                (NOT_CHECKED, NO_GROUP, []) if not joined and key in GROUP_CHECKS else
+                check(items, seen))
     checks = [_merge(key, title, results[key]) for key, title, _ in CHECKS]
-    backends = [_distributed(t).get("backend") for ts in traces_by_rank.values() for t in ts]
     return RankAnalysis(
-        world_size=len(ranks), backend=next((b for b in backends if b), None),
+        world_size=len(ranks),
+        backend=next((b for b in backends if b and b != UNJOINED), None) if joined or len(
+            ranks) < 2 else NO_PROCESS_GROUP,
         primary_rank=_primary(rows), per_rank=rows, checks=checks, crash=crash,
     )
 
@@ -543,6 +550,12 @@ CHECKS: tuple[tuple[str, str, Callable[[RankTraces, RankRecords], CheckResult]],
 
 
 ALONE = {"epochs"}  # the checks that apply to a rank by itself (one rank: the others do not)
+NO_PROCESS_GROUP = "no process group"  # the backend of ranks that never joined one
+GROUP_CHECKS = {"grads", "shards"}  # the checks of ranks that train one model together
+NO_GROUP = ("the ranks never joined a process group: each trains a model of its own, nothing "
+            "is all-reduced, and each may read all the data (a script that does not "
+            "distribute, or a launcher that fell back to one process per device, e.g. "
+            "`accelerate launch --multi_gpu` where no GPU is found)")
 
 
 def _merge(key: str, title: str, results: list[CheckResult]) -> RankCheck:

@@ -22,7 +22,7 @@ from .compare import (
     Comparison,
     draws_random_numbers,
 )
-from .ranks import NOT_CHECKED, RankAnalysis
+from .ranks import NO_PROCESS_GROUP, NOT_CHECKED, RankAnalysis
 
 MATCH, MISMATCH = "match", "mismatch"  # a run against a baseline or another run
 INTERRUPTED = "interrupted"  # the run was stopped before its end (the headline: what it recorded)
@@ -409,6 +409,9 @@ def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str
                      None)
         ranked = counted(ranks.world_size, "rank")
         headline += ("; 1 rank, nothing to compare across ranks" if ranks.world_size == 1
-                     else f"; {ranked} in sync" if apart is None else
+                     else f"; {ranked} that never joined a process group (each trains a model "
+                     "of its own: they agree, and nothing is all-reduced)"
+                     if ranks.backend == NO_PROCESS_GROUP else
+                     f"; {ranked} in sync" if apart is None else
                      f"; {ranked}, their parameters not compared ({apart.detail})")
     return kind, headline

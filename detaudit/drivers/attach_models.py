@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..record.recorder import running_statistics
 from .runner import in_a_library
 
 # optimizers whose model is looked for among every live object: a loop that makes an
@@ -297,8 +298,10 @@ class SideModels:
     def changed(self, recorded: set[int]
                 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
         """The side models' parameters and buffers not recorded yet, or changed in place
-        since, by name; a side model whose parameters became a recorded model's (`recorded`:
-        their ids; the model evaluated before its training began) is one no more."""
+        since, by name (a norm layer's running statistics whenever it is in training mode:
+        update_bn's calls write them without moving their version); a side model whose
+        parameters became a recorded model's (`recorded`: their ids; the model evaluated
+        before its training began) is one no more."""
         params: list[tuple[str, torch.Tensor]] = []
         buffers: list[tuple[str, torch.Tensor]] = []
         for key, (name, ref) in list(self._models.items()):
@@ -306,12 +309,15 @@ class SideModels:
             if module is None or any(id(p) in recorded for p in module.parameters()):
                 del self._models[key]
                 continue
+            training = {n for n, layer in running_statistics(module, name).items()
+                        if layer.training}
             for into, tensors in ((params, module.named_parameters(prefix=name)),
                                   (buffers, module.named_buffers(prefix=name))):
                 for tensor_name, tensor in tensors:
                     version = None if tensor.is_inference() else tensor._version
                     before = self._versions.get(id(tensor))
-                    if before is not None and before[0]() is tensor and before[1] == version:
+                    if (before is not None and before[0]() is tensor and before[1] == version
+                            and tensor_name not in training):
                         continue
                     into.append((tensor_name, tensor))
                     if version is not None:

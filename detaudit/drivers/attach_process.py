@@ -27,6 +27,7 @@ from ..config import (
     LOADED_FROM_EARLIER_RUNS,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
+    UNJOINED,
     Fault,
     rank_trace_path,
 )
@@ -96,7 +97,7 @@ def _rank_to_claim() -> RankWatch | None:
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if (rank is not None and rank.isdigit() and world is not None and world.isdigit()
             and os.environ.get(RANK_OWNER_VARIABLE) != rank):
-        return RankWatch(int(rank), int(world), "unknown")
+        return RankWatch(int(rank), int(world), UNJOINED)
     return None
 
 
@@ -196,7 +197,7 @@ def _spawned_rank(fn: Callable[..., Any], i: int, args: tuple, error_file: str) 
     attachment = None
     if job is not None and os.environ.get(RANK_OWNER_VARIABLE) != str(i):
         _claim(str(i))
-        attachment = _attach(job, RankWatch(i, 0, "unknown"))
+        attachment = _attach(job, RankWatch(i, 0, UNJOINED))
     failure = None
     try:
         (_TORCH_SPAWN_ENTRY or spawning._wrap)(fn, i, args, error_file)

@@ -106,6 +106,7 @@ class Recorder(BackwardBoundaries):
         self._prefixes = [""]  # each model's names begin with its own
         # each buffer as the last step began and its version then (see _record_buffers)
         self._buffers_seen: dict[str, tuple[weakref.ref, int | None]] = {}
+        self._running_statistics: dict[str, nn.Module] | None = None  # (see _record_buffers)
         self._names = {id(m): name for name, m in self._models[0].named_modules()}
         self._params = dict(self._models[0].named_parameters())
         self._param_owners: dict[int, str] | None = None  # (see _note_read)
@@ -276,9 +277,15 @@ class Recorder(BackwardBoundaries):
         the model's state besides its parameters. A buffer is recorded once something wrote
         to it (its version moved, or a new tensor took its name), not as first seen: one
         never written (a cached mask, a scratch buffer made by torch.empty) shows in what
-        the model computes, if anywhere, and is not read each step."""
+        the model computes, if anywhere, and is not read each step. A norm layer's running
+        statistics, which its kernel writes without moving their version, are recorded
+        each step its layer is in training mode."""
         seen: set[int] = set()
         changed = []
+        if self._running_statistics is None:
+            self._running_statistics = {
+                name: layer for prefix, model in zip(self._prefixes, self._models)
+                for name, layer in running_statistics(model, prefix).items()}
         for prefix, model in zip(self._prefixes, self._models):
             for name, buffer in model.named_buffers(prefix=prefix):
                 if id(buffer) in seen or isinstance(buffer, UninitializedBuffer):
@@ -287,8 +294,10 @@ class Recorder(BackwardBoundaries):
                 version = None if buffer.is_inference() else buffer._version
                 before = self._buffers_seen.get(name)
                 self._buffers_seen[name] = (weakref.ref(buffer), version)
+                layer = self._running_statistics.get(name)
                 if before is not None and (before[0]() is not buffer or version is None
-                                           or version != before[1]):
+                                           or version != before[1]
+                                           or (layer is not None and layer.training)):
                     changed.append((name, buffer))
         self._keys += _parameter_keys(STATE, changed, kind="buffer")
         self.fp.add_many([t for _, t in changed], stats=False)
@@ -391,6 +400,7 @@ class Recorder(BackwardBoundaries):
                             if id(m) not in hooked})
         self._params.update(model.named_parameters(prefix=name))
         self._param_owners = None
+        self._running_statistics = None
         if self._handles:
             self._install([model], skip=hooked)
 
@@ -665,6 +675,18 @@ def call_prints(module: str, call: int, args: tuple, kwargs: dict, output: Any
             keys.append((FORWARD, module, call, slot_name(slot, path)))
             tensors.append(tensor)
     return _printed_aside(keys, tensors, stats=False)
+
+
+def running_statistics(model: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
+    """The running statistics of the norm layers in `model` (BatchNorm, SyncBatchNorm, an
+    InstanceNorm that tracks them), by buffer name -> their layer: the batch-norm kernel
+    writes them in place without moving their version counter, so a layer in training mode
+    has written them in every call."""
+    return {f"{name}.{stat}".lstrip("."): layer
+            for name, layer in model.named_modules(prefix=prefix)
+            if isinstance(layer, nn.modules.batchnorm._NormBase) and layer.track_running_stats
+            for stat in ("running_mean", "running_var")
+            if isinstance(getattr(layer, stat, None), torch.Tensor)}
 
 
 def printed_now(value: Any, algorithm: str | None = None, stats: bool = True
