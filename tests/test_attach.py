@@ -505,8 +505,10 @@ def test_exec_with_seed_of_a_script_that_reseeds_from_the_clock_says_it_reseeds(
     assert done.returncode == 1, done.stderr
     cause = json.loads(done.stdout)["cause"]
     assert cause["kind"] == "init"
-    assert cause["text"].startswith("the torch RNG state differs before the first step "
-                                    "although detaudit seeded every RNG (3) before the code ran")
+    # the values each run drew and the line that seeds with them
+    assert cause["text"].startswith("the code seeds torch with a different value in each run (")
+    assert f"; at {script}:4) although detaudit seeded every RNG (3) before the code ran" in (
+        cause["text"])
     assert "--seed" not in cause["text"]
 
 
@@ -945,6 +947,48 @@ def test_max_epochs_that_an_endless_sampler_never_lets_fire_is_said_to(tmp_path)
                  script_args=("--workers", "0", "--epochs", "1"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(done.stdout)["first_pass_unfinished"] is None
+
+
+SWA_SCRIPT = """
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, update_bn
+
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,)))
+loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+swa_model = AveragedModel(model)
+for epoch in range(2):
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    swa_model.update_parameters(model)
+update_bn(loader, swa_model)  # a pass over the training loader that feeds no step
+print("evaluated the averaged model:", swa_model.eval()(data.tensors[0]).sum().item() != 0)
+"""
+
+
+def test_max_epochs_of_the_scripts_own_epochs_lets_its_tail_run(tmp_path):
+    """PyTorch's documented SWA recipe ends with update_bn's pass over the training loader:
+    `--max-epochs 2` of a 2-epoch script took that pass for a third epoch and ended each
+    run there, before the averaged model was evaluated, and said nothing."""
+    script = tmp_path / "swa.py"
+    script.write_text(SWA_SCRIPT)
+    done = _exec(tmp_path, "--seed", "0", "--max-epochs", "2", "--json", script=script)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # (under --json, the command's output goes to stderr)
+    assert done.stderr.count("evaluated the averaged model: True") == 2
+    assert json.loads(done.stdout)["steps_per_repeat"] == [4, 4]
+    # a limit below the script's own epochs still ends each run as the next epoch begins
+    done = _exec(tmp_path, "--seed", "0", "--max-epochs", "1", "--json", "--overwrite",
+                 script=script)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "evaluated the averaged model" not in done.stderr
+    assert json.loads(done.stdout)["steps_per_repeat"] == [2, 2]
 
 
 LSTM_SCRIPT = """

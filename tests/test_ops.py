@@ -226,6 +226,11 @@ def test_env_flags_risky_settings(monkeypatch):
     assert "deterministic_algorithms" in flagged and "PYTHONHASHSEED" in flagged
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     assert "PYTHONHASHSEED" not in risks(capture_environment())
+    if torch.backends.mkl.is_available():  # MKL's run-time code paths, unless pinned
+        monkeypatch.delenv("MKL_CBWR", raising=False)
+        assert "MKL_CBWR" in risks({**capture_environment(), "device": "cpu"})
+        monkeypatch.setenv("MKL_CBWR", "AUTO")
+        assert "MKL_CBWR" not in risks({**capture_environment(), "device": "cpu"})
     done = run_cli("env", "--json")
     data = json.loads(done.stdout)
     assert done.returncode == 0 and "deterministic_algorithms" in data["risks"]
@@ -391,8 +396,9 @@ class _OwnCode(nn.Module):
 
 
 @pytest.mark.parametrize("op,scripted,slots", [
-    ("aten.relu", False, ["in.0 of c"]),  # (the 1 ULP vanishes in c's rounding)
-    ("aten.tanh", True, ["out"]),
+    ("aten.relu", False, [["in.0 of c"]]),  # (the 1 ULP vanishes in c's rounding)
+    # (whether it outlives c's rounding depends on the CPU's matmul kernel)
+    ("aten.tanh", True, [["out"], ["in.0 of c"]]),
 ])
 def test_a_difference_made_in_the_models_own_code_is_its_origin_not_the_data(op, scripted, slots):
     """An op the model calls between its layers (`torch.relu`), or inside a TorchScript
@@ -408,7 +414,7 @@ def test_a_difference_made_in_the_models_own_code_is_its_origin_not_the_data(op,
     assert (c.first_step, c.cause) == (1, "forward")
     origin = c.origins[0]
     assert (origin.module, origin.phase, origin.role) == ("", "forward", ORIGIN)
-    assert origin.slots == slots
+    assert origin.slots in slots
     named = result.investigations["ops"]["ops"][0]
     assert (named["op"], named["module"], named["planted"]) == (op, "(model)", True)
 

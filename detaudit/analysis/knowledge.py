@@ -157,9 +157,14 @@ KNOWN: tuple[Known, ...] = (
         device="cpu", phase="any",
         what="thread-count-dependent CPU reductions and convolutions",
         why="oneDNN/OpenMP split reductions by thread count: results are reproducible at a "
-        "fixed thread count but differ between, e.g., 1 and 2 threads or machines",
+        "fixed thread count but differ between, e.g., 1 and 2 threads or machines; Intel "
+        "MKL (matmuls, convolutions oneDNN does not take) may also pick code paths that "
+        "differ from run to run at one thread count on some CPUs (seen: the backward of a "
+        "3x3 convolution over a 1x1 map, 2 threads, a Xeon with AVX-512) unless MKL_CBWR "
+        "is set",
         remedy="pin torch.set_num_threads(N) (and OMP_NUM_THREADS) to the same value "
-        "everywhere you compare runs",
+        "everywhere you compare runs; where runs at one thread count differ, export "
+        "MKL_CBWR=AUTO before the process starts (COMPATIBLE to agree across machines)",
         deterministic_mode="no effect", when="thread count changes",
     ),
 )

@@ -118,7 +118,8 @@ def analyse(
     _mark_all_reduce(rows, comparisons)
     repeats = min(len(traces) for traces in traces_by_rank.values())
     backends = [_distributed(t).get("backend") for ts in traces_by_rank.values() for t in ts]
-    joined = any(b and b != UNJOINED for b in backends)
+    # (a trace that names no backend, from a run before exec noted it, is taken as joined)
+    joined = not backends or any(b != UNJOINED for b in backends)
     results: dict[str, list[CheckResult]] = {key: [] for key, _, _ in CHECKS}
     for k in range(repeats):
         items = [(r, traces_by_rank[r][k]) for r in ranks]

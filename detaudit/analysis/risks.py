@@ -27,6 +27,12 @@ def risks(env: dict[str, Any]) -> dict[str, str]:
         )
     if not env.get("OMP_NUM_THREADS"):
         out["OMP_NUM_THREADS"] = "unset: the thread count follows the machine's cores"
+    if env.get("mkl") and not env.get("MKL_CBWR") and not str(env.get("device") or "").startswith(
+            "cuda"):
+        out["MKL_CBWR"] = (
+            "unset: Intel MKL (CPU matmuls, convolutions oneDNN does not take) may pick code "
+            "paths that give other results from run to run at one thread count on some CPUs; "
+            "export MKL_CBWR=AUTO (COMPATIBLE to agree across machines)")
     if cuda:
         if env.get("cudnn_benchmark"):
             out["cudnn_benchmark"] = "on: cuDNN picks algorithms per run by timing them"

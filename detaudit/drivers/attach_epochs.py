@@ -57,8 +57,9 @@ class Epochs:
         return self._train_pass[0] if self._train_pass is not None else None
 
     def on_loader_pass(self, loader: Any) -> tuple[int, int]:
-        """A DataLoader starts a pass over its data: which one it is. The last epoch's pass
-        over, a new pass of the training loader ends the run at the epoch limit."""
+        """A DataLoader starts a pass over its data: which one it is. (The epoch limit ends
+        the run as the next epoch's first step begins, not here: a pass over the training
+        loader that feeds no step, `update_bn`'s after the last epoch, is no epoch.)"""
         key = id(loader)
         self._passes[key] = self._passes.get(key, 0) + 1
         self._latest_loader = key
@@ -70,11 +71,6 @@ class Epochs:
         if self.rank is not None:
             self._samplers.setdefault(key, []).append(
                 {"epoch": self._passes[key] - 1, "sampler": sampler_snapshot(loader)})
-        if (key == self._train_loader and self.max_epochs is not None and not self.stopped
-                and self._epochs_fed + 1 >= self.max_epochs and not self._pass_open(key)
-                and self._in_the_loops_thread()):
-            self.end_step()
-            self.stop()
         return key, self._passes[key]
 
     def on_loader_iter(self, loader: Any) -> None:

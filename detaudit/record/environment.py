@@ -47,6 +47,8 @@ def capture_environment(device: str | torch.device | None = None) -> dict[str, A
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "mkl": torch.backends.mkl.is_available(),
+        "MKL_CBWR": os.environ.get("MKL_CBWR"),
     }
     return env
 
