@@ -220,6 +220,21 @@ def test_op_fault_syntax():
     assert Fault.parse("rpn.head@backward") == Fault("rpn.head", "backward", 0)
 
 
+def test_capturing_the_environment_leaves_the_scripts_warnings_alone(monkeypatch):
+    """It is captured in the audited process at its first step: `platform.processor()` ran
+    `uname -p` there, whose subprocess call reset the warnings registry, and a warning the
+    script shows once per line was shown again after the first step."""
+    import platform
+    import warnings
+
+    mutated = []
+    monkeypatch.setattr(warnings, "_filters_mutated", lambda: mutated.append(1))
+    monkeypatch.setattr(platform, "_uname_cache", None)  # (as in a process that just began)
+    monkeypatch.setattr(platform, "_platform_cache", {})
+    env = capture_environment()
+    assert mutated == [] and env["cpu"] and env["platform"]
+
+
 def test_env_flags_risky_settings(monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     flagged = risks(capture_environment())

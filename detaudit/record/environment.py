@@ -22,7 +22,7 @@ def capture_environment(device: str | torch.device | None = None) -> dict[str, A
     cuda = torch.cuda.is_available()
     env: dict[str, Any] = {
         "python": platform.python_version(),
-        "platform": platform.platform(terse=True),
+        "platform": _platform(),
         "machine": platform.machine(),
         "torch": torch.__version__,
         "torchvision": torchvision_version(),
@@ -32,7 +32,7 @@ def capture_environment(device: str | torch.device | None = None) -> dict[str, A
         "cuda_available": cuda,
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if cuda else [],
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": _cpu(),
         "device": str(device) if device is not None else None,
         "fingerprint": scheme(device),
         "threads": torch.get_num_threads(),
@@ -51,6 +51,29 @@ def capture_environment(device: str | torch.device | None = None) -> dict[str, A
         "MKL_CBWR": os.environ.get("MKL_CBWR"),
     }
     return env
+
+
+def _platform() -> str:
+    """``platform.platform(terse=True)`` on Linux ("Linux-6.1.0-x86_64-with-glibc2.36"),
+    made without asking for the processor, which runs a subprocess (see _cpu)."""
+    libc, version = platform.libc_ver()
+    return "-".join(filter(None, (platform.system(), platform.release(), platform.machine(),
+                                  f"with-{libc}{version}" if libc else "")))
+
+
+def _cpu() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else the machine's type. Not
+    ``platform.processor()``: it runs `uname -p` in the audited process, and the subprocess
+    call resets Python's warnings registry (a warning the script's code shows once was shown
+    again after the first step)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def _read(getter: Any) -> Any:
