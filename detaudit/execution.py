@@ -229,6 +229,14 @@ def _recorded(path: Path) -> Recorded:
     return {None: open_trace(path)} if path.exists() else {}
 
 
+def _clear_stepless(path: Path) -> None:
+    """The notes of files loaded by processes of a run that made no step (see
+    STEPLESS_LOADS), beside the run's trace or each rank's."""
+    stem = path.name.removesuffix(".json.gz")
+    for note in path.parent.glob(f"{stem}*{STEPLESS_LOADS}"):
+        note.unlink(missing_ok=True)
+
+
 def _clear_attached(folder: Path, repeat: int) -> None:
     """The command's own trace files of one run, once the folder holds them."""
     stem = _attach_name(repeat).removesuffix(".json.gz")
@@ -337,6 +345,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     if job.seed is not None:
         env.setdefault("PYTHONHASHSEED", str(job.seed % 2**32))
     _claimant(path)  # (a claim an earlier run left, killed before it was read)
+    _clear_stepless(path)  # (what a killed audit left in the folder)
     started = time.perf_counter()
     try:
         if isinstance(stdin, _Rewound):
@@ -366,7 +375,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     unattached.unlink(missing_ok=True)  # (a child's, a Python of another tool: not the run's)
     stepless = path.with_name(path.name + STEPLESS_LOADS)
     loaded = list(dict.fromkeys(stepless.read_text().splitlines())) if stepless.exists() else []
-    stepless.unlink(missing_ok=True)
+    _clear_stepless(path)
     if not recorded and code == 0 and stepped_before and claimed_by is None:
         recorded = {None: Trace(probe={**probe, ENDED: True, **(
             {LOADED_FROM_EARLIER_RUNS: loaded} if loaded else {})}, repeat=repeat, env={})}
@@ -543,13 +552,13 @@ def _script_name(command: list[str]) -> str:
     for i, part in enumerate(command[1:], 1):
         if command[i - 1] == "-m":
             return part
-        if part.endswith(".py"):
-            return Path(part).name
         if command[i - 1] == "-c" and Path(command[0]).name in _SHELLS:
             with contextlib.suppress(ValueError):  # (unbalanced quotes: the shell's to say)
                 inner = _script_name(["sh", *shlex.split(part)])
                 if inner != "sh":
                     return inner
+        if part.endswith(".py"):
+            return Path(part).name
     return Path(command[0]).name
 
 

@@ -868,6 +868,7 @@ def test_a_run_that_resumes_with_nothing_left_to_train_is_a_run_of_no_steps(tmp_
     assert done.returncode == 1, done.stdout + done.stderr
     summary = json.loads(done.stdout)
     assert summary["cause"]["kind"] == "length"
+    assert summary["cause"]["text"].startswith("repeat 1 made no step")
     assert (f"repeat 1 loaded {checkpoint} (torch.load), written by an earlier run"
             in summary["cause"]["text"])
     traces = [Trace.load(tmp_path / "run" / f"trace-{r}.json.gz") for r in (0, 1)]
@@ -942,7 +943,7 @@ def test_max_epochs_that_an_endless_sampler_never_lets_fire_is_said_to(tmp_path)
     assert json.loads(done.stdout)["first_pass_unfinished"] == {"batches": 250_000}
     report = (tmp_path / "run" / "report.md").read_text()
     assert ("--max-epochs did not end the runs: they ended within their first pass over the "
-            "training DataLoader, which is 250,000 batches long") in report
+            "training DataLoader, which is 250,000 batches long, by a step count") in report
     done = _exec(tmp_path, "--seed", "0", "--max-epochs", "3", "--json", "--overwrite",
                  script_args=("--workers", "0", "--epochs", "1"))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -1419,6 +1420,7 @@ def test_a_launcher_is_told_from_the_script_it_runs(command, launcher):
     (["torchrun", "--nproc-per-node", "2", "tools/train.py"], "train.py"),
     (["bash", "-c", "cd detr && python main.py --epochs 2"], "main.py"),  # (was "bash")
     (["sh", "-c", "python -m pkg.train"], "pkg.train"), (["bash", "-c", "echo 'x"], "bash"),
+    (["bash", "-c", "python train.py"], "train.py"),
     (["./run.sh"], "run.sh"),
 ])
 def test_the_reports_name_the_script_a_command_runs(command, name):
@@ -3399,7 +3401,8 @@ def test_ranks_that_never_join_a_process_group_are_said_to_train_alone(tmp_path)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["ranks"]["backend"] == "no process group"
     checks = _checks(tmp_path / "run")
-    assert checks["grads"] == checks["shards"] == "not checked" and checks["params"] == "ok"
+    assert checks["grads"] == checks["shards"] == checks["params"] == checks["init"] == (
+        "not checked")
 
 
 def test_exec_of_a_script_that_spawns_its_ranks_finds_unsharded_data(tmp_path):

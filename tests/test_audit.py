@@ -217,8 +217,9 @@ def test_real_cpu_nondeterminism_in_duplicate_index_gather(two_threads):
     assert c.first_by_phase["backward"].module == "gather"
     assert c.param_drift_step == c.first_step
     text = render_console(_summary(result))
-    if c.loss.first_step is None:
-        assert "loss stayed bit-identical while parameters diverged" in text
+    if c.loss.first_step is None:  # (an update may round the gradients' difference away)
+        assert c.drifted in ("parameters", "gradients")
+        assert f"loss stayed bit-identical while {c.drifted} diverged" in text
     else:
         assert f"loss first differs at step {c.loss.first_step}" in text
 

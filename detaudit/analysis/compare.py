@@ -211,6 +211,7 @@ class Comparison:
     # parameters held under more than one name (tied weights): the name records go under ->
     # the others
     tied: dict[str, list[str]] = field(default_factory=dict)
+    lengths: list[int] = field(default_factory=list)  # each repeat's number of steps
     # with cause "optimizer": each repeat's learning rates at the first divergent step, when
     # they differ (a schedule that depends on something that differs between the runs)
     lr_by_repeat: list[list[float | None]] | None = None
@@ -333,6 +334,13 @@ class Comparison:
         # the RNG streams whose state differs as the step begins (never drawn: left out)
         differing = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
                             if _rng_state(d)})
+        stepless = [n for n, steps in enumerate(self.lengths) if steps == 0]
+        if self.cause == "length" and stepless:
+            return (f"repeat {stepless[0]} made no step: its command ended at once (exit 0), "
+                    "taking the training as done from something an earlier run left (a "
+                    "checkpoint at its last epoch, an output folder it takes for finished "
+                    f"work){self._loaded_note()} (fix: remove what an earlier run left "
+                    "before each run, or give each run its own output folder)")
         if self.loaded_earlier and (self.cause == "length"
                                     or self.cause == "init" and not differing):
             what = ("the parameters differ before the first step while every RNG state agrees"
@@ -540,6 +548,7 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
     comparison.shared_parameters = any(
         (getattr(t, "probe", None) or {}).get(SHARED_PARAMETERS) for t in traces)
     comparison.tied = (getattr(traces[0], "probe", None) or {}).get(TIED_PARAMETERS) or {}
+    comparison.lengths = [len(t.steps) for t in traces]
     comparison.loaded_earlier = {n: files for n, t in enumerate(traces) if (files := (
         getattr(t, "probe", None) or {}).get(LOADED_FROM_EARLIER_RUNS))}
     if comparison.cause == "init":
@@ -1138,8 +1147,15 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
     nonfinite = finite_again = None
     per_step = []
     ran = min(len(t.steps) for t in traces)
-    for i, info in enumerate(ref.steps[:ran if common is None else min(common, ran)]):
+    for i, info in enumerate(ref.steps[:common]):
         values = info.loss_values()
+        bad = next((v for v in values.values() if not math.isfinite(v)), None)
+        if bad is not None and nonfinite is None:
+            nonfinite = (info.step, info.epoch, "nan" if math.isnan(bad) else "inf")
+        elif bad is None and values and nonfinite is not None and finite_again is None:
+            finite_again = info.step  # (a step a GradScaler skipped, one bad batch)
+        if i >= ran:  # (repeat 0's own steps: non-finite losses are said, not compared)
+            continue
         rel = 0.0
         bitwise_differs = False
         for other in traces[1:]:
@@ -1156,11 +1172,6 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
             first_step, first_epoch = info.step, info.epoch
         if values:
             per_step.append((info.step, info.epoch, rel))
-        bad = next((v for v in values.values() if not math.isfinite(v)), None)
-        if bad is not None and nonfinite is None:
-            nonfinite = (info.step, info.epoch, "nan" if math.isnan(bad) else "inf")
-        elif bad is None and values and nonfinite is not None and finite_again is None:
-            finite_again = info.step  # (a step a GradScaler skipped, one bad batch)
     return LossDrift(first_step, first_epoch, per_step, nonfinite, finite_again)
 
 

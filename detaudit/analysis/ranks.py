@@ -552,9 +552,11 @@ CHECKS: tuple[tuple[str, str, Callable[[RankTraces, RankRecords], CheckResult]],
 
 ALONE = {"epochs"}  # the checks that apply to a rank by itself (one rank: the others do not)
 NO_PROCESS_GROUP = "no process group"  # the backend of ranks that never joined one
-GROUP_CHECKS = {"grads", "shards"}  # the checks of ranks that train one model together
-NO_GROUP = ("the ranks never joined a process group: each trains a model of its own, nothing "
-            "is all-reduced, and each may read all the data (a script that does not "
+# the checks of ranks that train one model together (each rank of a launch that never joins
+# a process group trains its own, which may be seeded, built and fed apart by design)
+GROUP_CHECKS = {"params", "grads", "shards", "init"}
+NO_GROUP = ("the ranks never joined a process group: each trains a model of its own (built, "
+            "seeded and fed as it likes), nothing is all-reduced (a script that does not "
             "distribute, or a launcher that fell back to one process per device, e.g. "
             "`accelerate launch --multi_gpu` where no GPU is found)")
 

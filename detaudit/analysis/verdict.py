@@ -129,7 +129,8 @@ def judge(
     if interrupted:  # no verdict on what was recorded: the headline says what it was
         stopped = (FAILED if interrupted.startswith("failed") else
                    REFUSED if interrupted.startswith(REFUSED) else INTERRUPTED)
-        if kind == FAILED and all(why == CUT_SHORT for why in c.failures.values()):
+        if kind == FAILED and c.failures and all(why == CUT_SHORT
+                                                 for why in c.failures.values()):
             headline = _common(c)  # (the repeat it cut short did not fail)
         kind = stopped
         headline = f"{stopped.upper()} ({interrupted}); what was recorded: {headline}"
@@ -214,15 +215,15 @@ def _held_where_op_ran(first: dict[str, Any] | None, tied: dict[str, list[str]],
         return first
     names = [f"{first['module']}.{s.removeprefix('param.')}".lstrip(".")
              for s in first["slots"]]
-    aliases = [a for n in names for a in tied.get(n, ())]
+    aliases = [(n, a) for n in names for a in tied.get(n, ())]
     if not aliases:
         return first
     op = (ops.get("ops") or [{}])[0]
-    for alias in aliases if op.get("role") == ORIGIN else ():
+    for name, alias in aliases if op.get("role") == ORIGIN else ():
         module, _, local = alias.rpartition(".")
         if module == op.get("module"):
             return {**first, "module": module, "slots": [f"param.{local}"],
-                    "tied": [f"its {local} is tied to {names[0]}"]}
+                    "tied": [f"its {local} is tied to {name}"]}
     return {**first, "tied": [f"its {s.removeprefix('param.')} is also {', '.join(tied[n])}"
                               for s, n in zip(first["slots"], names) if n in tied]}
 
@@ -410,7 +411,7 @@ def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str
         ranked = counted(ranks.world_size, "rank")
         headline += ("; 1 rank, nothing to compare across ranks" if ranks.world_size == 1
                      else f"; {ranked} that never joined a process group (each trains a model "
-                     "of its own: they agree, and nothing is all-reduced)"
+                     "of its own, compared run to run; nothing is all-reduced)"
                      if ranks.backend == NO_PROCESS_GROUP else
                      f"; {ranked} in sync" if apart is None else
                      f"; {ranked}, their parameters not compared ({apart.detail})")

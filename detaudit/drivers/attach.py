@@ -688,7 +688,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         its first pass over the training loader, of a known length (a sampler drawing with
         replacement makes a pass endless in effect)."""
         if (self.max_epochs is None or not self.stream.steps or self.epoch != 0 or self.stopped
-                or self.explicit_epoch is not None or self._train_pass is None):
+                or self.trace.failure is not None or self.explicit_epoch is not None
+                or self._train_pass is None):
             return False
         length = self._pass_lengths.get(self._train_loader)
         return length is not None and self._pass_batches.get(self._train_pass, 0) < length

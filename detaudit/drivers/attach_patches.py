@@ -383,16 +383,21 @@ class Installing:
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
         self._patches.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
+        code = getattr(replacement, "__code__", None)
+        if code is not None and code.co_filename.startswith(_PACKAGE):
+            WRAPPERS.add(code)  # (see shown_past_wrappers)
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+WRAPPERS: set[Any] = set()  # the code of the wrappers put into torch (and os, sys)
 
 
 def shown_past_wrappers(show: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``warnings._showwarnmsg`` that moves a warning torch (or any library) aims at its
     caller (``stacklevel``) from the detaudit wrapper that called it to the code that called
     the wrapper: ``torch.load``'s or a DataLoader's warnings then name the user's line, as
-    they do without detaudit. detaudit's own warnings stay where they are."""
+    they do without detaudit. detaudit's own warnings, and those a library gives detaudit's
+    other code (a hook's), stay where they are."""
 
     def _showwarnmsg(message: Any) -> Any:
         if str(message.filename).startswith(_PACKAGE):
@@ -406,14 +411,16 @@ def shown_past_wrappers(show: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _past_wrappers(frame: Any, filename: str, lineno: int) -> Any:
-    """The first frame outside detaudit that called the frame a warning is shown at, or
-    None where detaudit itself warned (or the frame is not on the stack)."""
+    """The first frame outside detaudit that called the wrapper a warning is shown at, or
+    None where detaudit itself warned, the frame is not a wrapper's (not on the stack)."""
     while frame is not None and frame.f_globals.get("__name__") == "warnings":
         frame = frame.f_back
     if frame is None or frame.f_code.co_filename.startswith(_PACKAGE):
         return None
     while frame is not None and (frame.f_code.co_filename, frame.f_lineno) != (filename, lineno):
         frame = frame.f_back
+    if frame is None or frame.f_code not in WRAPPERS:
+        return None
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame = frame.f_back
     return frame

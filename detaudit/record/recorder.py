@@ -434,13 +434,17 @@ class Recorder(BackwardBoundaries):
         return [n for n in names if not any(n.startswith(f"{outer}.") for outer in names)]
 
     def tied_parameters(self) -> dict[str, list[str]]:
-        """The parameters the recorded models hold under more than one name (tied weights,
-        whose records go under the first name): that name -> the others."""
+        """The parameters a recorded model holds in more than one of its modules (tied
+        weights, whose records go under the first name): that name -> the others. A module
+        registered under several names (one layer repeated) is one module, not a tie."""
         tied: dict[str, list[str]] = {}
-        first = {id(p): name for name, p in self._params.items()}
         for model, prefix in zip(self._models, self._prefixes):
+            modules = dict(model.named_modules(prefix=prefix, remove_duplicate=False))
+            first: dict[int, str] = {}
             for name, p in model.named_parameters(prefix=prefix, remove_duplicate=False):
-                if first.get(id(p), name) != name:
+                if id(p) not in first:
+                    first[id(p)] = name
+                elif modules.get(_owner(name)) is not modules.get(_owner(first[id(p)])):
                     tied.setdefault(first[id(p)], []).append(name)
         return tied
 
@@ -675,6 +679,11 @@ def call_prints(module: str, call: int, args: tuple, kwargs: dict, output: Any
             keys.append((FORWARD, module, call, slot_name(slot, path)))
             tensors.append(tensor)
     return _printed_aside(keys, tensors, stats=False)
+
+
+def _owner(name: str) -> str:
+    """The module path of a parameter's name ("" for the model's own)."""
+    return name.rpartition(".")[0]
 
 
 def running_statistics(model: nn.Module, prefix: str = "") -> dict[str, nn.Module]:

@@ -233,9 +233,10 @@ def first_pass_note(s: dict[str, Any]) -> str:
     length = s["first_pass_unfinished"]["batches"]
     long = f", which is {length:,} batches long" if isinstance(length, int) else ""
     return ("--max-epochs did not end the runs: they ended within their first pass over the "
-            f"training DataLoader{long} (a sampler that draws with replacement, "
-            "RandomSampler(replacement=True, num_samples=...), makes its pass as long as "
-            "num_samples, endless in effect: --max-steps bounds such a run).")
+            f"training DataLoader{long}, by a step count of the script's own, or their pass "
+            "never ends (a sampler that draws with replacement, RandomSampler(replacement="
+            "True, num_samples=...), makes one as long as num_samples: --max-steps bounds "
+            "such a run).")
 
 
 def short_epochs_note(short: dict[str, Any]) -> str:
@@ -409,8 +410,9 @@ def identical_loss(s: dict[str, Any]) -> str:
     lengths = s.get("steps_per_repeat") or []
     if len(set(lengths)) < 2:
         return "bit-identical in every step"
-    return (f"bit-identical in the {counted(min(lengths), 'step')} every repeat ran (steps "
-            f"{min(lengths)}–{max(lengths) - 1} ran in some only)")
+    only = (f"step {min(lengths)}" if max(lengths) - min(lengths) == 1 else
+            f"steps {min(lengths)}–{max(lengths) - 1}")
+    return f"bit-identical in the {counted(min(lengths), 'step')} every repeat ran ({only} ran in some only)"
 
 
 def _loss(s: dict[str, Any]) -> Section | None:
