@@ -337,10 +337,11 @@ class Comparison:
         stepless = [n for n, steps in enumerate(self.lengths) if steps == 0]
         if self.cause == "length" and stepless:
             return (f"repeat {stepless[0]} made no step: its command ended at once (exit 0), "
-                    "taking the training as done from something an earlier run left (a "
-                    "checkpoint at its last epoch, an output folder it takes for finished "
-                    f"work){self._loaded_note()} (fix: remove what an earlier run left "
-                    "before each run, or give each run its own output folder)")
+                    "as a script does that finds what an earlier run left and takes the "
+                    "training as done (a checkpoint at its last epoch, an output folder it "
+                    f"takes for finished work){self._loaded_note()} (fix: remove what an "
+                    "earlier run left before each run, or give each run its own output "
+                    "folder)")
         if self.loaded_earlier and (self.cause == "length"
                                     or self.cause == "init" and not differing):
             what = ("the parameters differ before the first step while every RNG state agrees"
