@@ -1174,7 +1174,7 @@ def _running(variable: str) -> list[str]:
     return found
 
 
-def test_max_epochs_stops_at_the_start_of_the_next_pass(tmp_path):
+def test_max_epochs_stops_as_the_next_epochs_first_step_begins(tmp_path):
     done = _exec(tmp_path, "--seed", "0", "--max-epochs", "1", "--repeats", "1",
                  script_args=("--epochs", "5", "--workers", "0"))
     assert done.returncode == 2, done.stdout + done.stderr  # one run: not compared
