@@ -131,10 +131,10 @@ def analyse(
                 (NOT_CHECKED, NO_GROUP, []) if not joined and key in GROUP_CHECKS else
                 check(items, seen))
     checks = [_merge(key, title, results[key]) for key, title, _ in CHECKS]
+    backend = NO_PROCESS_GROUP if not joined and len(ranks) > 1 else next(
+        (b for b in backends if b and b != UNJOINED), None)
     return RankAnalysis(
-        world_size=len(ranks),
-        backend=next((b for b in backends if b and b != UNJOINED), None) if joined or len(
-            ranks) < 2 else NO_PROCESS_GROUP,
+        world_size=len(ranks), backend=backend,
         primary_rank=_primary(rows), per_rank=rows, checks=checks, crash=crash,
     )
 

@@ -106,7 +106,6 @@ class Recorder(BackwardBoundaries):
         self._prefixes = [""]  # each model's names begin with its own
         # each buffer as the last step began and its version then (see _record_buffers)
         self._buffers_seen: dict[str, tuple[weakref.ref, int | None]] = {}
-        self._running_statistics: dict[str, nn.Module] | None = None  # (see _record_buffers)
         self._names = {id(m): name for name, m in self._models[0].named_modules()}
         self._params = dict(self._models[0].named_parameters())
         self._param_owners: dict[int, str] | None = None  # (see _note_read)
@@ -282,11 +281,8 @@ class Recorder(BackwardBoundaries):
         each step its layer is in training mode."""
         seen: set[int] = set()
         changed = []
-        if self._running_statistics is None:
-            self._running_statistics = {
-                name: layer for prefix, model in zip(self._prefixes, self._models)
-                for name, layer in running_statistics(model, prefix).items()}
         for prefix, model in zip(self._prefixes, self._models):
+            statistics = running_statistics(model, prefix)
             for name, buffer in model.named_buffers(prefix=prefix):
                 if id(buffer) in seen or isinstance(buffer, UninitializedBuffer):
                     continue
@@ -294,7 +290,7 @@ class Recorder(BackwardBoundaries):
                 version = None if buffer.is_inference() else buffer._version
                 before = self._buffers_seen.get(name)
                 self._buffers_seen[name] = (weakref.ref(buffer), version)
-                layer = self._running_statistics.get(name)
+                layer = statistics.get(name)
                 if before is not None and (before[0]() is not buffer or version is None
                                            or version != before[1]
                                            or (layer is not None and layer.training)):
@@ -400,7 +396,6 @@ class Recorder(BackwardBoundaries):
                             if id(m) not in hooked})
         self._params.update(model.named_parameters(prefix=name))
         self._param_owners = None
-        self._running_statistics = None
         if self._handles:
             self._install([model], skip=hooked)
 
@@ -444,7 +439,8 @@ class Recorder(BackwardBoundaries):
             for name, p in model.named_parameters(prefix=prefix, remove_duplicate=False):
                 if id(p) not in first:
                     first[id(p)] = name
-                elif modules.get(_owner(name)) is not modules.get(_owner(first[id(p)])):
+                elif (modules.get(name.rpartition(".")[0])
+                      is not modules.get(first[id(p)].rpartition(".")[0])):
                     tied.setdefault(first[id(p)], []).append(name)
         return tied
 
@@ -679,11 +675,6 @@ def call_prints(module: str, call: int, args: tuple, kwargs: dict, output: Any
             keys.append((FORWARD, module, call, slot_name(slot, path)))
             tensors.append(tensor)
     return _printed_aside(keys, tensors, stats=False)
-
-
-def _owner(name: str) -> str:
-    """The module path of a parameter's name ("" for the model's own)."""
-    return name.rpartition(".")[0]
 
 
 def running_statistics(model: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
