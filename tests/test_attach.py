@@ -829,6 +829,31 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
     assert not list(temporary.glob("pymp-*"))
 
 
+def test_a_progress_bar_the_limit_cuts_short_leaves_the_verdict_on_a_line_of_its_own(tmp_path):
+    """A tqdm bar the script draws on stderr has no line end while its loop runs; --max-steps
+    ends the process mid-loop, so the bar is closed as the loop's end would close it, and
+    the verdict (stdout, the same log in CI) begins a line of its own."""
+    script = tmp_path / "bar.py"
+    script.write_text(
+        "import torch, tqdm\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in tqdm.tqdm(range(1000), mininterval=0):\n"
+        "    optimizer.zero_grad()\n"
+        "    model(torch.ones(3, 4)).sum().backward()\n"
+        "    optimizer.step()\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "detaudit", "exec", "--out", str(tmp_path / "run"), "--quiet",
+         "--max-steps", "3", "--", sys.executable, str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300, check=False)
+    output = done.stdout.decode()  # (not as text: that splits lines at the bar's returns)
+    lines = output.split("\n")
+    assert done.returncode == 0, output
+    assert sum("/1000 [" in line for line in lines) == 2, output  # a bar in each run
+    assert any(line.startswith("DETERMINISTIC") for line in lines), output
+
+
 @pytest.mark.parametrize("saved", ["weights", "progress"])
 def test_a_script_that_resumes_from_what_an_earlier_run_saved_is_told_so(tmp_path, saved):
     """The script saves a checkpoint after each epoch and resumes from it when it finds one

@@ -245,13 +245,25 @@ def _end_at_the_limit(attachment: Attachment) -> None:
     """The step or epoch limit is reached and the trace saved (between steps, or as a
     DataLoader pass begins): the DataLoader workers end as the end of a loop ends them,
     each removing its temporary folder (killed with the process group, each would leave a
-    ``pymp-*`` folder behind), then the process ends."""
+    ``pymp-*`` folder behind); the script's progress bars are closed as the end of a loop
+    closes them (their last line ended, so what prints next does not join it); then the
+    process ends."""
     for iterator in list(attachment.loader_iterators):
         shut_down = getattr(iterator, "_shutdown_workers", None)  # (not one without workers)
         if shut_down is not None:
             with contextlib.suppress(Exception):
                 shut_down()
+    _close_progress_bars()
     _end_process()
+
+
+def _close_progress_bars() -> None:
+    """Close the tqdm bars still open (tqdm.auto's and the libraries' subclasses are
+    tqdm's too), innermost first."""
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    for bar in sorted(getattr(tqdm, "_instances", ()), key=lambda b: -getattr(b, "pos", 0)):
+        with contextlib.suppress(Exception):
+            bar.close()
 
 
 def _end_process(code: int = 0) -> None:
