@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import textwrap
 import threading
 import time
 import warnings
@@ -852,6 +853,45 @@ def test_a_progress_bar_the_limit_cuts_short_leaves_the_verdict_on_a_line_of_its
     assert done.returncode == 0, output
     assert sum("/1000 [" in line for line in lines) == 2, output  # a bar in each run
     assert any(line.startswith("DETERMINISTIC") for line in lines), output
+
+
+def test_ops_a_dataloader_runs_to_deliver_a_batch_are_not_the_zoomed_steps(tmp_path):
+    """Which fetch unpickles a worker's batch is a race, so the ops a DataLoader runs as it
+    delivers a batch vary in number from run to run; inside a step (the second batch of an
+    accumulated one) they shifted the loss's op records of one zoomed run against the
+    other's, listed as differing. Here the dataset runs an extra op in every other run, and
+    the step's loss ops must agree, as they do."""
+    script = tmp_path / "fetching.py"
+    script.write_text(textwrap.dedent(f"""\
+        import pathlib, torch
+        runs = pathlib.Path({str(tmp_path / "runs")!r})
+        runs.write_text(str(int(runs.read_text()) + 1) if runs.exists() else "0")
+        extra = int(runs.read_text()) % 2 == 0
+
+        class Data(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                x = torch.full((4,), float(i))
+                return x.flip(0).flip(0) if extra else x
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i, x in enumerate(torch.utils.data.DataLoader(Data(), batch_size=2)):
+            (model(x) ** 2).mean().backward()
+            if i % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+        """))
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--json", "--max-steps", "3",
+                   "--inject-fault", "1@backward:1", "--", sys.executable, str(script))
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["first_divergence"]["module"] == "1", summary["headline"]
+    ops = [(o["module"], o["phase"], o["op"]) for o in summary["ops"]]
+    assert ("0", "backward", "aten.mm") in ops  # (the layer below the fault)
+    assert not [o for o in ops if o[:2] == (OUTSIDE_MODEL, "forward")], ops
 
 
 @pytest.mark.parametrize("saved", ["weights", "progress"])

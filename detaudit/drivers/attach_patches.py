@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 from torch import nn
 
+from ..record.oprecorder import outside_the_steps_ops
 from .rankprobe import RankWatch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -215,7 +216,8 @@ def wrap_loader_next(attachment: Callbacks) -> Callable[..., Any]:
 
     def __next__(self: Any) -> Any:
         try:
-            batch = original(self)
+            with outside_the_steps_ops():
+                batch = original(self)
         except StopIteration:
             attachment._iterators.pop(self, None)  # its pass is over
             raise

@@ -12,13 +12,18 @@ call (a loss the loop computes) is placed ``(outside the model)``.
 
 The same mode, with recording off, plants op-level faults and runs the census
 (op counts per module, and the deterministic-algorithms alerts each op raised).
+Ops a thread runs :func:`outside_the_steps_ops` (a DataLoader delivering a batch) pass
+through unseen.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 import weakref
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +146,23 @@ class Unintercepted:
         return getattr(self._fp, name)
 
 
+_FETCHING = threading.local()  # .depth: outside_the_steps_ops blocks open in this thread
+
+
+@contextlib.contextmanager
+def outside_the_steps_ops() -> Iterator[None]:
+    """Ops this thread runs meanwhile are not the step's: a DataLoader delivering a batch
+    (the batch is step state, printed as it is yielded) runs ops whose number and place
+    are a race -- which fetch unpickles a worker's batch depends on when it arrived -- and
+    would shift the op-level records of one run against another's."""
+    depth = getattr(_FETCHING, "depth", 0)
+    _FETCHING.depth = depth + 1
+    try:
+        yield
+    finally:
+        _FETCHING.depth = depth
+
+
 class ModelOpMode(TorchDispatchMode):
     """A dispatch mode over the model's ops at one step: the recorder's own tensor ops run
     unseen (its fingerprinter unintercepted while the mode is on), and each op is located in
@@ -214,6 +236,8 @@ class OpRecorder(ModelOpMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(_FETCHING, "depth", 0):
+            return func(*args, **kwargs)
         name = op_name(func)
         phase, call = self.where()
         op_phase = OP_FORWARD if phase == FORWARD else OP_BACKWARD
