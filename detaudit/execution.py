@@ -131,7 +131,7 @@ def exec_command(
                                      else None, rank)
                 _clear_attached(folder.path, repeat)
                 if job.fault is not None and repeat < job.repeats - 1:
-                    _check_fault_target(job.fault, recorded)
+                    job = replace(job, fault=_check_fault_target(job.fault, recorded))
                 steps = len(next(iter(recorded.values())).steps)
                 progress.advance(f"run {repeat + 1}/{job.repeats}: {steps} steps"
                                  f"{f' on {len(recorded)} ranks' if None not in recorded else ''}")
@@ -442,14 +442,15 @@ _KNOWN_LATER = ("at step 0 only the model the first update trains is known befor
                 "on: plant at step 1 or later")
 
 
-def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
+def _check_fault_target(fault: Fault, recorded: Recorded) -> Fault:
     """After a run without the fault (it goes into the last): a step it never reached, or a
     module that did not run at that step, is one clear error now rather than after every
     run; the module names that did run are offered. An op fault in any module (no module
-    named) is left to the run itself, which says if the op never ran."""
+    named) is left to the run itself, which says if the op never ran. Returns the fault to
+    plant: a module named without DDP's ``module.`` prefix is named with it."""
     trace = recorded[min(recorded, key=_rank_order)]
     if trace.failure is not None:
-        return  # the failure is the finding
+        return fault  # the failure is the finding
     if len(trace.steps) <= fault.step:
         raise DetauditError(
             f"--inject-fault plants at step {fault.step}, but the command ran "
@@ -471,6 +472,9 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
             modules = ran - {""}
             break
     if fault.module and ran and fault.module not in modules:
+        wrapped = fault.in_wrapper()  # (a model in DDP or DataParallel: the name inside it)
+        if wrapped.module in modules:
+            return wrapped
         if fault.module in owners:
             raise DetauditError(
                 f"--inject-fault: the model has a module {fault.module!r}, but it was not seen "
@@ -482,6 +486,7 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> None:
                      f"the model itself, {ROOT_NAME}")  # (a bare nn.Linear)
         raise DetauditError(
             f"--inject-fault: no module {fault.module!r} ran at step {fault.step}; {hint}")
+    return fault
 
 
 def _check_side_fault(fault: Fault, sides: list[str]) -> None:

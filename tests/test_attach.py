@@ -3452,6 +3452,16 @@ def test_exec_of_a_script_that_starts_torchrun_records_each_rank_in_sync(tmp_pat
     assert checks["params"] == checks["grads"] == checks["init"] == checks["shards"] == "ok"
 
 
+def test_a_fault_named_without_ddps_prefix_is_planted_in_the_module_inside_ddp(tmp_path):
+    """The report names a DDP model's layers with DDP's `module.` prefix; --inject-fault
+    takes them with or without it."""
+    done = _exec_ddp(tmp_path, "--max-steps", "3", "--json", "--inject-fault", "2@backward:1",
+                     script_args=("--launch", "torchrun"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    first = json.loads(done.stdout)["first_divergence"]
+    assert (first["module"], first["phase"], first["step"]) == ("module.2", "backward", 1)
+
+
 def test_ranks_that_never_join_a_process_group_are_said_to_train_alone(tmp_path):
     """torchrun starting a script that does not distribute (or `accelerate launch
     --multi_gpu` falling back where no GPU is found): each rank trains alone on all the

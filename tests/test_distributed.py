@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from detaudit.analysis.ranks import analyse, compare_ranks
 from detaudit.cli import main
 from detaudit.config import Fault
-from detaudit.drivers.rankprobe import is_rank_aware, shard_loader
+from detaudit.drivers.rankprobe import is_rank_aware, sampler_snapshot, shard_loader
 from detaudit.errors import DetauditError
 from detaudit.record.fingerprint import TensorPrint
 from detaudit.trace import StepInfo, Trace
@@ -206,6 +206,40 @@ def test_a_scanned_rank_whose_data_differs_is_where_the_all_reduced_difference_c
     where the difference began, and rank 0, whose gradients alone differ, received it."""
     rows = _received_from_rank_1("state", "batch.0")
     assert rows[1].cause == "data"
+
+
+def test_ranks_that_each_start_their_own_difference_are_each_its_source():
+    """Unseeded, each rank builds different weights run to run: both ranks' own parameters
+    differ before their first step (and so do the all-reduced gradients), so each is where
+    its difference began, not a receiver of the other's."""
+    by_rank = {rank: [_records_trace(k, [("state", "param.weight", f"{rank}-{k}"),
+                                         ("grad", "param.weight", f"g{k}")]) for k in (0, 1)]
+               for rank in (0, 1)}
+    rows = analyse(by_rank, compare_ranks(by_rank)).per_rank
+    assert [(r.rank, r.source) for r in rows] == [(0, "local"), (1, "local")]
+
+
+@pytest.mark.parametrize("seeded", ["per rank", "alike"])
+def test_samplers_that_shuffle_with_a_seed_per_rank_are_said_to_need_one_seed(seeded):
+    """Each rank's DistributedSampler takes its own part (num_replicas and rank are right)
+    of an order shuffled with its own seed: the parts overlap, and the advice is the seed,
+    not the num_replicas and rank the script already passes."""
+    data = TensorDataset(torch.arange(64))
+    by_rank = {}
+    for rank in (0, 1):
+        sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True,
+                                     seed=rank if seeded == "per rank" else 0)
+        trace = _records_trace(0, [("grad", "param.weight", "g")])
+        trace.probe["distributed"] = {"rank": rank, "epochs": [
+            {"epoch": 0, "sampler": sampler_snapshot(DataLoader(data, sampler=sampler))}]}
+        by_rank[rank] = [trace]
+    shards = {c.key: c for c in analyse(by_rank, compare_ranks(by_rank)).checks}["shards"]
+    if seeded == "alike":
+        assert shards.status == "ok", shards.detail
+        return
+    assert shards.status == "flagged"
+    assert "shuffles with a seed of its own (rank 0: 0, rank 1: 1)" in shards.detail
+    assert "num_replicas" not in shards.detail
 
 
 def _steps_trace(rank: int, steps: int, desync_at: int) -> Trace:

@@ -159,14 +159,15 @@ def _rank_row(rank: int, c: Comparison) -> RankRow:
 
 
 def _mark_all_reduce(rows: list[RankRow], comparisons: dict[int, Comparison]) -> None:
-    """A rank whose first difference is in its all-reduced gradients, while its own forward
-    and backward agree run to run, got the difference from a rank where it started."""
+    """A rank whose first difference is in its all-reduced gradients, while all else of
+    its own (its data, RNG, parameters before the step, loss, forward and backward) agrees
+    run to run, got the difference from a rank where it started."""
     for row in rows:
         step = row.first_step
         if step is None:
             continue
         local = {d.phase for d in comparisons[row.rank].first_diffs}
-        if local & {FORWARD, BACKWARD} or GRAD not in local:
+        if GRAD not in local or _started(comparisons[row.rank], step):
             continue
         senders = [other.rank for other in rows
                    if other is not row and _started(comparisons[other.rank], step)]
@@ -378,9 +379,24 @@ def _check_shards(items: RankTraces, seen: RankRecords) -> CheckResult:
     first = findings[0]
     return FLAGGED, (
         f"ranks {_join(first['ranks'])} share {first['shared']} samples in epoch "
-        f"{first['epoch']} (indices {_join(first['examples'])}, ...): each rank needs its own "
-        "shard, e.g. DistributedSampler(dataset, num_replicas=world_size, rank=rank)"
+        f"{first['epoch']} (indices {_join(first['examples'])}, ...): "
+        + _unsharded_why({r: by_epoch[first["epoch"] - 1] for r, by_epoch in samplers.items()})
     ), findings
+
+
+def _unsharded_why(samplers: dict[int, dict[str, Any]]) -> str:
+    """Why ranks' DistributedSamplers overlap: each shuffles with a seed of its own (each
+    takes its part of a different order), or their ranks are not the process group's."""
+    seeds = {rank: s.get("seed") for rank, s in samplers.items()}
+    shards = {(s.get("num_replicas"), s.get("rank")) for s in samplers.values()}
+    if (len(set(seeds.values())) > 1 and len(shards) == len(samplers)
+            and all(s.get("shuffle") for s in samplers.values())):
+        return ("each rank takes its own part of the samples, but of an order it shuffles "
+                f"with a seed of its own ({', '.join(f'rank {r}: {v}' for r, v in seeds.items())}"
+                "): every rank's DistributedSampler needs the same seed, so that their parts "
+                "of one shared order are disjoint")
+    return ("each rank needs its own shard, e.g. DistributedSampler(dataset, "
+            "num_replicas=world_size, rank=rank)")
 
 
 def _check_shards_by_batch(items: RankTraces, seen: RankRecords) -> CheckResult:
@@ -520,8 +536,9 @@ def _check_init(items: RankTraces, seen: RankRecords) -> CheckResult:
     inits = [_distributed(trace).get("init") for _, trace in items]
     if any(init is None for init in inits):
         return NOT_CHECKED, (
-            "the parameters as built were not recorded on every rank (the probe wrapped its "
-            "model in DDP itself, or no DistributedDataParallel was built)"
+            "the parameters as built were not recorded on every rank (they are recorded as "
+            "DistributedDataParallel is built: none was, as with FSDP or tensor parallelism, "
+            "or a probe file wrapped its model in DDP itself)"
         ), []
     names = [n for n in inits[0] if all(n in init for init in inits)]
     ranks = [rank for rank, _ in items]
@@ -535,8 +552,9 @@ def _check_init(items: RankTraces, seen: RankRecords) -> CheckResult:
     first = findings[0]
     return FLAGGED, (
         f"{len(findings)} of {len(names)} parameters differ between ranks as built (first: "
-        f"{first['parameter']}, ranks {_groups(first['groups'])}): the ranks seed differently "
-        "before building the model; DDP's broadcast from rank 0 only hides it"
+        f"{first['parameter']}, ranks {_groups(first['groups'])}): the ranks build it from "
+        "different random states (seeded differently, or not seeded); DDP's broadcast from "
+        "rank 0 only hides it"
     ), findings
 
 

@@ -121,7 +121,7 @@ def sampler_snapshot(batches: Iterable[Any]) -> dict[str, Any] | None:
     if isinstance(sampler, DistributedSampler):
         return {
             "kind": "DistributedSampler", "epoch": sampler.epoch, "shuffle": sampler.shuffle,
-            "num_replicas": sampler.num_replicas, "rank": sampler.rank,
+            "num_replicas": sampler.num_replicas, "rank": sampler.rank, "seed": sampler.seed,
             "padding": max(0, sampler.total_size - len(sampler.dataset)),
             "indices": [int(i) for i in sampler],
         }
