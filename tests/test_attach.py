@@ -830,6 +830,33 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
     assert not list(temporary.glob("pymp-*"))
 
 
+def test_the_update_that_makes_an_optimizers_state_for_a_checkpoint_is_no_step(tmp_path):
+    """Distributed checkpointing's get_state_dict (what a DCP resume calls before loading)
+    makes a fresh optimizer's state by a step on zero gradients at lr 0: no training step,
+    so the script's first step is step 0 and a fault planted there fires."""
+    script = tmp_path / "dcp.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        get_state_dict(model, optimizer)
+        x = torch.randn(32, 8)
+        for i in range(4):
+            model(x[i * 8:(i + 1) * 8]).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        """))
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--json", "--seed", "0",
+                   "--inject-fault", "2@forward:0", "--", sys.executable, str(script))
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["steps_per_repeat"] == [4, 4], summary["headline"]
+    first = summary["first_divergence"]
+    assert (first["module"], first["phase"], first["step"]) == ("2", "forward", 0)
+    assert not summary["updates_without_backward"] and not summary["calls_unseen"]
+
+
 def test_a_progress_bar_the_limit_cuts_short_leaves_the_verdict_on_a_line_of_its_own(tmp_path):
     """A tqdm bar the script draws on stderr has no line end while its loop runs; --max-steps
     ends the process mid-loop, so the bar is closed as the loop's end would close it, and

@@ -45,6 +45,18 @@ def _inside_another_step(optimizer: torch.optim.Optimizer, frame: FrameType | No
     return False
 
 
+def _initialising_state(frame: FrameType | None) -> bool:
+    """Whether the update runs inside torch.distributed's code that makes an optimizer's
+    state by a step on zero gradients (at lr 0) before a checkpoint is loaded into it
+    (DCP's get_state_dict and set_state_dict, NamedOptimizer.init_state): no training step."""
+    while frame is not None:
+        if (frame.f_code.co_name in ("_init_optim_state", "init_state")
+                and str(frame.f_globals.get("__name__")).startswith("torch.distributed.")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _prints_of(params: list[torch.Tensor]) -> list[str]:
     return [print_.fp for _, print_ in printed_now(params, stats=False)]
 
@@ -57,6 +69,8 @@ class Updates:
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer is not self.optimizer and _inside_another_step(optimizer, sys._getframe(1)):
             return  # (the optimizer given is the one recorded, wrapped or not)
+        if _initialising_state(sys._getframe(1)):
+            return
         self._optimizer_used = True  # (any optimizer: the loop does not update by hand)
         self._discarded = False  # (the gradients were not thrown away after all)
         if self._auto and self.inferring:
@@ -99,6 +113,8 @@ class Updates:
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer is not self.optimizer and _inside_another_step(optimizer, sys._getframe(1)):
             return  # (the optimizer given is the one recorded, wrapped or not)
+        if _initialising_state(sys._getframe(1)):
+            return
         if self.stopped or self.inferring or self.info is None or self.recorder is None or (
                 self.optimizer is not None and optimizer is not self.optimizer):
             return
