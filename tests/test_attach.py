@@ -830,6 +830,14 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
     assert not list(temporary.glob("pymp-*"))
 
 
+def _found_fault(tmp_path: Path, script: Path, fault: str, *options: str) -> dict[str, Any]:
+    """The summary of `script`'s exec audit with `fault` planted, which found a divergence."""
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--json", *options,
+                   "--inject-fault", fault, "--", sys.executable, str(script))
+    assert done.returncode == 1, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
 def test_the_update_that_makes_an_optimizers_state_for_a_checkpoint_is_no_step(tmp_path):
     """Distributed checkpointing's get_state_dict (what a DCP resume calls before loading)
     makes a fresh optimizer's state by a step on zero gradients at lr 0: no training step,
@@ -847,28 +855,29 @@ def test_the_update_that_makes_an_optimizers_state_for_a_checkpoint_is_no_step(t
             optimizer.step()
             optimizer.zero_grad()
         """))
-    done = run_cli("exec", "--out", str(tmp_path / "run"), "--json", "--seed", "0",
-                   "--inject-fault", "2@forward:0", "--", sys.executable, str(script))
-    assert done.returncode == 1, done.stdout + done.stderr
-    summary = json.loads(done.stdout)
+    summary = _found_fault(tmp_path, script, "2@forward:0", "--seed", "0")
     assert summary["steps_per_repeat"] == [4, 4], summary["headline"]
     first = summary["first_divergence"]
     assert (first["module"], first["phase"], first["step"]) == ("2", "forward", 0)
     assert not summary["updates_without_backward"] and not summary["calls_unseen"]
 
 
-def test_a_progress_bar_the_limit_cuts_short_leaves_the_verdict_on_a_line_of_its_own(tmp_path):
-    """A tqdm bar the script draws on stderr has no line end while its loop runs; --max-steps
-    ends the process mid-loop, so the bar is closed as the loop's end would close it, and
-    the verdict (stdout, the same log in CI) begins a line of its own."""
+@pytest.mark.parametrize("drawn", ["tqdm", "carriage returns"])
+def test_a_progress_line_the_limit_cuts_short_leaves_the_verdict_on_a_line_of_its_own(
+        tmp_path, drawn):
+    """A progress line (a tqdm bar on stderr, or a line the script redraws on stdout with
+    carriage returns) has no line end while its loop runs; --max-steps ends the process
+    mid-loop, so the bar is closed as the loop's end would close it and the line ended: the
+    next run's output, and the verdict (stdout, the same log in CI), begin lines of their own."""
     script = tmp_path / "bar.py"
     script.write_text(
-        "import torch, tqdm\n"
+        "import sys, torch, tqdm\n"
         "torch.manual_seed(0)\n"
         "model = torch.nn.Linear(4, 2)\n"
         "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "for _ in tqdm.tqdm(range(1000), mininterval=0):\n"
-        "    optimizer.zero_grad()\n"
+        + ("for _ in tqdm.tqdm(range(1000), mininterval=0):\n" if drawn == "tqdm" else
+           "for i in range(1000):\n    print(f'\\r{i}/1000 [', end='', flush=True)\n")
+        + "    optimizer.zero_grad()\n"
         "    model(torch.ones(3, 4)).sum().backward()\n"
         "    optimizer.step()\n")
     done = subprocess.run(
@@ -878,7 +887,7 @@ def test_a_progress_bar_the_limit_cuts_short_leaves_the_verdict_on_a_line_of_its
     output = done.stdout.decode()  # (not as text: that splits lines at the bar's returns)
     lines = output.split("\n")
     assert done.returncode == 0, output
-    assert sum("/1000 [" in line for line in lines) == 2, output  # a bar in each run
+    assert sum("/1000 [" in line for line in lines) == 2, output  # a line in each run
     assert any(line.startswith("DETERMINISTIC") for line in lines), output
 
 
@@ -911,10 +920,7 @@ def test_ops_a_dataloader_runs_to_deliver_a_batch_are_not_the_zoomed_steps(tmp_p
                 optimizer.step()
                 optimizer.zero_grad()
         """))
-    done = run_cli("exec", "--out", str(tmp_path / "run"), "--json", "--max-steps", "3",
-                   "--inject-fault", "1@backward:1", "--", sys.executable, str(script))
-    assert done.returncode == 1, done.stdout + done.stderr
-    summary = json.loads(done.stdout)
+    summary = _found_fault(tmp_path, script, "1@backward:1", "--max-steps", "3")
     assert summary["first_divergence"]["module"] == "1", summary["headline"]
     ops = [(o["module"], o["phase"], o["op"]) for o in summary["ops"]]
     assert ("0", "backward", "aten.mm") in ops  # (the layer below the fault)

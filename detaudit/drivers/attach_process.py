@@ -246,14 +246,17 @@ def _end_at_the_limit(attachment: Attachment) -> None:
     DataLoader pass begins): the DataLoader workers end as the end of a loop ends them,
     each removing its temporary folder (killed with the process group, each would leave a
     ``pymp-*`` folder behind); the script's progress bars are closed as the end of a loop
-    closes them (their last line ended, so what prints next does not join it); then the
-    process ends."""
+    closes them, and its output's last line is ended (a progress line redrawn with carriage
+    returns leaves it open), so that what prints next, the next run or the verdict, begins
+    a line of its own; then the process ends."""
     for iterator in list(attachment.loader_iterators):
         shut_down = getattr(iterator, "_shutdown_workers", None)  # (not one without workers)
         if shut_down is not None:
             with contextlib.suppress(Exception):
                 shut_down()
     _close_progress_bars()
+    with contextlib.suppress(Exception):
+        sys.stdout.write("\n")
     _end_process()
 
 
