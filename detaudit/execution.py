@@ -447,7 +447,8 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> Fault:
     module that did not run at that step, is one clear error now rather than after every
     run; the module names that did run are offered. An op fault in any module (no module
     named) is left to the run itself, which says if the op never ran. Returns the fault to
-    plant: a module named without DDP's ``module.`` prefix is named with it."""
+    plant: a module named as in the user's model is named inside the wrappers around it
+    (DDP's ``module.``, Lightning Fabric's ``_forward_module.``)."""
     trace = recorded[min(recorded, key=_rank_order)]
     if trace.failure is not None:
         return fault  # the failure is the finding
@@ -472,9 +473,9 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> Fault:
             modules = ran - {""}
             break
     if fault.module and ran and fault.module not in modules:
-        wrapped = fault.in_wrapper()  # (a model in DDP or DataParallel: the name inside it)
-        if wrapped.module in modules:
-            return wrapped
+        wrapped = _inside_wrappers(fault.module, modules)
+        if wrapped is not None:
+            return replace(fault, module=wrapped)
         if fault.module in owners:
             raise DetauditError(
                 f"--inject-fault: the model has a module {fault.module!r}, but it was not seen "
@@ -487,6 +488,20 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> Fault:
         raise DetauditError(
             f"--inject-fault: no module {fault.module!r} ran at step {fault.step}; {hint}")
     return fault
+
+
+# the attributes under which wrappers hold the model they wrap: DDP's and DataParallel's,
+# Lightning Fabric's (around DDP's too), FSDP1's, activation checkpointing's
+_WRAPPER_ATTRIBUTES = {"module", "_forward_module", "_fsdp_wrapped_module",
+                       "_checkpoint_wrapped_module"}
+
+
+def _inside_wrappers(name: str, modules: set[str]) -> str | None:
+    """The module that ran, named `name` within the wrappers around it (the fewest), the
+    name the reports give it."""
+    inside = [m for m in modules if m.endswith(f".{name}")
+              and set(m[:-len(name) - 1].split(".")) <= _WRAPPER_ATTRIBUTES]
+    return min(inside, key=len, default=None)
 
 
 def _check_side_fault(fault: Fault, sides: list[str]) -> None:

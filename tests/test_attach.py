@@ -3495,6 +3495,29 @@ def test_a_fault_named_without_ddps_prefix_is_planted_in_the_module_inside_ddp(t
     assert (first["module"], first["phase"], first["step"]) == ("module.2", "backward", 1)
 
 
+def test_a_fault_named_as_in_the_users_model_is_planted_inside_lightning_fabrics_wrapper(
+        tmp_path):
+    """Lightning Fabric holds the model as `_forward_module` of its own wrapper, which the
+    report's names keep; --inject-fault takes the user's names too."""
+    pytest.importorskip("lightning.fabric")
+    script = tmp_path / "fabric.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        from lightning.fabric import Fabric
+        fabric = Fabric(accelerator="cpu", devices=1)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = fabric.setup(model, optimizer)
+        x = torch.randn(16, 8)
+        for step in range(3):
+            fabric.backward(model(x[4 * step:4 * step + 4]).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        """))
+    first = _found_fault(tmp_path, script, "2@forward:1", "--seed", "0")["first_divergence"]
+    assert (first["module"], first["phase"], first["step"]) == ("_forward_module.2", "forward", 1)
+
+
 def test_ranks_that_never_join_a_process_group_are_said_to_train_alone(tmp_path):
     """torchrun starting a script that does not distribute (or `accelerate launch
     --multi_gpu` falling back where no GPU is found): each rank trains alone on all the
