@@ -1196,18 +1196,22 @@ def test_a_file_an_earlier_run_wrote_is_said_beside_an_unseeded_model_not_instea
     assert c.cause_text.endswith("; repeat 1 loaded vocab.pt (torch.load), written by an earlier run")
 
 
-def test_the_run_ends_at_an_evaluation_after_the_last_steps_update(tmp_path):
+@pytest.mark.parametrize("update", ["optimizer", "by hand"])
+def test_the_run_ends_at_an_evaluation_after_the_last_steps_update(tmp_path, update):
     """--max-steps 1 with one step per epoch (4 batches accumulated): how many optimizers
     update in a step is not known at step 0, so its end was seen only at the next training
-    call, after the script's evaluation (and checkpointing) had run. An evaluation call of
-    the model after the update ends it."""
+    call, after the script's evaluation (and checkpointing) had run; and a loop's own update
+    (fastai's optimizer is no torch.optim one) is seen only at the model's next call. An
+    evaluation call of the model after the update ends it."""
     marker = tmp_path / "evaluated.txt"
-    done = _exec(tmp_path, "--seed", "0", "--max-steps", "1",
-                 script_args=("--workers", "0", "--accumulate", "4", "--evaluated", str(marker)))
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "1", script_args=(
+        "--workers", "0", "--accumulate", "4", "--evaluated", str(marker),
+        *(["--by-hand"] if update == "by hand" else [])))
     assert done.returncode == 0, done.stdout + done.stderr
     assert not marker.exists()
     trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
     assert len(trace.steps) == 1 and trace.steps[0].optimizer_stepped
+    assert "optimizer" in set(next(trace.by_step())[1].records["phase"])  # (the update's)
 
 
 def test_ctrl_c_ends_the_process_tree_and_keeps_what_was_recorded(tmp_path):

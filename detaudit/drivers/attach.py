@@ -261,7 +261,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             if module is self.models.current() or found or (
                     self._updated and self.models.is_other(module)):
                 self._on_batch(module, args, {})
-        elif self._last_step_updated() and module is self.models.current():
+        elif module is self.models.current() and self._last_step_over():
             self.end_step()  # evaluation after the last step's update: the run is over
             self.stop()
         elif not module.training or not torch.is_grad_enabled():  # (an evaluation)

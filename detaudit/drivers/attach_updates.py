@@ -275,6 +275,17 @@ class Updates:
                 and self.info.step + 1 >= self.max_steps
                 and (self.info.step == 0 or self._optimizers <= self._stepped))
 
+    def _last_step_over(self) -> bool:
+        """Whether the step at the step limit has updated, by its optimizers or by the loop's
+        own update (seen now, and recorded: no training call will come to find it)."""
+        if self._last_step_updated():
+            return True
+        if (self.info is None or self._updated or self.max_steps is None
+                or self.info.step + 1 < self.max_steps or not self._updated_by_hand()):
+            return False
+        self._record_update_by_hand(last=True)
+        return True
+
     def _step_done(self, complete: bool, between_calls: bool = True) -> None:
         """The open step has updated (or its update was skipped): the next training call
         begins a new one, and so does a second update by an optimizer that already updated
