@@ -3522,6 +3522,44 @@ def test_a_fault_named_as_in_the_users_model_is_planted_inside_lightning_fabrics
     assert (first["module"], first["phase"], first["step"]) == ("_forward_module.2", "forward", 1)
 
 
+def test_ranks_lightning_fabric_starts_as_copies_of_the_command_each_record(tmp_path):
+    """Lightning's and Fabric's DDP on one machine: the command's own process is rank 0 and
+    starts the other ranks as copies of the command (LOCAL_RANK and WORLD_SIZE set, no
+    RANK). Only rank 0 was recorded, and a difference on rank 1 was blamed on rank 0."""
+    pytest.importorskip("lightning.fabric")
+    script = tmp_path / "fabric_ddp.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        from lightning.fabric import Fabric
+        fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+        fabric.launch()
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+        data = torch.utils.data.TensorDataset(torch.arange(128.0).reshape(16, 8) / 128)
+        loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(data, batch_size=2))
+        model, optimizer = fabric.setup(model, optimizer)
+        for epoch in range(2):
+            for (x,) in loader:
+                if fabric.global_rank == 1 and epoch == 1:  # unseeded noise, rank 1 only
+                    x = x + torch.rand(x.shape, generator=torch.Generator().manual_seed(
+                        torch.seed())) * 1e-3
+                fabric.backward(model(x).square().mean())
+                optimizer.step()
+                optimizer.zero_grad()
+        """))
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--json", "--seed", "0",
+                   "--max-steps", "6", "--", sys.executable, str(script))
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["first_divergence"]["step"] == 4 and summary["cause"]["kind"] == "data"
+    rows = {row["rank"]: row for row in summary["ranks"]["per_rank"]}
+    assert rows[1]["source"] == "local" and summary["ranks"]["primary_rank"] == 1
+    for rank in (0, 1):
+        traces = [Trace.load(tmp_path / "run" / f"trace-r{rank}-{r}.json.gz") for r in (0, 1)]
+        assert [len(t.steps) for t in traces] == [6, 6]
+        assert {t.probe["distributed"]["backend"] for t in traces} == {"gloo"}
+
+
 def test_ranks_that_never_join_a_process_group_are_said_to_train_alone(tmp_path):
     """torchrun starting a script that does not distribute (or `accelerate launch
     --multi_gpu` falling back where no GPU is found): each rank trains alone on all the

@@ -75,7 +75,7 @@ from ..trace import (
 )
 from .attach_epochs import Epochs, Waiting
 from .attach_models import ModelFinder, SideModels, live_objects
-from .attach_patches import Installing, transformed
+from .attach_patches import Installing, transformed, wrap_ddp_init
 from .attach_side import SideCalls
 from .attach_updates import Updates
 from .rankprobe import RankWatch
@@ -516,6 +516,17 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self.recorder.record_rng()
         self._by_hand = []  # (taken after the step's backward)
         self._grads_by_hand = []
+        return True
+
+    def record_as_rank(self, rank: RankWatch, path: str | Path) -> bool:
+        """This process, which records no rank, turns out to be one (a launcher in it
+        started the others as copies of its command, then it joined their process group):
+        before its first step it records as that rank, into `path`; after, it cannot."""
+        if self.rank is not None or self.stream.steps:
+            return False
+        self.rank = rank
+        self.path = self.stream.path = Path(path)
+        self._patch(torch.nn.parallel.DistributedDataParallel, "__init__", wrap_ddp_init(rank))
         return True
 
     @property

@@ -78,7 +78,13 @@ def activate_from_environment() -> Attachment | None:
         _claim(None)  # (its children do not record; one started before may: see claim)
         attachment = _attach(job, claim=functools.partial(_first_to_claim, job["trace"]))
         _spawn_ranks_through(_spawned_rank)
+        import torch.distributed as dist
+
+        if dist.is_available():
+            attachment._patch(dist, "init_process_group", _recording_as_rank(
+                attachment, job["trace"], dist.init_process_group))
         return attachment
+    rank = rank or _launched_rank()
     if rank is not None:
         _claim(str(rank.rank))
         return _attach(job, rank)
@@ -99,6 +105,39 @@ def _rank_to_claim() -> RankWatch | None:
             and os.environ.get(RANK_OWNER_VARIABLE) != rank):
         return RankWatch(int(rank), int(world), UNJOINED)
     return None
+
+
+def _launched_rank() -> RankWatch | None:
+    """The rank of a copy of the command that a launcher in the recording process started
+    (Lightning's and Fabric's for DDP on one machine: ``LOCAL_RANK`` and ``WORLD_SIZE``
+    set, no ``RANK``; the process that started it records rank 0, see
+    :func:`_recording_as_rank`), if this is one and no process above it claimed the rank."""
+    rank, world = os.environ.get("LOCAL_RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if ("RANK" in os.environ or os.environ.get("NODE_RANK", "0") != "0" or not rank.isdigit()
+            or not world.isdigit() or os.environ.get(RANK_OWNER_VARIABLE) == rank):
+        return None
+    return RankWatch(int(rank), int(world), UNJOINED)
+
+
+def _recording_as_rank(attachment: Attachment, trace: str,
+                       init: Callable[..., Any]) -> Callable[..., Any]:
+    """``init_process_group`` in the command's own process, which records no rank: once it
+    joins a group of several, its launcher started the other ranks (see _launched_rank),
+    and it records as its rank in that group from then on."""
+    @functools.wraps(init)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        joined = init(*args, **kwargs)
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            rank, world = dist.get_rank(), dist.get_world_size()
+            if world > 1 and attachment.record_as_rank(
+                    RankWatch(rank, world, str(dist.get_backend())),
+                    rank_trace_path(trace, rank)):
+                os.environ[RANK_OWNER_VARIABLE] = str(rank)  # (its children: not that rank)
+        return joined
+
+    return init_process_group
 
 
 def _first_to_claim(trace: str) -> bool:
