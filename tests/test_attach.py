@@ -3452,6 +3452,11 @@ def _exec_ddp(tmp_path, *options, script_args=()):
                    "--", sys.executable, str(DDP_SCRIPT), *script_args)
 
 
+def _verdict(done: subprocess.CompletedProcess) -> str:
+    """The verdict line exec printed after the command's own output (--quiet)."""
+    return done.stdout.lstrip("\n").splitlines()[0]
+
+
 def _checks(run: Path) -> dict[str, str]:
     summary = json.loads((run / "summary.json").read_text())
     return {c["key"]: c["status"] for c in summary["ranks"]["checks"]}
@@ -3607,7 +3612,7 @@ def test_exec_of_a_script_sharding_its_model_or_optimizer_across_ranks_is_no_fal
     them)."""
     done = _exec_ddp(tmp_path, "--max-steps", "3", script_args=("--launch", "torchrun", sharding))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith(
+    assert _verdict(done).startswith(
         f"DETERMINISTIC: 2 repeats bit-identical over 3 steps; {said}"), done.stdout
     for rank in (0, 1):
         trace = Trace.load(tmp_path / "run" / f"trace-r{rank}-0.json.gz")
@@ -3628,7 +3633,7 @@ def test_exec_of_an_fsdp2_script_compares_each_rank_with_itself_not_with_other_s
     done = _exec_ddp(tmp_path / "plain", "--max-steps", "3",
                      script_args=("--launch", "torchrun", "--fsdp"))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith(
+    assert _verdict(done).startswith(
         "DETERMINISTIC: 2 repeats bit-identical over 3 steps; 2 ranks, their parameters not "
         "compared (no parameter records to compare: 4 parameters sharded, each rank holding "
         "its own shard)"), done.stdout
@@ -3650,7 +3655,7 @@ def test_exec_of_an_fsdp2_script_compares_each_rank_with_itself_not_with_other_s
     done = _exec_ddp(tmp_path / "fault", "--max-steps", "3", "--inject-fault", "2@backward:1",
                      script_args=("--launch", "torchrun", "--fsdp"))
     assert done.returncode == 1, done.stdout + done.stderr
-    verdict = done.stdout.splitlines()[0]
+    verdict = _verdict(done)
     assert "first at step 1 (epoch 1), backward, 2 (origin)" in verdict, verdict
     assert "the planted fault, found where it was planted" in verdict, verdict
     assert "zoomed in on step 1" in verdict and "all_gather" not in done.stdout
@@ -3665,7 +3670,7 @@ def test_exec_of_a_tensor_parallel_script_expects_its_ranks_to_share_batches(tmp
     script = ("--launch", "torchrun", "--tp", "--shared-data")
     done = _exec_ddp(tmp_path / "plain", "--max-steps", "3", script_args=script)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith(
+    assert _verdict(done).startswith(
         "DETERMINISTIC: 2 repeats bit-identical over 3 steps; 2 ranks in sync"), done.stdout
     checks = {c["key"]: c for c in json.loads(
         (tmp_path / "plain" / "run" / "summary.json").read_text())["ranks"]["checks"]}
@@ -3677,7 +3682,7 @@ def test_exec_of_a_tensor_parallel_script_expects_its_ranks_to_share_batches(tmp
     done = _exec_ddp(tmp_path / "fault", "--max-steps", "3", "--inject-fault",
                      "2/aten.mm@backward:1", script_args=script)
     assert done.returncode == 1, done.stdout + done.stderr
-    verdict = done.stdout.splitlines()[0]
+    verdict = _verdict(done)
     assert verdict.startswith("DIVERGENT: first at step 1 (epoch 1), backward, 2 (origin)"), verdict
     assert "op: aten.mm in 2 (the planted fault, found where it was planted)" in verdict
 

@@ -294,8 +294,9 @@ def _end_at_the_limit(attachment: Attachment) -> None:
             with contextlib.suppress(Exception):
                 shut_down()
     _close_progress_bars()
-    with contextlib.suppress(Exception):
-        sys.stdout.write("\n")
+    if attachment.rank is None or attachment.rank.rank == 0:  # (the rank that shows progress)
+        with contextlib.suppress(Exception):
+            sys.stdout.write("\n")
     _end_process()
 
 
