@@ -501,3 +501,21 @@ def test_sharded_and_tensor_parallel_models_are_told_apart(tmp_path):
         assert "0.weight" not in recorder.sharded_parameters()
     finally:
         dist.destroy_process_group()
+
+
+def test_module_hooks_removed_while_a_call_begins_do_nothing_in_that_call():
+    """Torch runs the hooks a call began with: a hook removed from a call under way (a run
+    that turns from inference to training at the model's first training call, inside a
+    global pre-hook) was still called, without its keyword arguments, and raised."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with Recorder(model) as recorder:
+        recorder.begin_step(0)
+        removing = nn.modules.module.register_module_forward_pre_hook(
+            lambda module, args: recorder.hook_for("none"))
+        try:
+            model(torch.ones(1, 2))
+        finally:
+            removing.remove()
+        assert not recorder._handles
+        model(torch.ones(1, 2))  # (and no hook is left on the model)
+        assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

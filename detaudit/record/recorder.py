@@ -110,7 +110,7 @@ class Recorder(BackwardBoundaries):
         self._params = dict(self._models[0].named_parameters())
         self._param_owners: dict[int, str] | None = None  # (see _note_read)
         self._partial: set[str] = set()  # see partial_gradients
-        self._handles: list[Any] = []
+        self._handles: list[tuple[Any, _Hook]] = []  # (a module hook's handle, the hook)
         self._step_handles: list[Any] = []
         self._step = -1
         self._thread = threading.get_ident()  # (see begin_step)
@@ -130,9 +130,19 @@ class Recorder(BackwardBoundaries):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for handle in self._handles + self._step_handles:
+        self._remove_module_hooks()
+        for handle in self._step_handles:
             handle.remove()
-        self._handles, self._step_handles = [], []
+        self._step_handles = []
+
+    def _remove_module_hooks(self) -> None:
+        """Remove the module hooks. A call under way runs the hooks it began with, removed
+        or not (and a pre-hook removed from it is called without its keyword arguments):
+        each removed hook does nothing from now on."""
+        for handle, hook in self._handles:
+            handle.remove()
+            hook.hook = _no_hook
+        self._handles = []
 
     def _install(self, models: list[nn.Module] | None = None, skip: set[int] | None = None,
                  ) -> None:
@@ -147,10 +157,9 @@ class Recorder(BackwardBoundaries):
                 self._hook(module)
 
     def _hook(self, module: nn.Module) -> None:
-        self._handles.append(module.register_forward_pre_hook(_Hook(self._pre_hook),
-                                                              with_kwargs=True))
-        self._handles.append(module.register_forward_hook(_Hook(self._post_hook),
-                                                          with_kwargs=True))
+        pre, post = _Hook(self._pre_hook), _Hook(self._post_hook)
+        self._handles.append((module.register_forward_pre_hook(pre, with_kwargs=True), pre))
+        self._handles.append((module.register_forward_hook(post, with_kwargs=True), post))
 
     @property
     def _records_modules(self) -> bool:
@@ -183,9 +192,7 @@ class Recorder(BackwardBoundaries):
         the hooks of a module call as they were when the call began: a hook removed inside
         a call would still be run, without its state; change them between calls."""
         if watch == WATCH_NONE and self._handles:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
+            self._remove_module_hooks()
         elif watch != WATCH_NONE and not self._handles:
             self._install()
 
