@@ -838,6 +838,34 @@ def _found_fault(tmp_path: Path, script: Path, fault: str, *options: str) -> dic
     return json.loads(done.stdout)
 
 
+def test_a_call_torchvisions_model_builder_makes_is_no_step(tmp_path):
+    """torchvision's SSDLite builder calls its backbone in eval mode, without gradients, to
+    measure its output channels: that call was taken for an inference step, which
+    --max-steps 1 ended the run at, before any training, and a fault planted at step 0
+    never reached the training step."""
+    script = tmp_path / "ssdlite.py"
+    script.write_text(textwrap.dedent("""\
+        import torch, torchvision
+        model = torchvision.models.detection.ssdlite320_mobilenet_v3_large(
+            weights=None, weights_backbone=None, num_classes=3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        images = [torch.rand(3, 64, 64) for _ in range(2)]
+        targets = [{"boxes": torch.tensor([[4.0, 4.0, 40.0, 40.0]]), "labels": torch.tensor([1])}] * 2
+        model.train()
+        for step in range(3):
+            loss = sum(model(images, targets).values())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        """))
+    summary = _found_fault(tmp_path, script, "head.classification_head@forward:0",
+                           "--seed", "0", "--max-steps", "1")
+    assert not summary["inferred"] and summary["steps_per_repeat"] == [1, 1]
+    first = summary["first_divergence"]
+    assert (first["module"], first["phase"], first["step"]) == (
+        "head.classification_head", "forward", 0)
+
+
 def test_the_update_that_makes_an_optimizers_state_for_a_checkpoint_is_no_step(tmp_path):
     """Distributed checkpointing's get_state_dict (what a DCP resume calls before loading)
     makes a fresh optimizer's state by a step on zero gradients at lr 0: no training step,

@@ -214,7 +214,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         """A module call the loop does not make: one being transformed (see
         attach_patches.transformed), the computing of a parametrized weight (each read of it
         calls its parametrizations), a call made while a model is built (see
-        _in_a_module_init), or a call in another thread than the loop's (an evaluation run
+        _building_a_model), or a call in another thread than the loop's (an evaluation run
         in the background) but for autograd's (a checkpoint recomputing)."""
         if transformed() or isinstance(module, ParametrizationList):
             return True
@@ -222,7 +222,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             torch._C._current_autograd_node() is not None)
         if not in_the_loop and self._loop_thread_known:
             return True
-        if self._depth == 0 and _in_a_module_init():  # (asked of top-level calls only)
+        if self._depth == 0 and _building_a_model():  # (asked of top-level calls only)
             return True
         # until a step begins, the loop's thread is the one that attached, or the thread
         # of a call that may begin the first step (a loop run in a thread of its own)
@@ -755,14 +755,23 @@ def _note_group(rank: RankWatch) -> None:
             rank.backend, rank.world_size = str(dist.get_backend()), dist.get_world_size()
 
 
-def _in_a_module_init() -> bool:
-    """Whether a module's ``__init__`` is running: a model that calls its layers as it is
-    built (Ultralytics' YOLO measures its strides and FLOPs so, in training mode) makes no
-    call of the loop, neither a step nor a batch. Asked of top-level calls only."""
+# the packages of model builders that call what they build (outside any module call, so
+# only as they build it): torchvision's SSDLite measures its backbone's output channels so
+_BUILDING_PACKAGES = ("torchvision.models.",)
+
+
+def _building_a_model() -> bool:
+    """Whether a model is being built: a module's ``__init__`` is running, or a model
+    builder of a library (:data:`_BUILDING_PACKAGES`). A model that calls its layers as it
+    is built (Ultralytics' YOLO measures its strides and FLOPs so, in training mode;
+    torchvision's SSDLite its backbone's output channels, in eval mode) makes no call of
+    the loop, neither a step nor a batch. Asked of top-level calls only."""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "__init__" and issubclass(type(frame.f_locals.get("self")),
                                                              nn.Module):
+            return True
+        if str(frame.f_globals.get("__name__")).startswith(_BUILDING_PACKAGES):
             return True
         frame = frame.f_back
     return False
