@@ -289,6 +289,29 @@ def test_an_evaluation_before_the_optimizer_is_made_is_no_inference_run(tmp_path
     assert trace.probe["config"]["mode"] == "train" and not trace.probe["inferred"]
 
 
+def test_epochs_are_seen_in_a_run_that_evaluates_before_it_makes_its_optimizer(tmp_path):
+    """The evaluation, taken for an inference step before training began, had no loader
+    pass: "--max-epochs had no effect" was said of it, and kept once training counted its
+    epochs."""
+    def loop():
+        model = nn.Linear(4, 1)
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros(1, 4))
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            for (x,) in torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+                    torch.ones(4, 4)), batch_size=2):
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    trace = _attached(tmp_path / "t.json.gz", loop, max_epochs=3)
+    assert [s.epoch for s in trace.steps] == [0, 0, 1, 1]
+    assert "epochs_unseen" not in trace.probe
+
+
 def test_inference_records_every_model_called_and_one_left_in_training_mode(tmp_path):
     """Calls without gradients and no optimizer are inference even in training mode (a
     script that forgot eval()); an ensemble's or a pipeline's second model is recorded too

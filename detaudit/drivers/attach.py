@@ -716,10 +716,12 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self.trace.probe[MODELS] = models
         if self.recorder is not None and (tied := self.recorder.tied_parameters()):
             self.trace.probe[TIED_PARAMETERS] = tied
+        # (saved at each step too: said of the run as it stands, the steps of an inference
+        # it turned out not to be forgotten; and of the end only, when no limit ended it)
+        self.trace.probe.pop(EPOCHS_UNSEEN, None)
         if (self.max_epochs is not None and self.stream.steps and self._train_pass is None
                 and self.explicit_epoch is None):
             self.trace.probe[EPOCHS_UNSEEN] = True
-        # (saved at each step too: said of the end only, when not a limit that ended it)
         self.trace.probe.pop(FIRST_PASS_UNFINISHED, None)
         if self._first_pass_unfinished():
             self.trace.probe[FIRST_PASS_UNFINISHED] = self._pass_lengths[self._train_loader]
