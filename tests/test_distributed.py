@@ -242,6 +242,22 @@ def test_samplers_that_shuffle_with_a_seed_per_rank_are_said_to_need_one_seed(se
     assert "num_replicas" not in shards.detail
 
 
+@pytest.mark.parametrize("failed", [True, False])
+def test_ranks_that_failed_before_joining_a_group_are_not_said_to_train_alone(failed):
+    """Ranks that never joined a process group train alone by design (a script that does
+    not distribute), unless each failed before it could (a script that asks for NCCL on
+    a machine without a GPU): the group checks then say so, not that the ranks train apart."""
+    by_rank = {}
+    for rank in (0, 1):
+        trace = _records_trace(0, [("grad", "param.weight", "g")])
+        trace.probe["distributed"] = {"rank": rank, "backend": "unknown"}
+        trace.failure = "RuntimeError: Found no NVIDIA driver" if failed else None
+        by_rank[rank] = [trace]
+    checks = {c.key: c for c in analyse(by_rank, compare_ranks(by_rank)).checks}
+    said = "each failed before" if failed else "each trains a model of its own"
+    assert all(said in checks[key].detail for key in ("params", "grads", "shards", "init"))
+
+
 def _steps_trace(rank: int, steps: int, desync_at: int) -> Trace:
     """A rank's trace of `steps` steps whose parameter goes out of sync at `desync_at`."""
     trace = Trace(probe={}, repeat=0, env={})

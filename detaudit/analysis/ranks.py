@@ -120,6 +120,9 @@ def analyse(
     backends = [_distributed(t).get("backend") for ts in traces_by_rank.values() for t in ts]
     # (a trace that names no backend, from a run before exec noted it, is taken as joined)
     joined = not backends or any(b != UNJOINED for b in backends)
+    # ranks that failed, every one, before any joined: not ranks that train alone by design
+    unjoined = FAILED_UNJOINED if all(t.failure for ts in traces_by_rank.values()
+                                      for t in ts) else NO_GROUP
     results: dict[str, list[CheckResult]] = {key: [] for key, _, _ in CHECKS}
     for k in range(repeats):
         items = [(r, traces_by_rank[r][k]) for r in ranks]
@@ -128,7 +131,7 @@ def analyse(
             results[key].append(
                 (NOT_CHECKED, "one rank: nothing to compare it with", [])
                 if len(ranks) < 2 and key not in ALONE else
-                (NOT_CHECKED, NO_GROUP, []) if not joined and key in GROUP_CHECKS else
+                (NOT_CHECKED, unjoined, []) if not joined and key in GROUP_CHECKS else
                 check(items, seen))
     checks = [_merge(key, title, results[key]) for key, title, _ in CHECKS]
     backend = NO_PROCESS_GROUP if not joined and len(ranks) > 1 else next(
@@ -577,6 +580,7 @@ NO_GROUP = ("the ranks never joined a process group: each trains a model of its 
             "seeded and fed as it likes), nothing is all-reduced (a script that does not "
             "distribute, or a launcher that fell back to one process per device, e.g. "
             "`accelerate launch --multi_gpu` where no GPU is found)")
+FAILED_UNJOINED = "no rank joined a process group: each failed before (see the failures)"
 
 
 def _merge(key: str, title: str, results: list[CheckResult]) -> RankCheck:
