@@ -208,6 +208,22 @@ def test_a_scanned_rank_whose_data_differs_is_where_the_all_reduced_difference_c
     assert rows[1].cause == "data"
 
 
+def test_a_rank_whose_loss_alone_differs_received_it_from_one_whose_rng_did():
+    """Tensor parallelism all-reduces inside forward: noise drawn unseeded on rank 1 makes
+    both ranks' losses differ run to run, but only rank 1's RNG differed as the step began.
+    Rank 1 is the source (the report details it), rank 0 received the difference."""
+    def trace(rank, k):
+        return _records_trace(k, [
+            ("state", "rng.torch", f"{rank}-{k}" if rank == 1 else "same"),
+            ("output", "loss", f"loss-{k}"), ("grad", "param.weight", f"g{k}")])
+
+    by_rank = {rank: [trace(rank, k) for k in (0, 1)] for rank in (0, 1)}
+    ranks = analyse(by_rank, compare_ranks(by_rank))
+    assert [(r.rank, r.source) for r in ranks.per_rank] == [
+        (0, "all-reduce (from rank 1)"), (1, "local")]
+    assert ranks.primary_rank == 1
+
+
 def test_ranks_that_each_start_their_own_difference_are_each_its_source():
     """Unseeded, each rank builds different weights run to run: both ranks' own parameters
     differ before their first step (and so do the all-reduced gradients), so each is where

@@ -138,7 +138,7 @@ def analyse(
         (b for b in backends if b and b != UNJOINED), None)
     return RankAnalysis(
         world_size=len(ranks), backend=backend,
-        primary_rank=_primary(rows), per_rank=rows, checks=checks, crash=crash,
+        primary_rank=_primary(rows, comparisons), per_rank=rows, checks=checks, crash=crash,
     )
 
 
@@ -162,39 +162,43 @@ def _rank_row(rank: int, c: Comparison) -> RankRow:
 
 
 def _mark_all_reduce(rows: list[RankRow], comparisons: dict[int, Comparison]) -> None:
-    """A rank whose first difference is in its all-reduced gradients, while all else of
-    its own (its data, RNG, parameters before the step, loss, forward and backward) agrees
-    run to run, got the difference from a rank where it started."""
+    """A rank whose own part of the first divergent step began less far upstream than
+    another's got the difference from it, through a collective: its gradients alone differ
+    (DDP's all-reduce), or its loss too where the other rank's data, RNG or parameters
+    differed before the step (a tensor-parallel layer's all-reduce in forward)."""
     for row in rows:
         step = row.first_step
         if step is None:
             continue
-        local = {d.phase for d in comparisons[row.rank].first_diffs}
-        if GRAD not in local or _started(comparisons[row.rank], step):
-            continue
+        own = _started(comparisons[row.rank], step)
         senders = [other.rank for other in rows
-                   if other is not row and _started(comparisons[other.rank], step)]
+                   if other is not row and _started(comparisons[other.rank], step) > own]
         if senders:
             row.source = f"all-reduce (from rank {_join(senders)})"
 
 
-def _started(c: Comparison, step: int) -> bool:
-    """Whether a rank's own run-to-run difference began by `step`: a module origin in its
-    forward or backward at that step, or, at scan level (no module records), a first
-    difference that is not only gradients and updates (its data, RNG, parameters, loss)."""
+def _started(c: Comparison, step: int) -> int:
+    """How far upstream a rank's own run-to-run difference began by `step`: 2, in what the
+    step began with (its data, RNG or parameters, state records) or at a module origin in
+    its forward or backward; 1, in its loss (at scan level, no module records); 0, in its
+    gradients and updates alone, or not at all."""
     if c.first_step is None or c.first_step > step:
-        return False
+        return 0
     if any(f.step == step and f.role == ORIGIN and f.phase in (FORWARD, BACKWARD)
            for f in c.findings):
-        return True
-    return bool({d.phase for d in c.first_diffs} - {GRAD, OPTIMIZER})
+        return 2
+    phases = {d.phase for d in c.first_diffs}
+    return 2 if STATE in phases else 1 if phases - {GRAD, OPTIMIZER} else 0
 
 
-def _primary(rows: list[RankRow]) -> int:
-    """The rank whose run-to-run analysis the report details: the first to diverge locally."""
+def _primary(rows: list[RankRow], comparisons: dict[int, Comparison]) -> int:
+    """The rank whose run-to-run analysis the report details: the first to diverge locally,
+    the furthest upstream."""
     divergent = [r for r in rows if r.first_step is not None]
     if divergent:
-        return min(divergent, key=lambda r: (r.first_step, r.source != "local", r.rank)).rank
+        return min(divergent, key=lambda r: (
+            r.first_step, r.source != "local", -_started(comparisons[r.rank], r.first_step),
+            r.rank)).rank
     failed = [r for r in rows if r.failures]
     return (failed or rows)[0].rank
 
