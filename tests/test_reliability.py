@@ -122,6 +122,18 @@ def test_a_crashed_repeat_is_a_failure_compared_over_the_steps_all_completed():
 
 
 
+def test_a_module_hook_torch_calls_with_other_arguments_fails_as_detaudits():
+    """A module hook of detaudit's called with arguments it does not take fails at its
+    wrapper's call, before any frame of the hook: that is detaudit's failure too, not the
+    user's line that called the module."""
+    from detaudit.drivers.runner import raised_in_detaudit
+    from detaudit.record.recorder import _Hook
+
+    with pytest.raises(TypeError) as failed:
+        _Hook(lambda module, args, kwargs: None)(torch.nn.Linear(1, 1), ())
+    assert raised_in_detaudit(failed.value)
+
+
 def test_a_bug_in_detaudits_recording_is_reported_as_one_with_its_traceback(
         monkeypatch, capsys):
     """A failure in the recording the runner drives (not in the user's step) says it is

@@ -681,7 +681,8 @@ _DEVICE_ERRORS = tuple(getattr(torch, name) for name in ("OutOfMemoryError", "Ac
 _DEVICE_MESSAGES = ("CUDA error", "device-side assert", "out of memory", "meta tensor",
                     "HIP error", "XPU error", "MPS backend")
 _HOOK_ENTRIES = frozenset({
-    "_pre_hook", "_post_hook", "hook",  # Recorder (a hook on a tensor or an autograd node)
+    # Recorder (a hook on a tensor or an autograd node; a module hook's wrapper, _Hook)
+    "_pre_hook", "_post_hook", "hook", "__call__",
     "_global_pre", "_global_post", "on_backward", "_before_update", "_after_update",
     "on_loader_pass", "on_loader_iter", "on_loader_batch", "on_scaler_update",  # Attachment
     "on_manual_seed", "on_parameter_made",
