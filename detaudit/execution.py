@@ -154,8 +154,18 @@ def exec_command(
                     and needs_zoom(comparison)):
                 folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
                 progress.stage("zoom")
-                zoomed = _zoom_command(command, job, folder, probe, comparison, config, spec,
-                                       output, primary, stdin, since_ns, progress)
+                zoomed, zoomed_rank = _zoom_command(command, job, folder, probe, comparison,
+                                                    config, spec, output, primary, stdin,
+                                                    since_ns, progress)
+                if ranks is not None and zoomed_rank != primary:
+                    # the step parted first on another rank: the others received it
+                    primary = zoomed_rank
+                    traces = _of_rank(runs, primary)
+                    comparison = compare_traces(traces)
+                    comparison.failures.update({t.repeat: t.failure for t in traces if t.failure})
+                    _received_from(ranks, primary, comparison.first_step)
+                    folder.info.extra["ranks"] = ranks.to_dict()
+                    folder.info.traces = [trace_name(t.repeat, primary) for t in traces]
         except KeyboardInterrupt:
             _keep_partial(folder, len(runs))
             mark_interrupted(folder)
@@ -164,6 +174,36 @@ def exec_command(
             folder.set_state(stopped_state(folder.info.state, exc))
             raise
         return conclude(traces, info, folder, timings, zoomed, ranks, comparison)
+
+
+def _received_from(ranks: RankAnalysis, source: int, step: int | None) -> None:
+    """The zoom found the first divergent step parting first on rank `source`: the report
+    details it, and the ranks that part there too received the difference from it."""
+    ranks.primary_rank = source
+    for row in ranks.per_rank:
+        if row.first_step == step:
+            row.source = "local" if row.rank == source else f"all-reduce (from rank {source})"
+
+
+def _furthest_upstream(runs: list[Recorded], step: int, rank: int) -> int:
+    """The rank whose replays of `step` part first in the order of its records (the ranks of
+    one program record the same calls in the same order): where the difference began, the
+    other ranks receiving it through a collective (a tensor-parallel layer's all-reduce in
+    forward). `rank` where none parts sooner."""
+    def position(r: int) -> float:
+        traces = _of_rank(runs, r)
+        zoomed = compare_traces(traces) if len(traces) > 1 else None
+        if zoomed is None or zoomed.first_step != step or not zoomed.first_diffs:
+            return float("inf")
+        first = zoomed.first_diffs[0].key[1:]
+        cut = dict(traces[0].by_step()).get(step)
+        if cut is None:
+            return float("inf")
+        r0 = cut.records
+        keys = zip(r0["phase"], r0["module"], r0["call"], r0["slot"])
+        return next((i for i, key in enumerate(keys) if key == first), float("inf"))
+
+    return min(sorted(runs[0], key=_rank_order), key=lambda r: (position(r), r != rank))
 
 
 def _mode_of(traces: list[AnyTrace]) -> str:
@@ -249,12 +289,16 @@ def _zoom_command(
     comparison: Comparison, config: AuditConfig, spec: ProbeSpec, output: Any,
     rank: int | None = None, stdin: Any = None, since_ns: int | None = None,
     progress: Progress | None = None,
-) -> Comparison | None:
+) -> tuple[Comparison | None, int | None]:
     """Run the command again, each run recording the first divergent step at module and op
     level (the scan runs before it must agree again: if a run parts earlier, the zoom moves
-    there; a step that does not part again is retried, then called intermittent)."""
+    there; a step that does not part again is retried, then called intermittent). Returns
+    the zoomed comparison and the rank it details: of ranks, the one where the replayed
+    step parts furthest upstream (see _furthest_upstream), `rank` if none sooner."""
     from .investigate.drilldown import drill_down
     from .investigate.zoom import zoom_by_replay
+
+    zoomed_rank = [rank]
 
     def replay(step: int) -> list[AnyTrace]:
         # a fault planted after the step (a real divergence came first) is not reached
@@ -268,7 +312,9 @@ def _zoom_command(
                                   since_ns=since_ns)[0])
             shown.advance(f"zoom: step {step}, run {r + 1}/{job.repeats} replayed")
         shown.close()
-        replayed = _of_rank(runs, rank)
+        if rank is not None:
+            zoomed_rank[0] = _furthest_upstream(runs, step, rank)
+        replayed = _of_rank(runs, zoomed_rank[0])
         for trace in replayed:
             folder.add_zoom_trace(trace)  # moved out of the command's own files, cleared next
         for r in range(job.repeats):
@@ -291,7 +337,7 @@ def _zoom_command(
         found["traces"] = [zoom_name(t.repeat) for t in traces]
     folder.info.extra["zoom"] = found
     folder.save()
-    return compare_traces(traces, comparison.idle_rng) if traces else None
+    return (compare_traces(traces, comparison.idle_rng) if traces else None), zoomed_rank[0]
 
 
 @dataclass

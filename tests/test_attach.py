@@ -3737,6 +3737,23 @@ def test_exec_of_a_tensor_parallel_script_expects_its_ranks_to_share_batches(tmp
     assert verdict.startswith("DIVERGENT: first at step 1 (epoch 1), backward, 2 (origin)"), verdict
     assert "op: aten.mm in 2 (the planted fault, found where it was planted)" in verdict
 
+def test_a_difference_one_tensor_parallel_rank_makes_is_found_on_that_rank(tmp_path):
+    """Rank 1's first layer adds unseeded noise to its part of the output at step 1; the
+    second layer's all-reduce in forward hands it to rank 0, whose losses differ as rank
+    1's do. The zoom was made on rank 0, where the difference arrives at the collective
+    ("outside the dispatcher" in layer 2); the replays show it began on rank 1, in layer 0."""
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    done = _exec_ddp(tmp_path, "--max-steps", "3", "--json", script_args=(
+        "--launch", "torchrun", "--tp", "--shared-data", "--noise-on-rank", "1"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    first = summary["first_divergence"]
+    assert (first["step"], first["phase"], first["module"]) == (1, "forward", "0"), first
+    assert summary["ranks"]["primary_rank"] == 1
+    rows = {row["rank"]: row["source"] for row in summary["ranks"]["per_rank"]}
+    assert rows == {0: "all-reduce (from rank 1)", 1: "local"}
+
+
 def test_a_first_step_whose_forward_runs_inside_the_closure_records_its_gradients(tmp_path):
     """Lightning calls optimizer.step(closure) before the model was ever called: the step
     begins inside the closure, and its gradients are still recorded."""

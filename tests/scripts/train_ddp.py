@@ -5,7 +5,8 @@ DistributedSampler (unless --shared-data), seeded by the script itself. With ``-
 model is sharded by FSDP2 instead of wrapped in DDP, with ``--fsdp1`` by FSDP1
 (``FullyShardedDataParallel``, one flat parameter), with ``--tp`` split by tensor
 parallelism; in each of those its gradients are clipped. ``--zero``: DDP with a
-ZeroRedundancyOptimizer (each rank updates its partition, then broadcasts it)."""
+ZeroRedundancyOptimizer (each rank updates its partition, then broadcasts it).
+``--noise-on-rank R``: one rank's first layer adds unseeded noise to its output at step 1."""
 
 import argparse
 import os
@@ -49,6 +50,17 @@ def train(rank, world, args):
         model = parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     else:
         model = DistributedDataParallel(net)
+    if args.noise_on_rank == rank:  # unseeded noise in the first layer's output, at step 1
+        calls = []
+
+        def noise(module, inputs, output):
+            calls.append(None)
+            if len(calls) != 2:
+                return None
+            return output + torch.rand(output.shape, generator=torch.Generator().manual_seed(
+                int.from_bytes(os.urandom(4), "little"))) * 1e-3
+
+        net[0].register_forward_hook(noise)
     if args.zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -84,6 +96,8 @@ def main():
     p.add_argument("--zero", action="store_true", help="a ZeroRedundancyOptimizer (with DDP)")
     p.add_argument("--tp", action="store_true",
                    help="split the model by tensor parallelism (with --shared-data)")
+    p.add_argument("--noise-on-rank", type=int,
+                   help="unseeded noise in the first layer's output on this rank, at step 1")
     args = p.parse_args()
     if args.launch == "spawn":
         with socket.socket() as s:

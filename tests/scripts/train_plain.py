@@ -53,8 +53,9 @@ class Net(nn.Module):
         pooled = features.mean((2, 3))
         if self.gather is not None:
             pooled = pooled + self.gather(features)
-        if self.classes is not None:
-            pooled = pooled + self.classes(torch.arange(4)).mean(0)
+        if self.classes is not None:  # (detached: the tied weight's gradient is the head's
+            # own weight-gradient op's output, which no sum can round a 1-ULP change out of)
+            pooled = (pooled + self.classes(torch.arange(4)).mean(0)).detach()
         return self.head(pooled)
 
 
