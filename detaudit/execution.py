@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -66,7 +67,7 @@ from .runfolder import (
     trace_probe,
     zoom_name,
 )
-from .trace import FORWARD, PROBE_CONFIG, STATE, AnyTrace, Trace, open_trace
+from .trace import FORWARD, PROBE_CONFIG, PROBE_DISTRIBUTED, STATE, AnyTrace, Trace, open_trace
 from .words import counted
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"  # holds the sitecustomize
@@ -156,14 +157,14 @@ def exec_command(
                 progress.stage("zoom")
                 zoomed, zoomed_rank = _zoom_command(command, job, folder, probe, comparison,
                                                     config, spec, output, primary, stdin,
-                                                    since_ns, progress)
-                if ranks is not None and zoomed_rank != primary:
-                    # the step parted first on another rank: the others received it
-                    primary = zoomed_rank
+                                                    since_ns, progress, ranks)
+                if ranks is not None and zoomed_rank[0] != primary:
+                    # the step parted first on another rank: the ranks after it received it
+                    primary, later = zoomed_rank
                     traces = _of_rank(runs, primary)
                     comparison = compare_traces(traces)
                     comparison.failures.update({t.repeat: t.failure for t in traces if t.failure})
-                    _received_from(ranks, primary, comparison.first_step)
+                    _received_from(ranks, primary, later)
                     folder.info.extra["ranks"] = ranks.to_dict()
                     folder.info.traces = [trace_name(t.repeat, primary) for t in traces]
         except KeyboardInterrupt:
@@ -176,34 +177,51 @@ def exec_command(
         return conclude(traces, info, folder, timings, zoomed, ranks, comparison)
 
 
-def _received_from(ranks: RankAnalysis, source: int, step: int | None) -> None:
+def _received_from(ranks: RankAnalysis, source: int, later: list[int]) -> None:
     """The zoom found the first divergent step parting first on rank `source`: the report
-    details it, and the ranks that part there too received the difference from it."""
+    details it, and the ranks `later`, where it parted further on, received it."""
     ranks.primary_rank = source
     for row in ranks.per_rank:
-        if row.first_step == step:
-            row.source = "local" if row.rank == source else f"all-reduce (from rank {source})"
+        if row.rank == source:
+            row.source = "local"
+        elif row.rank in later:
+            row.source = f"all-reduce (from rank {source})"
 
 
-def _furthest_upstream(runs: list[Recorded], step: int, rank: int) -> int:
-    """The rank whose replays of `step` part first in the order of its records (the ranks of
-    one program record the same calls in the same order): where the difference began, the
-    other ranks receiving it through a collective (a tensor-parallel layer's all-reduce in
-    forward). `rank` where none parts sooner."""
+def _furthest_upstream(runs: list[Recorded], step: int, ranks: RankAnalysis, rank: int,
+                       idle_rng: Iterable[str]) -> tuple[int, list[int]]:
+    """Of the ranks of a tensor-parallel model (collectives in forward) that part at `step`
+    with nothing of their own differing as it began (their loss first: see
+    analysis.ranks._started), the one whose replays of `step` part
+    first in the order of its records (the ranks of one program record the same calls in
+    the same order): where the difference began, the ranks parting further on receiving it
+    through a collective (a tensor-parallel layer's all-reduce in forward). Returns that
+    rank (`rank` where none parts sooner) and those."""
+    from .analysis.ranks import NO_PROCESS_GROUP
+
+    candidates = [row.rank for row in ranks.per_rank
+                  if row.first_step == step and row.source == "local" and row.phase != STATE]
+    forward_collectives = any(  # (DDP's all-reduce is in backward: its losses are their own)
+        (t.probe.get(PROBE_DISTRIBUTED) or {}).get("tensor_parallel") for t in runs[0].values())
+    if (ranks.backend == NO_PROCESS_GROUP or not forward_collectives or len(candidates) < 2
+            or rank not in candidates):
+        return rank, []
+
     def position(r: int) -> float:
         traces = _of_rank(runs, r)
-        zoomed = compare_traces(traces) if len(traces) > 1 else None
-        if zoomed is None or zoomed.first_step != step or not zoomed.first_diffs:
+        zoomed = compare_traces(traces, idle_rng) if len(traces) > 1 else None
+        cut = dict(traces[0].by_step()).get(step) if traces else None
+        if zoomed is None or zoomed.first_step != step or not zoomed.first_diffs or cut is None:
             return float("inf")
-        first = zoomed.first_diffs[0].key[1:]
-        cut = dict(traces[0].by_step()).get(step)
-        if cut is None:
-            return float("inf")
-        r0 = cut.records
+        first, r0 = zoomed.first_diffs[0].key[1:], cut.records
         keys = zip(r0["phase"], r0["module"], r0["call"], r0["slot"])
         return next((i for i, key in enumerate(keys) if key == first), float("inf"))
 
-    return min(sorted(runs[0], key=_rank_order), key=lambda r: (position(r), r != rank))
+    positions = {r: position(r) for r in candidates}
+    source = min(candidates, key=lambda r: (positions[r], r != rank, r))
+    if positions[source] == float("inf"):
+        return rank, []
+    return source, [r for r in candidates if positions[r] > positions[source]]
 
 
 def _mode_of(traces: list[AnyTrace]) -> str:
@@ -264,6 +282,11 @@ def _recorded(path: Path) -> Recorded:
         rank = found.name[len(stem) + 2:-len(".json.gz")]
         if rank.isdigit():
             ranks[int(rank)] = open_trace(found)
+    if ranks and path.exists() and open_trace(path).steps:
+        raise DetauditError(
+            f"the command recorded both ranks ({', '.join(map(str, sorted(ranks)))}) and a "
+            "process of no rank that trained: a rank of its process group that detaudit "
+            "did not see join it (please report this, with how the ranks are started)")
     if ranks:
         return dict(sorted(ranks.items()))
     return {None: open_trace(path)} if path.exists() else {}
@@ -288,17 +311,18 @@ def _zoom_command(
     command: list[str], job: ExecJob, folder: RunFolder, probe: dict[str, Any],
     comparison: Comparison, config: AuditConfig, spec: ProbeSpec, output: Any,
     rank: int | None = None, stdin: Any = None, since_ns: int | None = None,
-    progress: Progress | None = None,
-) -> tuple[Comparison | None, int | None]:
+    progress: Progress | None = None, ranks: RankAnalysis | None = None,
+) -> tuple[Comparison | None, tuple[int | None, list[int]]]:
     """Run the command again, each run recording the first divergent step at module and op
     level (the scan runs before it must agree again: if a run parts earlier, the zoom moves
     there; a step that does not part again is retried, then called intermittent). Returns
-    the zoomed comparison and the rank it details: of ranks, the one where the replayed
-    step parts furthest upstream (see _furthest_upstream), `rank` if none sooner."""
+    the zoomed comparison, the rank it details (of `ranks`, the one where the replayed step
+    parts furthest upstream, see _furthest_upstream; `rank` if none sooner) and the ranks
+    that received the difference from it."""
     from .investigate.drilldown import drill_down
     from .investigate.zoom import zoom_by_replay
 
-    zoomed_rank = [rank]
+    zoomed_rank: tuple[int | None, list[int]] = (rank, [])
 
     def replay(step: int) -> list[AnyTrace]:
         # a fault planted after the step (a real divergence came first) is not reached
@@ -312,8 +336,9 @@ def _zoom_command(
                                   since_ns=since_ns)[0])
             shown.advance(f"zoom: step {step}, run {r + 1}/{job.repeats} replayed")
         shown.close()
-        if rank is not None:
-            zoomed_rank[0] = _furthest_upstream(runs, step, rank)
+        nonlocal zoomed_rank
+        if ranks is not None and rank is not None:
+            zoomed_rank = _furthest_upstream(runs, step, ranks, rank, comparison.idle_rng)
         replayed = _of_rank(runs, zoomed_rank[0])
         for trace in replayed:
             folder.add_zoom_trace(trace)  # moved out of the command's own files, cleared next
@@ -337,7 +362,7 @@ def _zoom_command(
         found["traces"] = [zoom_name(t.repeat) for t in traces]
     folder.info.extra["zoom"] = found
     folder.save()
-    return (compare_traces(traces, comparison.idle_rng) if traces else None), zoomed_rank[0]
+    return (compare_traces(traces, comparison.idle_rng) if traces else None), zoomed_rank
 
 
 @dataclass

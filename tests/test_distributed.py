@@ -258,20 +258,49 @@ def test_samplers_that_shuffle_with_a_seed_per_rank_are_said_to_need_one_seed(se
     assert "num_replicas" not in shards.detail
 
 
-@pytest.mark.parametrize("failed", [True, False])
+@pytest.mark.parametrize("failed", ["before its first step", "after its steps", "no"])
 def test_ranks_that_failed_before_joining_a_group_are_not_said_to_train_alone(failed):
     """Ranks that never joined a process group train alone by design (a script that does
     not distribute), unless each failed before it could (a script that asks for NCCL on
-    a machine without a GPU): the group checks then say so, not that the ranks train apart."""
+    a machine without a GPU): the group checks then say so, not that the ranks train apart.
+    Ranks that trained, then failed, trained alone all the same."""
     by_rank = {}
     for rank in (0, 1):
-        trace = _records_trace(0, [("grad", "param.weight", "g")])
+        trace = (Trace(probe={}, repeat=0, env={}) if failed == "before its first step" else
+                 _records_trace(0, [("grad", "param.weight", "g")]))
         trace.probe["distributed"] = {"rank": rank, "backend": "unknown"}
-        trace.failure = "RuntimeError: Found no NVIDIA driver" if failed else None
+        trace.failure = None if failed == "no" else "RuntimeError: Found no NVIDIA driver"
         by_rank[rank] = [trace]
     checks = {c.key: c for c in analyse(by_rank, compare_ranks(by_rank)).checks}
-    said = "each failed before" if failed else "each trains a model of its own"
+    said = ("each failed before" if failed == "before its first step" else
+            "each trains a model of its own")
     assert all(said in checks[key].detail for key in ("params", "grads", "shards", "init"))
+
+
+@pytest.mark.parametrize("model", ["tensor parallel", "ddp", "no process group"])
+def test_the_zoom_details_the_tensor_parallel_rank_whose_step_parts_first(model):
+    """Both ranks' layer `w2` parts run to run, rank 1's `w1` before it: with collectives in
+    forward (tensor parallelism) rank 1 is where it began and rank 0 received it. DDP has
+    none there (each rank's forward is its own), and ranks that never joined a group none at
+    all: the rank the scan chose stays."""
+    from detaudit.execution import _furthest_upstream
+
+    def trace(rank, k):
+        t = Trace(probe={"distributed": {
+            "rank": rank, "backend": "unknown" if model == "no process group" else "gloo",
+            "tensor_parallel": model == "tensor parallel"}}, repeat=k, env={})
+        t.steps.append(StepInfo(step=0, epoch=0, index=0))
+        for module, fp in (("w1", f"{k}" if rank == 1 else "a"), ("w2", f"{k}")):
+            t.add_record(0, ("forward", module, 0, "out"),
+                         TensorPrint(fp, (2,), "float32", 1.0, 1.0, 0))
+        return t
+
+    runs = [{rank: trace(rank, k) for rank in (0, 1)} for k in (0, 1)]
+    by_rank = {rank: [run[rank] for run in runs] for rank in (0, 1)}
+    ranks = analyse(by_rank, compare_ranks(by_rank))
+    assert ranks.primary_rank == 0  # (each rank has an origin of its own in its records)
+    assert _furthest_upstream(runs, 0, ranks, 0, ()) == (
+        (1, [0]) if model == "tensor parallel" else (0, []))
 
 
 def _steps_trace(rank: int, steps: int, desync_at: int) -> Trace:

@@ -120,8 +120,8 @@ def analyse(
     backends = [_distributed(t).get("backend") for ts in traces_by_rank.values() for t in ts]
     # (a trace that names no backend, from a run before exec noted it, is taken as joined)
     joined = not backends or any(b != UNJOINED for b in backends)
-    # ranks that failed, every one, before any joined: not ranks that train alone by design
-    unjoined = FAILED_UNJOINED if all(t.failure for ts in traces_by_rank.values()
+    # ranks that failed, every one, before its first step: not ranks that train alone
+    unjoined = FAILED_UNJOINED if all(t.failure and not t.steps for ts in traces_by_rank.values()
                                       for t in ts) else NO_GROUP
     results: dict[str, list[CheckResult]] = {key: [] for key, _, _ in CHECKS}
     for k in range(repeats):

@@ -522,8 +522,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         """This process, which records no rank, turns out to be one (a launcher in it
         started the others as copies of its command, then it joined their process group):
         before its first step it records as that rank, into `path`; after, it cannot."""
-        if self.rank is not None or self.stream.steps:
+        if self.rank is not None or self.stream.steps or self.stopped or not self.installed:
             return False
+        rank.wrapped_by = "script"  # (the user's code builds its DDP model)
         self.rank = rank
         self.path = self.stream.path = Path(path)
         self._patch(torch.nn.parallel.DistributedDataParallel, "__init__", wrap_ddp_init(rank))

@@ -80,9 +80,10 @@ def activate_from_environment() -> Attachment | None:
         _spawn_ranks_through(_spawned_rank)
         import torch.distributed as dist
 
-        if dist.is_available():
-            attachment._patch(dist, "init_process_group", _recording_as_rank(
-                attachment, job["trace"], dist.init_process_group))
+        if dist.is_available():  # (a device mesh calls distributed_c10d's own name)
+            joining = _recording_as_rank(attachment, job["trace"], dist.init_process_group)
+            attachment._patch(dist, "init_process_group", joining)
+            attachment._patch(dist.distributed_c10d, "init_process_group", joining)
         return attachment
     rank = rank or _launched_rank()
     if rank is not None:
@@ -114,7 +115,9 @@ def _launched_rank() -> RankWatch | None:
     :func:`_recording_as_rank`), if this is one and no process above it claimed the rank."""
     rank, world = os.environ.get("LOCAL_RANK", ""), os.environ.get("WORLD_SIZE", "")
     if ("RANK" in os.environ or os.environ.get("NODE_RANK", "0") != "0" or not rank.isdigit()
-            or not world.isdigit() or os.environ.get(RANK_OWNER_VARIABLE) == rank):
+            or not world.isdigit() or not 0 < int(rank) < int(world)  # (rank 0: the command)
+            or os.environ.get(RANK_OWNER_VARIABLE) == rank
+            or os.environ.get(OWNER_VARIABLE) != str(os.getppid())):  # (started by it)
         return None
     return RankWatch(int(rank), int(world), UNJOINED)
 
@@ -304,7 +307,8 @@ def _close_progress_bars() -> None:
     """Close the tqdm bars still open (tqdm.auto's and the libraries' subclasses are
     tqdm's too), innermost first."""
     tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
-    for bar in sorted(getattr(tqdm, "_instances", ()), key=lambda b: -getattr(b, "pos", 0)):
+    for bar in sorted(getattr(tqdm, "_instances", ()),
+                      key=lambda b: -abs(getattr(b, "pos", 0))):  # (a fixed one's is negative)
         with contextlib.suppress(Exception):
             bar.close()
 
