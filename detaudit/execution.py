@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -402,6 +403,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     with nothing left to train), not an error."""
     path = folder.absolute() / _attach_name(repeat)  # (the command may change directory)
     fault = job.fault if job.fault is not None and repeat == job.repeats - 1 else None
+    began_ns = time.time_ns()
     env = dict(os.environ)
     env.pop(OWNER_VARIABLE, None)
     env.pop(RANK_OWNER_VARIABLE, None)
@@ -410,7 +412,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         "max_steps": job.max_steps, "max_epochs": job.max_epochs, "zoom": zoom,
         "fault": asdict(fault) if fault is not None else None,
         "planted_step": job.fault.step if job.fault is not None else None, "mode": job.mode,
-        "launcher": _is_launcher(command), "since_ns": since_ns, "began_ns": time.time_ns(),
+        "launcher": _is_launcher(command), "since_ns": since_ns, "began_ns": began_ns,
     })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:
@@ -480,6 +482,12 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         if trace.failure is not None:  # the command's own error: where in the run it came
             trace.failure += (f" (the last step it completed: {len(trace.steps) - 1})"
                               if trace.steps else " (before its first step completed)")
+            written = _written_by_earlier_runs(trace.failure, since_ns, began_ns)
+            if written:
+                trace.failure += (f"; {', '.join(written)} named there "
+                                  f"{'was' if len(written) == 1 else 'were'} written by an "
+                                  "earlier run of this audit (each run is the command as it "
+                                  "is, writing where the one before wrote)")
         elif trace.probe.get(ENDED) is False:
             # os._exit, or a signal no handler sees (SIGKILL): the steps since the last save
             # are lost, so the trace is short of what ran, not different from the others'
@@ -505,6 +513,20 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     timing = {"repeat": repeat, "seconds": seconds,
               "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}
     return recorded, timing
+
+
+def _written_by_earlier_runs(text: str, since_ns: int | None, began_ns: int) -> list[str]:
+    """The paths a failure's message names (as words: a folder, a file) that a run of the
+    audit before this one wrote: what a script refuses to write over (Ignite's
+    ModelCheckpoint, an output folder that must be empty)."""
+    if since_ns is None:
+        return []
+    written = []
+    for word in dict.fromkeys(re.findall(r"[\w./~-]*[\w~]", text)):
+        with contextlib.suppress(OSError, ValueError):
+            if since_ns <= os.stat(os.path.expanduser(word)).st_mtime_ns < began_ns:
+                written.append(word)
+    return written[:3]
 
 
 # why a fault at step 0 may find no module: models other than the first are named later

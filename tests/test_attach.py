@@ -1006,6 +1006,32 @@ def test_a_script_that_resumes_from_what_an_earlier_run_saved_is_told_so(tmp_pat
     assert not any(LOADED_FROM_EARLIER_RUNS in t.probe for t in traces)
 
 
+def test_a_run_that_fails_on_what_an_earlier_run_wrote_is_told_so(tmp_path):
+    """A script that refuses to write into an output folder that exists (Ignite's
+    ModelCheckpoint with require_empty): the second run fails on the folder the first wrote,
+    a FAILED run (exit 3) that now says where the folder came from."""
+    script = tmp_path / "refuses.py"
+    out = tmp_path / "checkpoints"
+    script.write_text(textwrap.dedent(f"""\
+        import os, torch
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        os.makedirs({str(out)!r})  # (exist_ok=False: a folder of an earlier training refused)
+        """))
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--json", "--seed", "0", "--",
+                   sys.executable, str(script))
+    assert done.returncode == 3, done.stdout + done.stderr
+    failure = json.loads(done.stdout)["failures"]["1"]
+    assert failure.startswith("FileExistsError while running at ") and failure.endswith(
+        f"; {out} named there was written by an earlier run of this audit (each run is the "
+        "command as it is, writing where the one before wrote)"), failure
+    assert not json.loads(done.stdout)["failures"].get("0")
+
+
 def test_a_run_that_resumes_with_nothing_left_to_train_is_a_run_of_no_steps(tmp_path):
     """Original DETR, resumed from its own output folder: the second run loads the first
     run's checkpoint at the last epoch and makes no step. That ended the audit as a usage
