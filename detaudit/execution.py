@@ -283,11 +283,6 @@ def _recorded(path: Path) -> Recorded:
         rank = found.name[len(stem) + 2:-len(".json.gz")]
         if rank.isdigit():
             ranks[int(rank)] = open_trace(found)
-    if ranks and path.exists() and open_trace(path).steps:
-        raise DetauditError(
-            f"the command recorded both ranks ({', '.join(map(str, sorted(ranks)))}) and a "
-            "process of no rank that trained: a rank of its process group that detaudit "
-            "did not see join it (please report this, with how the ranks are started)")
     if ranks:
         return dict(sorted(ranks.items()))
     return {None: open_trace(path)} if path.exists() else {}
@@ -437,6 +432,11 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         claimed_by = _claimant(path)  # (and cleared for the next run, interrupted or not)
     seconds = time.perf_counter() - started
     recorded = _recorded(path)
+    if None not in recorded and recorded and path.exists() and open_trace(path).steps:
+        raise DetauditError(
+            f"repeat {repeat} recorded ranks ({', '.join(map(str, sorted(recorded)))}) and a "
+            "process of no rank that trained: a rank of their process group that detaudit "
+            "did not see join it (please report this, with how the ranks are started)")
     unattached = path.with_name(path.name + UNATTACHED)  # (written by the bootstrap)
     if not recorded and unattached.exists():
         said = unattached.read_text(errors="replace").strip()
