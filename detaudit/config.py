@@ -5,6 +5,7 @@ and rebuilt in another process or next month."""
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
@@ -329,6 +330,13 @@ SHARED_PARAMETERS = "shared_parameters"
 # output layer), by the name records go under -> its other names
 TIED_PARAMETERS = "tied_parameters"
 UNJOINED = "unknown"  # the backend of a rank that has joined no process group (yet)
+
+
+def written_by_an_earlier_run(path: str | os.PathLike, since_ns: int, began_ns: int) -> bool:
+    """Whether `path` was last written after the audit began (`since_ns`) and before this
+    run of the command did (`began_ns`): by an earlier run of the audit. Raises OSError where
+    there is no such path."""
+    return since_ns <= os.stat(path).st_mtime_ns < began_ns
 
 
 def rank_trace_path(path: str | Path, rank: int) -> Path:

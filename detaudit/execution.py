@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from .analysis.compare import Comparison
 from .analysis.compare import compare as compare_traces
-from .analysis.ranks import RankAnalysis
+from .analysis.ranks import RankAnalysis, mark_received
 from .api import (
     STAGE_NAMES,
     Progress,
@@ -57,6 +57,7 @@ from .config import (
     fault_not_fired,
     nearest_modules,
     scripted_fault,
+    written_by_an_earlier_run,
 )
 from .errors import DetauditError
 from .runfolder import (
@@ -165,7 +166,7 @@ def exec_command(
                     traces = _of_rank(runs, primary)
                     comparison = compare_traces(traces)
                     comparison.failures.update({t.repeat: t.failure for t in traces if t.failure})
-                    _received_from(ranks, primary, later)
+                    mark_received(ranks, primary, later)
                     folder.info.extra["ranks"] = ranks.to_dict()
                     folder.info.traces = [trace_name(t.repeat, primary) for t in traces]
         except KeyboardInterrupt:
@@ -176,17 +177,6 @@ def exec_command(
             folder.set_state(stopped_state(folder.info.state, exc))
             raise
         return conclude(traces, info, folder, timings, zoomed, ranks, comparison)
-
-
-def _received_from(ranks: RankAnalysis, source: int, later: list[int]) -> None:
-    """The zoom found the first divergent step parting first on rank `source`: the report
-    details it, and the ranks `later`, where it parted further on, received it."""
-    ranks.primary_rank = source
-    for row in ranks.per_rank:
-        if row.rank == source:
-            row.source = "local"
-        elif row.rank in later:
-            row.source = f"all-reduce (from rank {source})"
 
 
 def _furthest_upstream(runs: list[Recorded], step: int, ranks: RankAnalysis, rank: int,
@@ -524,7 +514,7 @@ def _written_by_earlier_runs(text: str, since_ns: int | None, began_ns: int) -> 
     written = []
     for word in dict.fromkeys(re.findall(r"[\w./~-]*[\w~]", text)):
         with contextlib.suppress(OSError, ValueError):
-            if since_ns <= os.stat(os.path.expanduser(word)).st_mtime_ns < began_ns:
+            if written_by_an_earlier_run(os.path.expanduser(word), since_ns, began_ns):
                 written.append(word)
     return written[:3]
 

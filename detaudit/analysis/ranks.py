@@ -174,7 +174,22 @@ def _mark_all_reduce(rows: list[RankRow], comparisons: dict[int, Comparison]) ->
         senders = [other.rank for other in rows
                    if other is not row and _started(comparisons[other.rank], step) > own]
         if senders:
-            row.source = f"all-reduce (from rank {_join(senders)})"
+            row.source = _received(senders)
+
+
+def mark_received(analysis: RankAnalysis, source: int, later: list[int]) -> None:
+    """A zoom found the first divergent step parting first on rank `source`, and on the
+    ranks `later` further on: the report details `source`, and `later` received it."""
+    analysis.primary_rank = source
+    for row in analysis.per_rank:
+        if row.rank == source:
+            row.source = "local"
+        elif row.rank in later:
+            row.source = _received([source])
+
+
+def _received(senders: list[int]) -> str:
+    return f"all-reduce (from rank {_join(senders)})"
 
 
 def _started(c: Comparison, step: int) -> int:

@@ -75,7 +75,7 @@ from ..trace import (
 )
 from .attach_epochs import Epochs, Waiting
 from .attach_models import ModelFinder, SideModels, live_objects
-from .attach_patches import Installing, transformed, wrap_ddp_init
+from .attach_patches import Installing, transformed
 from .attach_side import SideCalls
 from .attach_updates import Updates
 from .rankprobe import RankWatch
@@ -527,7 +527,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         rank.wrapped_by = "script"  # (the user's code builds its DDP model)
         self.rank = rank
         self.path = self.stream.path = Path(path)
-        self._patch(torch.nn.parallel.DistributedDataParallel, "__init__", wrap_ddp_init(rank))
+        self._watch_ddp_init(rank)
         return True
 
     @property

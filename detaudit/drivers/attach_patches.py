@@ -227,7 +227,7 @@ def wrap_loader_next(attachment: Callbacks) -> Callable[..., Any]:
     return __next__
 
 
-def wrap_ddp_init(rank: RankWatch) -> Callable[..., Any]:
+def _wrap_ddp_init(rank: RankWatch) -> Callable[..., Any]:
     """DDP's constructor broadcasts rank 0's parameters: note this rank's as built first."""
     original = torch.nn.parallel.DistributedDataParallel.__init__
 
@@ -329,11 +329,14 @@ class Installing:
         if hasattr(warnings, "_showwarnmsg"):
             self._patch(warnings, "_showwarnmsg", shown_past_wrappers(warnings._showwarnmsg))
         if self.rank is not None:
-            ddp = torch.nn.parallel.DistributedDataParallel
-            self._patch(ddp, "__init__", wrap_ddp_init(self.rank))
+            self._watch_ddp_init(self.rank)
         _INSTALLED.append(self)
         self.installed = True
         return self
+
+    def _watch_ddp_init(self, rank: RankWatch) -> None:
+        """Note `rank`'s parameters as built when DDP wraps them (before its broadcast)."""
+        self._patch(torch.nn.parallel.DistributedDataParallel, "__init__", _wrap_ddp_init(rank))
 
     def uninstall(self) -> None:
         """Remove every hook and patch (what was recorded stays in the trace)."""

@@ -30,6 +30,7 @@ from ..config import (
     UNJOINED,
     Fault,
     rank_trace_path,
+    written_by_an_earlier_run,
 )
 from .attach import Attachment
 from .rankprobe import RankWatch
@@ -207,8 +208,8 @@ def _loading_noted(attachment: Attachment, load: Callable[..., Any], since_ns: i
     def loading(f: Any, *args: Any, **kwargs: Any) -> Any:
         name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
         with contextlib.suppress(OSError, TypeError, ValueError):  # (load says what is wrong)
-            if isinstance(name, (str, os.PathLike)) and (
-                    since_ns <= os.stat(name).st_mtime_ns < began_ns):
+            if isinstance(name, (str, os.PathLike)) and written_by_an_earlier_run(
+                    name, since_ns, began_ns):
                 noted = attachment.trace.probe.setdefault(LOADED_FROM_EARLIER_RUNS, [])
                 if os.fspath(name) not in noted and len(noted) < 5:
                     noted.append(os.fspath(name))

@@ -146,7 +146,11 @@ class Unintercepted:
         return getattr(self._fp, name)
 
 
-_FETCHING = threading.local()  # .depth: outside_the_steps_ops blocks open in this thread
+class _Fetching(threading.local):
+    depth = 0  # outside_the_steps_ops blocks open in this thread
+
+
+_FETCHING = _Fetching()
 
 
 @contextlib.contextmanager
@@ -155,7 +159,7 @@ def outside_the_steps_ops() -> Iterator[None]:
     (the batch is step state, printed as it is yielded) runs ops whose number and place
     are a race -- which fetch unpickles a worker's batch depends on when it arrived -- and
     would shift the op-level records of one run against another's."""
-    depth = getattr(_FETCHING, "depth", 0)
+    depth = _FETCHING.depth
     _FETCHING.depth = depth + 1
     try:
         yield
@@ -236,7 +240,7 @@ class OpRecorder(ModelOpMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(_FETCHING, "depth", 0):
+        if _FETCHING.depth:
             return func(*args, **kwargs)
         name = op_name(func)
         phase, call = self.where()

@@ -190,7 +190,8 @@ class Recorder(BackwardBoundaries):
     def hook_for(self, watch: str) -> None:
         """Install the module hooks `watch` needs, or remove them for ``none``. Torch runs
         the hooks of a module call as they were when the call began: a hook removed inside
-        a call would still be run, without its state; change them between calls."""
+        a call does nothing there (see _remove_module_hooks), and one added inside a call
+        runs from the next call on."""
         if watch == WATCH_NONE and self._handles:
             self._remove_module_hooks()
         elif watch != WATCH_NONE and not self._handles:
