@@ -3660,6 +3660,33 @@ def test_ranks_that_never_join_a_process_group_are_said_to_train_alone(tmp_path)
         "not checked")
 
 
+def test_rank_traces_beside_a_trained_process_of_no_rank_are_one_clear_error(tmp_path):
+    """A process of no rank that trains, and a child of it that records as a rank (its
+    launcher's variables set, as a rank of a group it never joined): no known launcher
+    does this, but where one does the rank-less trace must not be dropped without a word."""
+    script = tmp_path / "both.py"
+    script.write_text(textwrap.dedent("""\
+        import os, subprocess, sys
+        import torch
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if len(sys.argv) == 1:
+            env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+            subprocess.run([sys.executable, __file__, "child"], env=env, check=True)
+        """))
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0", "--",
+                   sys.executable, str(script))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert ("repeat 0 recorded ranks (1) and a process of no rank that trained"
+            in done.stderr), done.stderr
+    assert sorted(p.name for p in (tmp_path / "run").glob("attach-*")) == [
+        "attach-0-r1.json.gz", "attach-0.json.gz"]  # both kept
+
+
 def test_exec_of_a_script_that_spawns_its_ranks_finds_unsharded_data(tmp_path):
     # torch.multiprocessing.spawn; every rank shuffles all the data with the same seed
     done = _exec_ddp(tmp_path, "--max-steps", "3",
