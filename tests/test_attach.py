@@ -3,6 +3,7 @@ script, unmodified) and `detaudit.watch(...)` around the user's own loop."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -265,6 +266,34 @@ def test_calls_a_model_makes_as_it_is_built_are_neither_steps_nor_batches(tmp_pa
                       & records.slot.str.startswith("batch")]
     assert [tuple(s) for s in batches["shape"]] == [(3, 4)], batches
     assert trace.env["deterministic_algorithms"] is True
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_call_on_the_meta_device_is_neither_a_step_nor_a_batch(tmp_path, grad):
+    """A dry run on the meta device sizes the layers (Keras's symbolic build on torch does
+    so): under no_grad, before any optimizer, it was taken for an inference step, whose
+    outputs (no data) crashed the recording; with gradients on, in training mode, it was
+    taken for step 0's batch."""
+    def loop():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        with torch.set_grad_enabled(grad):
+            model.to("meta")(torch.empty(1, 4, device="meta"))
+        model = model.to_empty(device="cpu")
+        for p in model.parameters():
+            nn.init.normal_(p, std=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(3):
+            model(torch.full((2, 4), float(i))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    trace = _attached(tmp_path / "t.json.gz", loop)
+    assert len(trace.steps) == 3 and not trace.probe.get("inferred"), trace.failure
+    records = trace.frame()
+    batches = records[(records.phase == "state") & records.slot.str.startswith("batch")]
+    assert sorted(batches.step) == [0, 1, 2]
+    assert [tuple(s) for s in batches["shape"]] == [(2, 4)] * 3
 
 
 def test_an_evaluation_before_the_optimizer_is_made_is_no_inference_run(tmp_path):
@@ -808,6 +837,46 @@ def test_the_batches_of_an_inference_loop_are_recorded_in_its_steps(tmp_path):
     c = detaudit.compare(tmp_path).comparison
     assert c.first_step == 2 and c.cause == "data", (c.first_step, c.cause)
     assert any(d.slot.startswith("batch.loader") for d in c.first_diffs)
+
+
+class _GraphBatch:
+    """A batch object as PyTorch Geometric's loaders yield (``Batch``): its attributes read
+    through ``to_dict()``, no mapping, sequence or dataclass."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {"x": self.x, "y": self.y}
+
+
+@pytest.mark.parametrize("batch_type", [_GraphBatch, collections.UserDict])
+def test_labels_in_a_batch_object_a_loss_takes_outside_the_model_are_step_state(
+        tmp_path, batch_type):
+    """The labels of a PyTorch Geometric ``Batch`` (or of a mapping that is no dict, as
+    Hugging Face's ``BatchEncoding``) went unrecorded: noise in them was found as a forward
+    difference "outside the model", with advice about loss terms summed in a set's order."""
+    def train(noise: float) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = [(torch.full((4,), float(i)), torch.tensor([i + (noise if i == 5 else 0.0)]))
+                for i in range(8)]
+        def collate(items):
+            x, y = torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])
+            return _GraphBatch(x, y) if batch_type is _GraphBatch else batch_type(x=x, y=y)
+        for batch in torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate):
+            x, y = (batch.x, batch.y) if batch_type is _GraphBatch else (batch["x"], batch["y"])
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    for run, noise in enumerate((0.0, 0.25)):
+        _attached(tmp_path / f"trace-{run}.json.gz", functools.partial(train, noise))
+    c = detaudit.compare(tmp_path).comparison
+    assert c.first_step == 2 and c.cause == "data", (c.first_step, c.cause)
+    assert [d.slot for d in c.first_diffs if d.slot.startswith("batch.loader")] == [
+        "batch.loader.y"]
 
 
 def test_labels_a_loss_takes_outside_the_model_are_step_state(tmp_path):

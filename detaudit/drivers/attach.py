@@ -210,26 +210,27 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._out_of_graphs = False  # see keep_out_of_graphs
 
     # -- what the hooks see ----------------------------------------------------------------
-    def _no_call_of_the_loop(self, module: nn.Module) -> bool:
+    def _no_call_of_the_loop(self, module: nn.Module, args: tuple) -> bool:
         """A module call the loop does not make: one being transformed (see
         attach_patches.transformed), the computing of a parametrized weight (each read of it
         calls its parametrizations), a call made while a model is built (see
-        _building_a_model), or a call in another thread than the loop's (an evaluation run
-        in the background) but for autograd's (a checkpoint recomputing)."""
+        _building_a_model), a call on the meta device (see _on_meta), or a call in another
+        thread than the loop's (an evaluation run in the background) but for autograd's (a
+        checkpoint recomputing)."""
         if transformed() or isinstance(module, ParametrizationList):
             return True
         in_the_loop = threading.get_ident() == self._loop_thread or (
             torch._C._current_autograd_node() is not None)
         if not in_the_loop and self._loop_thread_known:
             return True
-        if self._depth == 0 and _building_a_model():  # (asked of top-level calls only)
-            return True
+        if self._depth == 0 and (_building_a_model() or _on_meta(module, args)):
+            return True  # (asked of top-level calls only)
         # until a step begins, the loop's thread is the one that attached, or the thread
         # of a call that may begin the first step (a loop run in a thread of its own)
         return not in_the_loop and not (module.training and torch.is_grad_enabled())
 
     def _global_pre(self, module: nn.Module, args: tuple) -> None:
-        if self._no_call_of_the_loop(module):
+        if self._no_call_of_the_loop(module, args):
             return
         if self._depth == 0:
             hooks_before = set(module._forward_pre_hooks)
@@ -271,7 +272,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
 
     def _global_post(self, module: nn.Module, args: tuple, output: Any,
                      kwargs: dict | None = None) -> Any:
-        if self._no_call_of_the_loop(module):
+        if self._no_call_of_the_loop(module, args):
             return None
         self._depth = max(0, self._depth - 1)
         name = self._inferred_name(module) if self._depth == 0 and self.inferring else None
@@ -778,6 +779,14 @@ def _building_a_model() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _on_meta(module: nn.Module, args: tuple) -> bool:
+    """Whether a call computes nothing: its module's parameters or its inputs are on the
+    meta device, where only shapes are worked out (a layer sized by a dry run, Keras's
+    symbolic build of a model on torch). Asked of top-level calls only."""
+    param = next(module.parameters(), None)
+    return (param is not None and param.is_meta) or any(t.is_meta for _, t in iter_tensors(args))
 
 
 def _in_shared_memory(param: torch.Tensor) -> bool:

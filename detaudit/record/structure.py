@@ -1,10 +1,10 @@
-"""Walking the nested values detection models pass around (lists, dicts, tuples, dataclasses,
-ImageList, detectron2's Instances)."""
+"""Walking the nested values detection models pass around (lists, dicts and other mappings,
+tuples, dataclasses, ImageList, detectron2's Instances, PyTorch Geometric's Data and Batch)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 import torch
@@ -26,7 +26,7 @@ def iter_leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 def _leaves(obj: Any, path: str, plain: bool) -> Iterator[tuple[str, Any]]:
     if isinstance(obj, torch.Tensor):
         yield path, obj
-    elif isinstance(obj, dict):
+    elif isinstance(obj, (dict, Mapping)):  # (Hugging Face's BatchEncoding is a UserDict)
         for key, value in obj.items():
             yield from _leaves(value, _join(path, str(key)), plain)
     elif isinstance(obj, (list, tuple)):
@@ -42,6 +42,10 @@ def _leaves(obj: Any, path: str, plain: bool) -> Iterator[tuple[str, Any]]:
             yield from _leaves(getattr(obj, f.name), _join(path, f.name), plain)
     elif callable(getattr(obj, "get_fields", None)):  # detectron2's Instances
         fields = obj.get_fields()
+        if isinstance(fields, dict):
+            yield from _leaves(fields, path, plain)
+    elif callable(getattr(obj, "to_dict", None)) and not isinstance(obj, type):
+        fields = obj.to_dict()  # PyTorch Geometric's Data and Batch: their attributes
         if isinstance(fields, dict):
             yield from _leaves(fields, path, plain)
 
