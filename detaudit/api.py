@@ -309,7 +309,7 @@ def check_fault_seen(fault: Fault | None, comparison: Comparison) -> None:
         return
     where = f"op {fault.op} in " if fault.op else ""
     raise DetauditError(
-        f"the planted fault fired ({where}{fault.module or '(model)'}, {fault.phase}, step "
+        f"the planted fault fired ({where}{fault.named}, {fault.phase}, step "
         f"{fault.step}) but no recorded value differs: the 1-ULP change rounded away before "
         "anything detaudit records; plant it elsewhere (a module's own output, or one nearer "
         "the parameters)" + ("; a parameter's gradient is recorded as the optimizer receives "

@@ -30,6 +30,7 @@ FAULT_GRAMMAR = "MODULE[/OP][@forward|@backward][:STEP] or op:OP[@phase][:STEP]"
 
 
 ROOT_NAME = "(model)"  # the model itself, as reports (and --inject-fault) name it
+ANY_MODULE = "*"  # an op fault's module where `op:OP` names none: the op in any module
 # Said when an op fault never fired: where the op is looked for.
 OP_FAULT_MODULE = "an op fault names the innermost module the op runs in, not a parent of it"
 
@@ -81,13 +82,13 @@ def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None,
     if said is not None:
         return said
     of = f"at step {fault.step} of {counted(steps, 'recorded step')}"
-    if fault.op and not fault.module:
+    if fault.module == ANY_MODULE:
         return f"op {fault.op!r} did not run {fault.phase} in any module {of}"
     ran = sorted(ran)
     ops = (f"; the ops it ran {fault.phase} there: {', '.join(ran[:10])}"
            + (f" and {len(ran) - 10} more" if len(ran) > 10 else "") if ran else "")
     where = f"op {fault.op!r} in " if fault.op else ""
-    return (f"{where}module {fault.module or ROOT_NAME!r} did not run {fault.phase} {of}"
+    return (f"{where}module {fault.named!r} did not run {fault.phase} {of}"
             + (f" ({OP_FAULT_MODULE}{ops})" if fault.op else "")
             + (" (a module that needs no gradient, for its parameters or its inputs, as a "
                "frozen layer, runs no backward: plant @forward)"
@@ -99,7 +100,8 @@ class Fault:
     """A planted change in one run: 1 ULP at `module`'s output (forward: its first element)
     or input gradient (backward: the largest element of the first gradient that is not all
     zero); with `op`, in the first output of the first such op run inside `module` (any
-    module when `module` is empty) that is not all zero -- 1 ULP for floats, two elements
+    module when it is ANY_MODULE; the model's own ops, in none of its submodules, when it is
+    empty) that is not all zero -- 1 ULP for floats, two elements
     swapped for integers (e.g. nms's kept indices)."""
 
     module: str
@@ -120,13 +122,18 @@ class Fault:
         m = _FAULT.match(text)
         if not m or not (m.group("module") or m.group("op")):
             raise DetauditError(f"fault {text!r} is not {FAULT_GRAMMAR}")
-        module = "" if m.group("module") == ROOT_NAME else m.group("module")
+        module = {ROOT_NAME: "", "": ANY_MODULE}.get(m.group("module"), m.group("module"))
         return cls(module, m.group("phase") or FORWARD, int(m.group("step") or 0),
                    m.group("op"))
 
+    @property
+    def named(self) -> str:
+        """Its module as reports name it: ``(model)`` for the model itself."""
+        return {"": ROOT_NAME, ANY_MODULE: "any module"}.get(self.module, self.module)
+
     def in_wrapper(self, prefix: str = "module") -> Fault:
         """The same fault with its module named inside a wrapper (DDP's ``module.``)."""
-        if not self.module or self.module.split(".")[0] == prefix:
+        if self.module in ("", ANY_MODULE) or self.module.split(".")[0] == prefix:
             return self
         return replace(self, module=f"{prefix}.{self.module}")
 

@@ -33,6 +33,7 @@ from .api import (
 )
 from .attached import Compared, conclude
 from .config import (
+    ANY_MODULE,
     CALLS_UNSEEN,
     CLAIM_SUFFIX,
     ENDED,
@@ -555,7 +556,7 @@ def _check_fault_target(fault: Fault, recorded: Recorded) -> Fault:
             ran = {m for p, m in zip(r["phase"], r["module"]) if p == FORWARD}
             modules = ran - {""}
             break
-    if fault.module and ran and fault.module not in modules:
+    if fault.module not in ("", ANY_MODULE) and ran and fault.module not in modules:
         wrapped = _inside_wrappers(fault.module, modules)
         if wrapped is not None:
             return replace(fault, module=wrapped)

@@ -38,7 +38,7 @@ from benchmark import train_step as _step  # the same instrumented step as the m
 
 from detaudit import Fault
 from detaudit.analysis.compare import ORIGIN, compare_ops
-from detaudit.config import AuditConfig
+from detaudit.config import ANY_MODULE, AuditConfig
 from detaudit.drivers.loading import builtin_spec, make_factory
 from detaudit.drivers.runner import run_repeat
 from detaudit.record.oprecorder import OpRecorder, op_name
@@ -50,7 +50,7 @@ HASHES = ("norm", "hash_tensor")  # DebugMode's two built-in tensor hashes
 OP_LEVEL = "detaudit, op level (Recorder + OpRecorder)"
 FAULTS = {
     "1-ULP": Fault("roi_heads.box_roi_pool", "forward", 0, op="torchvision.roi_align"),
-    "permutation": Fault("", "forward", 0, op="torchvision.nms"),
+    "permutation": Fault(ANY_MODULE, "forward", 0, op="torchvision.nms"),
 }
 
 

@@ -19,6 +19,7 @@ from detaudit import Fault, Probe, audit, seed_everything
 from detaudit.analysis.compare import ORIGIN
 from detaudit.analysis.knowledge import KNOWN, lookup
 from detaudit.analysis.risks import risks
+from detaudit.config import ANY_MODULE
 from detaudit.errors import DetauditError
 from detaudit.record.difference import tensor_difference
 from detaudit.record.environment import capture_environment
@@ -214,7 +215,9 @@ def test_knowledge_entries_are_complete_and_found_by_op():
 
 
 def test_op_fault_syntax():
-    assert Fault.parse("op:torchvision.nms@forward:2") == Fault("", "forward", 2, "torchvision.nms")
+    assert Fault.parse("op:torchvision.nms@forward:2") == Fault(
+        ANY_MODULE, "forward", 2, "torchvision.nms")
+    assert Fault.parse("(model)/aten.mul@backward:1") == Fault("", "backward", 1, "aten.mul")
     assert Fault.parse("roi_heads.box_roi_pool/torchvision.roi_align@backward:1") == Fault(
         "roi_heads.box_roi_pool", "backward", 1, "torchvision.roi_align")
     assert Fault.parse("rpn.head@backward") == Fault("rpn.head", "backward", 0)
@@ -432,6 +435,21 @@ def test_a_difference_made_in_the_models_own_code_is_its_origin_not_the_data(op,
     assert origin.slots in slots
     named = result.investigations["ops"]["ops"][0]
     assert (named["op"], named["module"], named["planted"]) == (op, "(model)", True)
+
+
+def test_an_op_fault_at_the_model_itself_is_in_its_own_ops_not_its_layers():
+    """`(model)/OP` was taken for an op in any module: an op that only a layer runs was
+    planted there, and an op the model never runs was said to run "in any module" with
+    no list of the ops the model itself ran."""
+    with pytest.raises(DetauditError) as refused:
+        audit(_mean_square_probe(_OwnCode), repeats=2, epochs=1,
+              fault=Fault.parse("(model)/aten.addmm@forward:1"))
+    said = str(refused.value)
+    assert "op 'aten.addmm' in module '(model)' did not run forward" in said, said
+    assert "the ops it ran forward there: aten.relu" in said, said
+    anywhere = audit(_mean_square_probe(_OwnCode), repeats=2, epochs=1,
+                     fault=Fault.parse("op:aten.addmm@forward:1"))
+    assert anywhere.comparison.origins[0].module == "a"
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import (
+    ANY_MODULE,
     ROOT_NAME,
     SCAN,
     SCRIPTED,
@@ -583,7 +584,7 @@ def _check_fault_module(fault: Fault, model: torch.nn.Module) -> None:
     """A fault planted in a module the model does not have is refused before any step runs
     (it ran the whole audit, then said the module did not run), with the names nearest."""
     names = [name for name, _ in model.named_modules() if name]
-    if not fault.module or fault.module in names:
+    if fault.module in ("", ANY_MODULE) or fault.module in names:
         return
     hint = nearest_modules(fault.module, names, "its modules") if names else (
         f"it has no submodules: name the model itself, {ROOT_NAME}")

@@ -17,7 +17,7 @@ import torch
 from ..analysis.compare import ORIGIN, Comparison, OpFinding, compare, compare_ops
 from ..analysis.knowledge import lookup
 from ..analysis.stress import stressed_ops
-from ..config import AuditConfig, Fault, ProbeSpec
+from ..config import ANY_MODULE, AuditConfig, Fault, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
 from ..record.difference import identical, tensor_difference
 from ..record.oprecorder import op_matches
@@ -87,7 +87,7 @@ def drill_down(
 def _is_planted(fault: Fault | None, op: OpFinding) -> bool:
     """Whether `op` is where an op-level fault was planted."""
     return (fault is not None and bool(fault.op) and fault.step == op.step
-            and fault.phase == op.phase and fault.module in ("", op.module)
+            and fault.phase == op.phase and fault.module in (ANY_MODULE, op.module)
             and op_matches(fault.op, op.op, op.phase))
 
 
@@ -131,7 +131,7 @@ def _outside_dispatcher(
                 fault.phase == "backward" and within(origin.module, fault.module))):
         where = origin.module or "(model)"
         inside = "" if origin.module == fault.module else (
-            f" (a parameter's gradient: {fault.module}'s input needs none)")
+            f" (a parameter's gradient: {fault.named}'s input needs none)")
         return {
             "module": where, "phase": origin.phase, "host_rng_draws": draws,
             "planted": True,

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ..config import Fault
+from ..config import ANY_MODULE, Fault
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
 from .fingerprint import storage_address
 from .recorder import Call, Recorder
@@ -266,7 +266,7 @@ class OpRecorder(ModelOpMode):
         else:
             out = func(*args, **kwargs)
         fault = self.fault
-        if fault is not None and fault.phase == phase and fault.module in ("", module):
+        if fault is not None and fault.phase == phase and fault.module in (ANY_MODULE, module):
             if not skip:
                 self.recorder.ops_at_fault.add(name)
             if not self.recorder.fault_fired and op_matches(fault.op, name, phase):
