@@ -437,6 +437,38 @@ def test_a_difference_made_in_the_models_own_code_is_its_origin_not_the_data(op,
     assert (named["op"], named["module"], named["planted"]) == (op, "(model)", True)
 
 
+class _Aggregating(nn.Module):
+    """A graph layer: a linear map of the nodes, then a sum over edges by indexing (between
+    its child and its output, in its own code), as message passing does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6, bias=False)
+        self.src = torch.tensor([0, 1, 2, 3, 0, 1, 1, 2])
+        self.dst = torch.tensor([1, 2, 3, 0, 2, 3, 0, 1])
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.zeros_like(h).index_add(0, self.dst, h[self.src])
+
+
+def test_a_backward_difference_made_in_a_modules_own_code_is_that_modules_origin():
+    """The backward of `h[src]` (an index_put accumulating into the gradient of `h`, in
+    `agg`'s own code) made `agg.lin`'s output gradient differ while `agg`'s own was equal:
+    the report named `agg.lin` as the first record and no origin at all."""
+    def build():
+        return nn.Sequential(_Aggregating(), nn.Linear(6, 1))
+
+    result = audit(_mean_square_probe(build), repeats=2, epochs=1, drill_down=True,
+                   fault=Fault.parse("0/aten.index_put@backward:1"))
+    c = result.comparison
+    assert (c.first_step, c.cause) == (1, "backward")
+    assert [(o.module, o.phase, o.slots) for o in c.origins] == [
+        ("0", "backward", ["grad_out of 0.lin"])]
+    named = result.investigations["ops"]["ops"][0]
+    assert (named["op"], named["module"], named["planted"]) == ("aten.index_put", "0", True)
+
+
 def test_an_op_fault_at_the_model_itself_is_in_its_own_ops_not_its_layers():
     """`(model)/OP` was taken for an op in any module: an op that only a layer runs was
     planted there, and an op the model never runs was said to run "in any module" with

@@ -973,8 +973,10 @@ def _step_findings(
             candidates[BACKWARD].append((module, call))
             pending.append((BACKWARD, module, call, ds, False))
     made = _made_by_own_code(step, pending, calls, differs, params_differ)
-    pending += made
+    made_backward = _made_by_own_backward(step, pending, calls, differs, forward_calls)
+    pending += made + made_backward
     candidates[FORWARD] += [(module, call) for _, module, call, _, _ in made]
+    candidates[BACKWARD] += [(module, call) for _, module, call, _, _ in made_backward]
     findings = []
     for phase, module, call, ds, propagated in pending:
         if propagated:
@@ -1025,6 +1027,37 @@ def _made_by_own_code(
             made.setdefault(parent, []).extend(
                 replace(d, slot=f"{d.slot} of {module}") for d in ds if d.slot.startswith("in"))
     return [(FORWARD, module, call, ds, False) for (module, call), ds in made.items()]
+
+
+def _made_by_own_backward(
+    step: int, pending: list[tuple[str, str, int, list[RecordDiff], bool]],
+    calls: dict[tuple[str, int], tuple[str, int] | None],
+    differs: Callable[[int, str, str, int, str], bool], forward_calls: list[tuple[str, int]],
+) -> list[tuple[str, str, int, list[RecordDiff], bool]]:
+    """The calls whose own code's backward made a differing output gradient of a call inside
+    them: a call's output gradient differs while the call around it got an equal one, ran
+    the same forward (its records and those of every call inside it), and no call inside it
+    that ran later in forward (earlier in backward) has a differing gradient. The backward
+    of an op it calls between its children (an index or scatter, as a graph layer's
+    aggregation) made it; no module record is that op's own."""
+    order = {key: i for i, key in enumerate(calls)}
+    backward = [(m, c) for phase, m, c, _, _ in pending if phase == BACKWARD]
+    made: dict[tuple[str, int], list[RecordDiff]] = {}
+    for phase, module, call, ds, propagated in pending:
+        parent = calls.get((module, call))
+        if (phase != BACKWARD or not propagated or parent is None
+                or not differs(step, BACKWARD, module, call, "grad_out")
+                or differs(step, BACKWARD, *parent, "grad_out")
+                or any(inner == parent or _is_ancestor(parent, inner, calls)
+                       for inner in forward_calls)):
+            continue
+        before = order.get((module, call), -1)
+        if not any(_is_ancestor(parent, inner, calls) and order.get(inner, -1) > before
+                   for inner in backward):
+            made.setdefault(parent, []).extend(
+                replace(d, slot=f"{d.slot} of {module}") for d in ds
+                if d.slot.startswith("grad_out"))
+    return [(BACKWARD, module, call, ds, False) for (module, call), ds in made.items()]
 
 
 def _evaluations(ref: Trace, step: int,
