@@ -850,12 +850,20 @@ class _GraphBatch:
         return {"x": self.x, "y": self.y}
 
 
-@pytest.mark.parametrize("batch_type", [_GraphBatch, collections.UserDict])
+class _PlainBatch:
+    """A batch class of the loop's own: attributes, nothing else."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+
+@pytest.mark.parametrize("batch_type", [_GraphBatch, _PlainBatch, collections.UserDict])
 def test_labels_in_a_batch_object_a_loss_takes_outside_the_model_are_step_state(
         tmp_path, batch_type):
-    """The labels of a PyTorch Geometric ``Batch`` (or of a mapping that is no dict, as
-    Hugging Face's ``BatchEncoding``) went unrecorded: noise in them was found as a forward
-    difference "outside the model", with advice about loss terms summed in a set's order."""
+    """The labels of a PyTorch Geometric ``Batch``, of a batch class of the loop's own, or
+    of a mapping that is no dict (Hugging Face's ``BatchEncoding``) went unrecorded: noise in
+    them was found as a forward difference "outside the model", with advice about loss terms
+    summed in a set's order."""
     def train(noise: float) -> None:
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
@@ -864,9 +872,10 @@ def test_labels_in_a_batch_object_a_loss_takes_outside_the_model_are_step_state(
                 for i in range(8)]
         def collate(items):
             x, y = torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])
-            return _GraphBatch(x, y) if batch_type is _GraphBatch else batch_type(x=x, y=y)
+            return batch_type(x=x, y=y)
         for batch in torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate):
-            x, y = (batch.x, batch.y) if batch_type is _GraphBatch else (batch["x"], batch["y"])
+            x, y = (batch["x"], batch["y"]) if isinstance(batch, (dict, collections.UserDict)) \
+                else (batch.x, batch.y)
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()

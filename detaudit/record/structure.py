@@ -1,5 +1,6 @@
 """Walking the nested values detection models pass around (lists, dicts and other mappings,
-tuples, dataclasses, ImageList, detectron2's Instances, PyTorch Geometric's Data and Batch)."""
+tuples, dataclasses, ImageList, detectron2's Instances, PyTorch Geometric's Data and Batch, a
+loop's own batch class)."""
 
 from __future__ import annotations
 
@@ -23,31 +24,46 @@ def iter_leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     return _leaves(obj, path, plain=True)
 
 
-def _leaves(obj: Any, path: str, plain: bool) -> Iterator[tuple[str, Any]]:
+def _leaves(obj: Any, path: str, plain: bool, objects: bool = True
+            ) -> Iterator[tuple[str, Any]]:
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, (dict, Mapping)):  # (Hugging Face's BatchEncoding is a UserDict)
         for key, value in obj.items():
-            yield from _leaves(value, _join(path, str(key)), plain)
+            yield from _leaves(value, _join(path, str(key)), plain, objects)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            yield from _leaves(value, _join(path, str(i)), plain)
+            yield from _leaves(value, _join(path, str(i)), plain, objects)
     elif hasattr(obj, "tensors") and isinstance(obj.tensors, torch.Tensor):
         # torchvision's ImageList: the padded batch plus the original sizes.
-        yield from _leaves(obj.tensors, _join(path, "tensors"), plain)
+        yield from _leaves(obj.tensors, _join(path, "tensors"), plain, objects)
     elif plain and isinstance(obj, PLAIN_VALUES):
         yield path, obj
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from _leaves(getattr(obj, f.name), _join(path, f.name), plain)
+            yield from _leaves(getattr(obj, f.name), _join(path, f.name), plain, objects)
     elif callable(getattr(obj, "get_fields", None)):  # detectron2's Instances
         fields = obj.get_fields()
         if isinstance(fields, dict):
-            yield from _leaves(fields, path, plain)
+            yield from _leaves(fields, path, plain, objects)
     elif callable(getattr(obj, "to_dict", None)) and not isinstance(obj, type):
         fields = obj.to_dict()  # PyTorch Geometric's Data and Batch: their attributes
         if isinstance(fields, dict):
-            yield from _leaves(fields, path, plain)
+            yield from _leaves(fields, path, plain, objects)
+    elif objects and _plain_object(obj):
+        # a batch class of the loop's own (attributes set in its __init__): its public
+        # attributes, one object deep (an object it holds is not walked: no cycles, and no
+        # reach into whatever else the loop's objects point at)
+        for key, value in vars(obj).items():
+            if not key.startswith("_"):
+                yield from _leaves(value, _join(path, key), plain, objects=False)
+
+
+def _plain_object(obj: Any) -> bool:
+    """An instance of a class of attributes: not a class, a module, or a callable (a
+    function, a transform)."""
+    return (hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module))
+            and not callable(obj))
 
 
 def replace_first_float(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Any, bool]:
