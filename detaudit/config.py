@@ -59,15 +59,23 @@ OPS_AT_FAULT = "ops_at_fault"
 
 
 def nearest_modules(name: str, names: list[str], listed: str) -> str:
-    """What to say of a module name that is not among `names`: the nearest ones, or the
-    outermost few of them (in their order) and how many there are, under `listed`
-    ("modules that ran")."""
+    """What to say of a module name that is not among `names`: those it ends (a LoRA layer's
+    `lora_A` is `base_model.model.encoder.layer.0.attention.self.query.lora_A`), the nearest
+    ones, or the outermost few of them (in their order) and how many there are, under
+    `listed` ("modules that ran")."""
+    ending = [n for n in names if n.endswith(f".{name}")]
+    if ending:
+        more = f", ... ({len(ending)} in all)" if len(ending) > 5 else ""
+        return f"did you mean {', '.join(ending[:5])}{more}?"
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
     if close:
         return f"did you mean {', '.join(close)}?"
     outermost = sorted(names, key=lambda n: n.count("."))[:8]
     more = f", ... ({len(names)} in all)" if len(names) > len(outermost) else ""
     return f"{listed}: {', '.join(outermost)}{more}"
+
+
+_OPS_LISTED = 30  # of the ops an op fault's module ran, where its op did not run
 
 
 def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None,
@@ -85,14 +93,15 @@ def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None,
     if fault.module == ANY_MODULE:
         return f"op {fault.op!r} did not run {fault.phase} in any module {of}"
     ran = sorted(ran)
-    ops = (f"; the ops it ran {fault.phase} there: {', '.join(ran[:10])}"
-           + (f" and {len(ran) - 10} more" if len(ran) > 10 else "") if ran else "")
+    ops = (f"; the ops it ran {fault.phase} there: {', '.join(ran[:_OPS_LISTED])}"
+           + (f" and {len(ran) - _OPS_LISTED} more" if len(ran) > _OPS_LISTED else "")
+           if ran else "")
     where = f"op {fault.op!r} in " if fault.op else ""
     return (f"{where}module {fault.named!r} did not run {fault.phase} {of}"
             + (f" ({OP_FAULT_MODULE}{ops})" if fault.op else "")
             + (" (a module that needs no gradient, for its parameters or its inputs, as a "
                "frozen layer, runs no backward: plant @forward)"
-               if fault.phase == BACKWARD and not fault.op else ""))
+               if fault.phase == BACKWARD and not ran else ""))
 
 
 @dataclass(frozen=True)

@@ -381,6 +381,19 @@ def test_a_module_name_with_no_near_match_is_answered_with_the_outermost_modules
     assert nearest_modules("bbox_embd", names, "modules").startswith("did you mean bbox_embed,")
 
 
+def test_a_module_name_some_modules_end_with_is_answered_with_those():
+    """A LoRA layer named as `lora_A` listed the 8 outermost of PEFT's 66 modules, none of
+    them a LoRA layer."""
+    from detaudit.config import nearest_modules
+
+    names = ["base_model", "base_model.model"] + [
+        f"base_model.model.layer.{i}.{part}" for i in range(4)
+        for part in ("query", "query.lora_A", "query.lora_B", "value")]
+    assert nearest_modules("lora_A", names, "modules that ran") == (
+        "did you mean base_model.model.layer.0.query.lora_A, base_model.model.layer.1.query."
+        "lora_A, base_model.model.layer.2.query.lora_A, base_model.model.layer.3.query.lora_A?")
+
+
 def test_a_backward_fault_that_never_fired_says_a_frozen_layer_runs_no_backward():
     from detaudit.config import Fault, fault_not_fired
 
@@ -388,3 +401,9 @@ def test_a_backward_fault_that_never_fired_says_a_frozen_layer_runs_no_backward(
     assert said.startswith("module 'backbone.body.conv1' did not run backward at step 2 of 3 ")
     assert "frozen layer, runs no backward: plant @forward" in said
     assert "frozen" not in fault_not_fired(Fault("backbone.body.conv1", "forward", 2), 3)
+    # an op fault in a module that ran no backward op says so too (it said only "did not
+    # run backward"); one whose module ran other ops lists them
+    said = fault_not_fired(Fault("conv1.aggr", "backward", 2, "aten.gather"), 3)
+    assert "frozen layer, runs no backward: plant @forward" in said, said
+    said = fault_not_fired(Fault("conv1", "backward", 2, "aten.gather"), 3, ran=["aten.mm"])
+    assert "the ops it ran backward there: aten.mm" in said and "frozen" not in said, said
