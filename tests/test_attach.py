@@ -738,6 +738,36 @@ def test_each_loader_batch_is_recorded_in_the_step_it_feeds(tmp_path, loop):
         True if loop == "fetched in a thread" else None)
 
 
+def test_a_loader_in_a_thread_beside_an_evaluation_loader_in_the_loops_follows_neither(
+        tmp_path):
+    """Training batches prefetched in a thread (MONAI's ThreadDataLoader), an evaluation
+    loader iterated by the loop itself after each epoch: the evaluation loader was taken
+    for the one that feeds the steps, its pass counted as the next epoch (a step late, so
+    --max-epochs 1 ran a step of epoch 2) and, as its workers' timing fell, its batch filed
+    in a training step (a false DIVERGENT, cause: data)."""
+    def train() -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        training = torch.utils.data.DataLoader(_ShiftedAt(None, 0.0), batch_size=4)
+        evaluation = torch.utils.data.DataLoader(_ShiftedAt(None, 0.0), batch_size=2)
+        for _ in range(2):
+            for x in _in_a_thread(training):
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            with torch.no_grad():
+                for x in evaluation:
+                    model.eval()(x)
+            model.train()
+
+    trace = _attached(tmp_path / "t.json.gz", train, max_epochs=1, on_limit=lambda: None)
+    assert trace.probe.get("loader_in_a_thread") is True
+    assert [s.epoch for s in trace.steps] == [0] * 4  # (passes not counted: the limit never fires)
+    records = trace.frame()
+    assert not records.slot.str.startswith("batch.loader").any()
+
+
 class _RepeatSampler:
     """A batch sampler that never ends."""
 

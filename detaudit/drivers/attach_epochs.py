@@ -92,12 +92,13 @@ class Epochs:
         (the loop may change it in place; another loader's, an evaluation's, only if a step
         takes it) and waits for the step it feeds (see :meth:`_file_loader_batches`). A
         loader iterated in another thread than the loop's (a prefetching thread) is not
-        followed: when its batches are taken is a race."""
+        followed: when its batches are taken is a race; nor, from then on, is any other
+        (see :meth:`_unfollow_loaders`)."""
         started = self._iterators.get(iterator)
-        if started is None:
+        if started is None or self.trace.probe.get(LOADER_IN_A_THREAD):
             return
         if not self._in_the_loops_thread():
-            self.trace.probe[LOADER_IN_A_THREAD] = True
+            self._unfollow_loaders()
             return
         called = self._iter_called.pop(started[0], None)
         if called is not None and started[1] <= called[1]:  # its old iterator serves a new pass
@@ -138,7 +139,17 @@ class Epochs:
     def _keep_the_loops_batches(self) -> None:
         """The loop's thread is known (its first step begins): batches other threads fetched
         before are not followed (see on_loader_batch)."""
-        self._waiting = [w for w in self._waiting if w.thread == self._loop_thread]
+        if any(w.thread != self._loop_thread for w in self._waiting):
+            self._unfollow_loaders()
+
+    def _unfollow_loaders(self) -> None:
+        """A loader is iterated in another thread than the loop's: which loader feeds the
+        steps can no longer be told (an evaluation loader the loop iterates itself between
+        epochs would be taken for it, its batches filed in training steps and its passes
+        counted as epochs), so from now on no loader's batches are filed and no pass is an
+        epoch. The model's inputs are still recorded."""
+        self.trace.probe[LOADER_IN_A_THREAD] = True
+        self._waiting = []
 
     def _file_loader_batches(self) -> None:
         """The open step has taken its batches (it updates, or its call, in inference, ends):

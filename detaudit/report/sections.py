@@ -209,9 +209,10 @@ CALLS_UNSEEN_NOTE = (
 
 LOADER_IN_A_THREAD_NOTE = (
     "a DataLoader was iterated in another thread than the training loop's (a prefetching "
-    "thread): when the loop takes its batches is a race, so they are not recorded as the "
-    "batches of steps (the model's inputs are), and its passes are not counted as epochs "
-    "(--max-epochs does not stop the run: use --max-steps).")
+    "thread): when the loop takes its batches is a race, and which loader feeds the steps "
+    "cannot be told, so no loader's batches are recorded as the batches of steps (the "
+    "model's inputs are) and no pass is counted as an epoch (--max-epochs does not stop the "
+    "run: use --max-steps).")
 
 
 INFERRED_NOTE = (
