@@ -969,6 +969,41 @@ def _found_fault(tmp_path: Path, script: Path, fault: str, *options: str) -> dic
     return json.loads(done.stdout)
 
 
+def test_an_update_by_in_place_foreach_ops_is_read_anew_after_each_of_them(tmp_path):
+    """A loop's own Adam-like update through in-place foreach ops (``_foreach_add_``: Keras's
+    optimizers on torch do so, and torch's with ``foreach=True``), which return nothing and,
+    under a dispatch mode, move no version counter: the tensors they wrote kept their prints
+    from before, so the next op reading them had "equal inputs" and a differing output, and
+    the zoom headlined it (``op: aten._foreach_div in (outside the model)``) over a fault
+    planted in a gradient by a hook."""
+    script = tmp_path / "foreach_update.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        params = list(model.parameters())
+        m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+        x, y = torch.randn(16, 4), torch.randn(16, 2)
+        for i in range(3):
+            torch.nn.functional.mse_loss(model(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4]).backward()
+            with torch.no_grad():
+                grads = [p.grad for p in params]
+                torch._foreach_mul_(m, 0.9)
+                torch._foreach_add_(m, grads, alpha=0.1)
+                torch._foreach_mul_(v, 0.99)
+                torch._foreach_add_(v, torch._foreach_mul(grads, grads), alpha=0.01)
+                denom = torch._foreach_sqrt(v)
+                torch._foreach_add_(denom, 1e-8)
+                torch._foreach_add_(params, torch._foreach_div(m, denom), alpha=-0.01)
+                for p in params:
+                    p.grad = None
+        """))
+    summary = _found_fault(tmp_path, script, "(model)@backward:1", "--seed", "0")
+    assert "the planted fault, found where it was planted" in summary["headline"], (
+        summary["headline"])
+    assert "op: aten._foreach" not in summary["headline"], summary["headline"]
+    assert all(op["role"] != "origin" for op in summary["ops"]), summary["ops"]
+
+
 def test_a_call_torchvisions_model_builder_makes_is_no_step(tmp_path):
     """torchvision's SSDLite builder calls its backbone in eval mode, without gradients, to
     measure its output channels: that call was taken for an inference step, which

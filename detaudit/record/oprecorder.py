@@ -52,6 +52,7 @@ _SCRATCH: dict[Any, tuple[tuple[int, ...], int | None]] = {}
 # A wait for a collective's result: its input has not landed yet, its output has
 WAITS = {"_c10d_functional.wait_tensor", "c10d_functional.wait_tensor"}
 _COLLECTIVES: dict[Any, bool] = {}
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}  # (see written_arguments)
 
 
 def collective(func: Any) -> bool:
@@ -86,6 +87,20 @@ def without_scratch(func: Any, args: tuple, kwargs: dict, out: Any
     if scratch is not None and isinstance(out, (tuple, list)):
         out = tuple(None if i == scratch else o for i, o in enumerate(out))
     return args, kwargs, out
+
+
+def written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments an op writes in place (``Tensor(a!)`` in its schema). An in-place
+    foreach op (``_foreach_add_``: an optimizer's update with ``foreach=True``, or a loop's
+    own) returns nothing and, under a dispatch mode, moves no version counter: what it wrote
+    is its output, and must be read anew wherever it is read next."""
+    known = _WRITTEN.get(func)
+    if known is None:
+        known = _WRITTEN[func] = tuple(
+            (i, arg.name) for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write)
+    return [args[i] if i < len(args) else kwargs.get(name) for i, name in known]
+
 
 
 ALERT_MARK = "does not have a deterministic implementation"
@@ -281,9 +296,11 @@ class OpRecorder(ModelOpMode):
                 # an in-place or out= op's output is its input, whose version counter is
                 # bumped only after this returns: it must not pass for the unchanged input
                 # (nor the result a wait returns for the tensor it was given)
+                mutable = func._schema.is_mutable
                 self.recorder.record(op_phase, module, index, f"{prefix}/out",
-                                     without_scratch(func, (), {}, out)[2],
-                                     written=func._schema.is_mutable or name in WAITS)
+                                     without_scratch(func, (), {}, out)[2] if out is not None
+                                     or not mutable else written_arguments(func, args, kwargs),
+                                     written=mutable or name in WAITS)
         if prefix and self.capture == (op_phase, module, index, prefix):
             self.captured = [t.detach().to("cpu", copy=True) for _, t
                              in iter_tensors(without_scratch(func, (), {}, out)[2])]
