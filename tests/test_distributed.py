@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from detaudit.analysis.compare import compare
 from detaudit.analysis.ranks import analyse, compare_ranks
+from detaudit.analysis.verdict import judge
 from detaudit.cli import main
 from detaudit.config import ANY_MODULE, Fault
 from detaudit.drivers.rankprobe import is_rank_aware, sampler_snapshot, shard_loader
@@ -395,3 +397,13 @@ def test_one_rank_is_compared_with_no_other():
     assert {k for k, c in checks.items() if c.status == "not checked"} >= {
         "params", "grads", "shards", "rng", "init"}
     assert checks["grads"].detail == "one rank: nothing to compare it with"
+
+
+def test_ranks_each_recorded_in_one_run_only_are_not_compared():
+    """A launcher whose workers begin in another order in each run (Ray Train's) had rank 0
+    recorded in one run and rank 1 in the other: "DETERMINISTIC: 1 repeats bit-identical;
+    2 ranks in sync", exit 0, of ranks never compared run to run."""
+    by_rank = {rank: [_records_trace(rank, [("grad", "param.weight", "g")])] for rank in (0, 1)}
+    verdict = judge(compare(by_rank[0]), ranks=analyse(by_rank, compare_ranks(by_rank)))
+    assert (verdict.kind, verdict.exit_code) == ("not compared", 2), verdict.headline
+    assert verdict.headline.startswith("NOT COMPARED: ranks 0 and 1 recorded in one run only")

@@ -388,6 +388,11 @@ def _common(c: Comparison) -> str:
     return f"the repeats agree over the {counted(c.common_steps, 'step')} every repeat completed"
 
 
+def _ranks_named(ranks: list[int]) -> str:
+    return (f"rank {ranks[0]}" if len(ranks) == 1
+            else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}")
+
+
 def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str]:
     """The verdict of a distributed audit: a crash, then local divergences, then checks."""
     flagged = ranks.flagged
@@ -404,6 +409,12 @@ def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str
     if flagged:
         more = f" (+{len(flagged) - 1} more cross-rank checks flagged)" if len(flagged) > 1 else ""
         return DIVERGENT, f"DIVERGENT ACROSS RANKS: {flagged[0].detail}{more}"
+    alone = [row.rank for row in ranks.per_rank if row.repeats < 2]
+    if kind == DETERMINISTIC and alone:
+        return NOT_COMPARED, (
+            f"NOT COMPARED: {_ranks_named(alone)} recorded in one run only, with nothing to "
+            "compare it with run to run (the runs recorded other ranks: a launcher whose "
+            "processes begin in another order in each run; the traces are kept)")
     if kind == DETERMINISTIC:
         # (in sync only where their parameters were compared: not an FSDP model's shards)
         apart = next((c for c in ranks.checks if c.key == "params" and c.status == NOT_CHECKED),
