@@ -3785,6 +3785,48 @@ def test_ranks_lightning_fabric_starts_as_copies_of_the_command_each_record(tmp_
         assert {t.probe["distributed"]["backend"] for t in traces} == {"gloo"}
 
 
+@pytest.mark.parametrize("parent_imports_torch", [False, True])
+def test_workers_a_launcher_of_its_own_starts_each_record_their_rank(
+        tmp_path, parent_imports_torch):
+    """Ray Train starts its workers from processes of its own, not as torchrun or spawn
+    does: where the script had imported torch first, no worker recorded (each inherited
+    its claim); where not, the first worker to begin a step claimed the run, so one run
+    recorded rank 0 and the other rank 1 -- "DETERMINISTIC: 1 repeats bit-identical; 2
+    ranks in sync", exit 0."""
+    script = tmp_path / "own_launcher.py"
+    script.write_text(textwrap.dedent(f"""\
+        import os, socket, subprocess, sys
+        if len(sys.argv) == 1:
+            if {parent_imports_torch}:
+                import torch
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            workers = [subprocess.Popen([sys.executable, __file__, str(r), str(port)])
+                       for r in (0, 1)]
+            sys.exit(max(w.wait() for w in workers))
+        import torch
+        import torch.distributed as dist
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{sys.argv[2]}}",
+                                rank=rank, world_size=2)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.full((2, 4), float(10 * rank + step))).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        dist.destroy_process_group()
+        """))
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0", "--",
+                   sys.executable, str(script))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _verdict(done).startswith(
+        "DETERMINISTIC: 2 repeats bit-identical over 3 steps; 2 ranks in sync"), done.stdout
+    assert sorted(p.name for p in (tmp_path / "run").glob("trace-r*")) == [
+        "trace-r0-0.json.gz", "trace-r0-1.json.gz", "trace-r1-0.json.gz", "trace-r1-1.json.gz"]
+
+
 def test_ranks_that_never_join_a_process_group_are_said_to_train_alone(tmp_path):
     """torchrun starting a script that does not distribute (or `accelerate launch
     --multi_gpu` falling back where no GPU is found): each rank trains alone on all the

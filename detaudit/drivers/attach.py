@@ -522,11 +522,13 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
     def record_as_rank(self, rank: RankWatch, path: str | Path) -> bool:
         """This process, which records no rank, turns out to be one (a launcher in it
         started the others as copies of its command, then it joined their process group):
-        before its first step it records as that rank, into `path`; after, it cannot."""
+        before its first step it records as that rank, into `path`, a trace no other
+        process claims; after, it cannot."""
         if self.rank is not None or self.stream.steps or self.stopped or not self.installed:
             return False
         rank.wrapped_by = "script"  # (the user's code builds its DDP model)
         self.rank = rank
+        self._claimed = True  # (workers a launcher started, each its rank: Ray Train's)
         self.path = self.stream.path = Path(path)
         self._watch_ddp_init(rank)
         return True

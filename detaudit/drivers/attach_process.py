@@ -91,6 +91,7 @@ def activate_from_environment() -> Attachment | None:
         _claim(str(rank.rank))
         return _attach(job, rank)
     _seed_torch(job)  # a spawned child: seeded before its code runs, too
+    _recording_once_it_joins(job)
     return None
 
 
@@ -144,6 +145,33 @@ def _recording_as_rank(attachment: Attachment, trace: str,
     return init_process_group
 
 
+def _recording_once_it_joins(job: dict[str, Any]) -> None:
+    """A process that records nothing (it inherited the command's claim) records as its
+    rank once it joins a process group of several as a rank no process above it records:
+    a worker that a launcher other than torchrun or spawn started (Ray Train's workers,
+    started by Ray's own processes, which inherit the environment of the script that
+    started Ray). DataLoader workers and other children never join a group."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    init = dist.init_process_group
+
+    @functools.wraps(init)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        joined = init(*args, **kwargs)
+        with contextlib.suppress(Exception):
+            rank, world = dist.get_rank(), dist.get_world_size()
+            if (world > 1 and not _ATTACHED
+                    and os.environ.get(RANK_OWNER_VARIABLE) != str(rank)):
+                dist.init_process_group = dist.distributed_c10d.init_process_group = init
+                _claim(str(rank))
+                _attach(job, RankWatch(rank, world, str(dist.get_backend())), seeded=True)
+        return joined
+
+    dist.init_process_group = dist.distributed_c10d.init_process_group = init_process_group
+
+
 def _first_to_claim(trace: str) -> bool:
     """Whether this process is the first of the command to begin a step (or the process
     that did, re-executed), asked as its first step begins: processes started before the
@@ -170,10 +198,13 @@ def _claim(rank: str | None) -> None:
 
 
 def _attach(job: dict[str, Any], rank: RankWatch | None = None,
-            claim: Callable[[], bool] | None = None) -> Attachment:
+            claim: Callable[[], bool] | None = None, seeded: bool = False) -> Attachment:
+    """Record in this process (as `rank`), its torch seeded first unless it was as torch
+    loaded (`seeded`: a process that attaches later must not draw anew)."""
     global _ATTACHED
     _ATTACHED = True
-    _seed_torch(job)
+    if not seeded:
+        _seed_torch(job)
     fault = Fault(**job["fault"]) if job.get("fault") else None
     path = job["trace"] if rank is None else rank_trace_path(job["trace"], rank.rank)
     if rank is not None:
