@@ -269,19 +269,27 @@ def test_calls_a_model_makes_as_it_is_built_are_neither_steps_nor_batches(tmp_pa
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_a_call_on_the_meta_device_is_neither_a_step_nor_a_batch(tmp_path, grad):
+@pytest.mark.parametrize("dry_run", ["meta device", "lazy modules"])
+def test_a_dry_run_is_neither_a_step_nor_a_batch(tmp_path, dry_run, grad):
     """A dry run on the meta device sizes the layers (Keras's symbolic build on torch does
     so): under no_grad, before any optimizer, it was taken for an inference step, whose
     outputs (no data) crashed the recording; with gradients on, in training mode, it was
-    taken for step 0's batch."""
+    taken for step 0's batch. One that makes lazy modules' parameters (PyTorch's docs ask
+    for it before the optimizer is built; torchrl's MLP is lazy) crashed the recording on
+    the parameters not made yet."""
     def loop():
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-        with torch.set_grad_enabled(grad):
-            model.to("meta")(torch.empty(1, 4, device="meta"))
-        model = model.to_empty(device="cpu")
-        for p in model.parameters():
-            nn.init.normal_(p, std=0.1)
+        if dry_run == "lazy modules":
+            model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
+            with torch.set_grad_enabled(grad):
+                model(torch.zeros(1, 4))
+        else:
+            model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+            with torch.set_grad_enabled(grad):
+                model.to("meta")(torch.empty(1, 4, device="meta"))
+            model = model.to_empty(device="cpu")
+            for p in model.parameters():
+                nn.init.normal_(p, std=0.1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for i in range(3):
             model(torch.full((2, 4), float(i))).pow(2).mean().backward()
@@ -294,6 +302,37 @@ def test_a_call_on_the_meta_device_is_neither_a_step_nor_a_batch(tmp_path, grad)
     batches = records[(records.phase == "state") & records.slot.str.startswith("batch")]
     assert sorted(batches.step) == [0, 1, 2]
     assert [tuple(s) for s in batches["shape"]] == [(2, 4)] * 3
+
+
+class _OlderNamedParameters(nn.Module):
+    """Overrides ``named_parameters`` with the signature of older torch, as torchrl's
+    LossModule does (no ``remove_duplicate``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def named_parameters(self, prefix="", recurse=True):
+        yield from super().named_parameters(prefix=prefix, recurse=recurse)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_model_overriding_named_parameters_with_an_older_signature_is_recorded(tmp_path):
+    """The recording asked it for ``remove_duplicate=False`` and crashed, blamed on the
+    script ("exited with code 1 before its first step")."""
+    def loop():
+        torch.manual_seed(0)
+        model = _OlderNamedParameters()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(2, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    trace = _attached(tmp_path / "t.json.gz", loop)
+    assert len(trace.steps) == 2 and trace.failure is None
 
 
 def test_an_evaluation_before_the_optimizer_is_made_is_no_inference_run(tmp_path):

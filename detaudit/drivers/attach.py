@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedParameter
 from torch.nn.utils.parametrize import ParametrizationList
 
 from ..config import (
@@ -214,7 +215,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         """A module call the loop does not make: one being transformed (see
         attach_patches.transformed), the computing of a parametrized weight (each read of it
         calls its parametrizations), a call made while a model is built (see
-        _building_a_model), a call on the meta device (see _on_meta), or a call in another
+        _building_a_model), a dry run (see _dry_run), or a call in another
         thread than the loop's (an evaluation run in the background) but for autograd's (a
         checkpoint recomputing)."""
         if transformed() or isinstance(module, ParametrizationList):
@@ -223,7 +224,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             torch._C._current_autograd_node() is not None)
         if not in_the_loop and self._loop_thread_known:
             return True
-        if self._depth == 0 and (_building_a_model() or _on_meta(module, args)):
+        if self._depth == 0 and (_building_a_model() or _dry_run(module, args)):
             return True  # (asked of top-level calls only)
         # until a step begins, the loop's thread is the one that attached, or the thread
         # of a call that may begin the first step (a loop run in a thread of its own)
@@ -783,12 +784,16 @@ def _building_a_model() -> bool:
     return False
 
 
-def _on_meta(module: nn.Module, args: tuple) -> bool:
-    """Whether a call computes nothing: its module's parameters or its inputs are on the
-    meta device, where only shapes are worked out (a layer sized by a dry run, Keras's
-    symbolic build of a model on torch). Asked of top-level calls only."""
-    param = next(module.parameters(), None)
-    return (param is not None and param.is_meta) or any(t.is_meta for _, t in iter_tensors(args))
+def _dry_run(module: nn.Module, args: tuple) -> bool:
+    """Whether a call is a dry run, no step of the loop: its module's parameters or its
+    inputs are on the meta device, where only shapes are worked out (a layer sized so,
+    Keras's symbolic build of a model on torch), or it has lazy modules whose parameters
+    the call makes (``nn.LazyLinear``, torchrl's MLP: PyTorch's docs ask for a dry run
+    before the optimizer is built). Asked of top-level calls only."""
+    params = list(module.parameters())
+    return ((bool(params) and params[0].is_meta)
+            or any(isinstance(p, UninitializedParameter) for p in params)
+            or any(t.is_meta for _, t in iter_tensors(args)))
 
 
 def _in_shared_memory(param: torch.Tensor) -> bool:

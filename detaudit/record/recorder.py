@@ -442,9 +442,12 @@ class Recorder(BackwardBoundaries):
         registered under several names (one layer repeated) is one module, not a tie."""
         tied: dict[str, list[str]] = {}
         for model, prefix in zip(self._models, self._prefixes):
-            modules = dict(model.named_modules(prefix=prefix, remove_duplicate=False))
+            # (torch's own walks: a model may override them with older signatures, as
+            # torchrl's LossModule does named_parameters)
+            modules = dict(nn.Module.named_modules(model, prefix=prefix, remove_duplicate=False))
             first: dict[int, str] = {}
-            for name, p in model.named_parameters(prefix=prefix, remove_duplicate=False):
+            for name, p in nn.Module.named_parameters(model, prefix=prefix,
+                                                      remove_duplicate=False):
                 if id(p) not in first:
                     first[id(p)] = name
                 elif (modules.get(name.rpartition(".")[0])
