@@ -2155,6 +2155,38 @@ def test_a_teacher_called_before_the_step_is_named_where_its_outputs_differ(tmp_
         0, "forward", "teacher", "origin")
 
 
+@pytest.mark.parametrize("nudge", [0.0, 2**-20])
+def test_a_target_network_called_in_training_mode_without_gradients_is_a_side_model(
+        tmp_path, nudge):
+    """A DQN's target network as PyTorch's tutorial writes it: a copy of the policy network,
+    never put in eval mode, called under no_grad for the targets and loaded from the policy
+    every few steps. It was not recorded at all: a fault named at it was refused ("no module
+    'target' ran"), and a difference in it was headlined outside the model."""
+    for run_nudge in (0.0, nudge):
+        torch.manual_seed(0)
+        policy = nn.Linear(4, 1)
+        target = _Teacher(run_nudge)
+        target.lin.load_state_dict(policy.state_dict())
+        opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        with detaudit.watch(policy, opt, out=tmp_path):
+            for i in range(4):
+                with torch.no_grad():
+                    goal = target(x)
+                (policy(x) - goal).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if i % 2:
+                    target.lin.load_state_dict(policy.state_dict())
+    result = detaudit.compare(tmp_path)
+    if not nudge:
+        assert result.verdict.kind == "deterministic", result.verdict.headline
+        return
+    first = result.summary["first_divergence"]
+    assert (first["step"], first["phase"], first["module"], first["role"]) == (
+        0, "forward", "target", "origin")
+
+
 def test_a_teacher_called_before_the_step_has_its_ops_recorded_for_that_step(tmp_path):
     """The zoom replays the step op by op; a teacher called before the step began has its
     ops recorded aside for the step (they were not recorded at all): a difference it makes

@@ -263,10 +263,14 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             if module is self.models.current() or found or (
                     self._updated and self.models.is_other(module)):
                 self._on_batch(module, args, {})
+                return
         elif module is self.models.current() and self._last_step_over():
             self.end_step()  # evaluation after the last step's update: the run is over
             self.stop()
-        elif not module.training or not torch.is_grad_enabled():  # (an evaluation)
+            return
+        # an evaluation, or another model called without gradients (in training mode too:
+        # a DQN's target network as PyTorch's tutorial calls it, never put in eval mode)
+        if not module.training or not torch.is_grad_enabled():
             side = self._side.saw(module, self._recorded_parameters(), self._recorded_names())
             if side is not None:
                 self.trace.probe.setdefault(SIDE_MODELS, []).append(side)
