@@ -3087,6 +3087,8 @@ def test_a_model_built_before_the_code_seeds_is_told_so_with_where_it_seeds(tmp_
     line = inspect.getsourcelines(loop)[1] + 2
     assert c.cause == "init" and c.seeded_late == f"{__file__}:{line}"
     assert f"the code seeded it only after that, at {__file__}:{line}" in c.cause_text
+    # (the fix is not one framework's alone: it was "transformers.set_seed first" for all)
+    assert "or the framework's own: transformers.set_seed, composer" in c.cause_text
     # seeded before the model is built: nothing to say, and nothing differs
     def seeded_first() -> None:
         torch.manual_seed(42)

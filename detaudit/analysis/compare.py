@@ -89,6 +89,12 @@ _SCANNED_CAUSE_TEXT = {
 }
 
 
+# how to seed before the model is built, whatever builds it
+_SEED_FIRST = ("seed before building the model (detaudit.seed_everything(0), or the "
+               "framework's own: transformers.set_seed, composer.utils.reproducibility."
+               "seed_all, lightning.seed_everything; Hugging Face's Trainer(model_init=...) "
+               "builds it after seeding), or `detaudit exec --seed 0`")
+
 class Continued(NamedTuple):
     """Repeat `repeat` began with the parameters repeat `earlier` had after its `step`
     (its `last`, or not)."""
@@ -354,20 +360,18 @@ class Comparison:
             return ("the parameters differ before the first step while torch's RNG state "
                     "agrees: the model was built from the unseeded torch RNG, and the code "
                     f"seeded it only after that, at {self.seeded_late} (a seed fixes the draws that "
-                    "follow it, not the weights already drawn; Hugging Face's Trainer(...) "
-                    "seeds in its __init__); fix: seed before building the model (e.g. "
-                    "detaudit.seed_everything(0) or transformers.set_seed first, "
-                    "Trainer(model_init=...), or `detaudit exec --seed 0`)")
+                    "follow it, not the weights already drawn; a trainer that takes a seed, "
+                    "as Hugging Face's and Composer's do, seeds as it is made, after the "
+                    f"model); fix: {_SEED_FIRST})")
         if self.cause == "init" and not differing:
             return ("the parameters differ before the first step while every RNG state "
                     "agrees: the model was built before the code seeded its RNGs (a seed set "
                     "after the model is built fixes the draws that follow, not the weights "
-                    "already drawn: Hugging Face's Trainer(...) seeds in its __init__), or its "
-                    "weights were loaded or set from a source that differs between runs (a "
-                    "checkpoint a run wrote); fix: seed before building the model (e.g. "
-                    "detaudit.seed_everything(0) or transformers.set_seed first, "
-                    "Trainer(model_init=...), or `detaudit exec --seed 0`), and start every "
-                    "run from the same weights")
+                    "already drawn: a trainer that takes a seed, as Hugging Face's and "
+                    "Composer's do, seeds as it is made, after the model), or its weights "
+                    "were loaded or set from a source that differs between runs (a "
+                    f"checkpoint a run wrote); fix: {_SEED_FIRST}, and start every run from "
+                    "the same weights")
         if self.cause == "init" and not any(s == "torch" or s.startswith("cuda")
                                             for s in differing):
             return (f"the parameters differ before the first step; torch's RNG state agrees, "
