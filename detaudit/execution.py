@@ -474,11 +474,15 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             trace.failure += (f" (the last step it completed: {len(trace.steps) - 1})"
                               if trace.steps else " (before its first step completed)")
             written = _written_by_earlier_runs(trace.failure, since_ns, began_ns)
+            loaded = [f for f in trace.probe.get(LOADED_FROM_EARLIER_RUNS, ()) if f not in written]
             if written:
                 trace.failure += (f"; {', '.join(written)} named there "
                                   f"{'was' if len(written) == 1 else 'were'} written by an "
                                   "earlier run of this audit (each run is the command as it "
                                   "is, writing where the one before wrote)")
+            if loaded:  # (a run that resumed from what the one before saved, then failed)
+                trace.failure += (f"; it loaded {', '.join(loaded)}, written by an earlier "
+                                  "run of this audit (a checkpoint it resumed from?)")
         elif trace.probe.get(ENDED) is False:
             # os._exit, or a signal no handler sees (SIGKILL): the steps since the last save
             # are lost, so the trace is short of what ran, not different from the others'

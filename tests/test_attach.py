@@ -1188,6 +1188,35 @@ def test_a_script_that_resumes_from_what_an_earlier_run_saved_is_told_so(tmp_pat
     assert not any(LOADED_FROM_EARLIER_RUNS in t.probe for t in traces)
 
 
+def test_a_run_that_fails_after_resuming_from_an_earlier_runs_checkpoint_is_told_so(
+        tmp_path):
+    """A script that resumes from the checkpoint it finds and refuses when nothing is left
+    to train (Composer's autoresume): the second run failed before its first step with no
+    word of the checkpoint the first run wrote, though its trace noted the load."""
+    script = tmp_path / "resumes.py"
+    checkpoint = tmp_path / "ckpt.pt"
+    script.write_text(textwrap.dedent(f"""\
+        import os, torch
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        if os.path.exists({str(checkpoint)!r}):
+            model.load_state_dict(torch.load({str(checkpoint)!r}))
+            raise ValueError("the elapsed duration is the training's: no training would occur")
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.save(model.state_dict(), {str(checkpoint)!r})
+        """))
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--json", "--seed", "0", "--",
+                   sys.executable, str(script))
+    assert done.returncode == 3, done.stdout + done.stderr
+    failure = json.loads(done.stdout)["failures"]["1"]
+    assert failure.startswith("ValueError while running at ") and failure.endswith(
+        f"; it loaded {checkpoint}, written by an earlier run of this audit (a checkpoint it "
+        "resumed from?)"), failure
+
+
 def test_a_run_that_fails_on_what_an_earlier_run_wrote_is_told_so(tmp_path):
     """A script that refuses to write into an output folder that exists (Ignite's
     ModelCheckpoint with require_empty): the second run fails on the folder the first wrote,
