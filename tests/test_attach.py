@@ -1000,6 +1000,32 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
     assert not list(temporary.glob("pymp-*"))
 
 
+def test_the_step_limit_runs_the_scripts_exit_hooks(tmp_path):
+    """--max-steps ended the process without its exit hooks: a temporary folder a script
+    (Composer's checkpoint saver) removes at exit was left behind by every run."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    script = tmp_path / "cleans_up.py"
+    script.write_text(textwrap.dedent("""\
+        import atexit, shutil, tempfile
+        import torch
+        scratch = tempfile.mkdtemp()
+        atexit.register(shutil.rmtree, scratch)
+        kept = tempfile.TemporaryDirectory()  # (removed at exit by its finalizer)
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        while True:
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        """))
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
+                   "--max-steps", "2", "--", sys.executable, str(script),
+                   env={"TMPDIR": str(temporary)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not list(temporary.glob("tmp*"))  # (torch's own caches may be there)
+
+
 def _found_fault(tmp_path: Path, script: Path, fault: str, *options: str) -> dict[str, Any]:
     """The summary of `script`'s exec audit with `fault` planted, which found a divergence."""
     done = run_cli("exec", "--out", str(tmp_path / "run"), "--json", *options,

@@ -322,7 +322,8 @@ def _end_at_the_limit(attachment: Attachment) -> None:
     ``pymp-*`` folder behind); the script's progress bars are closed as the end of a loop
     closes them, and its output's last line is ended (a progress line redrawn with carriage
     returns leaves it open), so that what prints next, the next run or the verdict, begins
-    a line of its own; then the process ends."""
+    a line of its own; what the script registered to run at exit runs (see
+    _run_exit_hooks); then the process ends."""
     for iterator in list(attachment.loader_iterators):
         shut_down = getattr(iterator, "_shutdown_workers", None)  # (not one without workers)
         if shut_down is not None:
@@ -332,7 +333,25 @@ def _end_at_the_limit(attachment: Attachment) -> None:
     if attachment.rank is None or attachment.rank.rank == 0:  # (the rank that shows progress)
         with contextlib.suppress(Exception):
             sys.stdout.write("\n")
+    _run_exit_hooks(attachment)
     _end_process()
+
+
+def _run_exit_hooks(attachment: Attachment) -> None:
+    """Run the exit hooks the script and its libraries registered (a temporary folder's
+    removal, a logger's last flush), as its own end would: detaudit's save is done. One
+    that has not returned within _EXIT_HOOKS_SECONDS (a child process it waits for, which
+    the loop cut short would have ended) is left to the end of the process."""
+    atexit.unregister(attachment.finish)
+    run = getattr(atexit, "_run_exitfuncs", None)
+    if run is None:
+        return
+    hooks = threading.Thread(target=run, name="detaudit exit hooks", daemon=True)
+    hooks.start()
+    hooks.join(_EXIT_HOOKS_SECONDS)
+
+
+_EXIT_HOOKS_SECONDS = 10.0
 
 
 def _close_progress_bars() -> None:
