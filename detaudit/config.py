@@ -316,6 +316,9 @@ CLAIM_SUFFIX = ".claim"  # beside a run's trace: the process of the command that
 RANK_OWNER_VARIABLE = "DETAUDIT_ATTACH_RANK"  # the rank whose first process records
 FAULT_FIRED = "fault_fired"
 ENDED = "ended"  # a trace's recording ended as it should (its loop ended, failed or hit a limit)
+# a trace saved at the end of every step: a worker its launcher ends without exit hooks
+# (Ray ends its workers so) loses only the step it was in
+FLUSHED_EACH_STEP = "flushed_each_step"
 EXIT_CALL = "exit_call"  # where the command last called sys.exit, and with what
 CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (compiled code)
 LOADER_IN_A_THREAD = "loader_in_a_thread"  # a DataLoader was iterated outside the loop's thread

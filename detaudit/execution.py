@@ -39,6 +39,7 @@ from .config import (
     ENDED,
     EXIT_CALL,
     FAULT_FIRED,
+    FLUSHED_EACH_STEP,
     INFER,
     JOB_VARIABLE,
     LOADED_FROM_EARLIER_RUNS,
@@ -487,9 +488,15 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             # os._exit, or a signal no handler sees (SIGKILL): the steps since the last save
             # are lost, so the trace is short of what ran, not different from the others'
             # (no mark at all: a detaudit in the command's Python that does not mark it)
-            trace.failure = (f"the command {how} without detaudit's exit hook running "
-                             f"(os._exit, or killed) after step {len(trace.steps) - 1}, the "
-                             "last step saved; the steps after it are lost")
+            saved = f"after step {len(trace.steps) - 1}, the last step saved"
+            trace.failure = (
+                f"the recording process, a worker the command's launcher started, ended "
+                f"without detaudit's exit hook running (its launcher ends its workers so, as "
+                f"Ray does) {saved}; the step it was in is lost (the command {how}; with "
+                "--max-steps K each run ends cleanly at step K)"
+                if code == 0 and trace.probe.get(FLUSHED_EACH_STEP) else
+                f"the command {how} without detaudit's exit hook running (os._exit, or "
+                f"killed) {saved}; the steps after it are lost")
         elif code != 0 and not at_limit:
             trace.failure = f"the command {how} after step {len(trace.steps) - 1}" + (
                 f" ({trace.probe[EXIT_CALL]})" if trace.probe.get(EXIT_CALL) else "")

@@ -476,12 +476,13 @@ class TraceStream:
     def __init__(self, trace: Trace, path: str | Path) -> None:
         self.trace, self.path = trace, Path(path)
         self.flushed_steps = 0
+        self.every_step = False  # flush at the end of every step (see due)
         self._started = False
         self._flushed_at = -math.inf
 
     def due(self) -> bool:
         """Whether to flush at the end of this step (see FLUSH_EVERY_S)."""
-        return (not self._started or len(self.trace) >= FLUSH_ROWS
+        return (self.every_step or not self._started or len(self.trace) >= FLUSH_ROWS
                 or time.monotonic() - self._flushed_at > FLUSH_EVERY_S)
 
     @property

@@ -3920,10 +3920,12 @@ def test_workers_a_launcher_of_its_own_starts_each_record_their_rank(
     does: where the script had imported torch first, no worker recorded (each inherited
     its claim); where not, the first worker to begin a step claimed the run, so one run
     recorded rank 0 and the other rank 1 -- "DETERMINISTIC: 1 repeats bit-identical; 2
-    ranks in sync", exit 0."""
+    ranks in sync", exit 0. Ray ends its workers without their exit hooks (here: killed
+    once trained), which lost every step after the first: each is saved at every step,
+    and the run says how to end each cleanly."""
     script = tmp_path / "own_launcher.py"
     script.write_text(textwrap.dedent(f"""\
-        import os, socket, subprocess, sys
+        import os, signal, socket, subprocess, sys
         if len(sys.argv) == 1:
             if {parent_imports_torch}:
                 import torch
@@ -3932,7 +3934,9 @@ def test_workers_a_launcher_of_its_own_starts_each_record_their_rank(
                 port = s.getsockname()[1]
             workers = [subprocess.Popen([sys.executable, __file__, str(r), str(port)])
                        for r in (0, 1)]
-            sys.exit(max(w.wait() for w in workers))
+            for worker in workers:
+                worker.wait()  # (killed once trained, as Ray ends its workers)
+            sys.exit(0)
         import torch
         import torch.distributed as dist
         rank = int(sys.argv[1])
@@ -3945,9 +3949,16 @@ def test_workers_a_launcher_of_its_own_starts_each_record_their_rank(
             optimizer.step()
             optimizer.zero_grad()
         dist.destroy_process_group()
+        os.kill(os.getpid(), signal.SIGKILL)
         """))
-    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0", "--",
-                   sys.executable, str(script))
+    killed = run_cli("exec", "--out", str(tmp_path / "killed"), "--quiet", "--seed", "0",
+                     "--", sys.executable, str(script))
+    assert killed.returncode == 3, killed.stdout + killed.stderr
+    assert ("a worker the command's launcher started, ended without detaudit's exit hook "
+            "running (its launcher ends its workers so, as Ray does) after step 1, the last "
+            "step saved") in killed.stdout, killed.stdout
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
+                   "--max-steps", "3", "--", sys.executable, str(script))
     assert done.returncode == 0, done.stdout + done.stderr
     assert _verdict(done).startswith(
         "DETERMINISTIC: 2 repeats bit-identical over 3 steps; 2 ranks in sync"), done.stdout

@@ -23,6 +23,7 @@ from ..config import (
     AUTO,
     CLAIM_SUFFIX,
     EXIT_CALL,
+    FLUSHED_EACH_STEP,
     JOB_VARIABLE,
     LOADED_FROM_EARLIER_RUNS,
     OWNER_VARIABLE,
@@ -140,6 +141,7 @@ def _recording_as_rank(attachment: Attachment, trace: str,
                     RankWatch(rank, world, str(dist.get_backend())),
                     rank_trace_path(trace, rank)):
                 os.environ[RANK_OWNER_VARIABLE] = str(rank)  # (its children: not that rank)
+                _saved_every_step(attachment)
         return joined
 
     return init_process_group
@@ -166,10 +168,20 @@ def _recording_once_it_joins(job: dict[str, Any]) -> None:
                     and os.environ.get(RANK_OWNER_VARIABLE) != str(rank)):
                 dist.init_process_group = dist.distributed_c10d.init_process_group = init
                 _claim(str(rank))
-                _attach(job, RankWatch(rank, world, str(dist.get_backend())), seeded=True)
+                _saved_every_step(_attach(
+                    job, RankWatch(rank, world, str(dist.get_backend())), seeded=True))
         return joined
 
     dist.init_process_group = dist.distributed_c10d.init_process_group = init_process_group
+
+
+def _saved_every_step(attachment: Attachment) -> None:
+    """A rank that joined its group from a process no launcher of torch's started (Ray's
+    workers, Lightning's copies of the command) may be ended by its launcher without its
+    exit hooks, as Ray ends its workers: its trace is saved at the end of every step, so
+    only the step it was in is lost."""
+    attachment.stream.every_step = True
+    attachment.trace.probe[FLUSHED_EACH_STEP] = True
 
 
 def _first_to_claim(trace: str) -> bool:
