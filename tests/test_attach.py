@@ -4684,3 +4684,12 @@ def test_a_loss_that_is_infinite_at_one_step_only_is_not_a_divergence_of_trainin
     assert (c.loss.nonfinite, c.loss.finite_again) == ((1, 0, "inf"), 2)
     line = nonfinite_line({"step": 1, "epoch": 1, "value": "inf", "finite_again": 2})
     assert line.startswith("loss is infinite at step 1 (epoch 1), finite again from step 2")
+    # the skipped step the last recorded (a step limit right after it): the trace says the
+    # GradScaler skipped its update ("the training diverged numerically", it said)
+    c = compare([_attached(tmp_path / f"{r}.json.gz", loop, max_steps=2, on_limit=lambda: None)
+                 for r in "cd"])
+    assert (c.loss.nonfinite, c.loss.finite_again, c.loss.skipped) == ((1, 0, "inf"), None, True)
+    line = nonfinite_line({"step": 1, "epoch": 1, "value": "inf", "finite_again": None,
+                           "skipped": True})
+    assert line.endswith("the last step recorded, whose update a GradScaler skipped: not a "
+                         "training that diverged"), line

@@ -155,6 +155,7 @@ class LossDrift:
     per_step: list[tuple[int, int, float]]  # (step, epoch, max relative difference)
     nonfinite: tuple[int, int, str] | None = None  # first (step, epoch, "nan"/"inf") of repeat 0
     finite_again: int | None = None  # the first step after it whose losses are all finite
+    skipped: bool = False  # a GradScaler skipped that step's update
 
     def per_epoch(self) -> list[tuple[int, float]]:
         """(epoch, max relative loss difference in that epoch)."""
@@ -1183,6 +1184,7 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
     ref = traces[0]
     first_step = first_epoch = None
     nonfinite = finite_again = None
+    skipped = False
     per_step = []
     ran = min(len(t.steps) for t in traces)
     for i, info in enumerate(ref.steps[:common]):
@@ -1190,6 +1192,7 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
         bad = next((v for v in values.values() if not math.isfinite(v)), None)
         if bad is not None and nonfinite is None:
             nonfinite = (info.step, info.epoch, "nan" if math.isnan(bad) else "inf")
+            skipped = not info.optimizer_stepped and info.scale is not None
         elif bad is None and values and nonfinite is not None and finite_again is None:
             finite_again = info.step  # (a step a GradScaler skipped, one bad batch)
         if i >= ran:  # (repeat 0's own steps: non-finite losses are said, not compared)
@@ -1210,7 +1213,7 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
             first_step, first_epoch = info.step, info.epoch
         if values:
             per_step.append((info.step, info.epoch, rel))
-    return LossDrift(first_step, first_epoch, per_step, nonfinite, finite_again)
+    return LossDrift(first_step, first_epoch, per_step, nonfinite, finite_again, skipped)
 
 
 @dataclass

@@ -118,7 +118,8 @@ def judge(
         again = c.loss.finite_again
         headline += (f"; loss is {'NaN' if value == 'nan' else 'infinite'} "
                      + (f"at step {step}, finite again from step {again}" if again is not None
-                        else f"from step {step}"))
+                        else f"at step {step}, whose update a GradScaler skipped"
+                        if c.loss.skipped else f"from step {step}"))
     if ranks is not None:
         kind, headline = _with_ranks(kind, headline, ranks)
     elif kind == DETERMINISTIC and c.repeats < 2:

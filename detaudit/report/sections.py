@@ -471,6 +471,10 @@ def nonfinite_line(nonfinite: dict[str, Any]) -> str:
         return (f"loss is {value} at step {nonfinite['step']} (epoch {nonfinite['epoch']}), "
                 f"finite again from step {again}: a step whose update a GradScaler skipped, "
                 "or a bad batch, not a training that diverged")
+    if nonfinite.get("skipped"):  # (the last step recorded: nothing after it says more)
+        return (f"loss is {value} at step {nonfinite['step']} (epoch {nonfinite['epoch']}), "
+                "the last step recorded, whose update a GradScaler skipped: not a training "
+                "that diverged")
     return (f"loss is {value} from step {nonfinite['step']} (epoch {nonfinite['epoch']}): "
             "the training diverged numerically")
 

@@ -150,9 +150,9 @@ def summarize(
         "code_seed": next((seed for seed in c.first_seeds if seed), None),
         "loss": {
             "nonfinite": None if c.loss.nonfinite is None else dict(zip(
-                ("step", "epoch", "value", "finite_again"),
+                ("step", "epoch", "value", "finite_again", "skipped"),
                 (c.loss.nonfinite[0], c.loss.nonfinite[1] + 1, c.loss.nonfinite[2],
-                 c.loss.finite_again)
+                 c.loss.finite_again, c.loss.skipped)
             )),
             "first_step": c.loss.first_step,
             "first_epoch": None if c.loss.first_epoch is None else c.loss.first_epoch + 1,
