@@ -574,7 +574,7 @@ def test_non_finite_losses_and_learning_rates_are_stored_and_reported(tmp_path, 
     summary = _strict(capsys.readouterr().out)
     assert code == 0, summary["headline"]  # NaN in every repeat alike: deterministic
     assert summary["loss"]["nonfinite"] == {"step": 1, "epoch": 1, "value": "inf",
-                                           "finite_again": None}
+                                           "finite_again": None, "skipped": False}
     assert summary["headline"].endswith("; loss is infinite from step 1")
     for name in ("summary.json", "run.json"):
         _strict((folder / name).read_text())
