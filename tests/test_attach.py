@@ -3761,6 +3761,10 @@ def test_runs_of_different_lengths_are_said_so(tmp_path):
     assert (result.comparison.first_step, result.comparison.cause) == (3, "length")
     assert "cause: length" in result.verdict.headline
     assert "parameters diverged" not in result.verdict.headline
+    # nor is the end of the shorter run a fork ("control flow forked at step 3: batch.0 is
+    # missing in 1 repeat", the console and the report said)
+    assert result.summary["fork"] is None
+    assert "forked" not in (tmp_path / "report" / "report.md").read_text()
     # the RNG states the shorter run never reached are missing, not different
     assert result.comparison.idle_rng == []
     # the shorter run first: the step's epoch is the longer run's (it was "epoch None")

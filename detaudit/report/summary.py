@@ -173,7 +173,8 @@ def summarize(
         "param_drift_step": c.param_drift_step,
         "param_drift_what": c.drifted,
         "loss_hidden": verdict.loss_hidden,
-        "fork": _record(c.fork, c) if c.fork else None,
+        # (a record missing where one run ended before another is its end, not a fork)
+        "fork": _record(c.fork, c) if c.fork and c.cause != "length" else None,
         "records": {
             "total": c.total_records,
             "differing": c.differing_records,
