@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def joined(items: list) -> str:
+    """``1``, ``1 and 2``, ``1, 2 and 3``."""
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def counted(n: int, noun: str, plural: str = "") -> str:
     """``1 step``, ``2 steps`` (`plural` where adding an s is not the plural)."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ..config import UNJOINED
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, PROBE_DISTRIBUTED, STATE, AnyTrace, Trace
-from ..words import counted
+from ..words import counted, joined
 from .compare import DIVERGENT, ORIGIN, Comparison, aligned_steps, compare
 
 OK, FLAGGED, NOT_CHECKED = "ok", "flagged", "not checked"
@@ -189,7 +189,7 @@ def mark_received(analysis: RankAnalysis, source: int, later: list[int]) -> None
 
 
 def _received(senders: list[int]) -> str:
-    return f"all-reduce (from rank {_join(senders)})"
+    return f"all-reduce (from rank {joined(senders)})"
 
 
 def _started(c: Comparison, step: int) -> int:
@@ -400,8 +400,8 @@ def _check_shards(items: RankTraces, seen: RankRecords) -> CheckResult:
         return OK, "every rank's sampler indices are disjoint in every epoch (beyond padding)", []
     first = findings[0]
     return FLAGGED, (
-        f"ranks {_join(first['ranks'])} share {first['shared']} samples in epoch "
-        f"{first['epoch']} (indices {_join(first['examples'])}, ...): "
+        f"ranks {joined(first['ranks'])} share {first['shared']} samples in epoch "
+        f"{first['epoch']} (indices {joined(first['examples'])}, ...): "
         + _unsharded_why({r: by_epoch[first["epoch"] - 1] for r, by_epoch in samplers.items()})
     ), findings
 
@@ -445,7 +445,7 @@ def _check_shards_by_batch(items: RankTraces, seen: RankRecords) -> CheckResult:
         return OK, "no batch is loaded by two ranks in one epoch (by batch fingerprints)", []
     first = findings[0]
     return FLAGGED, (
-        f"ranks {_join(first['ranks'])} load {first['shared']} identical batches in epoch "
+        f"ranks {joined(first['ranks'])} load {first['shared']} identical batches in epoch "
         f"{first['epoch']}: the data is not sharded per rank"
     ), findings
 
@@ -482,7 +482,7 @@ def _check_epochs(items: RankTraces, seen: RankRecords) -> CheckResult:
     )
     return FLAGGED, (
         f"epoch {first['epoch']} repeats the sample order of epoch {first['previous_epoch']} "
-        f"on ranks {_join(first['ranks'])}{why}"
+        f"on ranks {joined(first['ranks'])}{why}"
     ), findings
 
 
@@ -648,12 +648,9 @@ def _rank_groups(ranks: list[int], prints: list[Any]) -> list[list[int]]:
 def _groups(groups: list[list[int]], shared_only: bool = False) -> str:
     """`0 and 1` for two single ranks; `0, 2 | 1` for groups of equal values."""
     if shared_only:
-        return " | ".join(_join(g) for g in groups if len(g) > 1)
+        return " | ".join(joined(g) for g in groups if len(g) > 1)
     if all(len(g) == 1 for g in groups):
-        return _join([g[0] for g in groups])
+        return joined([g[0] for g in groups])
     return " | ".join(", ".join(map(str, g)) for g in groups)
 
 
-def _join(items: list[Any]) -> str:
-    items = [str(i) for i in items]
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..runfolder import INTERRUPTED as CUT_SHORT
 from ..trace import GRAD, OPTIMIZER, STATE
-from ..words import counted
+from ..words import counted, joined
 from .compare import (
     DETERMINISTIC,
     DIVERGENT,
@@ -389,11 +389,6 @@ def _common(c: Comparison) -> str:
     return f"the repeats agree over the {counted(c.common_steps, 'step')} every repeat completed"
 
 
-def _ranks_named(ranks: list[int]) -> str:
-    return (f"rank {ranks[0]}" if len(ranks) == 1
-            else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}")
-
-
 def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str]:
     """The verdict of a distributed audit: a crash, then local divergences, then checks."""
     flagged = ranks.flagged
@@ -413,7 +408,7 @@ def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str
     alone = [row.rank for row in ranks.per_rank if row.repeats < 2]
     if kind == DETERMINISTIC and alone:
         return NOT_COMPARED, (
-            f"NOT COMPARED: {_ranks_named(alone)} recorded in one run only, with nothing to "
+            f"NOT COMPARED: {'rank' if len(alone) == 1 else 'ranks'} {joined(alone)} recorded in one run only, with nothing to "
             "compare it with run to run (the runs recorded other ranks: a launcher whose "
             "processes begin in another order in each run; the traces are kept)")
     if kind == DETERMINISTIC:
