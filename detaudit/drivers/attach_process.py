@@ -177,9 +177,9 @@ def _recording_once_it_joins(job: dict[str, Any]) -> None:
 
 def _saved_every_step(attachment: Attachment) -> None:
     """A rank that joined its group from a process no launcher of torch's started (Ray's
-    workers, Lightning's copies of the command) may be ended by its launcher without its
-    exit hooks, as Ray ends its workers: its trace is saved at the end of every step, so
-    only the step it was in is lost."""
+    workers; the command's own process, made rank 0 by a launcher in it) may be ended by
+    its launcher without its exit hooks, as Ray ends its workers: its trace is saved at the
+    end of every step, so only the step it was in is lost."""
     attachment.stream.every_step = True
     attachment.trace.probe[FLUSHED_EACH_STEP] = True
 

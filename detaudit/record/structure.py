@@ -28,12 +28,12 @@ def _leaves(obj: Any, path: str, plain: bool, objects: bool = True
             ) -> Iterator[tuple[str, Any]]:
     if isinstance(obj, torch.Tensor):
         yield path, obj
-    elif isinstance(obj, (dict, Mapping)):  # (Hugging Face's BatchEncoding is a UserDict)
-        for key, value in obj.items():
-            yield from _leaves(value, _join(path, str(key)), plain, objects)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
             yield from _leaves(value, _join(path, str(i)), plain, objects)
+    elif isinstance(obj, (dict, Mapping)):  # (Hugging Face's BatchEncoding is a UserDict;
+        for key, value in obj.items():     # a dict is told first, without the ABC's check)
+            yield from _leaves(value, _join(path, str(key)), plain, objects)
     elif hasattr(obj, "tensors") and isinstance(obj.tensors, torch.Tensor):
         # torchvision's ImageList: the padded batch plus the original sizes.
         yield from _leaves(obj.tensors, _join(path, "tensors"), plain, objects)
