@@ -100,6 +100,7 @@ OP_FORWARD, OP_BACKWARD = "op.forward", "op.backward"
 # the module of an op run outside every module call (a loss the loop computes from the
 # model's outputs, and its backward); "" is the model's own call
 OUTSIDE_MODEL = "(outside the model)"
+MODEL_STATE = ("param.", "buffer.")  # the model's state records' slots, as a step begins
 LOADER_BATCH = "batch.loader"  # a state record: a batch as the DataLoader yielded it (exec, watch)
 OP_PHASES = (OP_FORWARD, OP_BACKWARD)
 PHASES = (STATE, FORWARD, BACKWARD, GRAD, OPTIMIZER, OUTPUT, *OP_PHASES)

@@ -1,4 +1,5 @@
-"""Aligns N traces by key and says where, when and why they first differ.
+"""Aligns N traces by key and says where, when and why they first differ (the why in
+words: `causes`).
 
 Records are paired by (step, phase, module, call, slot), never by position, so when one
 repeat keeps more boxes after NMS the rest still pairs up and the fork is reported.
@@ -27,6 +28,7 @@ from ..trace import (
     FORWARD,
     GRAD,
     LOADER_BATCH,
+    MODEL_STATE,
     OP_BACKWARD,
     OP_FORWARD,
     OP_PHASES,
@@ -37,6 +39,7 @@ from ..trace import (
     StepInfo,
     Trace,
 )
+from .causes import cause_text
 from .rnggap import RngGap, rng_gap
 from .stress import StressedOp, stressed_ops
 
@@ -45,56 +48,10 @@ Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot
 ORIGIN, CONTAINS, PROPAGATED = "origin", "contains-origin", "propagated"
 GRADIENTS_DIFFER = "gradients differ"  # a scanned step's map cell: no module records there
 DETERMINISTIC, DIVERGENT, FAILED = "deterministic", "divergent", "failed"
-MODEL_STATE = ("param.", "buffer.")  # the model's state records, as a step begins
 DETAIL_STEPS = 100  # divergent steps whose differing records are all kept and classified
 # a zoomed trace's probe entry: the in-process replay of its step agreed, while the replays
 # each in its own process parted (the audited runs ran each in its own process)
 PER_PROCESS = "per_process"
-_CAUSE_TEXT = {
-    "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not reproducible",
-    "rng": "an RNG stream differs: something drew a different amount of randomness",
-    "init": "the parameters differ before the first step: the model is initialised from an "
-            "unseeded RNG (fix: seed every RNG before building the model, e.g. "
-            "detaudit.seed_everything(0); `detaudit exec --seed 0` does it for a whole script)",
-    "params": "the parameters differ before the step (initialisation, an earlier update, or a "
-              "change made to them between steps outside the optimizer)",
-    "forward": "a forward computation gave different results from equal inputs",
-    "backward": "a backward computation gave different gradients from equal upstream gradients",
-    "optimizer": "the optimizer update differs while gradients agree",
-    "process": "the runs part only between processes: replayed in one process the step agrees "
-               "in every repeat, replayed each in a fresh process (as the audited runs ran) it "
-               "parts, so the difference depends on per-process state: PYTHONHASHSEED (the "
-               "iteration order of a set of strings, or of a dict built from one: loss terms, "
-               "class names), process-level randomness (os.urandom, uuid, hash() or id() of "
-               "objects) or the environment (fix: set PYTHONHASHSEED to a fixed value, e.g. "
-               "PYTHONHASHSEED=0, for training, and iterate sorted(...) rather than a set)",
-    "length": "the runs differ in length: a run ended before this step while another went on "
-              "(the loop's length is not reproducible: a step count or an early stop that "
-              "depends on something that differs between runs)",
-    "none": "no divergence",
-}
-
-
-# A scanned step's forward or backward cause, which its step state alone cannot confirm.
-UNCONFIRMED = ("; unconfirmed from the step's state alone (a zoom's module and op records, "
-               "when the step parts again, say which)")
-_SCANNED_CAUSE_TEXT = {
-    "forward": "the loss (or the output) differs while everything the step began with agrees "
-               "(the batch, every RNG state, the parameters): a forward computation, or the "
-               "step function's own code, gave different results" + UNCONFIRMED,
-    "backward": "the gradients differ while the loss and everything before it agree: a "
-                "backward computation, or a forward one whose difference was too small to "
-                "change the loss (a scanned step: its module records, which a zoom takes, tell "
-                "them apart)",
-}
-
-
-# how to seed before the model is built, whatever builds it
-_SEED_FIRST = ("seed before building the model (detaudit.seed_everything(0), or the "
-               "framework's own: transformers.set_seed, composer.utils.reproducibility."
-               "seed_all, lightning.seed_everything; Hugging Face's Trainer(model_init=...) "
-               "builds it after seeding), or `detaudit exec --seed 0`")
-
 class Continued(NamedTuple):
     """Repeat `repeat` began with the parameters repeat `earlier` had after its `step`
     (its `last`, or not)."""
@@ -123,6 +80,11 @@ class RecordDiff:
     @property
     def key(self) -> Key:
         return (self.step, self.phase, self.module, self.call, self.slot)
+
+    @property
+    def rng_state(self) -> bool:
+        """An RNG stream's state as a step begins."""
+        return self.phase == STATE and self.slot.startswith("rng.")
 
     @property
     def where(self) -> str:
@@ -270,239 +232,17 @@ class Comparison:
         return [f for f in self.findings if f.step == self.first_step and f.role == ORIGIN]
 
     @property
+    def cause_text(self) -> str:
+        return cause_text(self)
+
+    @property
     def unseeded_at_start(self) -> list[str]:
         """The RNGs whose state differs before the first step, where that is the cause
         (the model initialised from them, or nothing drawn yet): empty otherwise."""
         if (self.first_step != 0 or self.cause not in ("init", "rng")
                 or self.continued_from is not None):
             return []
-        return sorted({d.slot.removeprefix("rng.") for d in self.first_diffs if _rng_state(d)})
-
-    @property
-    def cause_text(self) -> str:
-        seeded_apart = self._seeded_apart()
-        if seeded_apart is not None:
-            return seeded_apart
-        text = self._cause_text()
-        if self.cause == "init" and self.loaded_earlier and self._loaded_note() not in text:
-            text += self._loaded_note()  # (beside an RNG that differs: the files, said too)
-        if (self.cause == "init" and self.continued_from is None
-                and any(d.phase == STATE and d.slot.startswith("batch") for d in self.first_diffs)):
-            text += ("; the first batch differs as well: the data order or augmentation draws "
-                     "from an unseeded RNG too (the same seeding, done before the data is "
-                     "drawn, fixes both" + ("; for a DataLoader's workers, e.g. "
-                                            "detaudit.seeded_loader_kwargs)" if self.loader_batch
-                                            else ")"))
-        return text
-
-    def seeds_apart(self) -> str | None:
-        """The values the code seeded torch with, where they differ between the runs, and
-        where it did ("4014 in repeat 0, 9916 in repeat 1; at main.py:50"); None otherwise."""
-        seeds = [s for s in self.first_seeds if s is not None]
-        if len(seeds) < 2 or len({value for value, _ in seeds}) < 2:
-            return None
-        values = ", ".join(f"{s[0]} in repeat {n}" for n, s in enumerate(self.first_seeds)
-                           if s is not None)
-        return f"{values}; at {seeds[0][1] or 'a library call'}"
-
-    def _seeded_apart(self) -> str | None:
-        """The text for runs whose code seeded torch with a different value each (a seed
-        drawn at random where none is given), where that is what parts them at the first
-        step; None otherwise."""
-        apart = self.seeds_apart()
-        if self.cause not in ("init", "rng", "data") or self.first_step != 0 or apart is None:
-            return None
-        what = {"init": "the parameters differ before the first step",
-                "rng": "an RNG stream differs", "data": "the batch differs"}[self.cause]
-        return (f"{what}: the code seeds torch with a different value in each run ({apart}), "
-                "a seed drawn at random where none is given (random.randint, the time); fix: "
-                "give the script a fixed seed (its own seed option), or seed the RNG it draws "
-                "the seed from (`detaudit exec --seed 0` seeds python's random, numpy and "
-                "torch before the code runs)")
-
-    def _cause_text(self) -> str:
-        if self.cause in ("init", "params") and self.shared_parameters:
-            return ("the parameters differ before the step, and they are in shared memory "
-                    "(share_memory()): other processes write them, as Hogwild training in "
-                    "child processes does, whose updates interleave differently in every run "
-                    "(nondeterministic by design); or the model was built from an unseeded "
-                    "RNG. detaudit records one process, the first to begin a step, not the "
-                    "others (to audit the training steps, run the training in the script's "
-                    "own process)")
-        if self.cause == "init" and self.continued_from is not None:
-            n, m, step, last = self.continued_from
-            had = "ended with" if last else f"had after its step {step}"
-            return (f"the parameters differ before the first step: repeat {n} began with the "
-                    f"parameters repeat {m} {had}, so the model was trained on, or restored "
-                    "from a checkpoint an earlier run wrote, not built anew (fix: build, and "
-                    "seed, the model in each run; remove the checkpoints an earlier run left, "
-                    "or give each run its own output folder; in a notebook, re-run the cell "
-                    "that builds it)" + self._loaded_note())
-        # the RNG streams whose state differs as the step begins (never drawn: left out)
-        differing = sorted({d.slot.removeprefix("rng.") for d in self.first_diffs
-                            if _rng_state(d)})
-        stepless = [n for n, steps in enumerate(self.lengths) if steps == 0]
-        if self.cause == "length" and stepless:
-            return (f"repeat {stepless[0]} made no step: its command ended at once (exit 0), "
-                    "as a script does that finds what an earlier run left and takes the "
-                    "training as done (a checkpoint at its last epoch, an output folder it "
-                    f"takes for finished work){self._loaded_note()} (fix: remove what an "
-                    "earlier run left before each run, or give each run its own output "
-                    "folder)")
-        if self.loaded_earlier and (self.cause == "length"
-                                    or self.cause == "init" and not differing):
-            what = ("the parameters differ before the first step while every RNG state agrees"
-                    if self.cause == "init" else _CAUSE_TEXT["length"].split(" (")[0])
-            return (what + self._loaded_note() + " (a checkpoint the script resumed from, or "
-                    "its progress: fix: remove what an earlier run left before each run, or "
-                    "give each run its own output folder)")
-        if self.cause == "init" and self.seeded_late and not any(
-                s == "torch" or s.startswith("cuda") for s in differing):
-            return ("the parameters differ before the first step while torch's RNG state "
-                    "agrees: the model was built from the unseeded torch RNG, and the code "
-                    f"seeded it only after that, at {self.seeded_late} (a seed fixes the draws that "
-                    "follow it, not the weights already drawn; a trainer that takes a seed, "
-                    "as Hugging Face's and Composer's do, seeds as it is made, after the "
-                    f"model); fix: {_SEED_FIRST})")
-        if self.cause == "init" and not differing:
-            return ("the parameters differ before the first step while every RNG state "
-                    "agrees: the model was built before the code seeded its RNGs (a seed set "
-                    "after the model is built fixes the draws that follow, not the weights "
-                    "already drawn: a trainer that takes a seed, as Hugging Face's and "
-                    "Composer's do, seeds as it is made, after the model), or its weights "
-                    "were loaded or set from a source that differs between runs (a "
-                    f"checkpoint a run wrote); fix: {_SEED_FIRST}, and start every run from "
-                    "the same weights")
-        if self.cause == "init" and not any(s == "torch" or s.startswith("cuda")
-                                            for s in differing):
-            return (f"the parameters differ before the first step; torch's RNG state agrees, "
-                    f"the {', '.join(differing)} RNG state differs (not seeded): the weights "
-                    f"come from {'that RNG' if len(differing) == 1 else 'one of those RNGs'}, "
-                    "or were loaded or set from a source that differs between runs (fix: seed "
-                    "every RNG before building the model, e.g. detaudit.seed_everything(0); if "
-                    "nothing draws weights from it, start every run from the same weights)")
-        if self.cause == "rng" and differing and self.first_step == 0:
-            # before anything ran: nothing drew differently
-            return (f"the {', '.join(differing)} RNG state differs before the first step: it is "
-                    "not seeded (fix: seed every RNG before training, e.g. "
-                    "detaudit.seed_everything(0); `detaudit exec --seed 0` does it for a whole "
-                    "script)")
-        if self.cause == "rng" and self.drawn and self.rng_gap is None and not any(
-                o.rng for o in self.origins):
-            return (f"step {self.first_step} began alike in every repeat, yet the "
-                    f"{', '.join(self.drawn)} RNG state differs as the next step begins: the "
-                    "step reseeded it from a source that differs between runs (torch.seed(), "
-                    "a seed from the clock or the process id) or drew a different amount of "
-                    "randomness (a draw in the step function, a hook, a logger or a module "
-                    "whose count differs between the runs), or a forward difference changed "
-                    "how much a sampler draws; where, the step's "
-                    "state cannot say (a zoom's module records do, when the step parts again)")
-        at_step = [f for f in self.findings if f.step == self.first_step]
-        if self.lr_by_repeat is not None:
-            rates = " and ".join(f"{_rates(r)} in repeat {n}"
-                                 for n, r in enumerate(self.lr_by_repeat[:2]))
-            return (f"{_CAUSE_TEXT['optimizer']}: the learning rate differs ({rates}), so the "
-                    "schedule, or whatever sets it, depends on something that differs between "
-                    "the runs (wall-clock time, a metric of an unseeded evaluation, the order of "
-                    "a set)")
-        if self.cause == "rng" and differing and self.first_step:
-            return (f"the {', '.join(differing)} RNG state already differs as step "
-                    f"{self.first_step} begins, while everything recorded before agrees: after "
-                    f"step {self.first_step - 1}'s last record something reseeded it or drew a "
-                    "different amount from it (an evaluation or a logger that ran differently, "
-                    "a reseed from the clock or the process id, a draw that depends on the "
-                    "epoch's results)")
-        scanned = _SCANNED_CAUSE_TEXT.get(self.cause)
-        if scanned and not at_step:
-            return scanned  # a step without module records: the step state alone says it
-        outside = self._outside_the_model(at_step)
-        if outside:
-            return outside
-        buffers = sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
-                          for d in self.first_diffs if d.phase == STATE
-                          and d.slot.startswith("buffer.")})
-        if self.cause in ("init", "params") and buffers and not any(
-                d.phase == STATE and d.slot.startswith("param.") for d in self.first_diffs):
-            return (f"the model's buffers ({_listed(buffers)}) differ before the step while its "
-                    "parameters agree: running statistics, counters or averages a module keeps, "
-                    + ("loaded or set differently before the first step" if self.cause == "init"
-                       else "changed between steps, or updated by a forward whose recorded "
-                       "results agreed") + "; they change what the model computes in eval mode")
-        if self.cause == "data":
-            return self._data_text(differing)
-        side = self._side_models_differing()
-        if self.cause == "params" and side:
-            return (f"the parameters of {_listed(side)}, called by the loop but trained by no "
-                    "optimizer (an EMA copy, a teacher, a model restored for evaluation), "
-                    "differ before the step while the trained model's agree: changed in place "
-                    "between steps (an EMA's update: its decay, or what it averages, differs "
-                    "between runs) or loaded differently")
-        return _CAUSE_TEXT[self.cause]
-
-    def _side_models_differing(self) -> list[str]:
-        """The side models (see `side_models`) whose state differs first, when only theirs
-        does."""
-        owners = {d.module.split(".")[0] for d in self.first_diffs
-                  if d.phase == STATE and d.slot.startswith(MODEL_STATE)}
-        return sorted(owners) if owners and owners <= set(self.side_models) else []
-
-    def _data_text(self, differing_rng: list[str]) -> str:
-        """What a batch that differs says: where it changed (in the DataLoader, or in the
-        loop after it, when the batches the loader yielded agree) and which RNG, not seeded,
-        may have made it differ."""
-        text = _CAUSE_TEXT["data"]
-        differing = [d.slot for d in self.first_diffs if d.phase == STATE
-                     and d.slot.startswith("batch")]
-        entered = next((d for d in self.first_diffs if d.phase == FORWARD), None)
-        if not differing and entered is not None:
-            text = (f"the input of {entered.module or '(model)'} differs while everything the "
-                    "step began with agrees (its batch, every RNG state): the loop made it "
-                    "differently (noise or an augmentation drawn in the loop, a value computed "
-                    "outside the model)")
-        elif self.loader_batch and not any(slot.startswith(LOADER_BATCH) for slot in differing):
-            text = ("the model's input differs while the batches the DataLoader yielded agree: "
-                    "the training loop changed them after loading (an augmentation, noise or a "
-                    "transform applied in the loop, or a batch mixed with another)")
-        if differing_rng:
-            text += (f"; the {', '.join(differing_rng)} RNG state differs as well as the step "
-                     "begins (not seeded): a transform that draws from it makes the batches "
-                     "differ (fix: seed every RNG, e.g. detaudit.seed_everything(0), and the "
-                     "DataLoader's workers, e.g. detaudit.seeded_loader_kwargs)")
-        return text
-
-    def _loaded_note(self) -> str:
-        """Which repeats loaded files an earlier run of the audit wrote (empty if none)."""
-        loaded = "; ".join(f"repeat {n} loaded {_listed(files)}"
-                           for n, files in sorted(self.loaded_earlier.items()))
-        return f"; {loaded} (torch.load), written by an earlier run" if loaded else ""
-
-    def _outside_the_model(self, at_step: list[CallFinding]) -> str | None:
-        """The text for a step whose model computed the same forward in every repeat (no
-        module's forward differs) while the loss, or the gradient it sends into the model's
-        outputs, differs: the difference entered outside the model; None otherwise."""
-        if self.cause not in ("forward", "backward") or any(f.phase == FORWARD for f in at_step):
-            return None
-        if any(d.phase == OUTPUT for d in self.first_diffs):
-            what = "the loss computed from them differs"
-        elif any(d.phase == BACKWARD and d.module == "" and d.slot.startswith("grad_out")
-                 for d in self.first_diffs):  # (the gradient entering the model's output)
-            what = "the gradient the loss sends into them differs"
-        else:
-            return None
-        return (f"the model's outputs agree in every repeat, yet {what}: the loss is computed "
-                "outside the model from something else that differs (class weights, targets "
-                "or masks made in the training loop rather than loaded, a value drawn on the "
-                "host, the outputs of a model called apart such as a frozen teacher), or by "
-                "code outside the model, forward or backward")
-
-
-def _rates(rates: list[float | None]) -> str:
-    return ", ".join("non-finite" if r is None else f"{r:.9g}" for r in rates) or "none"
-
-
-def _listed(names: list[str], most: int = 3) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
+        return sorted({d.slot.removeprefix("rng.") for d in self.first_diffs if d.rng_state})
 
 class _Index:
     """One trace's records of one granularity: key -> (fp, row) and the execution order."""
@@ -698,8 +438,8 @@ class _StepDiffs:
             if d.missing and not (step > 0 and d.phase == STATE
                                   and d.slot.startswith(MODEL_STATE)):
                 self._note_fork((o, step, j), d)
-        rng = [d for d in diffs if _rng_state(d)]
-        rest = [d for d in diffs if not _rng_state(d)]
+        rng = [d for d in diffs if d.rng_state]
+        rest = [d for d in diffs if not d.rng_state]
         for d in rng:
             self.rng.setdefault(step, set()).add(d.slot)
             if d.missing:
@@ -718,7 +458,7 @@ class _StepDiffs:
         if rest and not detail:
             self.more = True
         for d in diffs:
-            if not _rng_state(d):
+            if not d.rng_state:
                 if detail:
                     self.kept.append(d)
             elif d.slot not in self.rng_first or detail:
@@ -738,7 +478,7 @@ class _StepDiffs:
         self.previous = slots
 
     def _note_fork(self, rank: tuple[int, int, int], d: RecordDiff) -> None:
-        if _rng_state(d):
+        if d.rng_state:
             best = self.rng_forks.get(d.slot)
             if best is None or rank < best[0]:
                 self.rng_forks[d.slot] = (rank, d)
@@ -807,7 +547,7 @@ class _StepDiffs:
         for step, slots in self.rng.items():
             if slots - idle:
                 by_step[step] = by_step.get(step, 0) + len(slots - idle)
-        kept = [d for d in self.kept if not (_rng_state(d) and d.slot in idle)]
+        kept = [d for d in self.kept if not (d.rng_state and d.slot in idle)]
         first_step = min(by_step) if by_step else None
         first_diffs = [d for d in kept if d.step == first_step]
         first_by_phase: dict[str, RecordDiff] = {}
@@ -878,10 +618,6 @@ class _StepDiffs:
         following = next((s.step for s in steps if s.step > step), None)
         return sorted(slot.removeprefix("rng.") for slot, first in self.rng_first.items()
                       if first == following and slot not in idle)
-
-
-def _rng_state(d: RecordDiff) -> bool:
-    return d.phase == STATE and d.slot.startswith("rng.")
 
 
 def _step_findings(

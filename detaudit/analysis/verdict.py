@@ -10,15 +10,14 @@ from typing import Any
 
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..runfolder import INTERRUPTED as CUT_SHORT
-from ..trace import GRAD, OPTIMIZER, STATE
+from ..trace import GRAD, MODEL_STATE, OPTIMIZER, STATE
 from ..words import counted, joined
+from .causes import UNCONFIRMED, seeds_apart
 from .compare import (
     DETERMINISTIC,
     DIVERGENT,
     FAILED,
-    MODEL_STATE,
     ORIGIN,
-    UNCONFIRMED,
     Comparison,
     draws_random_numbers,
 )
@@ -295,7 +294,7 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
     without --seed), the hash seed is named where nothing more specific (`planted` fault,
     an op, an RNG state) explains the difference."""
     reseeded = c.unseeded_at_start
-    apart = c.seeds_apart()
+    apart = seeds_apart(c)
     if seed is not None and reseeded and apart is not None:
         return c.cause, (
             f"the code seeds torch with a different value in each run ({apart}) although "
