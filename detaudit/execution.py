@@ -141,6 +141,7 @@ def exec_command(
                 progress.advance(f"run {repeat + 1}/{job.repeats}: {steps} steps"
                                  f"{f' on {len(recorded)} ranks' if None not in recorded else ''}")
             progress.close()
+            config = replace(config, fault=job.fault)  # (named as planted: see above)
             ranks = _rank_analysis(runs, command) if None not in runs[0] else None
             primary = None if ranks is None else ranks.primary_rank
             traces = _of_rank(runs, primary)

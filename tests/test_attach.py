@@ -1034,6 +1034,67 @@ def _found_fault(tmp_path: Path, script: Path, fault: str, *options: str) -> dic
     return json.loads(done.stdout)
 
 
+_POLICY = """\
+import torch
+from torch import nn
+
+class Extractor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.policy_net = nn.Sequential(nn.Linear(4, 16), nn.Tanh())
+        self.value_net = nn.Sequential(nn.Linear(4, 16), nn.Tanh())
+
+    def forward(self, x):
+        return self.policy_net(x), self.value_net(x)
+
+class Policy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp_extractor = Extractor()
+        self.action_net = nn.Linear(16, 2)
+        self.value_net = nn.Linear(16, 1)
+
+    def forward(self, x):  # the rollout's, under no_grad in eval mode
+        pi, vf = self.mlp_extractor(x)
+        return self.action_net(pi).argmax(-1), self.value_net(vf)
+
+    def evaluate_actions(self, x):  # training's: the parts, called one by one
+        pi, vf = self.mlp_extractor(x)
+        return self.action_net(pi), self.value_net(vf)
+
+torch.manual_seed(0)
+policy = Policy()
+optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
+for rollout in range(2):
+    policy.eval()
+    with torch.no_grad():
+        obs = torch.randn(16, 4)
+        actions, _ = policy(obs)
+    policy.train()
+    for epoch in range(2):
+        logits, values = policy.evaluate_actions(obs)
+        loss = nn.functional.cross_entropy(logits, actions) + values.pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+@pytest.mark.parametrize("fault", ["action_net@backward:2", "mlp_extractor.policy_net.0@forward:3"])
+def test_a_model_whose_training_calls_its_parts_is_the_module_that_holds_them(tmp_path, fault):
+    """Stable-Baselines3's policies train through ``evaluate_actions``, which calls their
+    feature extractor and heads, never the policy itself: the extractor was taken for the
+    model and the heads for other models named by class (``Linear``, ``Linear2``), so
+    ``action_net`` could not take a fault, and ``value_net`` took the extractor's."""
+    script = tmp_path / "policy.py"
+    script.write_text(_POLICY)
+    summary = _found_fault(tmp_path, script, fault)
+    first = summary["first_divergence"]
+    module, phase, step = fault.replace("@", ":").split(":")
+    assert (first["module"], first["phase"], first["step"]) == (module, phase, int(step))
+    assert summary["steps_per_repeat"] == [4, 4]  # (the rollouts' calls are no steps)
+
+
 def test_an_update_by_in_place_foreach_ops_is_read_anew_after_each_of_them(tmp_path):
     """A loop's own Adam-like update through in-place foreach ops (``_foreach_add_``: Keras's
     optimizers on torch do so, and torch's with ``foreach=True``), which return nothing and,
@@ -1121,21 +1182,24 @@ def test_the_update_that_makes_an_optimizers_state_for_a_checkpoint_is_no_step(t
     assert not summary["updates_without_backward"] and not summary["calls_unseen"]
 
 
-@pytest.mark.parametrize("drawn", ["tqdm", "carriage returns"])
+@pytest.mark.parametrize("drawn", ["tqdm", "carriage returns", "nothing"])
 def test_a_progress_line_the_limit_cuts_short_leaves_the_verdict_on_a_line_of_its_own(
         tmp_path, drawn):
     """A progress line (a tqdm bar on stderr, or a line the script redraws on stdout with
     carriage returns) has no line end while its loop runs; --max-steps ends the process
     mid-loop, so the bar is closed as the loop's end would close it and the line ended: the
-    next run's output, and the verdict (stdout, the same log in CI), begin lines of their own."""
+    next run's output, and the verdict (stdout, the same log in CI), begin lines of their own.
+    A script that leaves no line open gets no blank line (--quiet printed one per run)."""
     script = tmp_path / "bar.py"
     script.write_text(
         "import sys, torch, tqdm\n"
         "torch.manual_seed(0)\n"
         "model = torch.nn.Linear(4, 2)\n"
         "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        + ("for _ in tqdm.tqdm(range(1000), mininterval=0):\n" if drawn == "tqdm" else
-           "for i in range(1000):\n    print(f'\\r{i}/1000 [', end='', flush=True)\n")
+        + {"tqdm": "for _ in tqdm.tqdm(range(1000), mininterval=0):\n",
+           "carriage returns": "for i in range(1000):\n"
+                               "    print(f'\\r{i}/1000 [', end='', flush=True)\n",
+           "nothing": "for _ in range(1000):\n"}[drawn]
         + "    optimizer.zero_grad()\n"
         "    model(torch.ones(3, 4)).sum().backward()\n"
         "    optimizer.step()\n")
@@ -1146,6 +1210,9 @@ def test_a_progress_line_the_limit_cuts_short_leaves_the_verdict_on_a_line_of_it
     output = done.stdout.decode()  # (not as text: that splits lines at the bar's returns)
     lines = output.split("\n")
     assert done.returncode == 0, output
+    if drawn == "nothing":
+        assert output.startswith("DETERMINISTIC: 2 repeats"), output
+        return
     assert sum("/1000 [" in line for line in lines) == 2, output  # a line in each run
     assert any(line.startswith("DETERMINISTIC") for line in lines), output
 
@@ -3832,8 +3899,12 @@ def test_a_fault_named_without_ddps_prefix_is_planted_in_the_module_inside_ddp(t
     done = _exec_ddp(tmp_path, "--max-steps", "3", "--json", "--inject-fault", "2@backward:1",
                      script_args=("--launch", "torchrun"))
     assert done.returncode == 1, done.stdout + done.stderr
-    first = json.loads(done.stdout)["first_divergence"]
+    summary = json.loads(done.stdout)
+    first = summary["first_divergence"]
     assert (first["module"], first["phase"], first["step"]) == ("module.2", "backward", 1)
+    # (the zoom knew the fault by its name as given: "outside the dispatcher", it said)
+    assert "; the planted fault, found where it was planted;" in summary["headline"], (
+        summary["headline"])
 
 
 def test_a_fault_named_as_in_the_users_model_is_planted_inside_lightning_fabrics_wrapper(

@@ -145,7 +145,8 @@ def test_shard_loader_splits_a_single_process_loader_per_rank():
 # -- the analysis alone, on hand-made traces ----------------------------------------------
 
 
-def _trace(rank: int, grad_fp: str, indices: list[int], fetch_state: str) -> Trace:
+def _trace(rank: int, grad_fp: str, indices: list[int], fetch_state: str,
+           draw: str = "r") -> Trace:
     trace = Trace(probe={"distributed": {
         "rank": rank, "world_size": 2, "backend": "gloo", "init": {"module.fc.weight": "aa"},
         "epochs": [{"epoch": 0, "sampler": {"kind": "SequentialSampler", "shuffle": False,
@@ -153,7 +154,7 @@ def _trace(rank: int, grad_fp: str, indices: list[int], fetch_state: str) -> Tra
         "fetches": [{"epoch": 0, "index": 0, "before": {"numpy": fetch_state}, "drew": ["numpy"]}],
     }}, repeat=0, env={})
     trace.steps.append(StepInfo(step=0, epoch=0, index=0, losses={"loss": (1.0).hex()}))
-    for phase, slot, fp in (("state", "batch.0", f"b{rank}"), ("forward", "rng.in", "r"),
+    for phase, slot, fp in (("state", "batch.0", f"b{rank}"), ("forward", "rng.in", draw),
                             ("grad", "param.weight", grad_fp), ("optimizer", "param.weight", "pp")):
         trace.add_record(0, (phase, "module.fc", 0, slot), TensorPrint(fp, (2,), "float32",
                                                                         1.0, 1.0, 0))
@@ -407,3 +408,38 @@ def test_ranks_each_recorded_in_one_run_only_are_not_compared():
     verdict = judge(compare(by_rank[0]), ranks=analyse(by_rank, compare_ranks(by_rank)))
     assert (verdict.kind, verdict.exit_code) == ("not compared", 2), verdict.headline
     assert verdict.headline.startswith("NOT COMPARED: ranks 0 and 1 recorded in one run only")
+
+
+
+def _built_per_rank(rank: int, repeat: int, failure: str | None = None) -> Trace:
+    """A rank's trace whose parameters as built are its own (seeded with seed + rank, as
+    timm's recipe does), the same after DDP's broadcast; `failure`: the run crashed."""
+    trace = _trace(rank, "g", [rank], f"s{rank}", draw=f"r{rank}")
+    trace.repeat, trace.failure = repeat, failure
+    trace.probe["distributed"]["init"] = {"module.fc.weight": f"built{rank}"}
+    return trace
+
+
+def test_parameters_built_apart_on_each_rank_are_noted_not_a_divergence():
+    """timm seeds each rank with seed + rank on purpose, and DDP's broadcast from rank 0
+    makes the parameters equal: every check passed, yet the audit was `DIVERGENT ACROSS
+    RANKS`, exit 1, for the parameters as built."""
+    by_rank = {rank: [_built_per_rank(rank, k) for k in (0, 1)] for rank in (0, 1)}
+    ranks = analyse(by_rank, compare_ranks(by_rank))
+    init = {c.key: c for c in ranks.checks}["init"]
+    assert init.status == "noted" and "makes them equal" in init.detail, init.detail
+    verdict = judge(compare(by_rank[0]), ranks=ranks)
+    assert (verdict.kind, verdict.exit_code) == ("deterministic", 0), verdict.headline
+
+
+def test_runs_that_all_failed_are_failed_whatever_a_check_flagged_in_them():
+    """Every run crashed (inside DDP's constructor, timm's on CPU) after a cross-rank check
+    had something to flag: the audit was `DIVERGENT ACROSS RANKS`, exit 1, not `FAILED`."""
+    by_rank = {rank: [_trace(rank, "g", [rank], "shared") for _ in (0, 1)] for rank in (0, 1)}
+    for traces in by_rank.values():
+        for k, trace in enumerate(traces):
+            trace.repeat, trace.failure = k, "ValueError while running at train.py:571"
+    ranks = analyse(by_rank, compare_ranks(by_rank))
+    assert ranks.flagged
+    verdict = judge(compare(by_rank[0]), ranks=ranks)
+    assert (verdict.kind, verdict.exit_code) == ("failed", 3), verdict.headline

@@ -20,6 +20,7 @@ from ..words import counted, joined
 from .compare import DIVERGENT, ORIGIN, Comparison, aligned_steps, compare
 
 OK, FLAGGED, NOT_CHECKED = "ok", "flagged", "not checked"
+NOTED = "noted"  # seen, and harmless as the run went: said, not flagged
 EXAMPLES = 5  # shared sample indices listed in a finding
 RankTraces = list[tuple[int, AnyTrace]]  # (rank, trace) of one repeat, by rank
 CheckResult = tuple[str, str, list[dict[str, Any]]]  # status, detail, findings
@@ -572,11 +573,12 @@ def _check_init(items: RankTraces, seen: RankRecords) -> CheckResult:
     if not findings:
         return OK, f"{len(names)} parameters identical on every rank as built", []
     first = findings[0]
-    return FLAGGED, (
+    return NOTED, (
         f"{len(findings)} of {len(names)} parameters differ between ranks as built (first: "
         f"{first['parameter']}, ranks {_groups(first['groups'])}): the ranks build it from "
-        "different random states (seeded differently, or not seeded); DDP's broadcast from "
-        "rank 0 only hides it"
+        "different random states (seeded per rank, as timm's recipe does on purpose, or not "
+        "seeded); DDP's broadcast from rank 0 makes them equal before training (without "
+        "it, init_sync=False, the parameters check flags them)"
     ), findings
 
 

@@ -393,6 +393,8 @@ def _with_ranks(kind: str, headline: str, ranks: RankAnalysis) -> tuple[str, str
     flagged = ranks.flagged
     if ranks.crash:
         return FAILED, f"FAILED: {crash_line(ranks.crash)}"
+    if kind == FAILED:  # (checks flagged in what was recorded first are in the report)
+        return kind, headline
     if kind == DIVERGENT:
         headline += (
             f"; on rank {ranks.primary_rank} ({len(ranks.divergent_ranks)} of "

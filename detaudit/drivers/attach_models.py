@@ -86,7 +86,28 @@ class ModelFinder:
         # first, a sanity check of the backbone), the first called of those
         most = max(n for n, _ in owned)
         self.model = next(m for n, m in owned if n == most)
+        if most < len(updated):
+            self._to_the_uncalled_owner(updated, most)
         return True
+
+    def _to_the_uncalled_owner(self, updated: set[int], owned: int) -> None:
+        """The model chosen owns part of what the optimizer updates, and a module that
+        holds it owns more, never called itself in training: its training code calls its
+        parts (Stable-Baselines3's policies, whose ``evaluate_actions`` calls their feature
+        extractor and heads; an ``nn.Sequential`` that ``checkpoint_sequential`` runs). The
+        model is then that module, the innermost of those that own the most: its parts are
+        named inside it, and their calls with gradients on are the step's (see `found`)."""
+        part = self.model
+        holders = [(n, m) for m in live_objects(nn.Module) if m is not part
+                   and (n := sum(id(p) in updated for p in m.parameters())) > owned
+                   and any(c is part for c in m.modules())]
+        if not holders:
+            return
+        most = max(n for n, _ in holders)
+        holding = {id(m) for n, m in holders if n == most}
+        self.model = next(m for n, m in holders if n == most and not any(
+            id(c) in holding for c in list(m.modules())[1:]))
+        self.found_modules |= {id(m) for m in self.model.modules()}
 
     def find(self, optimizer: torch.optim.Optimizer) -> bool:
         """An optimizer updates before any training-mode call of a module was seen: the

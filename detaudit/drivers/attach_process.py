@@ -228,6 +228,7 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
                             mode=job.get("mode", AUTO), claim=claim)
     attachment.on_limit = functools.partial(_end_at_the_limit, attachment)
     attachment.install()
+    _LINE_ENDS.follow(attachment)
     sys.excepthook = failure_hook(attachment)
     atexit.register(attachment.finish)
     attachment._patch(os, "_exit", _exit_saving(attachment))
@@ -333,7 +334,7 @@ def _end_at_the_limit(attachment: Attachment) -> None:
     each removing its temporary folder (killed with the process group, each would leave a
     ``pymp-*`` folder behind); the script's progress bars are closed as the end of a loop
     closes them, and its output's last line is ended (a progress line redrawn with carriage
-    returns leaves it open), so that what prints next, the next run or the verdict, begins
+    returns leaves it open: see _LineEnds), so that what prints next, the next run or the verdict, begins
     a line of its own; what the script registered to run at exit runs (see
     _run_exit_hooks); then the process ends."""
     for iterator in list(attachment.loader_iterators):
@@ -342,11 +343,41 @@ def _end_at_the_limit(attachment: Attachment) -> None:
             with contextlib.suppress(Exception):
                 shut_down()
     _close_progress_bars()
-    if attachment.rank is None or attachment.rank.rank == 0:  # (the rank that shows progress)
-        with contextlib.suppress(Exception):
-            sys.stdout.write("\n")
+    _LINE_ENDS.end_open_lines()
     _run_exit_hooks(attachment)
     _end_process()
+
+
+class _LineEnds:
+    """Whether the script's last write to stdout, and to stderr, left a line open."""
+
+    def __init__(self) -> None:
+        self.streams: dict[int, tuple[Any, bool]] = {}  # id -> (the stream, left open)
+
+    def follow(self, attachment: Attachment) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None and id(stream) not in self.streams:
+                with contextlib.suppress(AttributeError, TypeError):  # (a read-only write)
+                    attachment._patch(stream, "write", self._noting(stream, stream.write))
+                    self.streams[id(stream)] = (stream, False)
+
+    def _noting(self, stream: Any, write: Callable[..., Any]) -> Callable[..., Any]:
+        def writing(text: Any, *args: Any, **kwargs: Any) -> Any:
+            written = write(text, *args, **kwargs)
+            if isinstance(text, str) and text:
+                self.streams[id(stream)] = (stream, not text.endswith("\n"))
+            return written
+        return writing
+
+    def end_open_lines(self) -> None:
+        for stream, left_open in self.streams.values():
+            if left_open:
+                with contextlib.suppress(Exception):
+                    stream.write("\n")
+                    stream.flush()
+
+
+_LINE_ENDS = _LineEnds()
 
 
 def _run_exit_hooks(attachment: Attachment) -> None:
