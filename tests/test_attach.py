@@ -3170,6 +3170,34 @@ def test_a_run_that_trains_on_the_model_of_the_run_before_is_told_apart_from_uns
         assert result.summary["first_divergence"]["slots"][0].startswith("param."), folder
 
 
+def test_a_frozen_copy_built_unseeded_is_no_forward_origin(tmp_path):
+    """TRL's DPO: a reference copy of the model, frozen, called first in each step, both
+    built before the code seeds. The copy's call (recorded whole: its inputs and output)
+    was headlined as a forward origin, "its inputs agree", though its parameters differ."""
+    def loop() -> None:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
+        torch.manual_seed(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            x = torch.randn(8, 8)
+            with torch.no_grad():
+                reference = ref(x).log_softmax(-1)
+            loss = (model(x).log_softmax(-1) - reference).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with torch.random.fork_rng():
+        for run in range(2):
+            torch.seed()  # (each run's own unseeded state, as a new process has)
+            _attached(tmp_path / f"trace-{run}.json.gz", loop)
+    c = detaudit.compare(tmp_path).comparison
+    assert (c.first_step, c.cause) == (0, "init")
+    assert [(f.module, f.phase) for f in c.findings if f.step == 0 and f.role == "origin"] == []
+    assert ("ref", "forward") in [(f.module, f.phase) for f in c.findings if f.step == 0]
+
+
 def test_a_model_built_before_the_code_seeds_is_told_so_with_where_it_seeds(tmp_path):
     """The model built from the unseeded RNG, then torch seeded (Hugging Face's Trainer
     seeds in its __init__): every RNG agrees as the first step begins, the parameters do

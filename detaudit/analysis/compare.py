@@ -630,13 +630,23 @@ def _step_findings(
     def differs(step: int, phase: str, module: str, call: int, prefix: str) -> bool:
         return any(d.slot.startswith(prefix) for d in slots.get((step, phase, module, call), ()))
 
-    def params_differ(step: int, module: str) -> bool:
-        """The module's own parameters entering `step` differ."""
-        if step == 0:
-            return differs(0, STATE, module, 0, "param.")
-        return differs(step - 1, OPTIMIZER, module, 0, "param.")
-
     calls = _call_parents(ref).get(step, {})
+
+    # the modules whose parameters entering the step differ, and those a recorded call
+    # runs inside of
+    changed = {m for (at, p, m, _), ds in slots.items()
+               if (at, p) in ((step, STATE), (step - 1, OPTIMIZER))
+               and any(d.slot.startswith("param.") for d in ds)}
+    around = {".".join(m.split(".")[:k]) for m, _ in calls if m for k in range(m.count(".") + 1)}
+
+    def params_differ(module: str) -> bool:
+        """The parameters entering the step differ: the module's own, or, where no call
+        inside it was recorded (a model called apart, recorded by its calls alone), those
+        of any module inside it."""
+        inside = f"{module}." if module else ""
+        return module in changed or module not in around and any(
+            m.startswith(inside) for m in changed)
+
     # A scanned step has no forward records, and its parameter gradients alone cannot say
     # which module a backward difference started in.
     module_level = FORWARD in ref.records["phase"]
@@ -658,7 +668,7 @@ def _step_findings(
             continue
         forward_in = (
             differs(step, FORWARD, module, call, "in") or differs(step, FORWARD, module, call, "rng.in")
-            or params_differ(step, module) or after_carried(phase, module, call)
+            or params_differ(module) or after_carried(phase, module, call)
         )
         if phase == FORWARD:
             propagated = forward_in
@@ -694,7 +704,7 @@ def _step_findings(
         if s != step or phase != GRAD or not module_level:
             continue
         mine = first_position(GRAD, module, call)
-        upstream = params_differ(step, module) or after_carried(GRAD, module, call) or any(
+        upstream = params_differ(module) or after_carried(GRAD, module, call) or any(
             (p == FORWARD or differs(step, BACKWARD, module, c, "grad_out"))
             and (carried is None or first_position(p, m, c) < mine)
             for (at, p, m, c) in slots if at == step and m == module
@@ -741,7 +751,7 @@ def _step_findings(
 def _made_by_own_code(
     step: int, pending: list[tuple[str, str, int, list[RecordDiff], bool]],
     calls: dict[tuple[str, int], tuple[str, int] | None],
-    differs: Callable[[int, str, str, int, str], bool], params_differ: Callable[[int, str], bool],
+    differs: Callable[[int, str, str, int, str], bool], params_differ: Callable[[str], bool],
 ) -> list[tuple[str, str, int, list[RecordDiff], bool]]:
     """The calls whose own code made a differing input of a call inside them: a call's
     input differs while the call around it began alike (its inputs and parameters) and no
@@ -760,7 +770,7 @@ def _made_by_own_code(
                 or not differs(step, FORWARD, module, call, "in")):
             continue
         began_apart = (differs(step, FORWARD, *parent, "in") or differs(step, FORWARD, *parent, "rng.in")
-                       or params_differ(step, parent[0]))
+                       or params_differ(parent[0]))
         before = order.get((module, call), -1)
         sibling = any(_is_ancestor(parent, inner, calls) and order.get(inner, -1) < before
                       for inner in differing_out)
