@@ -604,6 +604,32 @@ def test_exec_with_seed_of_a_script_that_reseeds_from_the_clock_says_it_reseeds(
     assert "--seed" not in cause["text"]
 
 
+def test_exec_with_seed_of_a_script_that_reseeds_then_draws_noise_says_it_reseeds(tmp_path):
+    """--seed was given, and the script reseeds torch from the clock after building its
+    model, then adds noise to each batch in its loop: the first batch differs, and the
+    cause said the torch RNG was "not seeded", with the fix to seed it."""
+    script = tmp_path / "noise.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        from torch import nn
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.seed()
+        for _ in range(2):
+            x = torch.ones(8, 4) + 0.1 * torch.randn(8, 4)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        """))
+    done = _exec(tmp_path, "--seed", "3", "--json", script=script)
+    assert done.returncode == 1, done.stderr
+    cause = json.loads(done.stdout)["cause"]
+    assert cause["kind"] == "data"
+    assert cause["text"].startswith("the torch RNG state differs before the first step "
+                                    "although detaudit seeded every RNG (3)"), cause["text"]
+    assert "whose batch draws from it and differs" in cause["text"]
+
+
 def test_exec_without_seed_of_set_ordered_loss_terms_points_at_the_hash_seed(tmp_path):
     """Loss weights zipped with a set of names: each run of the command, a process with its
     own hash seed, weighs the terms differently; the cause says to rule that out, the zoom

@@ -253,9 +253,11 @@ def _data_text(c: Comparison, differing_rng: list[str]) -> str:
                 "transform applied in the loop, or a batch mixed with another)")
     if differing_rng:
         text += (f"; the {', '.join(differing_rng)} RNG state differs as well as the step "
-                 "begins (not seeded): a transform that draws from it makes the batches "
-                 "differ (fix: seed every RNG, e.g. detaudit.seed_everything(0), and the "
-                 "DataLoader's workers, e.g. detaudit.seeded_loader_kwargs)")
+                 "begins (not seeded, or reseeded by the code from a source that differs "
+                 "between runs: torch.seed(), the clock): a transform that draws from it "
+                 "makes the batches differ (fix: seed every RNG once, with a constant, e.g. "
+                 "detaudit.seed_everything(0), and the DataLoader's workers, e.g. "
+                 "detaudit.seeded_loader_kwargs)")
     return text
 
 

@@ -238,8 +238,9 @@ class Comparison:
     @property
     def unseeded_at_start(self) -> list[str]:
         """The RNGs whose state differs before the first step, where that is the cause
-        (the model initialised from them, or nothing drawn yet): empty otherwise."""
-        if (self.first_step != 0 or self.cause not in ("init", "rng")
+        (the model initialised from them, the first batch drawn from them, or nothing drawn
+        yet): empty otherwise."""
+        if (self.first_step != 0 or self.cause not in ("init", "rng", "data")
                 or self.continued_from is not None):
             return []
         return sorted({d.slot.removeprefix("rng.") for d in self.first_diffs if d.rng_state})

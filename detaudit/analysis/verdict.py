@@ -309,8 +309,9 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
             f"the {', '.join(reseeded)} RNG state differs before the first step although "
             f"detaudit seeded every RNG ({seed}) before the code ran: the code reseeds it from "
             "a source that differs between runs (the clock, os.urandom, the process id, "
-            "torch.seed()) before " + ("it builds the model, whose parameters differ"
-                                       if c.cause == "init" else "its first step")
+            "torch.seed()) before " + {"init": "it builds the model, whose parameters differ",
+                                       "data": "its first step, whose batch draws from it "
+                                               "and differs"}.get(c.cause, "its first step")
             + " (fix: seed with a constant, e.g. detaudit.seed_everything(0), or drop that "
             "reseed)")
     op = random_origin_op(ops)
