@@ -7,6 +7,7 @@ import collections
 import contextlib
 import copy
 import functools
+import importlib.util
 import inspect
 import json
 import math
@@ -2179,6 +2180,56 @@ def _ema_loop(out: Path, decay: float) -> detaudit.watch:
             with torch.no_grad():
                 ema.eval()(x)
     return w
+
+
+def _evaluate(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(x)
+
+
+def test_a_model_called_apart_is_named_as_the_outermost_code_holding_it(tmp_path,
+                                                                       monkeypatch):
+    """timm passes its EMA copy to `validate(model, ...)`: it was named `model`, read as
+    the trained model's name; Stable-Baselines3 calls its target network in library code
+    (`self.q_net_target` in DQN.train): it was named by its class."""
+    def loop(agent_class: type | None = None) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model_ema = copy.deepcopy(model).requires_grad_(False) if agent_class is None else None
+        agent = agent_class(copy.deepcopy(model).requires_grad_(False)) if agent_class else None
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if model_ema is not None:
+                _evaluate(model_ema, torch.ones(2, 4))
+            else:
+                agent.train()
+
+    timm = _attached(tmp_path / "timm.json.gz", loop)
+    assert timm.probe["side_models"] == ["model_ema"]
+    library = tmp_path / "agent.py"
+    library.write_text(textwrap.dedent("""\
+        import torch
+
+        class Agent:
+            def __init__(self, target):
+                self.q_net_target = target
+
+            def train(self):
+                with torch.no_grad():
+                    self.q_net_target(torch.ones(2, 4))
+        """))
+    spec = importlib.util.spec_from_file_location("agent", library)
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    from detaudit.drivers import attach_models
+    in_a_library = attach_models.in_a_library  # (and the agent's file, as if installed)
+    monkeypatch.setattr(attach_models, "in_a_library",
+                        lambda f: f == str(library) or in_a_library(f))
+    sb3 = _attached(tmp_path / "sb3.json.gz", functools.partial(loop, agent.Agent))
+    assert sb3.probe["side_models"] == ["q_net_target"]
 
 
 def test_a_model_no_optimizer_trains_is_recorded_once_the_loop_calls_it(tmp_path):

@@ -208,19 +208,36 @@ def held_by_an_optimizer(model: nn.Module) -> bool:
 
 
 def _bound_name(module: nn.Module) -> str | None:
-    """The name the user's code holds `module` by where it calls it: a key path into a dict,
-    list or tuple of that frame (``emas.fast.0``) first, else a variable of the frame or an
-    attribute of its ``self``. It is the same in every run whatever order two models of one
-    class are first called in (by a loop variable, say), where a name by class and order is
-    not."""
+    """The name the user's code holds `module` by where it calls it, in the outermost of
+    its frames that holds it (timm's `model_ema`, not `model`, the parameter of the
+    `validate` it is passed to): a key path into a dict, list or tuple of that frame
+    (``emas.fast.0``) first, else a variable of the frame or an attribute of its ``self``.
+    Where none does, the attribute of ``self`` that holds it in the innermost library frame
+    (Stable-Baselines3's ``self.q_net_target``). It is the same in every run whatever order
+    two models of one class are first called in (by a loop variable, say), where a name by
+    class and order is not."""
+    frames = []
     frame = sys._getframe(1)
-    while frame is not None and in_a_library(frame.f_code.co_filename):
+    while frame is not None:
+        frames.append(frame)
         frame = frame.f_back
-    if frame is None:
-        return None
-    owner = frame.f_locals.get("self")
-    scopes = [frame.f_locals, frame.f_globals, getattr(owner, "_modules", None) or {},
-              getattr(owner, "__dict__", None) or {}]
+    users = [f for f in frames if not in_a_library(f.f_code.co_filename)]
+    for frame in reversed(users):
+        owner = frame.f_locals.get("self")
+        name = _held_in(module, [frame.f_locals, frame.f_globals, *_attributes(owner)])
+        if name is not None:
+            return name
+    return next((name for frame in frames if frame not in users
+                 and (name := _held_in(module, _attributes(frame.f_locals.get("self"))))),
+                None)
+
+
+def _attributes(owner: Any) -> list[dict[str, Any]]:
+    return [getattr(owner, "_modules", None) or {}, getattr(owner, "__dict__", None) or {}]
+
+
+def _held_in(module: nn.Module, scopes: list[dict[str, Any]]) -> str | None:
+    """The name `module` has in `scopes`: a key path into a container first, else a name."""
     named = [(name, value) for scope in scopes for name, value in list(scope.items())
              if name != "self" and name.isidentifier()]
     held = next((f"{name}.{path}" for name, value in named
