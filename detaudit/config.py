@@ -100,7 +100,10 @@ def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None,
     return (f"{where}module {fault.named!r} did not run {fault.phase} {of}"
             + (f" ({OP_FAULT_MODULE}{ops})" if fault.op else "")
             + (" (a module that needs no gradient, for its parameters or its inputs, as a "
-               "frozen layer, runs no backward: plant @forward)"
+               "frozen layer, runs no backward: plant @forward; nor is a backward seen module "
+               "by module in a later step than its module's forward, as an actor's is whose "
+               "forward runs before a critic's update, in Stable-Baselines3's SAC: plant it "
+               "@forward)"
                if fault.phase == BACKWARD and not ran else ""))
 
 

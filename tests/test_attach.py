@@ -1122,6 +1122,58 @@ def test_a_model_whose_training_calls_its_parts_is_the_module_that_holds_them(tm
     assert summary["steps_per_repeat"] == [4, 4]  # (the rollouts' calls are no steps)
 
 
+def test_an_actor_trained_apart_through_its_parts_is_named_as_the_module_holding_them(
+        tmp_path):
+    """SAC's actor (Stable-Baselines3's): its `action_log_prob` calls its parts, and its
+    optimizer is another than the critic's, the model: its parts were recorded as other
+    models named by class (`Sequential.0`, `Linear`, `Linear2`)."""
+    script = tmp_path / "sac.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        from torch import nn
+
+        class Actor(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.latent_pi = nn.Sequential(nn.Linear(3, 16), nn.ReLU())
+                self.mu = nn.Linear(16, 1)
+                self.log_std = nn.Linear(16, 1)
+
+            def action_log_prob(self, obs):
+                h = self.latent_pi(obs)
+                mu, log_std = self.mu(h), self.log_std(h).clamp(-5, 2)
+                return torch.tanh(mu + log_std.exp() * torch.randn_like(mu)), -log_std.sum(-1)
+
+        class Critic(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qf0 = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+
+            def forward(self, obs, act):
+                return self.qf0(torch.cat([obs, act], -1))
+
+        torch.manual_seed(0)
+        actor, critic = Actor(), Critic()
+        actor_opt = torch.optim.Adam(actor.parameters(), 1e-3)
+        critic_opt = torch.optim.Adam(critic.parameters(), 1e-3)
+        for _ in range(3):
+            obs, act, reward = torch.randn(16, 3), torch.rand(16, 1), torch.randn(16, 1)
+            pi, log_prob = actor.action_log_prob(obs)
+            critic_loss = (critic(obs, act) - reward).pow(2).mean()
+            critic_opt.zero_grad()
+            critic_loss.backward()
+            critic_opt.step()
+            actor_loss = (0.1 * log_prob - critic(obs, pi).squeeze(-1)).mean()
+            actor_opt.zero_grad()
+            actor_loss.backward()
+            actor_opt.step()
+        """))
+    summary = _found_fault(tmp_path, script, "Actor.latent_pi.0@forward:2", "--seed", "0")
+    first = summary["first_divergence"]
+    assert (first["module"], first["phase"], first["step"]) == ("Actor.latent_pi.0", "forward", 2)
+    assert {"qf0.0", "Actor.mu", "Actor.log_std"} <= set(summary["modules"]), summary["modules"]
+
+
 def test_an_update_by_in_place_foreach_ops_is_read_anew_after_each_of_them(tmp_path):
     """A loop's own Adam-like update through in-place foreach ops (``_foreach_add_``: Keras's
     optimizers on torch do so, and torch's with ``foreach=True``), which return nothing and,

@@ -85,29 +85,31 @@ class ModelFinder:
         # the one that owns the most of them (not a part of the model called on its own
         # first, a sanity check of the backbone), the first called of those
         most = max(n for n, _ in owned)
-        self.model = next(m for n, m in owned if n == most)
-        if most < len(updated):
-            self._to_the_uncalled_owner(updated, most)
+        self.model = self.holder_of(next(m for n, m in owned if n == most), updated)
         return True
 
-    def _to_the_uncalled_owner(self, updated: set[int], owned: int) -> None:
-        """The model chosen owns part of what the optimizer updates, and a module that
-        holds it owns more, never called itself in training: its training code calls its
-        parts (Stable-Baselines3's policies, whose ``evaluate_actions`` calls their feature
-        extractor and heads; an ``nn.Sequential`` that ``checkpoint_sequential`` runs). The
-        model is then that module, the innermost of those that own the most: its parts are
-        named inside it, and their calls with gradients on are the step's (see `found`)."""
-        part = self.model
+    def holder_of(self, part: nn.Module, updated: set[int]) -> nn.Module:
+        """`part`, or, where a module that holds it owns more of the parameters an optimizer
+        updates (`updated`: their ids), the innermost of those that own the most: a model
+        never called itself in training, whose training code calls its parts
+        (Stable-Baselines3's policies, whose ``evaluate_actions`` calls their feature
+        extractor and heads; SAC's actor; an ``nn.Sequential`` that
+        ``checkpoint_sequential`` runs). Its parts are then named inside it, and their calls
+        with gradients on are the step's (see `found`)."""
+        owned = sum(id(p) in updated for p in part.parameters())
+        if owned == len(updated):
+            return part
         holders = [(n, m) for m in live_objects(nn.Module) if m is not part
                    and (n := sum(id(p) in updated for p in m.parameters())) > owned
                    and any(c is part for c in m.modules())]
         if not holders:
-            return
+            return part
         most = max(n for n, _ in holders)
         holding = {id(m) for n, m in holders if n == most}
-        self.model = next(m for n, m in holders if n == most and not any(
+        holder = next(m for n, m in holders if n == most and not any(
             id(c) in holding for c in list(m.modules())[1:]))
-        self.found_modules |= {id(m) for m in self.model.modules()}
+        self.found_modules |= {id(m) for m in holder.modules()}
+        return holder
 
     def find(self, optimizer: torch.optim.Optimizer) -> bool:
         """An optimizer updates before any training-mode call of a module was seen: the

@@ -328,17 +328,19 @@ class Updates:
 
     def _add_owners(self, updated_params: list[torch.Tensor]) -> None:
         """Other top-level models whose parameters an optimizer updates (a head called apart
-        from its backbone, a GAN's generator) are recorded too, named by their class, their
-        parameters as they are before this first update kept as well."""
+        from its backbone, a GAN's generator; the module holding them, where their training
+        calls its parts: see ModelFinder.holder_of) are recorded too, named by their class,
+        their parameters as they are before this first update kept as well."""
         if self.recorder is None or self.info is None:
             return
         updated = {id(p) for p in updated_params} - self.recorder.parameter_ids()
         for module in self.models.candidates:
             if not updated:  # (every step after the first: no candidate's walked)
                 return
-            params = list(module.parameters())
-            if not any(id(p) in updated for p in params):
+            if not any(id(p) in updated for p in module.parameters()):
                 continue
+            module = self.models.holder_of(module, updated)
+            params = list(module.parameters())
             name = self.models.name_other(module)
             self.recorder.add_model(name, module)
             self.recorder.record_parameters(STATE, of=params)
