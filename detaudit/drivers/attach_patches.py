@@ -386,8 +386,9 @@ class Installing:
         self._patch(torch.autograd, "backward", disable(torch.autograd.backward))
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
-        self._patches.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, replacement)
+        original = getattr(owner, name)
+        setattr(owner, name, replacement)  # (first: one that cannot be set is not undone)
+        self._patches.append((owner, name, original))
         code = getattr(replacement, "__code__", None)
         if code is not None and code.co_filename.startswith(_PACKAGE):
             WRAPPERS.add(code)  # (see shown_past_wrappers)

@@ -333,9 +333,9 @@ def _end_at_the_limit(attachment: Attachment) -> None:
     DataLoader pass begins): the DataLoader workers end as the end of a loop ends them,
     each removing its temporary folder (killed with the process group, each would leave a
     ``pymp-*`` folder behind); the script's progress bars are closed as the end of a loop
-    closes them, and its output's last line is ended (a progress line redrawn with carriage
-    returns leaves it open: see _LineEnds), so that what prints next, the next run or the verdict, begins
-    a line of its own; what the script registered to run at exit runs (see
+    closes them, and a line its output left open is ended (a progress line redrawn with
+    carriage returns: see _LineEnds), so that what prints next, the next run or the
+    verdict, begins a line of its own; what the script registered to run at exit runs (see
     _run_exit_hooks); then the process ends."""
     for iterator in list(attachment.loader_iterators):
         shut_down = getattr(iterator, "_shutdown_workers", None)  # (not one without workers)
@@ -349,7 +349,8 @@ def _end_at_the_limit(attachment: Attachment) -> None:
 
 
 class _LineEnds:
-    """Whether the script's last write to stdout, and to stderr, left a line open."""
+    """Whether the script's last write to stdout, and to stderr, left a line open (a stream
+    whose `write` cannot be replaced is not followed)."""
 
     def __init__(self) -> None:
         self.streams: dict[int, tuple[Any, bool]] = {}  # id -> (the stream, left open)
@@ -357,7 +358,7 @@ class _LineEnds:
     def follow(self, attachment: Attachment) -> None:
         for stream in (sys.stdout, sys.stderr):
             if stream is not None and id(stream) not in self.streams:
-                with contextlib.suppress(AttributeError, TypeError):  # (a read-only write)
+                with contextlib.suppress(AttributeError, TypeError):
                     attachment._patch(stream, "write", self._noting(stream, stream.write))
                     self.streams[id(stream)] = (stream, False)
 
