@@ -203,6 +203,9 @@ def test_watch_of_inference_records_each_call_of_the_model(tmp_path):
     infer(tmp_path / "a", nudge_at=3)
     c = detaudit.compare(tmp_path / "a").comparison
     assert (c.first_step, c.cause) == (3, "data")
+    # (every RNG agrees: a source that seeds itself, a reinforcement learning environment,
+    # is among what the text names, with its fix; it named a data pipeline's only)
+    assert "env.reset(seed=...)" in c.cause_text, c.cause_text
     # with an optimizer about (a script that also trains: its evaluation is no step),
     # inference is asked for
     trains = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)

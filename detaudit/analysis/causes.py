@@ -14,7 +14,11 @@ if TYPE_CHECKING:
     from .compare import CallFinding, Comparison
 
 _CAUSE_TEXT = {
-    "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not reproducible",
+    "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not "
+            "reproducible, or the data comes from a source that seeds itself (an environment "
+            "reset without a seed, as gymnasium's env.reset() is, or a generator of its own "
+            "made without one, np.random.default_rng()): seed it (env.reset(seed=...), "
+            "default_rng(seed))",
     "rng": "an RNG stream differs: something drew a different amount of randomness",
     "init": "the parameters differ before the first step: the model is initialised from an "
             "unseeded RNG (fix: seed every RNG before building the model, e.g. "
@@ -73,7 +77,8 @@ def cause_text(c: Comparison) -> str:
                  "from an unseeded RNG too (the same seeding, done before the data is "
                  "drawn, fixes both" + ("; for a DataLoader's workers, e.g. "
                                         "detaudit.seeded_loader_kwargs)" if c.loader_batch
-                                        else ")"))
+                                        else "; an environment that seeds itself, reset "
+                                        "without a seed, needs env.reset(seed=...) too)"))
     return text
 
 
