@@ -6,12 +6,8 @@ forward, ...); this module says it, from everything the comparison found.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..trace import BACKWARD, FORWARD, LOADER_BATCH, MODEL_STATE, OUTPUT, STATE
-
-if TYPE_CHECKING:
-    from .compare import CallFinding, Comparison
+from .compare import CallFinding, Comparison
 
 _CAUSE_TEXT = {
     "data": "the batch differs: the data pipeline (augmentation, shuffling, workers) is not "

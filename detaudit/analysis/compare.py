@@ -1,5 +1,5 @@
 """Aligns N traces by key and says where, when and why they first differ (the why in
-words: `causes`).
+words: see `causes`).
 
 Records are paired by (step, phase, module, call, slot), never by position, so when one
 repeat keeps more boxes after NMS the rest still pairs up and the fork is reported.
@@ -39,7 +39,6 @@ from ..trace import (
     StepInfo,
     Trace,
 )
-from .causes import cause_text
 from .rnggap import RngGap, rng_gap
 from .stress import StressedOp, stressed_ops
 
@@ -230,10 +229,6 @@ class Comparison:
     def origins(self) -> list[CallFinding]:
         """Origin calls of the first divergent step, forward before backward."""
         return [f for f in self.findings if f.step == self.first_step and f.role == ORIGIN]
-
-    @property
-    def cause_text(self) -> str:
-        return cause_text(self)
 
     @property
     def unseeded_at_start(self) -> list[str]:
@@ -638,14 +633,15 @@ def _step_findings(
     changed = {m for (at, p, m, _), ds in slots.items()
                if (at, p) in ((step, STATE), (step - 1, OPTIMIZER))
                and any(d.slot.startswith("param.") for d in ds)}
-    around = {".".join(m.split(".")[:k]) for m, _ in calls if m for k in range(m.count(".") + 1)}
+    holding_calls = {".".join(m.split(".")[:k]) for m, _ in calls if m
+                     for k in range(m.count(".") + 1)}
 
     def params_differ(module: str) -> bool:
         """The parameters entering the step differ: the module's own, or, where no call
         inside it was recorded (a model called apart, recorded by its calls alone), those
         of any module inside it."""
         inside = f"{module}." if module else ""
-        return module in changed or module not in around and any(
+        return module in changed or module not in holding_calls and any(
             m.startswith(inside) for m in changed)
 
     # A scanned step has no forward records, and its parameter gradients alone cannot say

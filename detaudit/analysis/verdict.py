@@ -12,7 +12,7 @@ from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_
 from ..runfolder import INTERRUPTED as CUT_SHORT
 from ..trace import GRAD, MODEL_STATE, OPTIMIZER, STATE
 from ..words import counted, joined
-from .causes import UNCONFIRMED, seeds_apart
+from .causes import UNCONFIRMED, cause_text, seeds_apart
 from .compare import (
     DETERMINISTIC,
     DIVERGENT,
@@ -323,7 +323,7 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
             "seeded, or one reseeded during the step (torch.seed(), a seed from the clock or "
             "os.urandom), or more was drawn from it before this op in one run (fix: seed "
             "every generator once, before training)")
-    text = c.cause_text
+    text = cause_text(c)
     ops = ops or {}
     first_op = next(iter(ops.get("ops") or []), None)
     if (c.cause in ("forward", "backward") and ops.get("reproduced") and first_op is not None
