@@ -588,7 +588,7 @@ CHECKS: tuple[tuple[str, str, Callable[[RankTraces, RankRecords], CheckResult]],
     ("shards", "data shards disjoint within each epoch", _check_shards),
     ("epochs", "sample order different in every epoch", _check_epochs),
     ("rng", "randomness distinct per rank (augmentation, module draws)", _check_rng),
-    ("init", "initialisation identical across ranks", _check_init),
+    ("init", "initialisation identical across ranks (noted only: DDP broadcasts it)", _check_init),
 )
 
 
