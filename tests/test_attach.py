@@ -2265,6 +2265,20 @@ def test_a_model_called_apart_is_named_as_the_outermost_code_holding_it(tmp_path
 
     timm = _attached(tmp_path / "timm.json.gz", loop)
     assert timm.probe["side_models"] == ["model_ema"]
+
+    def wrapped() -> None:  # (timm's own EMA wrapper, whose `module` validate is given)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model_ema = nn.Module()
+        model_ema.module = copy.deepcopy(model).requires_grad_(False)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            _evaluate(model_ema.module, torch.ones(2, 4))
+
+    assert _attached(tmp_path / "wrapped.json.gz", wrapped).probe["side_models"] == [
+        "model_ema.module"]
     library = tmp_path / "agent.py"
     library.write_text(textwrap.dedent("""\
         import torch
@@ -3303,10 +3317,12 @@ def test_a_run_that_trains_on_the_model_of_the_run_before_is_told_apart_from_uns
         assert result.summary["first_divergence"]["slots"][0].startswith("param."), folder
 
 
-def test_a_frozen_copy_built_unseeded_is_no_forward_origin(tmp_path):
-    """TRL's DPO: a reference copy of the model, frozen, called first in each step, both
-    built before the code seeds. The copy's call (recorded whole: its inputs and output)
-    was headlined as a forward origin, "its inputs agree", though its parameters differ."""
+@pytest.mark.parametrize("reference_first", [True, False])
+def test_a_frozen_copy_built_unseeded_is_no_forward_origin(tmp_path, reference_first):
+    """TRL's DPO: a reference copy of the model, frozen, called in each step, both built
+    before the code seeds. The copy's call (recorded whole: its inputs and output) was
+    headlined as a forward origin, "its inputs agree", though its parameters differ; called
+    after the model, its parameters were not even recorded until the next step."""
     def loop() -> None:
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         ref = copy.deepcopy(model).eval().requires_grad_(False)
@@ -3314,9 +3330,13 @@ def test_a_frozen_copy_built_unseeded_is_no_forward_origin(tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(2):
             x = torch.randn(8, 8)
+            if not reference_first:
+                log_probs = model(x).log_softmax(-1)
             with torch.no_grad():
                 reference = ref(x).log_softmax(-1)
-            loss = (model(x).log_softmax(-1) - reference).pow(2).mean()
+            if reference_first:
+                log_probs = model(x).log_softmax(-1)
+            loss = (log_probs - reference).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -274,6 +274,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             side = self._side.saw(module, self._recorded_parameters(), self._recorded_names())
             if side is not None:
                 self.trace.probe.setdefault(SIDE_MODELS, []).append(side)
+                if self.info is not None and not self._updated:  # (first called in a step:
+                    self._record_side_state()  # its state, before its call, is the step's)
 
     def _global_post(self, module: nn.Module, args: tuple, output: Any,
                      kwargs: dict | None = None) -> Any:
@@ -349,6 +351,14 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if new and self.recorder is not None:
             self.recorder.add_model(name, module)
         return name
+
+    def _record_side_state(self) -> None:
+        """The side models' parameters and buffers not recorded yet, or changed since (see
+        SideModels.changed), as the open step's state."""
+        assert self.recorder is not None
+        side_params, side_buffers = self._side.changed(self._recorded_parameters())
+        if side_params or side_buffers:
+            self.recorder.record_side_state(side_params, side_buffers)
 
     def _on_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A top-level training call: a new step begins if the last one has updated (or
@@ -512,9 +522,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self._adopted = False
         else:
             self._record_changed_parameters()
-        side_params, side_buffers = self._side.changed(self._recorded_parameters())
-        if side_params or side_buffers:
-            self.recorder.record_side_state(side_params, side_buffers)
+        self._record_side_state()
         self.recorder.add_records(self._side.pending + self._ops_recorded_ahead(step))
         self._side.pending = []
         self._rng_taken = not by_call  # (a call records them with its batch)

@@ -239,13 +239,16 @@ def _attributes(owner: Any) -> list[dict[str, Any]]:
 
 
 def _held_in(module: nn.Module, scopes: list[dict[str, Any]]) -> str | None:
-    """The name `module` has in `scopes`: a key path into a container first, else a name."""
+    """The name `module` has in `scopes`: a key path into a container first, else a name,
+    else a module's attribute (timm's EMA wrapper's `model_ema.module`)."""
     named = [(name, value) for scope in scopes for name, value in list(scope.items())
              if name != "self" and name.isidentifier()]
     held = next((f"{name}.{path}" for name, value in named
                  if isinstance(value, (dict, list, tuple))
                  and (path := _path_to(module, value, depth=2))), None)
-    return held or next((name for name, value in named if value is module), None)
+    return held or next((name for name, value in named if value is module), None) or next(
+        (f"{name}.{child}" for name, value in named if isinstance(value, nn.Module)
+         for child, inner in value._modules.items() if inner is module), None)
 
 
 def _path_to(module: nn.Module, container: Any, depth: int) -> str | None:
