@@ -215,6 +215,15 @@ def test_watch_of_inference_records_each_call_of_the_model(tmp_path):
     del trains
 
 
+def _unseeded_runs(folder: Path, loop: Callable[[], None]) -> None:
+    """`loop` attached twice, into `folder`'s trace-0 and trace-1, each from an unseeded
+    torch RNG state of its own, as a new process has."""
+    with torch.random.fork_rng():
+        for run in range(2):
+            torch.seed()
+            _attached(folder / f"trace-{run}.json.gz", loop)
+
+
 def _attached(path: Path, loop: Callable[[], None], **options: Any) -> Trace:
     """`loop` run as exec attaches (no model given; `options` of Attachment), and its
     trace."""
@@ -1649,10 +1658,7 @@ def test_a_file_an_earlier_run_wrote_is_said_beside_an_unseeded_model_not_instea
         model(torch.ones(2, 4)).sum().backward()
         torch.optim.SGD(model.parameters(), lr=0.1).step()
 
-    with torch.random.fork_rng():
-        for run in range(2):
-            torch.seed()  # (each run's own unseeded state, as a new process has)
-            _attached(tmp_path / f"trace-{run}.json.gz", loop)
+    _unseeded_runs(tmp_path, loop)
     traces = [Trace.load(tmp_path / f"trace-{run}.json.gz") for run in range(2)]
     traces[1].probe[LOADED_FROM_EARLIER_RUNS] = ["vocab.pt"]
     c = compare(traces)
@@ -3341,10 +3347,7 @@ def test_a_frozen_copy_built_unseeded_is_no_forward_origin(tmp_path, reference_f
             loss.backward()
             opt.step()
 
-    with torch.random.fork_rng():
-        for run in range(2):
-            torch.seed()  # (each run's own unseeded state, as a new process has)
-            _attached(tmp_path / f"trace-{run}.json.gz", loop)
+    _unseeded_runs(tmp_path, loop)
     c = detaudit.compare(tmp_path).comparison
     assert (c.first_step, c.cause) == (0, "init")
     assert [(f.module, f.phase) for f in c.findings if f.step == 0 and f.role == "origin"] == []
@@ -3362,10 +3365,7 @@ def test_a_model_built_before_the_code_seeds_is_told_so_with_where_it_seeds(tmp_
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
 
-    with torch.random.fork_rng():
-        for run in range(2):
-            torch.seed()  # (each run's own unseeded state, as a new process has)
-            _attached(tmp_path / f"trace-{run}.json.gz", loop)
+    _unseeded_runs(tmp_path, loop)
     c = detaudit.compare(tmp_path).comparison
     line = inspect.getsourcelines(loop)[1] + 2
     assert c.cause == "init" and c.seeded_late == f"{__file__}:{line}"

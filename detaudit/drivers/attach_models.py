@@ -104,10 +104,7 @@ class ModelFinder:
                    and any(c is part for c in m.modules())]
         if not holders:
             return part
-        most = max(n for n, _ in holders)
-        holding = {id(m) for n, m in holders if n == most}
-        holder = next(m for n, m in holders if n == most and not any(
-            id(c) in holding for c in list(m.modules())[1:]))
+        holder, _ = _innermost_owning_most(holders)
         self.found_modules |= {id(m) for m in holder.modules()}
         return holder
 
@@ -124,12 +121,7 @@ class ModelFinder:
         owners = [(n, m) for n, m in owners if n]
         if not owners:
             return False
-        most = max(n for n, _ in owners)
-        # the innermost of the modules that own that many: the model, not a container or a
-        # wrapper of it (torch.compile's, a ModuleDict of models), so that names are its own
-        owning = {id(m) for n, m in owners if n == most}
-        model = next(m for n, m in owners if n == most and not any(
-            id(c) in owning for c in list(m.modules())[1:]))
+        model, owning = _innermost_owning_most(owners)
         self.candidates.append(model)
         # its calls, and those of wrappers that hold it (DDP), are the step's
         self.found_modules |= {id(m) for m in model.modules()} | owning
@@ -188,6 +180,16 @@ class ModelFinder:
         self.checked |= {id(m) for m in new}
         held = {id(p) for o in live_objects(torch.optim.Optimizer) for p in parameters_of(o)}
         return [p for m in new for p in m.parameters() if id(p) in held]
+
+
+def _innermost_owning_most(owners: list[tuple[int, nn.Module]]) -> tuple[nn.Module, set[int]]:
+    """Of modules by how many of an optimizer's parameters each owns, the innermost of those
+    that own the most: the model, not a container or a wrapper of it (torch.compile's, a
+    ModuleDict of models), so that names are its own; and the ids of all that own as many."""
+    most = max(n for n, _ in owners)
+    owning = {id(m) for n, m in owners if n == most}
+    return next(m for n, m in owners if n == most and not any(
+        id(c) in owning for c in list(m.modules())[1:])), owning
 
 
 def parameters_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
