@@ -34,8 +34,7 @@ from test_cli import run_cli
 from torch import nn
 
 import detaudit
-from detaudit.analysis.causes import cause_text
-from detaudit.analysis.verdict import cause_of
+from detaudit.analysis.causes import cause_of, cause_text
 from detaudit.config import LOADED_FROM_EARLIER_RUNS
 from detaudit.drivers.attach import Attachment
 from detaudit.execution import _check_side_fault, _is_launcher, _script_name

@@ -12,14 +12,13 @@ from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_
 from ..runfolder import INTERRUPTED as CUT_SHORT
 from ..trace import GRAD, MODEL_STATE, OPTIMIZER, STATE
 from ..words import counted, joined
-from .causes import UNCONFIRMED, cause_text, seeds_apart
+from .causes import cause_of
 from .compare import (
     DETERMINISTIC,
     DIVERGENT,
     FAILED,
     ORIGIN,
     Comparison,
-    draws_random_numbers,
 )
 from .ranks import NO_PROCESS_GROUP, NOT_CHECKED, RankAnalysis
 
@@ -272,78 +271,6 @@ def _headline(
     if c.failures:
         text += f"; then {_stopped(c)}"
     return text
-
-
-def random_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The drill-down's origin op when it draws random numbers (not a planted fault): its
-    generator's state, an input no record holds, is what differs."""
-    op = ((ops or {}).get("ops") or [{}])[0]
-    if op.get("role") == ORIGIN and not op.get("planted") and draws_random_numbers(op["op"]):
-        return op
-    return None
-
-
-def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None, *,
-             own_hash_seeds: bool = False, planted: bool = False) -> tuple[str, str]:
-    """The class of cause and its text: the comparison's, unless the op the drill-down found
-    where a forward or backward part (or an input made in the loop) first differs draws
-    random numbers (then the RNG is the cause). `seed`: detaudit seeded every RNG with it
-    before the audited code ran (an RNG that differs before the first step was reseeded).
-    What the drill-down found is added to a forward or backward cause where no op is to
-    blame; with `own_hash_seeds` (each run a process with a hash seed of its own: exec
-    without --seed), the hash seed is named where nothing more specific (`planted` fault,
-    an op, an RNG state) explains the difference."""
-    reseeded = c.unseeded_at_start
-    apart = seeds_apart(c)
-    if seed is not None and reseeded and apart is not None:
-        return c.cause, (
-            f"the code seeds torch with a different value in each run ({apart}) although "
-            f"detaudit seeded every RNG ({seed}) before the code ran: it draws the seed from a "
-            "source that differs between runs (the clock, os.urandom, the process id), so "
-            + ("the parameters differ before the first step" if c.cause == "init" else
-               "the RNG state differs before the first step")
-            + " (fix: seed with a constant, e.g. the script's own seed option, or drop that "
-            "reseed)")
-    if seed is not None and reseeded:
-        return c.cause, (
-            f"the {', '.join(reseeded)} RNG state differs before the first step although "
-            f"detaudit seeded every RNG ({seed}) before the code ran: the code reseeds it from "
-            "a source that differs between runs (the clock, os.urandom, the process id, "
-            "torch.seed()) before " + {"init": "it builds the model, whose parameters differ",
-                                       "data": "its first step, whose batch draws from it "
-                                               "and differs"}.get(c.cause, "its first step")
-            + " (fix: seed with a constant, e.g. detaudit.seed_everything(0), or drop that "
-            "reseed)")
-    op = random_origin_op(ops)
-    if op is not None and c.cause in ("forward", "backward", "data"):
-        return "rng", (
-            f"{op['op']} in {op['module']} drew different random numbers from equal inputs: "
-            "the state of the generator it draws from differs there, while the global RNG "
-            "states agreed as the step began; it is a torch.Generator of its own that is not "
-            "seeded, or one reseeded during the step (torch.seed(), a seed from the clock or "
-            "os.urandom), or more was drawn from it before this op in one run (fix: seed "
-            "every generator once, before training)")
-    text = cause_text(c)
-    ops = ops or {}
-    first_op = next(iter(ops.get("ops") or []), None)
-    if (c.cause in ("forward", "backward") and ops.get("reproduced") and first_op is not None
-            and not ops.get("origin_ops") and not ops.get("outside_dispatcher")
-            and first_op.get("role") != ORIGIN):
-        text = text.removesuffix(UNCONFIRMED) + (
-            f"; replayed op by op, the first op that differs, {first_op['op']} in "
-            f"{first_op['module']} ({first_op['phase']}), already takes other inputs, and no "
-            "op differs on equal inputs: no op is nondeterministic, the code ran differently "
-            "(other ops, or the same ops on other operands or in another order: loss terms "
-            "summed in the order of a set or of a dict built from one; fix: fix that order, "
-            "e.g. sorted(...))")
-    explained = planted or any(o.get("role") == ORIGIN for o in (ops.get("ops") or [])) or any(
-        d.phase == STATE and d.slot.startswith("rng.") for d in c.first_diffs)
-    if own_hash_seeds and not explained and c.cause in ("forward", "backward", "data", "rng"):
-        text += ("; each run had a hash seed of its own (no --seed): code that iterates a "
-                 "set of strings (loss terms, class names, file names) orders it differently "
-                 "in each, which `detaudit exec --seed 0` (it fixes PYTHONHASHSEED too) rules "
-                 "out")
-    return c.cause, text
 
 
 def _proven_headline(c: Comparison) -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from ..analysis.verdict import random_origin_op
+from ..analysis.causes import random_origin_op
 from ..words import counted
 from .sections import (
     CALLS_UNSEEN_NOTE,

@@ -10,10 +10,11 @@ import math
 from collections import Counter
 from typing import Any
 
+from ..analysis.causes import cause_of
 from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
-from ..analysis.verdict import Verdict, cause_of, one_based, stressed_ops
+from ..analysis.verdict import Verdict, one_based, stressed_ops
 from ..config import (
     CALLS_UNSEEN,
     EPOCHS_UNSEEN,
