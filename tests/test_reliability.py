@@ -583,6 +583,26 @@ def test_non_finite_losses_and_learning_rates_are_stored_and_reported(tmp_path, 
     assert "loss is infinite from step 1 (epoch 1)" in (folder / "report.md").read_text()
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_loss_non_finite_in_one_repeat_only_is_an_infinite_loss_difference(bad):
+    factors = iter([1.0, float(bad)])
+
+    def probe(device: torch.device) -> Probe:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        factor = next(factors)  # the second repeat's loss is non-finite at its second step
+
+        def step(m, batch):
+            return m(batch).pow(2).mean() * (factor if batch[0, 0] == 2 else 1.0)
+
+        return Probe(model=model, batches=[torch.ones(2, 4), torch.full((2, 4), 2.0)],
+                     step=step, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+
+    drift = audit(probe, repeats=2, granularity="module", drill_down=False).comparison.loss
+    assert drift.first_step == 1
+    assert drift.per_step[1][2] == float("inf")
+
+
 def test_an_infinite_recipe_option_survives_the_trace(tmp_path):
     from detaudit.probes.options import RecipeOptions
 

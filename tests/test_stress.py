@@ -270,6 +270,50 @@ def test_rng_draw_outside_any_module_is_located_between_modules():
     assert "cause: rng" in result.verdict.headline
 
 
+class _Shifted(nn.Linear):
+    """A linear layer that adds `offset`: built with another, it differs from equal inputs."""
+
+    def __init__(self, offset: float) -> None:
+        super().__init__(8, 8)
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.offset
+
+
+class _DrawsAfterItsPart(nn.Module):
+    """`part` differs on its own in every second build; the model's own code then draws
+    from the torch RNG as many values as the part's output says, before a dropout: the draw
+    follows from the part's difference."""
+
+    def __init__(self, offset: float) -> None:
+        super().__init__()
+        self.part = _Shifted(offset)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.part(x)
+        torch.rand(1 + int(h.mean().item() > 0.5))
+        return self.drop(h).sum(1)
+
+
+def test_an_rng_draw_that_follows_a_module_differing_on_its_own_leaves_the_cause_forward():
+    offsets = itertools.cycle([0.0, 1.0])
+
+    def probe(device: torch.device) -> Probe:
+        torch.manual_seed(0)
+        model = _DrawsAfterItsPart(next(offsets)).to(device)
+        batches = [torch.zeros(4, 8) for _ in range(2)]
+        return Probe(model=model, batches=batches, step=lambda m, x: m(x).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+
+    result = module_audit(probe, repeats=2)
+    first = result.verdict.first
+    assert (first["module"], first["phase"], first["role"]) == ("part", "forward", "origin")
+    assert result.comparison.cause == "forward"
+    assert "part (origin); cause: forward" in result.verdict.headline
+
+
 def test_rng_draw_between_two_submodules_names_both_and_the_enclosing_module():
     class TwoPasses(nn.Module):
         def __init__(self) -> None:

@@ -7,9 +7,11 @@ import json
 import pytest
 from conftest import module_audit, small_cnn_probe, stream_trace
 
+from detaudit.analysis.compare import compare
 from detaudit.errors import TraceError
+from detaudit.record.fingerprint import TensorPrint
 from detaudit.storage import dump_json
-from detaudit.trace import Trace, TraceFile, open_trace
+from detaudit.trace import StepInfo, Trace, TraceFile, open_trace
 
 pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
@@ -274,3 +276,26 @@ def test_calls_keep_the_parameters_they_read_and_traces_without_them_load(traces
     whole.write_bytes(gzip.compress(json.dumps(data).encode()))
     with pytest.raises(TraceError, match=r"calls\.reads\[0\] is .*not a list of strings"):
         Trace.load(whole)
+
+
+def _parameters_trace(repeat: int, steps: list[list[tuple[str, str, str]]]) -> Trace:
+    """A trace of parameter records only: per step, (phase, slot, print)."""
+    trace = Trace(probe={}, repeat=repeat, env={})
+    for step, records in enumerate(steps):
+        trace.steps.append(StepInfo(step=step, epoch=0, index=step))
+        for phase, slot, fp in records:
+            trace.add_record(step, (phase, "fc", 0, slot), TensorPrint(fp, (2,), "float32",
+                                                                       1.0, 1.0, 0))
+    return trace
+
+
+def test_a_repeat_that_began_where_another_ended_is_found_with_a_parameter_set_between_steps():
+    """`frozen` is trained by no optimizer and set between steps 0 and 1 (a state record
+    at step 1): a repeat beginning with the parameters repeat 0 ended with continued it."""
+    first = _parameters_trace(0, [
+        [("state", "param.w", "w0"), ("state", "param.frozen", "f0"), ("optimizer", "param.w", "w1")],
+        [("state", "param.frozen", "f1"), ("optimizer", "param.w", "w2")]])
+    second = _parameters_trace(1, [
+        [("state", "param.w", "w2"), ("state", "param.frozen", "f1"), ("optimizer", "param.w", "w3")],
+        [("optimizer", "param.w", "w4")]])
+    assert compare([first, second]).continued_from == (1, 0, 1, True)

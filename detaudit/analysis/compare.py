@@ -147,7 +147,9 @@ class Comparison:
     first_diffs: list[RecordDiff] = field(default_factory=list)  # first step, execution order
     common_steps: int | None = None  # with failures: only the steps every repeat completed
     stress: list[StressedOp] = field(default_factory=list)  # risky ops re-executed (proof)
-    rng_gap: RngGap | None = None  # the first step's RNG moved outside any module
+    # the first step's RNG moved outside any module, where no call differing on its own
+    # (drawing nothing) leads it
+    rng_gap: RngGap | None = None
     # (step, owning module, parameter) of every parameter gradient that differs: what a
     # scanned step can say about where, before any zoom
     grad_diffs: list[tuple[int, str, str]] = field(default_factory=list)
@@ -345,7 +347,7 @@ def _last_step_with(trace: AnyTrace, wanted: dict[tuple[str, str], str]
         updated = False
         for phase, key, fp in _parameter_records(cut):
             if phase == STATE:
-                current.setdefault(key, fp)
+                current[key] = fp  # (set between steps: a state record of a later step)
             else:
                 current[key], updated = fp, True
         if updated and all(current.get(key) == fp for key, fp in wanted.items()):
@@ -564,6 +566,10 @@ class _StepDiffs:
             loader_batch = any(s.startswith(LOADER_BATCH) for s in cut.records["slot"])
         order = {FORWARD: 0, BACKWARD: 1}
         findings = sorted(self.findings, key=lambda f: (f.step, order[f.phase], f.role != ORIGIN))
+        if gap is not None and any(f.step == first_step and f.role == ORIGIN
+                                   and f.phase == FORWARD and not f.rng for f in findings):
+            gap = None  # a call differing on equal inputs, drawing nothing, leads: what the
+            # RNG then draws outside any module follows from what it computed (a count)
         return Comparison(
             repeats=self.n,
             steps=[(s.step, s.epoch, s.index) for s in traces[0].steps[:common]],
@@ -948,10 +954,10 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
                 a, b = values.get(name), theirs.get(name)
                 if a is None or b is None or info.losses.get(name) != other.steps[i].losses.get(name):
                     bitwise_differs = True
-                    if a is not None and b is not None and not (math.isnan(a) or math.isnan(b)):
-                        rel = max(rel, abs(a - b) / max(abs(a), abs(b), 1e-30))
+                    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+                        rel = float("inf")  # (NaN against NaN with other bits too)
                     else:
-                        rel = float("inf") if (a is None or b is None) else rel
+                        rel = max(rel, abs(a - b) / max(abs(a), abs(b), 1e-30))
         if bitwise_differs and first_step is None:
             first_step, first_epoch = info.step, info.epoch
         if values:

@@ -166,7 +166,7 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
     step_index = next((i for s, _, i in (*c.steps, *c.later_steps) if s == c.first_step), None)
     epoch = one_based(c.epoch_of(c.first_step))
     gap = c.rng_gap
-    if gap is not None and not any(o.phase == "forward" and not o.rng for o in c.origins):
+    if gap is not None:
         d = next((d for d in c.first_diffs
                   if (d.module, d.call, d.slot) == (*gap.after, "rng.in")), c.first_diffs[0])
         return {
