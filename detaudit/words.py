@@ -9,6 +9,11 @@ def joined(items: list) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
+def one_based(epoch: int | None) -> int | None:
+    """An epoch (or a step within one) as people count them: from 1."""
+    return None if epoch is None else epoch + 1
+
+
 def counted(n: int, noun: str, plural: str = "") -> str:
     """``1 step``, ``2 steps`` (`plural` where adding an s is not the plural)."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"

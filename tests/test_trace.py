@@ -282,7 +282,7 @@ def _parameters_trace(repeat: int, steps: list[list[tuple[str, str, str]]]) -> T
     """A trace of parameter records only: per step, (phase, slot, print)."""
     trace = Trace(probe={}, repeat=repeat, env={})
     for step, records in enumerate(steps):
-        trace.steps.append(StepInfo(step=step, epoch=0, index=step))
+        trace.steps.append(StepInfo(step=step, epoch=0, index=step, losses={"loss": "0x1p+0"}))
         for phase, slot, fp in records:
             trace.add_record(step, (phase, "fc", 0, slot), TensorPrint(fp, (2,), "float32",
                                                                        1.0, 1.0, 0))
@@ -299,3 +299,11 @@ def test_a_repeat_that_began_where_another_ended_is_found_with_a_parameter_set_b
         [("state", "param.w", "w2"), ("state", "param.frozen", "f1"), ("optimizer", "param.w", "w3")],
         [("optimizer", "param.w", "w4")]])
     assert compare([first, second]).continued_from == (1, 0, 1, True)
+
+
+def test_a_buffer_whose_name_holds_param_is_no_parameter_that_diverged_under_an_equal_loss():
+    a, b = (_parameters_trace(k, [[("state", "param.w", "w0"), ("optimizer", "param.w", "w1")],
+                                  [("state", "buffer.param_count", f"n{k}"),
+                                   ("optimizer", "param.w", "w2")]]) for k in (0, 1))
+    c = compare([a, b])
+    assert (c.first_step, c.param_drift_step, c.drifted) == (1, None, None)

@@ -140,7 +140,9 @@ class Comparison:
     findings: list[CallFinding]  # every differing module call, all steps
     cause: str
     loss: LossDrift
-    param_drift_step: int | None  # the first step whose parameters or gradients differ
+    # the first step whose parameters, gradients or optimizer records (its state, learning
+    # rates, a GradScaler's scale) differ
+    param_drift_step: int | None
     fork: RecordDiff | None
     differing_by_step: dict[int, int]
     failures: dict[int, str]
@@ -447,7 +449,8 @@ class _StepDiffs:
         if rest:
             self.counts[step] = len(rest)
             self.missing += sum(1 for d in rest if d.missing)
-            parameters = any(d.phase == OPTIMIZER or (d.phase == STATE and "param" in d.slot)
+            parameters = any(d.phase == OPTIMIZER or (d.phase == STATE
+                                                       and d.slot.startswith("param."))
                              for d in rest)
             if (parameters or any(d.phase == GRAD for d in rest)) and self.param_drift is None:
                 self.param_drift = step

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ..config import UNJOINED
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, PROBE_DISTRIBUTED, STATE, AnyTrace, Trace
-from ..words import counted, joined
+from ..words import counted, joined, one_based
 from .compare import DIVERGENT, ORIGIN, Comparison, aligned_steps, compare
 
 OK, FLAGGED, NOT_CHECKED = "ok", "flagged", "not checked"
@@ -149,7 +149,7 @@ def analyse(
 def _rank_row(rank: int, c: Comparison) -> RankRow:
     row = RankRow(
         rank=rank, verdict=c.verdict, repeats=c.repeats, first_step=c.first_step,
-        first_epoch=_one_based(c.first_epoch), phase=None, module=None, role=None,
+        first_epoch=one_based(c.first_epoch), phase=None, module=None, role=None,
         cause=c.cause, source=None, failures={str(k): v for k, v in c.failures.items()},
     )
     if c.first_step is not None:
@@ -633,10 +633,6 @@ def _samplers(items: RankTraces) -> dict[int, dict[int, dict[str, Any]]] | None:
 
 def _step_of(trace: AnyTrace, epoch: int, index: int) -> int | None:
     return next((s.step for s in trace.steps if s.epoch == epoch and s.index == index), None)
-
-
-def _one_based(epoch: int | None) -> int | None:
-    return None if epoch is None else epoch + 1
 
 
 def _rank_groups(ranks: list[int], prints: list[Any]) -> list[list[int]]:

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..runfolder import INTERRUPTED as CUT_SHORT
 from ..trace import GRAD, MODEL_STATE, OPTIMIZER, STATE
-from ..words import counted, joined
+from ..words import counted, joined, one_based
 from .causes import cause_of
 from .compare import (
     DETERMINISTIC,
@@ -72,8 +72,9 @@ def judge(
 ) -> Verdict:
     """The verdict of a comparison, naming the origin op when the drill-down found one and
     counting the ranks of a distributed audit. A run `interrupted` (its state, where it
-    stopped) never passes and is no divergence: it is failed if detaudit failed there, else
-    interrupted, and its headline says what was recorded. A scanned
+    stopped) never passes and is no divergence: it is failed if detaudit failed there,
+    refused if bad input was found once recording had begun, else interrupted, and its
+    headline says what was recorded. A scanned
     run's `zoom` (its first divergent step replayed at module level) names the module; a zoom
     whose replays did not part where it ended (`zoom_found`, the zoom's status) is said to be,
     with what its replays did. An op
@@ -91,7 +92,7 @@ def judge(
     headline = _headline(kind, located, first, hidden, ops or {})
     if c.proven and kind == DETERMINISTIC:
         kind, headline = PROVEN, _proven_headline(c)
-    elif kind == DIVERGENT and (proofs := [p for p in stressed_ops(c, zoom, ops)
+    elif kind == DIVERGENT and (proofs := [p for p in stressed_op_rows(c, zoom, ops)
                                            if p.get("proven")]):
         headline += f"; proven by re-execution: {_confirming(proofs, first)['line']}"
     if zoom is None and (zoom_found or {}).get("status") == "intermittent":
@@ -160,7 +161,10 @@ def junit_error(kind: str) -> str | None:
 
 
 def first_divergence(c: Comparison) -> dict[str, Any] | None:
-    """The first origin (or, without one, the first differing record) of the first step."""
+    """Where the first divergent step parts: the RNG drawn outside any module where that
+    leads; else its first origin call (unless the batch differs: the modules only see it);
+    else its first state record (the parameters, for cause init); else, in a scanned step
+    whose gradients alone differ, the gradient nearest the output; else its first record."""
     if c.first_step is None:
         return None
     step_index = next((i for s, _, i in (*c.steps, *c.later_steps) if s == c.first_step), None)
@@ -227,11 +231,6 @@ def _held_where_op_ran(first: dict[str, Any] | None, tied: dict[str, list[str]],
                               for s, n in zip(first["slots"], names) if n in tied]}
 
 
-def one_based(epoch: int | None) -> int | None:
-    """An epoch as people count them."""
-    return None if epoch is None else epoch + 1
-
-
 def crash_line(crash: dict[str, Any]) -> str:
     """One line naming the crashed rank."""
     repeat = "" if crash.get("repeat") is None else f" in repeat {crash['repeat']}"
@@ -281,7 +280,7 @@ def _proven_headline(c: Comparison) -> str:
     return f"NONDETERMINISTIC OP: {proven[0].line()} ({agreed}){more}"
 
 
-def stressed_ops(
+def stressed_op_rows(
     c: Comparison, zoom: Comparison | None = None, ops: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """Every stressed op (as StressedOp.to_dict() gives them), once per phase, module and op,

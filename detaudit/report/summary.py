@@ -14,7 +14,7 @@ from ..analysis.causes import cause_of
 from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
-from ..analysis.verdict import Verdict, one_based, stressed_ops
+from ..analysis.verdict import Verdict, stressed_op_rows
 from ..config import (
     CALLS_UNSEEN,
     EPOCHS_UNSEEN,
@@ -28,6 +28,7 @@ from ..config import (
 )
 from ..runfolder import RunInfo
 from ..trace import STATE, Trace
+from ..words import one_based
 
 SUMMARY_SCHEMA = 1
 MAP_LIMIT = 4000  # module x step cells kept for the divergence map
@@ -156,7 +157,7 @@ def summarize(
                  c.loss.finite_again, c.loss.skipped)
             )),
             "first_step": c.loss.first_step,
-            "first_epoch": None if c.loss.first_epoch is None else c.loss.first_epoch + 1,
+            "first_epoch": one_based(c.loss.first_epoch),
             # one run recorded: no drift to show (not "bit-identical")
             "per_step": [
                 {"step": s, "epoch": e + 1, "rel_diff": r} for s, e, r in c.loss.per_step
@@ -194,7 +195,7 @@ def summarize(
         "ops": ops.get("ops") or [],
         "op_drill_down": {k: v for k, v in ops.items() if k not in ("ops", "knowledge", "stress")},
         "knowledge": ops.get("knowledge") or [],
-        "stress": stressed_ops(c, zoom, ops),
+        "stress": stressed_op_rows(c, zoom, ops),
         "stress_seconds": _stress_seconds(info),
         "census": _census_ops(census.get("ops") or [], c) if census else [],
         "census_seconds": census.get("seconds"),
