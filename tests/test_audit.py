@@ -14,6 +14,7 @@ from test_recorder import _maskrcnn_probe
 from torch import nn
 
 from detaudit import Fault, Probe, audit
+from detaudit.analysis.causes import cause_text
 from detaudit.analysis.compare import CONTAINS, ORIGIN, PROPAGATED, CallFinding
 from detaudit.analysis.verdict import first_divergence
 from detaudit.drivers.loading import builtin_spec, make_factory
@@ -243,6 +244,37 @@ def test_unseeded_augmentation_is_a_data_cause():
     first = first_divergence(dataclasses.replace(c, findings=[seen, *c.findings]))
     assert (first["phase"], first["role"]) == ("state", "first record")
     assert first["slots"][0].startswith("batch")
+
+
+class _LossInside(nn.Module):
+    """Computes its loss itself and returns it with an intermediate (as DETR returns its
+    encoder's output): that output is also read inside, upstream of `dec`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        memory = self.enc(x)
+        return {"loss": (self.dec(memory) - y).pow(2).mean(), "memory": memory}
+
+
+def test_a_backward_fault_inside_a_model_that_returns_an_intermediate_is_no_outside_cause():
+    """The gradient entering the returned intermediate differs (it comes back through
+    `dec`), yet the difference began inside the model: not "computed outside the model"."""
+    def probe(device: torch.device) -> Probe:
+        torch.manual_seed(0)
+        model = _LossInside().to(device)
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
+                   for _ in range(3)]
+        return Probe(model=model, batches=batches, step=lambda m, b: m(*b)["loss"],
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    c = module_audit(probe, repeats=2, fault=Fault("dec", "backward", 1)).comparison
+    assert (c.first_step, c.cause, [(o.module, o.phase) for o in c.origins]) == (
+        1, "backward", [("dec", "backward")])
+    assert cause_text(c).startswith("a backward computation gave different gradients")
 
 
 _DRAWS = {"calls": 0}

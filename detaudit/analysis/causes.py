@@ -281,7 +281,11 @@ def _outside_the_model(c: Comparison, at_step: list[CallFinding]) -> str | None:
     if any(d.phase == OUTPUT for d in c.first_diffs):
         what = "the loss computed from them differs"
     elif any(d.phase == BACKWARD and d.module == "" and d.slot.startswith("grad_out")
-             for d in c.first_diffs):  # (the gradient entering the model's output)
+             for d in c.first_diffs) and not any(
+                 f.phase == BACKWARD and f.role == ORIGIN and f.module for f in at_step):
+        # (the gradient entering the model's outputs, where no module's backward began the
+        # difference: an output the model reads itself too, as DETR returns its encoder's,
+        # takes the gradient of what its own backward sent back)
         what = "the gradient the loss sends into them differs"
     else:
         return None
