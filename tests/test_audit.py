@@ -235,8 +235,11 @@ def test_same_gather_on_one_thread_is_deterministic():
 
 
 def test_unseeded_augmentation_is_a_data_cause():
-    c = module_audit(unseeded_probe, repeats=2).comparison
+    result = module_audit(unseeded_probe, repeats=2)
+    c = result.comparison
     assert c.first_step == 0 and c.cause == "data"
+    assert "step 0 (epoch 1), state, batch (first record); cause: data" in (
+        result.verdict.headline)
     assert c.first_by_phase["state"].slot.startswith("batch")
     # a module found where the batch differs only sees it: the batch is the first
     # divergence (a scan's gradient was named the origin, with cause: data)

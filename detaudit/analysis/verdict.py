@@ -248,7 +248,8 @@ def _headline(
         return f"FAILED: {_stopped(c)}; {_common(c)}"
     if first is None:
         return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {_steps(c)}"
-    where = first.get("outside") or first["module"] or "(model)"
+    where = first.get("outside") or first["module"] or (
+        first["slots"][0] if first["phase"] == STATE else "(model)")  # (the batch, an RNG)
     tied = "".join(f"; {said}" for said in first.get("tied") or ())
     text = (
         f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "
