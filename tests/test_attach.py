@@ -2258,7 +2258,9 @@ def test_a_model_called_apart_is_named_as_the_outermost_code_holding_it(tmp_path
         model = nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model_ema = copy.deepcopy(model).requires_grad_(False) if agent_class is None else None
-        agent = agent_class(copy.deepcopy(model).requires_grad_(False)) if agent_class else None
+        # (the agent's train alone: the loop holds no name for the agent or its target)
+        train = agent_class(copy.deepcopy(model).requires_grad_(False)).train if (
+            agent_class) else None
         for _ in range(2):
             model(torch.ones(2, 4)).sum().backward()
             opt.step()
@@ -2266,7 +2268,7 @@ def test_a_model_called_apart_is_named_as_the_outermost_code_holding_it(tmp_path
             if model_ema is not None:
                 _evaluate(model_ema, torch.ones(2, 4))
             else:
-                agent.train()
+                train()
 
     timm = _attached(tmp_path / "timm.json.gz", loop)
     assert timm.probe["side_models"] == ["model_ema"]
@@ -2305,6 +2307,36 @@ def test_a_model_called_apart_is_named_as_the_outermost_code_holding_it(tmp_path
                         lambda f: f == str(library) or in_a_library(f))
     sb3 = _attached(tmp_path / "sb3.json.gz", functools.partial(loop, agent.Agent))
     assert sb3.probe["side_models"] == ["q_net_target"]
+
+
+class _ModelEMA:
+    """An EMA helper that is no module (as YOLOv5's ModelEMA): its copy is `ema.ema`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.ema = copy.deepcopy(model).requires_grad_(False)
+
+
+def test_a_model_called_apart_held_by_a_plain_object_is_named_through_it(tmp_path,
+                                                                        monkeypatch):
+    """YOLOv5 keeps its EMA copy in a ModelEMA object (no module), in its own training code
+    (a library's): the copy was named by its class, the trained model's too."""
+    def loop() -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ema = _ModelEMA(model)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            _evaluate(ema.ema, torch.ones(2, 4))
+
+    assert _attached(tmp_path / "user.json.gz", loop).probe["side_models"] == ["ema.ema"]
+    from detaudit.drivers import attach_models
+    in_a_library = attach_models.in_a_library  # (this file, as if installed: YOLOv5's train)
+    monkeypatch.setattr(attach_models, "in_a_library",
+                        lambda f: f == __file__ or in_a_library(f))
+    assert _attached(tmp_path / "library.json.gz", loop).probe["side_models"] == ["ema.ema"]
 
 
 def test_a_model_no_optimizer_trains_is_recorded_once_the_loop_calls_it(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -215,9 +216,10 @@ def _bound_name(module: nn.Module) -> str | None:
     """The name the user's code holds `module` by where it calls it, in the outermost of
     its frames that holds it (timm's `model_ema`, not `model`, the parameter of the
     `validate` it is passed to): a key path into a dict, list or tuple of that frame
-    (``emas.fast.0``) first, else a variable of the frame or an attribute of its ``self``.
-    Where none does, the attribute of ``self`` that holds it in the innermost library frame
-    (Stable-Baselines3's ``self.q_net_target``). It is the same in every run whatever order
+    (``emas.fast.0``) first, else a variable of the frame or an attribute of its ``self``,
+    else an attribute of an object a variable holds (``ema.ema``). Where none does, the
+    innermost library frame's attribute of ``self`` that holds it (Stable-Baselines3's
+    ``self.q_net_target``), or of an object a variable holds (YOLOv5's ``ema.ema``). It is the same in every run whatever order
     two models of one class are first called in (by a loop variable, say), where a name by
     class and order is not."""
     frames = []
@@ -232,8 +234,8 @@ def _bound_name(module: nn.Module) -> str | None:
         if name is not None:
             return name
     return next((name for frame in frames if frame not in users
-                 and (name := _held_in(module, _attributes(frame.f_locals.get("self"))))),
-                None)
+                 and (name := _held_in(module, _attributes(frame.f_locals.get("self")))
+                      or _in_an_object(module, _named([frame.f_locals])))), None)
 
 
 def _attributes(owner: Any) -> list[dict[str, Any]]:
@@ -242,15 +244,35 @@ def _attributes(owner: Any) -> list[dict[str, Any]]:
 
 def _held_in(module: nn.Module, scopes: list[dict[str, Any]]) -> str | None:
     """The name `module` has in `scopes`: a key path into a container first, else a name,
-    else a module's attribute (timm's EMA wrapper's `model_ema.module`)."""
-    named = [(name, value) for scope in scopes for name, value in list(scope.items())
-             if name != "self" and name.isidentifier()]
+    else a module's attribute (timm's EMA wrapper's `model_ema.module`), else another
+    object's (`ema.ema`)."""
+    named = _named(scopes)
     held = next((f"{name}.{path}" for name, value in named
                  if isinstance(value, (dict, list, tuple))
                  and (path := _path_to(module, value, depth=2))), None)
     return held or next((name for name, value in named if value is module), None) or next(
         (f"{name}.{child}" for name, value in named if isinstance(value, nn.Module)
-         for child, inner in value._modules.items() if inner is module), None)
+         for child, inner in value._modules.items() if inner is module), None) or (
+        _in_an_object(module, named))
+
+
+def _named(scopes: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    return [(name, value) for scope in scopes for name, value in list(scope.items())
+            if name != "self" and name.isidentifier()]
+
+
+def _in_an_object(module: nn.Module, named: list[tuple[str, Any]]) -> str | None:
+    """``name.attribute`` where an object that is no module, container, class or Python
+    module holds `module` as an attribute (an EMA helper's ``ema.ema``)."""
+    for name, value in named:
+        if isinstance(value, (nn.Module, dict, list, tuple, type, ModuleType)):
+            continue
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict):
+            found = next((a for a, inner in list(attributes.items()) if inner is module), None)
+            if found is not None and found.isidentifier():
+                return f"{name}.{found}"
+    return None
 
 
 def _path_to(module: nn.Module, container: Any, depth: int) -> str | None:
