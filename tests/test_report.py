@@ -276,3 +276,17 @@ def test_the_map_shows_a_module_called_several_times_by_its_role_nearest_the_ori
     assert map_rows(summary) == {"cell": {1: {"forward": "origin"}}}
     row = next(line for line in render_markdown(summary).splitlines() if line.startswith("| cell "))
     assert row.replace(" ", "").startswith("|cell|1|–|–|")  # origin at steps: 1
+
+
+def test_a_loss_that_differs_after_the_runs_part_says_how_long_it_hid_the_difference():
+    """A Mask R-CNN script whose gradients differ from step 2 said "loss first differs at
+    step 4 (epoch 3)" alone: read as the problem starting in epoch 3."""
+    from detaudit.report.sections import loss_first_differs
+
+    summary = {"loss": {"first_step": 4, "first_epoch": 3},
+               "first_divergence": {"step": 2, "epoch": 2}}
+    assert loss_first_differs(summary) == (
+        "loss first differs at step 4 (epoch 3), 2 steps after the runs part (step 2, epoch "
+        "2): the loss hid the difference until then")
+    summary["first_divergence"] = {"step": 4, "epoch": 3}
+    assert loss_first_differs(summary) == "loss first differs at step 4 (epoch 3)"

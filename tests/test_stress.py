@@ -90,6 +90,37 @@ def test_an_op_the_step_runs_outside_the_model_is_proven_there_not_in_the_model(
         ("(outside the model)", "forward", "aten.index_put_")]
 
 
+def test_a_loss_term_racing_outside_the_model_is_the_first_divergence_not_a_module(two_threads):
+    """The loop adds a loss term splatted with index_put_ from the model's loss: the modules
+    only see a gradient that differs, from their outputs on; the headline named the first
+    of them ("backward, roi_heads (first record)" in a Mask R-CNN script) before the op."""
+    def probe(device: torch.device) -> Probe:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)).to(device)
+        g = torch.Generator().manual_seed(3)
+        votes, cells = torch.randn(VOTES, 4, generator=g), torch.randint(0, CELLS, (VOTES,),
+                                                                        generator=g)
+
+        def step(m: nn.Module, x: torch.Tensor):
+            loss = m(x).pow(2).mean()
+            spread = votes.new_zeros(CELLS, 4).index_put_((cells,), votes * loss,
+                                                          accumulate=True)
+            return loss + spread.std()
+
+        return Probe(model=model, batches=[torch.randn(8, 4, generator=g)] * 2, step=step,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+    for _ in range(5):  # (the race fires in most runs of 2 repeats)
+        result = audit(probe, repeats=2, epochs=1)
+        if result.comparison.first_step is not None:
+            break
+    first = result.verdict.first
+    assert (first["phase"], first["module"], first["slots"]) == (
+        "forward", "(outside the model)", ["aten.index_put_"]), result.verdict.headline
+    assert ", forward, (outside the model) (origin op); cause: forward; op: aten.index_put_ in " \
+        "(outside the model)" in result.verdict.headline
+
+
 def test_duplicate_index_gather_backward_ends_nonzero_every_time(two_threads):
     for _ in range(10):
         result = audit(gather_probe, repeats=2, epochs=1, steps=1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..trace import BACKWARD, FORWARD, LOADER_BATCH, MODEL_STATE, OUTPUT, STATE
+from ..trace import BACKWARD, FORWARD, LOADER_BATCH, MODEL_STATE, OUTPUT, OUTSIDE_MODEL, STATE
 from .compare import ORIGIN, CallFinding, Comparison, draws_random_numbers
 
 _CAUSE_TEXT = {
@@ -313,6 +313,15 @@ def random_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
     return None
 
 
+def outside_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The drill-down's origin op when it ran outside the model (in the loop's own code: a
+    loss term), not a planted fault."""
+    op = ((ops or {}).get("ops") or [{}])[0]
+    if op.get("role") == ORIGIN and not op.get("planted") and op.get("module") == OUTSIDE_MODEL:
+        return op
+    return None
+
+
 def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None, *,
              own_hash_seeds: bool = False, planted: bool = False) -> tuple[str, str]:
     """The class of cause and its text: the comparison's, unless the op the drill-down found
@@ -354,6 +363,9 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
             "os.urandom), or more was drawn from it before this op in one run (fix: seed "
             "every generator once, before training)")
     text = cause_text(c)
+    outside = outside_origin_op(ops)
+    if outside is not None and c.cause in ("forward", "backward"):
+        return outside["phase"], text  # (a backward difference its forward op made)
     ops = ops or {}
     first_op = next(iter(ops.get("ops") or []), None)
     if (c.cause in ("forward", "backward") and ops.get("reproduced") and first_op is not None

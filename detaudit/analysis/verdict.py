@@ -10,9 +10,9 @@ from typing import Any
 
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..runfolder import INTERRUPTED as CUT_SHORT
-from ..trace import GRAD, MODEL_STATE, OPTIMIZER, STATE
+from ..trace import GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE
 from ..words import counted, joined, one_based
-from .causes import cause_of
+from .causes import cause_of, outside_origin_op
 from .compare import (
     DETERMINISTIC,
     DIVERGENT,
@@ -27,6 +27,9 @@ INTERRUPTED = "interrupted"  # the run was stopped before its end (the headline:
 PROVEN = "nondeterministic op"  # the repeats agreed, but re-execution proved an op is not
 # a scanned step whose gradients alone differ: the parameter nearest the output among them
 LAST_GRADIENT = "nearest the output of the gradients that differ"
+# a step no module call began to differ in, whose op-level replay found the origin op in the
+# loop's own code (a loss term): that op is the first divergence
+OP_OUTSIDE = "origin op"
 NOT_COMPARED = "not compared"  # one run, nothing to compare it with: neither pass nor divergence
 # stopped by bad input found once recording had begun (a planted fault that never fired)
 REFUSED = "refused"
@@ -82,6 +85,7 @@ def judge(
     divergence found all the same; after a divergence it confirms the origin."""
     located = zoom if zoom is not None and zoom.first_step is not None else c
     first = _held_where_op_ran(first_divergence(located), located.tied, ops or {})
+    first = _at_an_op_outside_the_model(first, ops or {})
     kind = c.verdict
     # what diverged while the loss stayed bit-identical, if anything did (parameters of a
     # run that ended are missing, not diverged; inference has no loss to hide it)
@@ -229,6 +233,18 @@ def _held_where_op_ran(first: dict[str, Any] | None, tied: dict[str, list[str]],
                     "tied": [f"its {local} is tied to {name}"]}
     return {**first, "tied": [f"its {s.removeprefix('param.')} is also {', '.join(tied[n])}"
                               for s, n in zip(first["slots"], names) if n in tied]}
+
+
+def _at_an_op_outside_the_model(first: dict[str, Any] | None, ops: dict[str, Any]
+                                ) -> dict[str, Any] | None:
+    """Where no module call is the origin (every module only saw a difference: the gradient
+    entering the model's outputs, from a loss term computed with a nondeterministic op) and
+    the drill-down's origin op ran outside the model, that op is the first divergence."""
+    op = outside_origin_op(ops)
+    if first is None or first["role"] == ORIGIN or op is None:
+        return first
+    return {**first, "phase": op["phase"], "module": OUTSIDE_MODEL, "call": 0,
+            "slots": [op["op"]], "role": OP_OUTSIDE}
 
 
 def crash_line(crash: dict[str, Any]) -> str:

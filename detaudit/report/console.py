@@ -16,6 +16,7 @@ from .sections import (
     SIDE_HEADERS,
     first_pass_note,
     identical_loss,
+    loss_first_differs,
     nonfinite_line,
     short_epochs_note,
     side_rows,
@@ -90,7 +91,7 @@ def render_console(summary: dict[str, Any]) -> str:
         if loss["first_step"] is None:
             lines.append(f"loss: {identical_loss(summary)}")
         else:
-            lines.append(f"loss first differs at step {loss['first_step']} (epoch {loss['first_epoch']})")
+            lines.append(loss_first_differs(summary))
         lines.append(
             tabulate(
                 [(e["epoch"], "identical" if e["max_rel_diff"] == 0 else f"{e['max_rel_diff']:.3g}")

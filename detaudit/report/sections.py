@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from ..analysis.compare import GRADIENTS_DIFFER
-from ..analysis.verdict import LAST_GRADIENT, crash_line
+from ..analysis.verdict import LAST_GRADIENT, OP_OUTSIDE, crash_line
 from ..words import counted
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -28,6 +28,9 @@ ROLE_TEXT = {
     LAST_GRADIENT: "of the parameters whose gradients differ (a scanned step: no module "
     "records), the one nearest the output in the model's order: backward reaches it first, so "
     "the difference begins there or nearer the output",
+    OP_OUTSIDE: "no module call began the difference (each only saw it); the op-level "
+    "replay found it in an op of the loop's own code, outside the model (a loss term): the "
+    "op named here",
     "rng draw outside any module": "the torch RNG moved outside any module (the step "
     "function, a hook, a logger): the next module that draws only starts from another state",
 }
@@ -416,6 +419,19 @@ def identical_loss(s: dict[str, Any]) -> str:
     return f"bit-identical in the {counted(min(lengths), 'step')} every repeat ran ({only} ran in some only)"
 
 
+def loss_first_differs(s: dict[str, Any]) -> str:
+    """"loss first differs at step k (epoch e)", and how long after the runs parted where
+    the loss hid the first steps that differ (a difference in the gradients only)."""
+    loss = s["loss"]
+    said = f"loss first differs at step {loss['first_step']} (epoch {loss['first_epoch']})"
+    first = s.get("first_divergence") or {}
+    if first.get("step") is not None and first["step"] < loss["first_step"]:
+        said += (f", {counted(loss['first_step'] - first['step'], 'step')} after the runs "
+                 f"part (step {first['step']}, epoch {first['epoch']}): the loss hid the "
+                 "difference until then")
+    return said
+
+
 def _loss(s: dict[str, Any]) -> Section | None:
     loss = s.get("loss", {})
     if not loss.get("per_epoch"):
@@ -423,7 +439,7 @@ def _loss(s: dict[str, Any]) -> Section | None:
     if loss.get("first_step") is None:
         lead = f"The loss was {identical_loss(s)}."
     else:
-        lead = f"The loss first differs at step {loss['first_step']} (epoch {loss['first_epoch']})."
+        lead = f"The {loss_first_differs(s)}."
     blocks: list[Block] = [Text(lead)]
     if loss.get("nonfinite"):
         blocks.append(Text(nonfinite_line(loss["nonfinite"]), strong=True))
