@@ -150,6 +150,10 @@ class Fault:
         return replace(self, module=f"{prefix}.{self.module}")
 
 
+# re-runs of each risky op on identical inputs at a stressed step (see record.stress)
+STRESS_RUNS = 16
+
+
 @dataclass(frozen=True)
 class AuditConfig:
     """How to run an audit; stored in every trace so a run can be repeated exactly."""
@@ -166,7 +170,7 @@ class AuditConfig:
     granularity: str = SCAN  # "module": every module call of every step; "op": op by op too
     # The last repeat re-runs each risky op this many times on identical inputs at the first
     # step of every epoch (0: off); `stress_every_op`: every op of those steps, not only risky ones.
-    stress: int = 16
+    stress: int = STRESS_RUNS
     stress_every_op: bool = False
 
     def __post_init__(self) -> None:

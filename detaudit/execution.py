@@ -51,6 +51,7 @@ from .config import (
     SCRIPTED,
     SIDE_MODELS,
     STEPLESS_LOADS,
+    STRESS_RUNS,
     TRAIN,
     AuditConfig,
     ExecJob,
@@ -401,6 +402,8 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         "fault": asdict(fault) if fault is not None else None,
         "planted_step": job.fault.step if job.fault is not None else None, "mode": job.mode,
         "launcher": _is_launcher(command), "since_ns": since_ns, "began_ns": began_ns,
+        # the first run proves its risky ops by re-execution (a race its repeats missed)
+        "stress": STRESS_RUNS if repeat == 0 and zoom is None else 0,
     })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:

@@ -533,6 +533,41 @@ def test_a_real_divergence_before_a_planted_fault_is_the_verdict(tmp_path):
     assert (tmp_path / "run" / "report.html").exists()
 
 
+_HIDDEN_RACE = """\
+import torch
+torch.set_num_threads(2)
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(3)
+votes = torch.randn(40_000, 4, generator=g)
+cells = torch.randint(0, 64, (40_000,), generator=g)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(3):
+    loss = model(torch.randn(8, 4, generator=g)).pow(2).mean()
+    spread = votes.new_zeros(64, 4).index_put_((cells,), votes, accumulate=True)
+    (loss + 0 * spread.sum()).backward()  # (the race's result weighs nothing)
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.alone  # (the race must fire: both cores)
+def test_exec_proves_a_race_whose_result_the_runs_never_showed(tmp_path):
+    """A splat whose result weighs nothing in the loss: the runs agree bit for bit, and
+    exec said DETERMINISTIC (a Mask R-CNN script's race that rounded away did so twice);
+    its first run re-executes the risky ops at each epoch's first step, as run does."""
+    script = tmp_path / "hidden_race.py"
+    script.write_text(_HIDDEN_RACE)
+    done = _exec(tmp_path, "--seed", "0", script=script)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.startswith(
+        "NONDETERMINISTIC OP: aten.index_put_ in (outside the model) (forward, step 0) gave ")
+    assert done.stdout.rstrip().endswith("(the 2 repeats agreed this time)")
+    trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
+    assert set(trace.stress["step"]) == {0} and not Trace.load(
+        tmp_path / "run" / "trace-1.json.gz").stress["step"]  # (the first run's alone)
+
+
 @pytest.mark.parametrize("form", ["wrapper", "in-place"])
 def test_exec_of_a_compiled_model_names_a_planted_fault_by_the_users_names(tmp_path, form):
     # torch.compile would trace the global hooks into its graph (and the recorder's module

@@ -65,6 +65,7 @@ from ..record.environment import capture_environment
 from ..record.fingerprint import TensorPrint, storages_of
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder, RecordKey, StepRecords
+from ..record.stress import StressMode
 from ..record.structure import iter_leaves, iter_tensors
 from ..trace import (
     OUTPUT,
@@ -102,7 +103,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         on_limit: Callable[[], None] | None = None, zoom: int | None = None,
         fault: Fault | None = None, rank: RankWatch | None = None,
         planted_step: int | None = None, mode: str = AUTO,
-        claim: Callable[[], bool] | None = None,
+        claim: Callable[[], bool] | None = None, stress: int = 0,
     ) -> None:
         """`claim`, where other processes may record the same trace: asked as the first step
         begins whether this process records it; where not, it records nothing and detaches
@@ -123,6 +124,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.planted_step = fault.step if fault is not None else planted_step
         self.recorder: Recorder | None = None
         self._ops: OpRecorder | None = None  # the op-level mode of a zoomed or faulted step
+        # re-runs of each risky op at the first step of every epoch (see record.stress)
+        self.stress_runs = stress
+        self._stress: StressMode | None = None
         self._init_side_calls()
         self._loop_thread = threading.get_ident()  # the first step's (see _no_call_of_the_loop)
         self._loop_thread_known = False
@@ -510,6 +514,10 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if watch != WATCH_NONE:
             self.recorder.hook_for(watch)
             self._run_eagerly(True)
+        if self.stress_runs and self.index == 0 and not _compiled(model):
+            self._stress = StressMode(self.recorder, step, self.epoch, self.stress_runs,
+                                      device=str(_device_of(model)), env=self.trace.env)
+            self._stress.__enter__()  # (below the op recorder: it sees each op as it ran)
         if step == self.zoom or (self.fault is not None and self.fault.op
                                  and self.fault.step == step):
             self._ops = OpRecorder(self.recorder, step, record=step == self.zoom,
@@ -611,6 +619,11 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self._ops is not None:
             ops, self._ops = self._ops, None
             ops.__exit__(None, None, None)
+        if self._stress is not None:
+            stress, self._stress = self._stress, None
+            stress.__exit__(None, None, None)
+            for row in stress.rows():
+                self.trace.add_stress(row)
 
     @property
     def model(self) -> nn.Module | None:
@@ -815,6 +828,19 @@ def _in_shared_memory(param: torch.Tensor) -> bool:
     if param.device.type != "cpu" or param.layout != torch.strided:
         return False
     return param.is_shared()
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether compiled code may run in the step: `model` compiled (torch.compile(model),
+    model.compile()), or any function compiled so far (a dispatch mode would make it run
+    otherwise than in the runs it is compared with)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    return (getattr(model, "_compiled_call_impl", None) is not None
+            or bool(dynamo.utils.counters["frames"]["total"]) or any(
+                wrapper._orig_mod is model or wrapper is model
+                for wrapper in live_objects(dynamo.eval_frame.OptimizedModule)))
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -225,7 +225,8 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
                             max_steps=job.get("max_steps"), max_epochs=job.get("max_epochs"),
                             zoom=job.get("zoom"), fault=fault,
                             rank=rank, planted_step=job.get("planted_step"),
-                            mode=job.get("mode", AUTO), claim=claim)
+                            mode=job.get("mode", AUTO), claim=claim,
+                            stress=int(job.get("stress") or 0))
     attachment.on_limit = functools.partial(_end_at_the_limit, attachment)
     attachment.install()
     _LINE_ENDS.follow(attachment)
