@@ -534,34 +534,45 @@ def test_a_real_divergence_before_a_planted_fault_is_the_verdict(tmp_path):
 
 
 _HIDDEN_RACE = """\
+import sys
 import torch
 torch.set_num_threads(2)
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(3)
 votes = torch.randn(40_000, 4, generator=g)
 cells = torch.randint(0, 64, (40_000,), generator=g)
-model = torch.nn.Linear(4, 1)
+
+def splat():
+    return votes.new_zeros(64, 4).index_put_((cells,), votes, accumulate=True)
+
+class Splat(torch.nn.Module):
+    def forward(self, x):
+        return x + 0 * splat().sum()  # (the race's result weighs nothing)
+
+inside = sys.argv[1] == "inside"
+model = torch.nn.Sequential(torch.nn.Linear(4, 1), *[Splat()] * inside)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 for step in range(3):
     loss = model(torch.randn(8, 4, generator=g)).pow(2).mean()
-    spread = votes.new_zeros(64, 4).index_put_((cells,), votes, accumulate=True)
-    (loss + 0 * spread.sum()).backward()  # (the race's result weighs nothing)
+    (loss if inside else loss + 0 * splat().sum()).backward()
     opt.step()
     opt.zero_grad()
 """
 
 
 @pytest.mark.alone  # (the race must fire: both cores)
-def test_exec_proves_a_race_whose_result_the_runs_never_showed(tmp_path):
+@pytest.mark.parametrize("where, module", [("outside", "(outside the model)"), ("inside", "1")])
+def test_exec_proves_a_race_whose_result_the_runs_never_showed(tmp_path, where, module):
     """A splat whose result weighs nothing in the loss: the runs agree bit for bit, and
     exec said DETERMINISTIC (a Mask R-CNN script's race that rounded away did so twice);
-    its first run re-executes the risky ops at each epoch's first step, as run does."""
+    its first run re-executes the risky ops at each epoch's first step, as run does, and
+    names the module each ran in."""
     script = tmp_path / "hidden_race.py"
     script.write_text(_HIDDEN_RACE)
-    done = _exec(tmp_path, "--seed", "0", script=script)
+    done = _exec(tmp_path, "--seed", "0", script=script, script_args=(where,))
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.startswith(
-        "NONDETERMINISTIC OP: aten.index_put_ in (outside the model) (forward, step 0) gave ")
+        f"NONDETERMINISTIC OP: aten.index_put_ in {module} (forward, step 0) gave ")
     assert done.stdout.rstrip().endswith("(the 2 repeats agreed this time)")
     trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
     assert set(trace.stress["step"]) == {0} and not Trace.load(

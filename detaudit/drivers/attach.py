@@ -64,7 +64,14 @@ from ..config import (
 from ..record.environment import capture_environment
 from ..record.fingerprint import TensorPrint, storages_of
 from ..record.oprecorder import OpRecorder
-from ..record.recorder import WATCH_MODULE, WATCH_NONE, Recorder, RecordKey, StepRecords
+from ..record.recorder import (
+    WATCH_CALLS,
+    WATCH_MODULE,
+    WATCH_NONE,
+    Recorder,
+    RecordKey,
+    StepRecords,
+)
 from ..record.stress import StressMode
 from ..record.structure import iter_leaves, iter_tensors
 from ..trace import (
@@ -508,13 +515,16 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         step = self.stream.steps
         self.info = StepInfo(step=step, epoch=self.epoch, index=self.index)
         watch = self._watch(step)
+        stressing = self.stress_runs and self.index == 0 and not _compiled(model)
+        if stressing and watch == WATCH_NONE:
+            watch = WATCH_CALLS  # (the stress names the module each op ran in)
         # inside the model's call: hooks may be added (its own run from the next call on)
         # but never removed here (see Recorder.hook_for); they go after the update
         self.recorder.begin_step(step, watch, rehook=False)
         if watch != WATCH_NONE:
             self.recorder.hook_for(watch)
             self._run_eagerly(True)
-        if self.stress_runs and self.index == 0 and not _compiled(model):
+        if stressing:
             self._stress = StressMode(self.recorder, step, self.epoch, self.stress_runs,
                                       device=str(_device_of(model)), env=self.trace.env)
             self._stress.__enter__()  # (below the op recorder: it sees each op as it ran)
