@@ -304,22 +304,29 @@ def _listed(names: list[str], most: int = 3) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
+def first_op(ops: dict[str, Any] | None) -> dict[str, Any]:
+    """The first op the drill-down lists (its origin op, where it found one); {} if none."""
+    return ((ops or {}).get("ops") or [{}])[0]
+
+
+def _found_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The drill-down's origin op, where it found one that is no planted fault."""
+    op = first_op(ops)
+    return op if op.get("role") == ORIGIN and not op.get("planted") else None
+
+
 def random_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The drill-down's origin op when it draws random numbers (not a planted fault): its
-    generator's state, an input no record holds, is what differs."""
-    op = ((ops or {}).get("ops") or [{}])[0]
-    if op.get("role") == ORIGIN and not op.get("planted") and draws_random_numbers(op["op"]):
-        return op
-    return None
+    """The drill-down's origin op when it draws random numbers: its generator's state, an
+    input no record holds, is what differs."""
+    op = _found_origin_op(ops)
+    return op if op is not None and draws_random_numbers(op["op"]) else None
 
 
 def outside_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
     """The drill-down's origin op when it ran outside the model (in the loop's own code: a
-    loss term), not a planted fault."""
-    op = ((ops or {}).get("ops") or [{}])[0]
-    if op.get("role") == ORIGIN and not op.get("planted") and op.get("module") == OUTSIDE_MODEL:
-        return op
-    return None
+    loss term)."""
+    op = _found_origin_op(ops)
+    return op if op is not None and op.get("module") == OUTSIDE_MODEL else None
 
 
 def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None, *,
@@ -367,13 +374,13 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
     if outside is not None and c.cause in ("forward", "backward"):
         return outside["phase"], text  # (a backward difference its forward op made)
     ops = ops or {}
-    first_op = next(iter(ops.get("ops") or []), None)
-    if (c.cause in ("forward", "backward") and ops.get("reproduced") and first_op is not None
+    op = first_op(ops)
+    if (c.cause in ("forward", "backward") and ops.get("reproduced") and op
             and not ops.get("origin_ops") and not ops.get("outside_dispatcher")
-            and first_op.get("role") != ORIGIN):
+            and op.get("role") != ORIGIN):
         text = text.removesuffix(UNCONFIRMED) + (
-            f"; replayed op by op, the first op that differs, {first_op['op']} in "
-            f"{first_op['module']} ({first_op['phase']}), already takes other inputs, and no "
+            f"; replayed op by op, the first op that differs, {op['op']} in "
+            f"{op['module']} ({op['phase']}), already takes other inputs, and no "
             "op differs on equal inputs: no op is nondeterministic, the code ran differently "
             "(other ops, or the same ops on other operands or in another order: loss terms "
             "summed in the order of a set or of a dict built from one; fix: fix that order, "

@@ -12,7 +12,7 @@ from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_
 from ..runfolder import INTERRUPTED as CUT_SHORT
 from ..trace import GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE
 from ..words import counted, joined, one_based
-from .causes import cause_of, outside_origin_op
+from .causes import cause_of, first_op, outside_origin_op
 from .compare import (
     DETERMINISTIC,
     DIVERGENT,
@@ -225,7 +225,7 @@ def _held_where_op_ran(first: dict[str, Any] | None, tied: dict[str, list[str]],
     aliases = [(n, a) for n in names for a in tied.get(n, ())]
     if not aliases:
         return first
-    op = (ops.get("ops") or [{}])[0]
+    op = first_op(ops)
     for name, alias in aliases if op.get("role") == ORIGIN else ():
         module, _, local = alias.rpartition(".")
         if module == op.get("module"):
@@ -271,7 +271,7 @@ def _headline(
         f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "
         f"{where} ({first['role']}{tied}); cause: {cause_of(c, ops)[0]}"
     )
-    origin_op = (ops.get("ops") or [{}])[0]
+    origin_op = first_op(ops)
     outside = ops.get("outside_dispatcher")
     if origin_op.get("role") == ORIGIN:
         text += f"; op: {origin_op['op']} in {origin_op['module']}"
