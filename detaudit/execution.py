@@ -33,7 +33,6 @@ from .api import (
 )
 from .attached import Compared, conclude
 from .config import (
-    ANY_MODULE,
     CALLS_UNSEEN,
     CLAIM_SUFFIX,
     ENDED,
@@ -46,10 +45,8 @@ from .config import (
     OPS_AT_FAULT,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
-    ROOT_NAME,
     SCAN,
     SCRIPTED,
-    SIDE_MODELS,
     STEPLESS_LOADS,
     STRESS_RUNS,
     TRAIN,
@@ -58,11 +55,10 @@ from .config import (
     Fault,
     ProbeSpec,
     fault_not_fired,
-    nearest_modules,
-    scripted_fault,
     written_by_an_earlier_run,
 )
 from .errors import DetauditError
+from .planting import KNOWN_LATER, fault_target
 from .runfolder import (
     INTERRUPTED,
     RunFolder,
@@ -72,7 +68,7 @@ from .runfolder import (
     trace_probe,
     zoom_name,
 )
-from .trace import FORWARD, PROBE_CONFIG, PROBE_DISTRIBUTED, STATE, AnyTrace, Trace, open_trace
+from .trace import PROBE_CONFIG, PROBE_DISTRIBUTED, STATE, AnyTrace, Trace, open_trace
 from .words import counted
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"  # holds the sitecustomize
@@ -404,6 +400,9 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         "launcher": _is_launcher(command), "since_ns": since_ns, "began_ns": began_ns,
         # the first run proves its risky ops by re-execution (a race its repeats missed)
         "stress": STRESS_RUNS if repeat == 0 and zoom is None else 0,
+        # the first run checks the fault the last plants (see Attachment.check_fault)
+        "check_fault": asdict(job.fault) if job.fault is not None and repeat == 0
+        and zoom is None and job.repeats > 1 else None,
     })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:
@@ -514,7 +513,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             + ("; the model runs inside a compiled function, whose first step runs compiled "
                "before detaudit knows the model: plant at step 1 or later"
                if fault.step == 0 and any(t.probe.get(CALLS_UNSEEN) for t in recorded.values())
-               else f"; {_KNOWN_LATER}" if fault.step == 0 else "")
+               else f"; {KNOWN_LATER}" if fault.step == 0 else "")
         )
     timing = {"repeat": repeat, "seconds": seconds,
               "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}
@@ -535,86 +534,10 @@ def _written_by_earlier_runs(text: str, since_ns: int | None, began_ns: int) -> 
     return written[:3]
 
 
-# why a fault at step 0 may find no module: models other than the first are named later
-_KNOWN_LATER = ("at step 0 only the model the first update trains is known before it runs; "
-                "another model, trained by an optimizer of its own, is known from that update "
-                "on: plant at step 1 or later")
-
-
 def _check_fault_target(fault: Fault, recorded: Recorded) -> Fault:
-    """After a run without the fault (it goes into the last): a step it never reached, or a
-    module that did not run at that step, is one clear error now rather than after every
-    run; the module names that did run are offered. An op fault in any module (no module
-    named) is left to the run itself, which says if the op never ran. Returns the fault to
-    plant: a module named as in the user's model is named inside the wrappers around it
-    (DDP's ``module.``, Lightning Fabric's ``_forward_module.``)."""
-    trace = recorded[min(recorded, key=_rank_order)]
-    if trace.failure is not None:
-        return fault  # the failure is the finding
-    if len(trace.steps) <= fault.step:
-        raise DetauditError(
-            f"--inject-fault plants at step {fault.step}, but the command ran "
-            f"{len(trace.steps)} step{'' if len(trace.steps) == 1 else 's'} "
-            f"(0 to {len(trace.steps) - 1})")
-    _check_side_fault(fault, trace.probe.get(SIDE_MODELS) or [])
-    said = scripted_fault(fault.module, trace.probe.get(SCRIPTED) or ())
-    if said is not None:
-        raise DetauditError(f"--inject-fault: {said}")
-    modules: set[str] = set()
-    ran: set[str] = set()  # (and the model itself, "")
-    owners: set[str] = set()  # modules with parameters, called or not
-    for step, cut in trace.by_step():
-        r = cut.records
-        owners |= {m for p, m, s in zip(r["phase"], r["module"], r["slot"])
-                   if p == STATE and s.startswith("param.")}
-        if step == fault.step:
-            ran = {m for p, m in zip(r["phase"], r["module"]) if p == FORWARD}
-            modules = ran - {""}
-            break
-    if fault.module not in ("", ANY_MODULE) and ran and fault.module not in modules:
-        wrapped = _inside_wrappers(fault.module, modules)
-        if wrapped is not None:
-            return replace(fault, module=wrapped)
-        if fault.module in owners:
-            raise DetauditError(
-                f"--inject-fault: the model has a module {fault.module!r}, but it was not seen "
-                f"running at step {fault.step} (" + (_KNOWN_LATER if fault.step == 0 else
-                                                     "a layer the forward never calls, or "
-                                                     "calls at other steps only") + ")")
-        hint = (nearest_modules(fault.module, sorted(modules), "modules that ran") if modules
-                else "the model ran no submodule there (it has none, or calls none): name "
-                     f"the model itself, {ROOT_NAME}")  # (a bare nn.Linear)
-        raise DetauditError(
-            f"--inject-fault: no module {fault.module!r} ran at step {fault.step}; {hint}")
-    return fault
-
-
-# the attributes under which wrappers hold the model they wrap: DDP's and DataParallel's,
-# Lightning Fabric's (around DDP's too), FSDP1's, activation checkpointing's
-_WRAPPER_ATTRIBUTES = {"module", "_forward_module", "_fsdp_wrapped_module",
-                       "_checkpoint_wrapped_module"}
-
-
-def _inside_wrappers(name: str, modules: set[str]) -> str | None:
-    """The module that ran, named `name` within the wrappers around it (the fewest), the
-    name the reports give it."""
-    inside = [m for m in modules if m.endswith(f".{name}")
-              and set(m[:-len(name) - 1].split(".")) <= _WRAPPER_ATTRIBUTES]
-    return min(inside, key=len, default=None)
-
-
-def _check_side_fault(fault: Fault, sides: list[str]) -> None:
-    """A model the loop calls apart (see attach's SideModels) is recorded by its calls'
-    inputs and outputs: a fault is planted at its output, in forward, or at an op in it."""
-    side = next((s for s in sides if fault.module == s or fault.module.startswith(s + ".")),
-                None)
-    if side is None or (fault.module == side and (fault.phase == FORWARD or fault.op)):
-        return
-    where = f"{side!r} is" if fault.module == side else f"{fault.module!r} is inside {side!r},"
-    raise DetauditError(
-        f"--inject-fault: {where} a model the loop calls apart (no optimizer trains it), recorded by its calls' inputs and output: plant at its output "
-        f"(--inject-fault {side}@forward:{fault.step}) or at an op in it "
-        f"({side}/OP@forward:{fault.step})")
+    """After a run without the fault (it goes into the last): the fault to plant, checked
+    against the first rank's trace (see planting.fault_target)."""
+    return fault_target(fault, recorded[min(recorded, key=_rank_order)])
 
 
 def _is_launcher(command: list[str]) -> bool:

@@ -37,7 +37,8 @@ import detaudit
 from detaudit.analysis.causes import cause_of, cause_text
 from detaudit.config import LOADED_FROM_EARLIER_RUNS
 from detaudit.drivers.attach import Attachment
-from detaudit.execution import _check_side_fault, _is_launcher, _script_name
+from detaudit.execution import _is_launcher, _script_name
+from detaudit.planting import check_side_fault
 from detaudit.record.recorder import printed_now
 from detaudit.record.structure import next_ulp
 from detaudit.report import render_console
@@ -2092,6 +2093,8 @@ def test_a_fault_at_a_module_or_step_the_run_never_reaches_is_refused_early(
     assert done.returncode == 2 and message in done.stderr, done.stderr
     recorded = sorted(p.name for p in (tmp_path / "run").glob("trace-*.json.gz"))
     assert recorded == (["trace-0.json.gz"] if "haed" in fault else [])  # one run, not three
+    if "haed" in fault:  # and that run ended at the step after the fault's, not at its end
+        assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 2
     assert time.perf_counter() - started < 60
 
 
@@ -2622,7 +2625,7 @@ def test_a_fault_planted_at_a_teachers_output_is_found_there(tmp_path):
     assert "--inject-fault teacher@forward:1" in refused.stderr
     with pytest.raises(detaudit.DetauditError, match=r"plant at its output \(--inject-fault "
                        r"teacher@forward:1\)"):
-        _check_side_fault(detaudit.Fault("teacher", "backward", 1), ["teacher"])
+        check_side_fault(detaudit.Fault("teacher", "backward", 1), ["teacher"])
 
 
 def _probe_gradients_loop(out: Path, jitter: float, fault: detaudit.Fault | None = None

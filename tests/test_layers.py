@@ -16,7 +16,7 @@ GOLDEN = Path(__file__).parent / "golden" / "planted"
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("files", ("detaudit.errors", "detaudit.storage", "detaudit.words")),
     ("format", ("detaudit.trace",)),
-    ("config", ("detaudit.config", "detaudit.probe", "detaudit.seeding")),
+    ("config", ("detaudit.config", "detaudit.probe", "detaudit.seeding", "detaudit.planting")),
     ("run folder", ("detaudit.runfolder",)),
     ("analysis", ("detaudit.analysis",)),
     ("reports", ("detaudit.report",)),
@@ -29,7 +29,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 # What `detaudit report`, `detaudit diff` and the analysis of saved runs need: no torch.
 TORCH_FREE = [
     "detaudit", "detaudit.errors", "detaudit.storage", "detaudit.words", "detaudit.trace",
-    "detaudit.config",
+    "detaudit.config", "detaudit.planting",
     "detaudit.runfolder", "detaudit.analysis.compare", "detaudit.analysis.ranks",
     "detaudit.analysis.diff", "detaudit.analysis.verdict", "detaudit.report",
     "detaudit.report.summary", "detaudit.report.console", "detaudit.report.markdown",

@@ -61,6 +61,8 @@ from ..config import (
     TRAIN,
     Fault,
 )
+from ..errors import DetauditError
+from ..planting import fault_target
 from ..record.environment import capture_environment
 from ..record.fingerprint import TensorPrint, storages_of
 from ..record.oprecorder import OpRecorder
@@ -81,6 +83,7 @@ from ..trace import (
     StepInfo,
     Trace,
     TraceStream,
+    open_trace,
 )
 from .attach_epochs import Epochs, Waiting
 from .attach_models import ModelFinder, SideModels, live_objects
@@ -111,6 +114,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         fault: Fault | None = None, rank: RankWatch | None = None,
         planted_step: int | None = None, mode: str = AUTO,
         claim: Callable[[], bool] | None = None, stress: int = 0,
+        check_fault: Fault | None = None,
     ) -> None:
         """`claim`, where other processes may record the same trace: asked as the first step
         begins whether this process records it; where not, it records nothing and detaches
@@ -133,6 +137,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._ops: OpRecorder | None = None  # the op-level mode of a zoomed or faulted step
         # re-runs of each risky op at the first step of every epoch (see record.stress)
         self.stress_runs = stress
+        # a fault another run plants: this one ends at the step after it where it cannot
+        # fire there (a misspelt module), so that the audit refuses it without a whole run
+        self.check_fault = check_fault
         self._stress: StressMode | None = None
         self._init_side_calls()
         self._loop_thread = threading.get_ident()  # the first step's (see _no_call_of_the_loop)
@@ -500,6 +507,10 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self.max_steps is not None and self.stream.steps >= self.max_steps:
             self.stop()  # the last step was not complete when it updated
             return False
+        if (self.check_fault is not None and self.stream.steps == self.check_fault.step + 1
+                and not self._fault_can_fire(self.check_fault)):
+            self.stop()
+            return False
         if self.recorder is None:
             self.recorder = self._new_recorder(model)
             self.trace.env = capture_environment(_device_of(model))
@@ -624,6 +635,16 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         every run, so that the planted change is compared where it is planted even when
         rounding absorbs it further on); step state only elsewhere."""
         return WATCH_MODULE if step in (self.zoom, self.planted_step) else WATCH_NONE
+
+    def _fault_can_fire(self, fault: Fault) -> bool:
+        """Whether `fault` passes the check the audit makes of it after this run (see
+        planting.fault_target), on the steps recorded so far."""
+        self._write()
+        try:
+            fault_target(fault, open_trace(self.path))
+        except DetauditError:
+            return False
+        return True
 
     def _end_ops(self) -> None:
         if self._ops is not None:
