@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -625,196 +625,212 @@ class _StepDiffs:
                       if first == following and slot not in idle)
 
 
+_Pending = tuple[str, str, int, list[RecordDiff], bool]  # phase, module, call, diffs, propagated
+
+
 def _step_findings(
     ref: Trace, step: int, slots: dict[tuple[int, str, str, int], list[RecordDiff]], n: int
 ) -> list[CallFinding]:
     """Classify every differing module call of `step` as origin, contains-origin or
     propagated. `ref` is repeat 0 cut to the step; `slots` holds the step's differing
     records by call, and the step before's (whose parameter updates the step starts from)."""
+    return _StepCalls(ref, step, slots).findings(n)
 
-    def differs(step: int, phase: str, module: str, call: int, prefix: str) -> bool:
-        return any(d.slot.startswith(prefix) for d in slots.get((step, phase, module, call), ()))
 
-    calls = _call_parents(ref).get(step, {})
+class _StepCalls:
+    """The differing module calls of one step, and what tells an origin from a call that
+    only passes a difference on: the step's call tree, the parameters entering the step
+    that differ, and the order its records were made in."""
 
-    # the modules whose parameters entering the step differ, and those a recorded call
-    # runs inside of
-    changed = {m for (at, p, m, _), ds in slots.items()
-               if (at, p) in ((step, STATE), (step - 1, OPTIMIZER))
-               and any(d.slot.startswith("param.") for d in ds)}
-    holding_calls = {".".join(m.split(".")[:k]) for m, _ in calls if m
-                     for k in range(m.count(".") + 1)}
+    def __init__(self, ref: Trace, step: int,
+                 slots: dict[tuple[int, str, str, int], list[RecordDiff]]) -> None:
+        self.ref, self.step, self.slots = ref, step, slots
+        self.calls = _call_parents(ref).get(step, {})
+        # the modules whose parameters entering the step differ, and those a recorded call
+        # runs inside of
+        self.changed = {m for (at, p, m, _), ds in slots.items()
+                        if (at, p) in ((step, STATE), (step - 1, OPTIMIZER))
+                        and any(d.slot.startswith("param.") for d in ds)}
+        self.holding_calls = {".".join(m.split(".")[:k]) for m, _ in self.calls if m
+                              for k in range(m.count(".") + 1)}
+        self.position, self.carried = _evaluations(ref, step, slots)
+        self.forward_calls = [(m, c) for (s, p, m, c) in slots if s == step and p == FORWARD]
 
-    def params_differ(module: str) -> bool:
+    def differs(self, phase: str, module: str, call: int, prefix: str) -> bool:
+        return any(d.slot.startswith(prefix)
+                   for d in self.slots.get((self.step, phase, module, call), ()))
+
+    def params_differ(self, module: str) -> bool:
         """The parameters entering the step differ: the module's own, or, where no call
         inside it was recorded (a model called apart, recorded by its calls alone), those
         of any module inside it."""
         inside = f"{module}." if module else ""
-        return module in changed or module not in holding_calls and any(
-            m.startswith(inside) for m in changed)
+        return module in self.changed or module not in self.holding_calls and any(
+            m.startswith(inside) for m in self.changed)
 
-    # A scanned step has no forward records, and its parameter gradients alone cannot say
-    # which module a backward difference started in.
-    module_level = FORWARD in ref.records["phase"]
-    position, carried = _evaluations(ref, step, slots)
+    def first_position(self, phase: str, module: str, call: int) -> int:
+        return min((self.position.get((phase, module, call, d.slot), -1)
+                    for d in self.slots.get((self.step, phase, module, call), ())), default=-1)
 
-    def first_position(phase: str, module: str, call: int) -> int:
-        return min((position.get((phase, module, call, d.slot), -1)
-                    for d in slots.get((step, phase, module, call), ())), default=-1)
-
-    def after_carried(phase: str, module: str, call: int) -> bool:
+    def after_carried(self, phase: str, module: str, call: int) -> bool:
         """Run after a differing gradient an optimizer's in-step update took (see
         _evaluations): on parameters that update changed."""
-        return carried is not None and first_position(phase, module, call) > carried
-    forward_calls = [(m, c) for (s, p, m, c) in slots if s == step and p == FORWARD]
-    candidates: dict[str, list[tuple[str, int]]] = {FORWARD: [], BACKWARD: []}
-    pending: list[tuple[str, str, int, list[RecordDiff], bool]] = []
-    for (s, phase, module, call), ds in slots.items():
-        if s != step or phase not in (FORWARD, BACKWARD):
-            continue
-        forward_in = (
-            differs(step, FORWARD, module, call, "in") or differs(step, FORWARD, module, call, "rng.in")
-            or params_differ(module) or after_carried(phase, module, call)
-        )
-        if phase == FORWARD:
-            propagated = forward_in
-        else:
-            # its forward changed, in its own records or in a call inside it (whose saved
-            # activations its backward reuses, even where its outputs agree)
-            forward_changed = bool(slots.get((step, FORWARD, module, call))) or any(
-                _is_ancestor((module, call), inner, calls) for inner in forward_calls)
-            propagated = (differs(step, BACKWARD, module, call, "grad_out") or forward_changed
-                          or after_carried(phase, module, call))
-        pending.append((phase, module, call, ds, propagated))
-        if not propagated:
-            candidates[phase].append((module, call))
-    # Backward: a module whose own parameter gradients differ, with nothing upstream. They
-    # sum over every call of the module in the step (a head shared by FPN levels), so any
-    # call's changed forward or output gradient is upstream of them. A module never called
-    # has its gradients made in the calls that read its weight: the call of the nearest
-    # module that ran around it (attention reads its `out_proj` so), and any call that took
-    # its parameter as an input (DETR's decoder is passed `query_embed.weight`). They are
-    # upstream where such a call's backward or forward differs. (Where no call but the
-    # model's own did, nothing tells its own difference from one that reached it, so it
-    # stays an origin.)
-    called = {m for m, _ in calls} | {m for (at, p, m, _) in slots if at == step
-                                       and p in (FORWARD, BACKWARD)}
-    grads_only = {(m, c) for (at, p, m, c) in slots if at == step and p == GRAD and m not in called}
-    readers: dict[str, set[tuple[str, int]]] = defaultdict(set)  # module -> calls taking its weight
-    table = ref.calls
-    for at, module, index, reads in zip(table["step"], table["module"], table["index"],
-                                        table.get("reads", ())):
-        for read in reads if at == step and module else ():  # (not the model's own call)
-            readers[read].add((module, index))
-    for (s, phase, module, call), ds in slots.items():
-        if s != step or phase != GRAD or not module_level:
-            continue
-        mine = first_position(GRAD, module, call)
-        upstream = params_differ(module) or after_carried(GRAD, module, call) or any(
-            (p == FORWARD or differs(step, BACKWARD, module, c, "grad_out"))
-            and (carried is None or first_position(p, m, c) < mine)
-            for (at, p, m, c) in slots if at == step and m == module
-        )
-        if (module, call) in grads_only and not upstream:
-            around = _nearest_called(module, called)
-            # its model ran in no call of the step: the graph its gradient came through was
-            # built in an earlier one (a GAN's generator update through the fakes its
-            # discriminator step made), reached from this step's calls
-            apart = _model_of(module, ref.probe.get(MODELS, [""])) not in called
-            upstream = any(
-                at == step and p in (FORWARD, BACKWARD)
-                and (apart or m == around or (m, c) in readers[module])
-                and (carried is None or first_position(p, m, c) < mine)
-                for (at, p, m, c) in slots)
-        if not upstream and (module, call) not in candidates[BACKWARD]:
-            candidates[BACKWARD].append((module, call))
-            pending.append((BACKWARD, module, call, ds, False))
-    made = _made_by_own_code(step, pending, calls, differs, params_differ)
-    made_backward = _made_by_own_backward(step, pending, calls, differs, forward_calls)
-    pending += made + made_backward
-    candidates[FORWARD] += [(module, call) for _, module, call, _, _ in made]
-    candidates[BACKWARD] += [(module, call) for _, module, call, _, _ in made_backward]
-    findings = []
-    for phase, module, call, ds, propagated in pending:
-        if propagated:
-            role = PROPAGATED
-        else:
-            inner = [
-                c for c in candidates[phase]
-                if c != (module, call) and _is_ancestor((module, call), c, calls)
-            ]
-            role = CONTAINS if inner else ORIGIN
-        findings.append(
-            CallFinding(
-                step, phase, module, call, role, sorted(d.slot for d in ds),
-                max(d.differing for d in ds), n,
-                rng=any(d.slot == "rng.out" for d in ds),
+        return self.carried is not None and self.first_position(phase, module, call) > self.carried
+
+    def findings(self, n: int) -> list[CallFinding]:
+        candidates: dict[str, list[tuple[str, int]]] = {FORWARD: [], BACKWARD: []}
+        pending = self._calls(candidates)
+        # A scanned step has no forward records, and its parameter gradients alone cannot
+        # say which module a backward difference started in.
+        if FORWARD in self.ref.records["phase"]:
+            pending += self._gradients(candidates)
+        made = self._made_by_own_code(pending)
+        made_backward = self._made_by_own_backward(pending)
+        pending += made + made_backward
+        candidates[FORWARD] += [(module, call) for _, module, call, _, _ in made]
+        candidates[BACKWARD] += [(module, call) for _, module, call, _, _ in made_backward]
+        findings = []
+        for phase, module, call, ds, propagated in pending:
+            if propagated:
+                role = PROPAGATED
+            else:
+                inner = [c for c in candidates[phase]
+                         if c != (module, call) and _is_ancestor((module, call), c, self.calls)]
+                role = CONTAINS if inner else ORIGIN
+            findings.append(CallFinding(
+                self.step, phase, module, call, role, sorted(d.slot for d in ds),
+                max(d.differing for d in ds), n, rng=any(d.slot == "rng.out" for d in ds)))
+        return findings
+
+    def _calls(self, candidates: dict[str, list[tuple[str, int]]]) -> list[_Pending]:
+        """Every differing forward and backward call, propagated where what it began from
+        differs (its inputs, parameters or RNG state; in backward, its output gradient or
+        its forward); the others are candidates for origin."""
+        pending: list[_Pending] = []
+        for (s, phase, module, call), ds in self.slots.items():
+            if s != self.step or phase not in (FORWARD, BACKWARD):
+                continue
+            forward_in = (
+                self.differs(FORWARD, module, call, "in")
+                or self.differs(FORWARD, module, call, "rng.in")
+                or self.params_differ(module) or self.after_carried(phase, module, call)
             )
-        )
-    return findings
+            if phase == FORWARD:
+                propagated = forward_in
+            else:
+                # its forward changed, in its own records or in a call inside it (whose
+                # saved activations its backward reuses, even where its outputs agree)
+                forward_changed = bool(self.slots.get((self.step, FORWARD, module, call))) or any(
+                    _is_ancestor((module, call), inner, self.calls) for inner in self.forward_calls)
+                propagated = (self.differs(BACKWARD, module, call, "grad_out") or forward_changed
+                              or self.after_carried(phase, module, call))
+            pending.append((phase, module, call, ds, propagated))
+            if not propagated:
+                candidates[phase].append((module, call))
+        return pending
 
+    def _gradients(self, candidates: dict[str, list[tuple[str, int]]]) -> list[_Pending]:
+        """Backward: a module whose own parameter gradients differ, with nothing upstream.
+        They sum over every call of the module in the step (a head shared by FPN levels), so
+        any call's changed forward or output gradient is upstream of them. A module never
+        called has its gradients made in the calls that read its weight: the call of the
+        nearest module that ran around it (attention reads its `out_proj` so), and any call
+        that took its parameter as an input (DETR's decoder is passed `query_embed.weight`).
+        They are upstream where such a call's backward or forward differs. (Where no call
+        but the model's own did, nothing tells its own difference from one that reached it,
+        so it stays an origin.)"""
+        step, slots = self.step, self.slots
+        called = {m for m, _ in self.calls} | {m for (at, p, m, _) in slots if at == step
+                                               and p in (FORWARD, BACKWARD)}
+        grads_only = {(m, c) for (at, p, m, c) in slots
+                      if at == step and p == GRAD and m not in called}
+        readers: dict[str, set[tuple[str, int]]] = defaultdict(set)  # module -> calls taking its weight
+        table = self.ref.calls
+        for at, module, index, reads in zip(table["step"], table["module"], table["index"],
+                                            table.get("reads", ())):
+            for read in reads if at == step and module else ():  # (not the model's own call)
+                readers[read].add((module, index))
+        pending: list[_Pending] = []
+        for (s, phase, module, call), ds in slots.items():
+            if s != step or phase != GRAD:
+                continue
+            mine = self.first_position(GRAD, module, call)
+            upstream = self.params_differ(module) or self.after_carried(GRAD, module, call) or any(
+                (p == FORWARD or self.differs(BACKWARD, module, c, "grad_out"))
+                and (self.carried is None or self.first_position(p, m, c) < mine)
+                for (at, p, m, c) in slots if at == step and m == module
+            )
+            if (module, call) in grads_only and not upstream:
+                around = _nearest_called(module, called)
+                # its model ran in no call of the step: the graph its gradient came through
+                # was built in an earlier one (a GAN's generator update through the fakes its
+                # discriminator step made), reached from this step's calls
+                apart = _model_of(module, self.ref.probe.get(MODELS, [""])) not in called
+                upstream = any(
+                    at == step and p in (FORWARD, BACKWARD)
+                    and (apart or m == around or (m, c) in readers[module])
+                    and (self.carried is None or self.first_position(p, m, c) < mine)
+                    for (at, p, m, c) in slots)
+            if not upstream and (module, call) not in candidates[BACKWARD]:
+                candidates[BACKWARD].append((module, call))
+                pending.append((BACKWARD, module, call, ds, False))
+        return pending
 
-def _made_by_own_code(
-    step: int, pending: list[tuple[str, str, int, list[RecordDiff], bool]],
-    calls: dict[tuple[str, int], tuple[str, int] | None],
-    differs: Callable[[int, str, str, int, str], bool], params_differ: Callable[[str], bool],
-) -> list[tuple[str, str, int, list[RecordDiff], bool]]:
-    """The calls whose own code made a differing input of a call inside them: a call's
-    input differs while the call around it began alike (its inputs and parameters) and no
-    call inside that one before it gave a differing output. The difference was made between
-    its children (an op called as a function, such as ``torch.relu`` or ``roi_align``; a
-    TorchScript module, which takes no hooks), even where it then vanished in rounding
-    (it was taken for the loop's data)."""
-    order = {key: i for i, key in enumerate(calls)}
-    seen = {(module, call) for phase, module, call, _, _ in pending if phase == FORWARD}
-    differing_out = [(m, c) for phase, m, c, _, _ in pending
-                     if phase == FORWARD and differs(step, FORWARD, m, c, "out")]
-    made: dict[tuple[str, int], list[RecordDiff]] = {}
-    for phase, module, call, ds, propagated in pending:
-        parent = calls.get((module, call))
-        if (phase != FORWARD or not propagated or parent is None or parent in seen
-                or not differs(step, FORWARD, module, call, "in")):
-            continue
-        began_apart = (differs(step, FORWARD, *parent, "in") or differs(step, FORWARD, *parent, "rng.in")
-                       or params_differ(parent[0]))
-        before = order.get((module, call), -1)
-        sibling = any(_is_ancestor(parent, inner, calls) and order.get(inner, -1) < before
-                      for inner in differing_out)
-        if not began_apart and not sibling:
-            made.setdefault(parent, []).extend(
-                replace(d, slot=f"{d.slot} of {module}") for d in ds if d.slot.startswith("in"))
-    return [(FORWARD, module, call, ds, False) for (module, call), ds in made.items()]
+    def _made_by_own_code(self, pending: list[_Pending]) -> list[_Pending]:
+        """The calls whose own code made a differing input of a call inside them: a call's
+        input differs while the call around it began alike (its inputs and parameters) and
+        no call inside that one before it gave a differing output. The difference was made
+        between its children (an op called as a function, such as ``torch.relu`` or
+        ``roi_align``; a TorchScript module, which takes no hooks), even where it then
+        vanished in rounding (it was taken for the loop's data)."""
+        calls = self.calls
+        order = {key: i for i, key in enumerate(calls)}
+        seen = {(module, call) for phase, module, call, _, _ in pending if phase == FORWARD}
+        differing_out = [(m, c) for phase, m, c, _, _ in pending
+                         if phase == FORWARD and self.differs(FORWARD, m, c, "out")]
+        made: dict[tuple[str, int], list[RecordDiff]] = {}
+        for phase, module, call, ds, propagated in pending:
+            parent = calls.get((module, call))
+            if (phase != FORWARD or not propagated or parent is None or parent in seen
+                    or not self.differs(FORWARD, module, call, "in")):
+                continue
+            began_apart = (self.differs(FORWARD, *parent, "in")
+                           or self.differs(FORWARD, *parent, "rng.in")
+                           or self.params_differ(parent[0]))
+            before = order.get((module, call), -1)
+            sibling = any(_is_ancestor(parent, inner, calls) and order.get(inner, -1) < before
+                          for inner in differing_out)
+            if not began_apart and not sibling:
+                made.setdefault(parent, []).extend(replace(d, slot=f"{d.slot} of {module}")
+                                                   for d in ds if d.slot.startswith("in"))
+        return [(FORWARD, module, call, ds, False) for (module, call), ds in made.items()]
 
-
-def _made_by_own_backward(
-    step: int, pending: list[tuple[str, str, int, list[RecordDiff], bool]],
-    calls: dict[tuple[str, int], tuple[str, int] | None],
-    differs: Callable[[int, str, str, int, str], bool], forward_calls: list[tuple[str, int]],
-) -> list[tuple[str, str, int, list[RecordDiff], bool]]:
-    """The calls whose own code's backward made a differing output gradient of a call inside
-    them: a call's output gradient differs while the call around it got an equal one, ran
-    the same forward (its records and those of every call inside it), and no call inside it
-    that ran later in forward (earlier in backward) has a differing gradient. The backward
-    of an op it calls between its children (an index or scatter, as a graph layer's
-    aggregation) made it; no module record is that op's own."""
-    order = {key: i for i, key in enumerate(calls)}
-    backward = [(m, c) for phase, m, c, _, _ in pending if phase == BACKWARD]
-    made: dict[tuple[str, int], list[RecordDiff]] = {}
-    for phase, module, call, ds, propagated in pending:
-        parent = calls.get((module, call))
-        if (phase != BACKWARD or not propagated or parent is None
-                or not differs(step, BACKWARD, module, call, "grad_out")
-                or differs(step, BACKWARD, *parent, "grad_out")
-                or any(inner == parent or _is_ancestor(parent, inner, calls)
-                       for inner in forward_calls)):
-            continue
-        before = order.get((module, call), -1)
-        if not any(_is_ancestor(parent, inner, calls) and order.get(inner, -1) > before
-                   for inner in backward):
-            made.setdefault(parent, []).extend(
-                replace(d, slot=f"{d.slot} of {module}") for d in ds
-                if d.slot.startswith("grad_out"))
-    return [(BACKWARD, module, call, ds, False) for (module, call), ds in made.items()]
+    def _made_by_own_backward(self, pending: list[_Pending]) -> list[_Pending]:
+        """The calls whose own code's backward made a differing output gradient of a call
+        inside them: a call's output gradient differs while the call around it got an equal
+        one, ran the same forward (its records and those of every call inside it), and no
+        call inside it that ran later in forward (earlier in backward) has a differing
+        gradient. The backward of an op it calls between its children (an index or scatter,
+        as a graph layer's aggregation) made it; no module record is that op's own."""
+        calls = self.calls
+        order = {key: i for i, key in enumerate(calls)}
+        backward = [(m, c) for phase, m, c, _, _ in pending if phase == BACKWARD]
+        made: dict[tuple[str, int], list[RecordDiff]] = {}
+        for phase, module, call, ds, propagated in pending:
+            parent = calls.get((module, call))
+            if (phase != BACKWARD or not propagated or parent is None
+                    or not self.differs(BACKWARD, module, call, "grad_out")
+                    or self.differs(BACKWARD, *parent, "grad_out")
+                    or any(inner == parent or _is_ancestor(parent, inner, calls)
+                           for inner in self.forward_calls)):
+                continue
+            before = order.get((module, call), -1)
+            if not any(_is_ancestor(parent, inner, calls) and order.get(inner, -1) > before
+                       for inner in backward):
+                made.setdefault(parent, []).extend(
+                    replace(d, slot=f"{d.slot} of {module}") for d in ds
+                    if d.slot.startswith("grad_out"))
+        return [(BACKWARD, module, call, ds, False) for (module, call), ds in made.items()]
 
 
 def _evaluations(ref: Trace, step: int,
