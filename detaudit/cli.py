@@ -296,6 +296,13 @@ def _parser() -> argparse.ArgumentParser:
     execute.add_argument("--zoom-tries", type=_count, default=3, metavar="N",
                          help="re-runs of the divergent step before it is reported as "
                          "intermittent (default 3)")
+    execute.add_argument("--stress", default="16", metavar="K|all[:K]",
+                         help="proof by re-execution: at the first step of every epoch, the "
+                         "first run re-runs each op known to be possibly nondeterministic K "
+                         "times on identical copies of its inputs (not where compiled code "
+                         "may run); distinct results make the verdict a divergence even when "
+                         "the runs agreed. 'all': every op of those steps (slow); 0: off "
+                         "(default: 16)")
     execute.add_argument("--out", help="run folder (default: reports/exec-<timestamp>/)")
     execute.add_argument("--overwrite", action="store_true",
                          help="replace the run already in --out (refused otherwise)")
@@ -536,7 +543,7 @@ def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
     out = _out_folder(args.out, "exec")
     job = ExecJob(repeats=args.repeats, seed=args.seed, max_steps=args.max_steps,
                   max_epochs=args.max_epochs, fault=_fault(args.inject_fault), zoom=args.zoom,
-                  zoom_tries=args.zoom_tries, mode=args.mode)
+                  zoom_tries=args.zoom_tries, mode=args.mode, **_stress(args.stress))
     result = exec_command(command, job, out=out, overwrite=args.overwrite,
                           progress=_Bar(args.quiet or args.json),
                           output=sys.stderr if args.json else None,

@@ -386,3 +386,7 @@ class ExecJob:
     mode: str = AUTO
     zoom: bool = True  # after a forward or backward divergence, re-run to record that step
     zoom_tries: int = 3
+    # the first run re-runs each risky op this many times at the first step of every epoch
+    # (0: off; `stress_every_op`: every op of those steps)
+    stress: int = STRESS_RUNS
+    stress_every_op: bool = False

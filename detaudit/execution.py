@@ -48,7 +48,6 @@ from .config import (
     SCAN,
     SCRIPTED,
     STEPLESS_LOADS,
-    STRESS_RUNS,
     TRAIN,
     AuditConfig,
     ExecJob,
@@ -399,7 +398,8 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         "planted_step": job.fault.step if job.fault is not None else None, "mode": job.mode,
         "launcher": _is_launcher(command), "since_ns": since_ns, "began_ns": began_ns,
         # the first run proves its risky ops by re-execution (a race its repeats missed)
-        "stress": STRESS_RUNS if repeat == 0 and zoom is None else 0,
+        "stress": job.stress if repeat == 0 and zoom is None else 0,
+        "stress_every_op": job.stress_every_op,
         # the first run checks the fault the last plants (see Attachment.check_fault)
         "check_fault": asdict(job.fault) if job.fault is not None and repeat == 0
         and zoom is None and job.repeats > 1 else None,

@@ -114,7 +114,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         fault: Fault | None = None, rank: RankWatch | None = None,
         planted_step: int | None = None, mode: str = AUTO,
         claim: Callable[[], bool] | None = None, stress: int = 0,
-        check_fault: Fault | None = None,
+        stress_every_op: bool = False, check_fault: Fault | None = None,
     ) -> None:
         """`claim`, where other processes may record the same trace: asked as the first step
         begins whether this process records it; where not, it records nothing and detaches
@@ -136,7 +136,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.recorder: Recorder | None = None
         self._ops: OpRecorder | None = None  # the op-level mode of a zoomed or faulted step
         # re-runs of each risky op at the first step of every epoch (see record.stress)
-        self.stress_runs = stress
+        self.stress_runs, self.stress_every_op = stress, stress_every_op
         # a fault another run plants: this one ends at the step after it where it cannot
         # fire there (a misspelt module), so that the audit refuses it without a whole run
         self.check_fault = check_fault
@@ -537,6 +537,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self._run_eagerly(True)
         if stressing:
             self._stress = StressMode(self.recorder, step, self.epoch, self.stress_runs,
+                                      every_op=self.stress_every_op,
                                       device=str(_device_of(model)), env=self.trace.env)
             self._stress.__enter__()  # (below the op recorder: it sees each op as it ran)
         if step == self.zoom or (self.fault is not None and self.fault.op

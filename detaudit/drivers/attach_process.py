@@ -227,6 +227,7 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
                             rank=rank, planted_step=job.get("planted_step"),
                             mode=job.get("mode", AUTO), claim=claim,
                             stress=int(job.get("stress") or 0),
+                            stress_every_op=bool(job.get("stress_every_op")),
                             check_fault=Fault(**job["check_fault"]) if rank is None
                             and job.get("check_fault") else None)
     attachment.on_limit = functools.partial(_end_at_the_limit, attachment)
