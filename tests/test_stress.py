@@ -110,9 +110,9 @@ def test_a_loss_term_racing_outside_the_model_is_the_first_divergence_not_a_modu
         return Probe(model=model, batches=[torch.randn(8, 4, generator=g)] * 2, step=step,
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
 
-    for _ in range(5):  # (the race fires in most runs of 2 repeats)
+    for _ in range(6):  # (the race fires in most runs of 2 repeats, and in most replays)
         result = audit(probe, repeats=2, epochs=1)
-        if result.comparison.first_step is not None:
+        if (result.investigations.get("zoom") or {}).get("status") == "found":
             break
     first = result.verdict.first
     assert (first["phase"], first["module"], first["slots"]) == (
