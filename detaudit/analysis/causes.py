@@ -333,7 +333,9 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
              own_hash_seeds: bool = False, planted: bool = False) -> tuple[str, str]:
     """The class of cause and its text: the comparison's, unless the op the drill-down found
     where a forward or backward part (or an input made in the loop) first differs draws
-    random numbers (then the RNG is the cause). `seed`: detaudit seeded every RNG with it
+    random numbers (then the RNG is the cause) or ran outside the model (then that op's
+    phase: a loss term whose forward op differs, seen by the modules as a backward
+    difference, is a forward cause). `seed`: detaudit seeded every RNG with it
     before the audited code ran (an RNG that differs before the first step was reseeded).
     What the drill-down found is added to a forward or backward cause where no op is to
     blame; with `own_hash_seeds` (each run a process with a hash seed of its own: exec
