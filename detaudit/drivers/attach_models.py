@@ -219,9 +219,9 @@ def _bound_name(module: nn.Module) -> str | None:
     (``emas.fast.0``) first, else a variable of the frame or an attribute of its ``self``,
     else an attribute of an object a variable holds (``ema.ema``). Where none does, the
     innermost library frame's attribute of ``self`` that holds it (Stable-Baselines3's
-    ``self.q_net_target``), or of an object a variable holds (YOLOv5's ``ema.ema``). It is the same in every run whatever order
-    two models of one class are first called in (by a loop variable, say), where a name by
-    class and order is not."""
+    ``self.q_net_target``), or of an object a variable holds (YOLOv5's ``ema.ema``). It is
+    the same in every run whatever order two models of one class are first called in (by a
+    loop variable, say), where a name by class and order is not."""
     frames = []
     frame = sys._getframe(1)
     while frame is not None:
