@@ -90,10 +90,15 @@ def test_an_op_the_step_runs_outside_the_model_is_proven_there_not_in_the_model(
         ("(outside the model)", "forward", "aten.index_put_")]
 
 
-def test_a_loss_term_racing_outside_the_model_is_the_first_divergence_not_a_module(two_threads):
-    """The loop adds a loss term splatted with index_put_ from the model's loss: the modules
-    only see a gradient that differs, from their outputs on; the headline named the first
-    of them ("backward, roi_heads (first record)" in a Mask R-CNN script) before the op."""
+@pytest.mark.parametrize("term, phase, op", [
+    ("splat", "forward", "aten.index_put_"), ("gather", "backward", "aten.index_put")])
+def test_a_loss_term_racing_outside_the_model_is_the_first_divergence_not_a_module(
+        two_threads, term, phase, op):
+    """The loop adds a loss term that races: a splat of the model's loss (its forward), or
+    a penalty gathering the last layer's weight at duplicate indices (its backward). The
+    modules only see a gradient that differs: the headline named the first of them
+    ("backward, roi_heads (first record)", "roi_heads.box_predictor.cls_score (origin)" in
+    a Mask R-CNN script) before the op."""
     def probe(device: torch.device) -> Probe:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)).to(device)
@@ -103,6 +108,9 @@ def test_a_loss_term_racing_outside_the_model_is_the_first_divergence_not_a_modu
 
         def step(m: nn.Module, x: torch.Tensor):
             loss = m(x).pow(2).mean()
+            if term == "gather":
+                weight = m[2].weight.reshape(-1)
+                return loss + (weight[cells % weight.numel()] * votes[:, 0]).pow(2).sum()
             spread = votes.new_zeros(CELLS, 4).index_put_((cells,), votes * loss,
                                                           accumulate=True)
             return loss + spread.std()
@@ -116,9 +124,9 @@ def test_a_loss_term_racing_outside_the_model_is_the_first_divergence_not_a_modu
             break
     first = result.verdict.first
     assert (first["phase"], first["module"], first["slots"]) == (
-        "forward", "(outside the model)", ["aten.index_put_"]), result.verdict.headline
-    assert ", forward, (outside the model) (origin op); cause: forward; op: aten.index_put_ in " \
-        "(outside the model)" in result.verdict.headline
+        phase, "(outside the model)", [op]), result.verdict.headline
+    assert (f", {phase}, (outside the model) (origin op); cause: {phase}; op: {op} in "
+            "(outside the model)") in result.verdict.headline
 
 
 def test_duplicate_index_gather_backward_ends_nonzero_every_time(two_threads):

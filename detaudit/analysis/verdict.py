@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..runfolder import INTERRUPTED as CUT_SHORT
-from ..trace import GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE
+from ..trace import FORWARD, GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE
 from ..words import counted, joined, one_based
 from .causes import cause_of, first_op, outside_origin_op
 from .compare import (
@@ -237,11 +237,13 @@ def _held_where_op_ran(first: dict[str, Any] | None, tied: dict[str, list[str]],
 
 def _at_an_op_outside_the_model(first: dict[str, Any] | None, ops: dict[str, Any]
                                 ) -> dict[str, Any] | None:
-    """Where no module call is the origin (every module only saw a difference: the gradient
-    entering the model's outputs, from a loss term computed with a nondeterministic op) and
-    the drill-down's origin op ran outside the model, that op is the first divergence."""
+    """Where the drill-down's origin op ran outside the model, in a loss term, that op is
+    the first divergence: no module call began the difference (each only saw the gradient
+    entering the model's outputs), or only the gradient of a weight the loop also reads
+    itself did (`w[idx]` in a penalty: its backward runs before the model's). A module
+    whose forward differs on equal inputs stays the origin."""
     op = outside_origin_op(ops)
-    if first is None or first["role"] == ORIGIN or op is None:
+    if first is None or op is None or (first["role"] == ORIGIN and first["phase"] == FORWARD):
         return first
     return {**first, "phase": op["phase"], "module": OUTSIDE_MODEL, "call": 0,
             "slots": [op["op"]], "role": OP_OUTSIDE}
