@@ -24,6 +24,7 @@ from .analysis.verdict import MISMATCH, REFUSED, Verdict, judge, junit_error
 from .config import (
     REBUILT_KINDS,
     SCAN,
+    WATCHED_SCRIPT,
     AuditConfig,
     Fault,
     Investigations,
@@ -90,15 +91,18 @@ def needs_zoom(comparison: Comparison) -> bool:
 UNREPLAYABLE = "unreplayable"  # run.json's extra: runs compare was given (no zoom possible)
 
 
-def unreplayed(verdict: Verdict, comparison: Comparison) -> Verdict:
+def unreplayed(verdict: Verdict, comparison: Comparison, traces: list[AnyTrace]) -> Verdict:
     """The verdict of runs no zoom could replay (compare's): a divergence a scan cannot
-    place says why its module and op are not named."""
+    place says why its module and op are not named, and the command that would (the
+    script a watch ran in, where it was one)."""
     if verdict.kind == DIVERGENT and needs_zoom(comparison) and not any(
             d.phase in (FORWARD, BACKWARD) for d in comparison.first_diffs):
+        script = next((p for t in traces if (p := (getattr(t, "probe", None) or {}).get(
+            WATCHED_SCRIPT))), "train.py")
         return replace(verdict, headline=(
             f"{verdict.headline}; the runs were recorded at scan level and compare cannot "
-            "replay them, so the module and op are not named (`detaudit exec -- python "
-            "train.py` replays that step module by module)"))
+            f"replay them, so the module and op are not named (`detaudit exec -- python "
+            f"{script}` replays that step module by module)"))
     return verdict
 
 
@@ -574,7 +578,7 @@ def render_folder(folder: str | Path) -> dict[str, Any]:
                     interrupted=None if info.complete else info.state, zoom=zoomed,
                     zoom_found=(info.extra or {}).get("zoom"))
     if (info.extra or {}).get(UNREPLAYABLE):
-        verdict = unreplayed(verdict, comparison)
+        verdict = unreplayed(verdict, comparison, traces)
     summary = summarize(info, comparison, traces, verdict, ranks, zoom=zoomed)
     if (info.extra or {}).get("check"):
         summary = with_check(summary, info.extra["check"])

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import html
+import os
 import shlex
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,17 @@ from .analysis.compare import compare as compare_traces
 from .analysis.ranks import RankAnalysis
 from .analysis.verdict import Verdict, judge
 from .api import UNREPLAYABLE, unreplayed, write_run_reports
-from .config import ATTACH_MODES, AUTO, CALLS_UNSEEN, ENDED, SCAN, AuditConfig, ProbeSpec
+from .config import (
+    ATTACH_MODES,
+    AUTO,
+    CALLS_UNSEEN,
+    ENDED,
+    JOB_VARIABLE,
+    SCAN,
+    WATCHED_SCRIPT,
+    AuditConfig,
+    ProbeSpec,
+)
 from .errors import DetauditError
 from .report import render_html, summarize
 from .runfolder import (
@@ -180,7 +192,7 @@ def conclude(traces: list[AnyTrace], info: RunInfo, folder: RunFolder | None,
     verdict = judge(comparison, info.extra.get("ops"), ranks, zoom=zoom,
                     zoom_found=info.extra.get("zoom"))
     if not replayed:
-        verdict = unreplayed(verdict, comparison)
+        verdict = unreplayed(verdict, comparison, traces)
     summary = summarize(info, comparison, traces, verdict, ranks, zoom=zoom)
     if folder is not None:
         write_run_reports(folder, summary)
@@ -237,10 +249,18 @@ class watch:
         self.path: Path | None = None
         self._attachment: Any = None
         self._unrecorded: set[str] = set()  # what w.step got that holds nothing to record
+        self._left_to_exec = False  # the process is recorded by `detaudit exec` already
 
     def __enter__(self) -> watch:  # noqa: PYI034
         from .drivers.attach import Attachment
+        from .drivers.runner import in_a_library
 
+        if os.environ.get(JOB_VARIABLE):  # (a run of `detaudit exec`, or a process of one)
+            warnings.warn("detaudit.watch: this process is recorded by `detaudit exec`, so the "
+                          "watch records nothing and leaves its folder as it is (nor ends the "
+                          "loop at its max_steps: exec's --max-steps does)", stacklevel=2)
+            self._left_to_exec = True
+            return self
         if id(self.model) in _WATCHED:  # both would record the one run: a pass of nothing
             raise DetauditError(f"this {type(self.model).__name__} is already watched (a watch "
                                 "inside another on the same model): one watch records one run")
@@ -249,6 +269,10 @@ class watch:
         config = AuditConfig(repeats=1, steps=self.max_steps, granularity=SCAN, stress=0)
         probe = trace_probe(ProbeSpec("watch", self.name), config, new_run_id())
         del probe[PROBE_CONFIG]["seed"]  # watch seeds nothing: the user's code does, or not
+        script = sys.argv[0] if sys.argv else ""
+        if script.endswith(".py") and not in_a_library(os.path.abspath(script)):
+            # (a notebook's kernel, pytest: a library's)
+            probe[WATCHED_SCRIPT] = shlex.join([os.path.relpath(script), *sys.argv[1:]])
         self._attachment = Attachment(self.path, probe, model=self.model,
                                       optimizer=self.optimizer, max_steps=self.max_steps,
                                       on_limit=self._limit, mode=self.mode).install()
@@ -260,6 +284,8 @@ class watch:
         called between backward and the optimizer's update, let the update end it). What
         else the loop logs may go in the dict too (an accuracy, a count): each value is
         recorded, and one that differs between runs is a divergence of the step."""
+        if self._left_to_exec:
+            return
         if losses is not None:
             unrecorded = self._attachment.name_losses(
                 losses if isinstance(losses, dict) else {"loss": losses})
@@ -276,17 +302,20 @@ class watch:
 
     def epoch(self, index: int) -> None:
         """The next steps belong to epoch `index` (0-based)."""
-        self._attachment.set_epoch(index)
+        if not self._left_to_exec:
+            self._attachment.set_epoch(index)
 
     @property
     def steps(self) -> int:
         """The steps recorded so far."""
-        return self._attachment.stream.steps
+        return 0 if self._left_to_exec else self._attachment.stream.steps
 
     @property
     def trace(self) -> Trace:
         """The trace as recorded so far (read back from its file: a long run holds only its
         newest records in memory)."""
+        if self._left_to_exec:
+            raise DetauditError("this watch records nothing: `detaudit exec` records the run")
         if self._attachment.installed:
             self._attachment.save()
         return Trace.load(self._attachment.path)
@@ -297,6 +326,8 @@ class watch:
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> bool:
         from .drivers.runner import describe_user_error
 
+        if self._left_to_exec:
+            return False
         failure = None
         if exc is not None and not isinstance(exc, WatchLimit):
             steps = self.steps

@@ -2795,6 +2795,57 @@ def test_a_batch_that_differs_says_where_it_changed_and_which_rng(tmp_path, wher
         assert "the numpy RNG state differs as well as the step begins" in cause["text"]
 
 
+_WATCHING = """\
+import sys
+import torch
+import detaudit
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = [torch.randn(4, 8) for _ in range(3)]
+with detaudit.watch(model, opt, out=sys.argv[1]) as w:
+    for epoch in range(2):
+        w.epoch(epoch)
+        for x in data:
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step({"loss": loss})
+"""
+
+
+def test_a_script_that_watches_its_loop_is_recorded_by_exec_alone(tmp_path):
+    """`detaudit compare` of a watched folder suggests exec to replay the step; under exec,
+    every run and replay wrote a trace of its own into the watch's folder too (the replays'
+    unclosed), and comparing that folder then failed."""
+    script, watched = tmp_path / "watching.py", tmp_path / "watched"
+    script.write_text(_WATCHING)
+    done = _exec(tmp_path, "--seed", "0", "--inject-fault", "0@forward:2", script=script,
+                 script_args=(str(watched),))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "first at step 2 (epoch 1), forward, 0 (origin)" in done.stdout
+    assert "the watch records nothing" in done.stderr
+    assert not watched.exists() or not any(watched.iterdir())
+    assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 6
+
+
+def test_compare_of_watched_runs_names_the_script_exec_would_replay(tmp_path):
+    script, watched = tmp_path / "watching.py", tmp_path / "watched"
+    script.write_text(_WATCHING.replace("            loss.backward()\n", (
+        "            loss.backward()\n"
+        "            if len(sys.argv) > 2 and w.steps == 2:\n"
+        "                model[0].bias.grad[0] += 1e-3\n")))
+    for nudge in ((), ("nudge",)):
+        subprocess.run([sys.executable, str(script), str(watched), *nudge], check=True,
+                       cwd=tmp_path, capture_output=True)
+    headline = detaudit.compare(watched, out=tmp_path / "compared").verdict.headline
+    assert headline.startswith("DIVERGENT: first at step 2 (epoch 1), grad"), headline
+    assert headline.endswith(f"(`detaudit exec -- python watching.py {watched}` replays that "
+                             "step module by module)")
+
+
 def test_watch_twice_in_one_process_compares_deterministic(tmp_path):
     first, second = _train(tmp_path), _train(tmp_path)
     assert first.path != second.path
