@@ -97,7 +97,8 @@ def exec_command(
             f"(steps 0 to {job.max_steps - 1})")
     run_id = new_run_id()
     config = AuditConfig(repeats=job.repeats, epochs=job.max_epochs or 1, steps=job.max_steps,
-                         seed=job.seed or 0, granularity=SCAN, stress=0, fault=job.fault)
+                         seed=job.seed or 0, granularity=SCAN, stress=job.stress,
+                         stress_every_op=job.stress_every_op, fault=job.fault)
     spec = ProbeSpec("command", Path(command[0]).name if len(command) == 1 else
                      _script_name(command), source=_shell_line(command))
     limits = ", ".join(f"{flag} {v}" for flag, v in (("--max-steps", job.max_steps),

@@ -537,12 +537,14 @@ def _stress(s: dict[str, Any]) -> Section | None:
     runs = max(op.get("runs") or 0 for op in stress)
     cost = s.get("stress_seconds")
     blocks: list[Block] = [Text(
-        "At the first step of every epoch (and at the first divergent step, when it was "
-        "replayed) the last repeat re-ran each op known to be possibly nondeterministic on "
-        f"this device {runs} times on identical copies of its "
-        "inputs: two or more distinct results prove the op nondeterministic, whether or not "
-        "the repeats happened to agree" + ("" if cost is None else
-                                          f" (re-executions: {num(cost, 3)} s)") + "."
+        # (exec's first run re-runs them; run's last repeat, and its replay of a step)
+        "At the first step of every epoch " + (
+            "the first run" if s.get("command") else "(and at the first divergent step, "
+            "when it was replayed) the last repeat")
+        + " re-ran each op known to be possibly nondeterministic on this device up to "
+        f"{runs} times on identical copies of its inputs: two or more distinct results prove "
+        "the op nondeterministic, whether or not the repeats happened to agree" + (
+            "" if cost is None else f" (re-executions: {num(cost, 3)} s)") + "."
     )]
     rows = []
     for op in stress:
