@@ -579,7 +579,7 @@ def test_exec_proves_a_race_whose_result_the_runs_never_showed(tmp_path, where, 
         return
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.startswith(
-        f"NONDETERMINISTIC OP: aten.index_put_ in {module} (forward, step 0) gave ")
+        f"NONDETERMINISTIC OP: aten.index_put_ in {module} (forward, step 0, epoch 1) gave ")
     assert done.stdout.rstrip().endswith("(the 2 repeats agreed this time)")
     trace = Trace.load(tmp_path / "run" / "trace-0.json.gz")
     assert set(trace.stress["step"]) == {0} and not Trace.load(

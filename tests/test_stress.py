@@ -66,7 +66,7 @@ def test_forward_splat_ends_nonzero_every_time_and_names_op_and_module(two_threa
         proven = result.comparison.proven
         assert [(p.module, p.phase, p.base_op) for p in proven][:1] == [
             ("vote_head", "forward", "aten.index_put_")]
-        assert "aten.index_put_ in vote_head (forward, step 0)" in result.verdict.headline
+        assert "aten.index_put_ in vote_head (forward, step 0, epoch 1)" in result.verdict.headline
 
 
 def test_an_op_the_step_runs_outside_the_model_is_proven_there_not_in_the_model(two_threads):
@@ -142,7 +142,7 @@ def test_agreeing_repeats_with_a_proven_op_are_not_deterministic(two_threads):
     assert result.comparison.first_step is None
     assert result.verdict.kind == PROVEN and result.verdict.exit_code == EXIT_DIVERGED
     assert result.verdict.headline.startswith(
-        "NONDETERMINISTIC OP: aten.index_put in gather (backward, step 0) gave ")
+        "NONDETERMINISTIC OP: aten.index_put in gather (backward, step 0, epoch 1) gave ")
     proof = result.comparison.proven[0].proof
     assert proof["differing"] > 0 and proof["max_ulp"] >= 1 and proof["max_abs"] > 0
     text = render_console(result.summary)
@@ -477,7 +477,7 @@ def test_the_replayed_divergent_step_is_stressed_too(granularity, two_threads):
                    for op in result.comparison.stress)
     vote = [op for op in result.summary["stress"] if op["module"] == "vote_head"]
     assert vote and vote[0]["proven"] and vote[0]["steps"] == [1]
-    assert "proven by re-execution: aten.index_put_ in vote_head (forward, step 1)" in (
+    assert "proven by re-execution: aten.index_put_ in vote_head (forward, step 1, epoch 1)" in (
         result.verdict.headline)
 
 

@@ -45,9 +45,10 @@ class StressedOp:
         if not self.proven:
             return (f"{self.op} in {where} ({self.phase}) gave one result in {counted(self.runs, 'run')} "
                     f"on identical inputs")
-        step = self.proof["step"] if self.proof else self.steps[0]
-        return (f"{self.base_op} in {where} ({self.phase}, step {step}) gave {self.distinct} "
-                f"different results in {self.runs} runs on identical inputs")
+        step, epoch = ((self.proof["step"], self.proof["epoch"]) if self.proof
+                       else (self.steps[0], self.first_epoch))
+        return (f"{self.base_op} in {where} ({self.phase}, step {step}, epoch {epoch + 1}) gave "
+                f"{self.distinct} different results in {self.runs} runs on identical inputs")
 
     def to_dict(self) -> dict[str, Any]:
         known = lookup(self.base_op, self.phase)
