@@ -1,5 +1,6 @@
 """`detaudit exec` overhead: the same training script run plain and under `exec` (scan only,
-one run), in alternating pairs on this machine, and the cost of one zoom re-run. Then the low-
+one run; and with `--stress 0`, which leaves out the re-execution of risky ops at each
+epoch's first step), in alternating pairs on this machine, and the cost of one zoom re-run. Then the low-
 noise view: the time spent inside detaudit's hooks per step of the same model, in one process,
 against the plain step; and exec's fixed cost (its start, the comparison, the reports).
 
@@ -160,7 +161,7 @@ def main() -> None:
                    headers=["per step, one process", "ms", ""]) + "\n", flush=True)
     if args.pairs < 1:
         return
-    rows, ratios, cpu_ratios = [], [], []
+    rows, ratios, cpu_ratios, stress_costs = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         def audited(name: str, *options: str) -> list[str]:
             return [sys.executable, "-m", "detaudit", "exec", "--repeats", "1", "--quiet",
@@ -168,17 +169,22 @@ def main() -> None:
 
         for pair in range(args.pairs):
             first_plain = pair % 2 == 0
-            plain = exec_ = (0.0, 0.0)
-            for side in ((0, 1) if first_plain else (1, 0)):
+            plain = exec_ = unstressed = (0.0, 0.0)
+            for side in ((0, 1, 2) if first_plain else (2, 1, 0)):
                 if side == 0:
                     plain = _timed(script)
-                else:
+                elif side == 1:
                     exec_ = _timed(audited(f"exec-{pair}", "--seed", "0"), NOT_COMPARED)
+                else:
+                    unstressed = _timed(audited(f"unstressed-{pair}", "--seed", "0",
+                                                "--stress", "0"), NOT_COMPARED)
             ratios.append(exec_[0] / plain[0] - 1)
             cpu_ratios.append(exec_[1] / plain[1] - 1)
+            stress_costs.append(exec_[0] - unstressed[0])
             rows.append([pair + 1, "plain first" if first_plain else "exec first",
                          f"{plain[0]:.1f}", f"{exec_[0]:.1f}", f"{100 * ratios[-1]:+.1f} %",
-                         f"{plain[1]:.1f}", f"{exec_[1]:.1f}", f"{100 * cpu_ratios[-1]:+.1f} %"])
+                         f"{plain[1]:.1f}", f"{exec_[1]:.1f}", f"{100 * cpu_ratios[-1]:+.1f} %",
+                         f"{unstressed[0]:.1f}"])
             print(f"pair {pair + 1}: plain {plain[0]:.1f} s, exec {exec_[0]:.1f} s "
                   f"({100 * ratios[-1]:+.1f} %)", file=sys.stderr, flush=True)
         # one zoom: two runs of the command to the planted step, that step at module and op level
@@ -195,11 +201,13 @@ def main() -> None:
         without = time.perf_counter() - started
         fixed = fixed_cost(tmp)
     print(tabulate(rows, headers=["pair", "order", "plain wall s", "exec wall s", "wall",
-                                  "plain CPU s", "exec CPU s", "CPU"]))
+                                  "plain CPU s", "exec CPU s", "CPU", "exec --stress 0 wall s"]))
     print(f"\nmedian overhead of exec (scan, 1 run, {args.steps} steps of ResNet-18 at "
           f"{args.size} px, batch {args.batch_size}, {args.device}): wall "
           f"{100 * statistics.median(ratios):+.1f} %, "
           f"CPU time {100 * statistics.median(cpu_ratios):+.1f} %")
+    print(f"the stress (risky ops re-executed at each epoch's first step), median: "
+          f"{statistics.median(stress_costs):+.2f} s of wall time")
     print(f"zoom into step {step} (2 runs re-run to it, that step at module and op level): "
           f"{with_zoom - without:.1f} s on top of the {without:.1f} s scan")
     print(f"exec's fixed cost (start, bootstrap, comparison, reports): {fixed:.2f} s")
