@@ -2849,6 +2849,31 @@ def test_compare_of_watched_runs_names_the_script_exec_would_replay(tmp_path):
                              "step module by module)")
 
 
+def test_a_loader_shuffling_from_a_generator_seeded_by_the_os_is_said_to(tmp_path):
+    """Every RNG state agrees, yet the DataLoader's batches differ: its own generator, seeded
+    from the OS. The text named an environment reset and default_rng, not the loader."""
+    from detaudit.analysis.compare import compare
+
+    def loop() -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.utils.data.TensorDataset(torch.randn(16, 4))
+        generator = torch.Generator()
+        generator.seed()  # from the OS: another order in every run
+        for (x,) in torch.utils.data.DataLoader(data, batch_size=4, shuffle=True,
+                                                generator=generator):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    c = compare([_attached(tmp_path / f"{k}.json.gz", loop) for k in "ab"])
+    assert (c.first_step, c.cause) == (0, "data")
+    assert cause_text(c).startswith(
+        "the batch the DataLoader yielded differs while every RNG state agrees as the step "
+        "begins: the loader draws its order or its augmentation from a generator of its own")
+
+
 def test_watch_twice_in_one_process_compares_deterministic(tmp_path):
     first, second = _train(tmp_path), _train(tmp_path)
     assert first.path != second.path

@@ -255,6 +255,15 @@ def _data_text(c: Comparison, differing_rng: list[str]) -> str:
         text = ("the model's input differs while the batches the DataLoader yielded agree: "
                 "the training loop changed them after loading (an augmentation, noise or a "
                 "transform applied in the loop, or a batch mixed with another)")
+    elif not differing_rng and any(slot.startswith(LOADER_BATCH) for slot in differing):
+        return ("the batch the DataLoader yielded differs while every RNG state agrees as "
+                "the step begins: the loader draws its order or its augmentation from a "
+                "generator of its own that differs between runs (its generator= or its "
+                "sampler's, seeded from the OS by torch.Generator().seed() or from the clock; "
+                "a dataset's np.random.default_rng() made without a seed), or it reads data "
+                "that differs (fix: seed that generator with a constant, e.g. "
+                "DataLoader(..., generator=torch.Generator().manual_seed(0)), "
+                "default_rng(seed))")
     if differing_rng:
         text += (f"; the {', '.join(differing_rng)} RNG state differs as well as the step "
                  "begins (not seeded, or reseeded by the code from a source that differs "
