@@ -249,9 +249,8 @@ class watch:
         self.path: Path | None = None
         self._attachment: Any = None
         self._unrecorded: set[str] = set()  # what w.step got that holds nothing to record
-        self._left_to_exec = False  # the process is recorded by `detaudit exec` already
 
-    def __enter__(self) -> watch:  # noqa: PYI034
+    def __enter__(self) -> watch | _LeftToExec:
         from .drivers.attach import Attachment
         from .drivers.runner import in_a_library
 
@@ -259,8 +258,7 @@ class watch:
             warnings.warn("detaudit.watch: this process is recorded by `detaudit exec`, so the "
                           "watch records nothing and leaves its folder as it is (nor ends the "
                           "loop at its max_steps: exec's --max-steps does)", stacklevel=2)
-            self._left_to_exec = True
-            return self
+            return _LeftToExec()
         if id(self.model) in _WATCHED:  # both would record the one run: a pass of nothing
             raise DetauditError(f"this {type(self.model).__name__} is already watched (a watch "
                                 "inside another on the same model): one watch records one run")
@@ -284,8 +282,6 @@ class watch:
         called between backward and the optimizer's update, let the update end it). What
         else the loop logs may go in the dict too (an accuracy, a count): each value is
         recorded, and one that differs between runs is a divergence of the step."""
-        if self._left_to_exec:
-            return
         if losses is not None:
             unrecorded = self._attachment.name_losses(
                 losses if isinstance(losses, dict) else {"loss": losses})
@@ -302,20 +298,17 @@ class watch:
 
     def epoch(self, index: int) -> None:
         """The next steps belong to epoch `index` (0-based)."""
-        if not self._left_to_exec:
-            self._attachment.set_epoch(index)
+        self._attachment.set_epoch(index)
 
     @property
     def steps(self) -> int:
         """The steps recorded so far."""
-        return 0 if self._left_to_exec else self._attachment.stream.steps
+        return self._attachment.stream.steps
 
     @property
     def trace(self) -> Trace:
         """The trace as recorded so far (read back from its file: a long run holds only its
         newest records in memory)."""
-        if self._left_to_exec:
-            raise DetauditError("this watch records nothing: `detaudit exec` records the run")
         if self._attachment.installed:
             self._attachment.save()
         return Trace.load(self._attachment.path)
@@ -326,7 +319,7 @@ class watch:
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> bool:
         from .drivers.runner import describe_user_error
 
-        if self._left_to_exec:
+        if self._attachment is None:  # (left to exec)
             return False
         failure = None
         if exc is not None and not isinstance(exc, WatchLimit):
@@ -365,6 +358,23 @@ class watch:
 
 
 _WATCHED: set[int] = set()  # the ids of the models inside a watch block now
+
+
+class _LeftToExec:
+    """What ``with detaudit.watch(...) as w`` gives in a process `detaudit exec` records:
+    that recording is the run's, so `w` records nothing (its calls do nothing)."""
+
+    steps = 0
+
+    def step(self, losses: Any = None) -> None:
+        pass
+
+    def epoch(self, index: int) -> None:
+        pass
+
+    @property
+    def trace(self) -> Trace:
+        raise DetauditError("this watch records nothing: `detaudit exec` records the run")
 
 
 def _made_for_another_model(optimizer: Any, model: Any) -> bool:

@@ -250,9 +250,7 @@ def _held_in(module: nn.Module, scopes: list[dict[str, Any]]) -> str | None:
     held = next((f"{name}.{path}" for name, value in named
                  if isinstance(value, (dict, list, tuple))
                  and (path := _path_to(module, value, depth=2))), None)
-    return held or next((name for name, value in named if value is module), None) or next(
-        (f"{name}.{child}" for name, value in named if isinstance(value, nn.Module)
-         for child, inner in value._modules.items() if inner is module), None) or (
+    return held or next((name for name, value in named if value is module), None) or (
         _in_an_object(module, named))
 
 
@@ -262,16 +260,20 @@ def _named(scopes: list[dict[str, Any]]) -> list[tuple[str, Any]]:
 
 
 def _in_an_object(module: nn.Module, named: list[tuple[str, Any]]) -> str | None:
-    """``name.attribute`` where an object that is no module, container, class or Python
-    module holds `module` as an attribute (an EMA helper's ``ema.ema``)."""
-    for name, value in named:
-        if isinstance(value, (nn.Module, dict, list, tuple, type, ModuleType)):
-            continue
-        attributes = getattr(value, "__dict__", None)
-        if isinstance(attributes, dict):
-            found = next((a for a, inner in list(attributes.items()) if inner is module), None)
-            if found is not None and found.isidentifier():
-                return f"{name}.{found}"
+    """``name.attribute`` where an object holds `module` as an attribute: a module first
+    (timm's EMA wrapper's ``model_ema.module``), else an object that is no container,
+    class or Python module (an EMA helper's ``ema.ema``)."""
+    for modules in (True, False):
+        for name, value in named:
+            if isinstance(value, nn.Module) is not modules or isinstance(
+                    value, (dict, list, tuple, type, ModuleType)):
+                continue
+            attributes = value._modules if modules else getattr(value, "__dict__", None)
+            if isinstance(attributes, dict):
+                found = next((a for a, inner in list(attributes.items()) if inner is module),
+                             None)
+                if found is not None and found.isidentifier():
+                    return f"{name}.{found}"
     return None
 
 

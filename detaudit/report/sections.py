@@ -28,9 +28,9 @@ ROLE_TEXT = {
     LAST_GRADIENT: "of the parameters whose gradients differ (a scanned step: no module "
     "records), the one nearest the output in the model's order: backward reaches it first, so "
     "the difference begins there or nearer the output",
-    OP_OUTSIDE: "no module call began the difference (each only saw it); the op-level "
-    "replay found it in an op of the loop's own code, outside the model (a loss term): the "
-    "op named here",
+    OP_OUTSIDE: "the op-level replay found where the difference began: in an op of the "
+    "loop's own code, outside the model (a loss term), named here; the modules only saw "
+    "what it made",
     "rng draw outside any module": "the torch RNG moved outside any module (the step "
     "function, a hook, a logger): the next module that draws only starts from another state",
 }
