@@ -49,7 +49,7 @@ from .runfolder import (
     watched_run,
     zoom_name,
 )
-from .trace import BACKWARD, FORWARD, AnyTrace, Trace
+from .trace import BACKWARD, FORWARD, AnyTrace, Trace, probe_value
 
 if TYPE_CHECKING:  # pragma: no cover
     from .drivers.runner import ProbeFactory, RepeatTiming
@@ -97,8 +97,7 @@ def unreplayed(verdict: Verdict, comparison: Comparison, traces: list[AnyTrace])
     script a watch ran in, where it was one)."""
     if verdict.kind == DIVERGENT and needs_zoom(comparison) and not any(
             d.phase in (FORWARD, BACKWARD) for d in comparison.first_diffs):
-        script = next((p for t in traces if (p := (getattr(t, "probe", None) or {}).get(
-            WATCHED_SCRIPT))), "train.py")
+        script = next((p for t in traces if (p := probe_value(t, WATCHED_SCRIPT))), "train.py")
         return replace(verdict, headline=(
             f"{verdict.headline}; the runs were recorded at scan level and compare cannot "
             f"replay them, so the module and op are not named (`detaudit exec -- python "

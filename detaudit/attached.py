@@ -252,7 +252,7 @@ class watch:
 
     def __enter__(self) -> watch | _LeftToExec:
         from .drivers.attach import Attachment
-        from .drivers.runner import in_a_library
+        from .record.sites import in_a_library
 
         if os.environ.get(JOB_VARIABLE):  # (a run of `detaudit exec`, or a process of one)
             warnings.warn("detaudit.watch: this process is recorded by `detaudit exec`, so the "

@@ -415,6 +415,12 @@ class TraceFile:
 AnyTrace = Union[Trace, TraceFile]  # what the analysis reads: either, the same way
 
 
+def probe_value(trace: AnyTrace, key: str) -> Any:
+    """What the trace's probe description holds under `key` (None if nothing: a trace may
+    come without a description)."""
+    return (getattr(trace, "probe", None) or {}).get(key)
+
+
 def _stress_rows(stress: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(STRESS_COLUMNS, values))
             for values in zip(*(stress[c] for c in STRESS_COLUMNS))]

@@ -17,3 +17,13 @@ def one_based(epoch: int | None) -> int | None:
 def counted(n: int, noun: str, plural: str = "") -> str:
     """``1 step``, ``2 steps`` (`plural` where adding an s is not the plural)."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def op_place(op: dict) -> str:
+    """Where an op of the drill-down ran: its module, and outside the model the line of the
+    user's code (``(outside the model) at train.py:57``)."""
+    site = op.get("site") or ""
+    if not site:
+        return str(op.get("module") or "(model)")
+    path, _, line = site.rpartition(":")
+    return f"{op.get('module')} at {path.replace(chr(92), '/').rpartition('/')[2]}:{line}"

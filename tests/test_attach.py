@@ -35,7 +35,7 @@ from torch import nn
 
 import detaudit
 from detaudit.analysis.causes import cause_of, cause_text
-from detaudit.config import LOADED_FROM_EARLIER_RUNS
+from detaudit.config import LOADED_FROM_EARLIER_RUNS, OP_SITES
 from detaudit.drivers.attach import Attachment
 from detaudit.execution import _is_launcher, _script_name
 from detaudit.planting import check_side_fault
@@ -2578,6 +2578,34 @@ def test_a_teacher_called_before_the_step_has_its_ops_recorded_for_that_step(tmp
     op = summary["ops"][0]
     assert (op["op"], op["module"], op["role"], op["planted"]) == (
         "aten.addmm", "teacher", "origin", True)
+
+
+def test_the_zoomed_step_places_each_op_outside_the_model_at_the_users_line(tmp_path):
+    """An op the loop runs outside the model (a loss term) is recorded with the line of the
+    user's code that ran it, so that an origin op there is named with its line; the model's
+    own ops and the backward ops have none."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(3, 4)
+
+    def loop():
+        for _ in range(2):
+            out = model(x)
+            penalty = out.sigmoid().sum()  # the line each op outside the model is placed at
+            (out.square().mean() + penalty).backward()
+            opt.step()
+            opt.zero_grad()
+
+    trace = _attached(tmp_path / "t.json.gz", loop, zoom=1)
+    line = next(n for n, text in enumerate(inspect.getsource(loop).splitlines())
+                if "out.sigmoid()" in text) + loop.__code__.co_firstlineno
+    sites = trace.probe[OP_SITES]
+    assert sites["1:op0/aten.sigmoid"] == f"{__file__}:{line}"
+    assert all(key.startswith("1:") for key in sites)  # the zoomed step only
+    records = trace.frame()
+    outside = set(records[(records.phase == "op.forward")
+                          & (records.module == OUTSIDE_MODEL)].slot.str.rpartition("/")[0])
+    assert {f"1:{prefix}" for prefix in outside} == set(sites)
 
 
 class _ScaledTeacher(nn.Module):

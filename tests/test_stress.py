@@ -7,6 +7,7 @@ import gzip
 import itertools
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,8 +126,13 @@ def test_a_loss_term_racing_outside_the_model_is_the_first_divergence_not_a_modu
     first = result.verdict.first
     assert (first["phase"], first["module"], first["slots"]) == (
         phase, "(outside the model)", [op]), result.verdict.headline
+    # a forward op outside the model is placed at the line of the loop's code that ran it
+    splat = next(n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+                 if "index_put_((cells,), votes * loss" in line)
+    site = f" at test_stress.py:{splat}" if phase == "forward" else ""
     assert (f", {phase}, (outside the model) (origin op); cause: {phase}; op: {op} in "
-            "(outside the model)") in result.verdict.headline
+            f"(outside the model){site}") in result.verdict.headline
+    assert result.summary["ops"][0].get("site", "").endswith(site.removeprefix(" at "))
 
 
 def test_duplicate_index_gather_backward_ends_nonzero_every_time(two_threads):

@@ -17,6 +17,7 @@ from ..config import (
     FIRST_SEED,
     LOADED_FROM_EARLIER_RUNS,
     MODELS,
+    OP_SITES,
     SCRIPTED,
     SEEDED_AFTER_PARAMETERS,
     SHARED_PARAMETERS,
@@ -34,10 +35,12 @@ from ..trace import (
     OP_PHASES,
     OPTIMIZER,
     OUTPUT,
+    OUTSIDE_MODEL,
     STATE,
     AnyTrace,
     StepInfo,
     Trace,
+    probe_value,
 )
 from .rnggap import RngGap, rng_gap
 from .stress import StressedOp, stressed_ops
@@ -290,17 +293,16 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
     for step, cuts in aligned_steps(traces, common):
         seen.add(step, cuts)
     comparison = seen.comparison(traces, common)
-    comparison.first_seeds = [(getattr(t, "probe", None) or {}).get(FIRST_SEED) for t in traces]
-    comparison.shared_parameters = any(
-        (getattr(t, "probe", None) or {}).get(SHARED_PARAMETERS) for t in traces)
-    comparison.tied = (getattr(traces[0], "probe", None) or {}).get(TIED_PARAMETERS) or {}
+    comparison.first_seeds = [probe_value(t, FIRST_SEED) for t in traces]
+    comparison.shared_parameters = any(probe_value(t, SHARED_PARAMETERS) for t in traces)
+    comparison.tied = probe_value(traces[0], TIED_PARAMETERS) or {}
     comparison.lengths = [len(t.steps) for t in traces]
-    comparison.loaded_earlier = {n: files for n, t in enumerate(traces) if (files := (
-        getattr(t, "probe", None) or {}).get(LOADED_FROM_EARLIER_RUNS))}
+    comparison.loaded_earlier = {n: files for n, t in enumerate(traces)
+                                  if (files := probe_value(t, LOADED_FROM_EARLIER_RUNS))}
     if comparison.cause == "init":
         comparison.continued_from = _continued(traces)
-        comparison.seeded_late = next((site for t in traces if (site := (
-            getattr(t, "probe", None) or {}).get(SEEDED_AFTER_PARAMETERS))), None)
+        comparison.seeded_late = next((site for t in traces
+                                       if (site := probe_value(t, SEEDED_AFTER_PARAMETERS))), None)
     if comparison.cause == "optimizer" and comparison.first_step is not None:
         comparison.lr_by_repeat = _learning_rates(traces, comparison.first_step)
     return comparison
@@ -559,7 +561,7 @@ class _StepDiffs:
             forks.append(self.fork)
         drawn = self._drawn_during(first_step, first_diffs, traces[0].steps[:common], idle)
         # (the views of traces that diff compares have no probe of their own)
-        per_process = (getattr(traces[0], "probe", None) or {}).get(PER_PROCESS)
+        per_process = probe_value(traces[0], PER_PROCESS)
         per_process = per_process if isinstance(per_process, str) else None
         gap = None
         loader_batch = False
@@ -608,8 +610,8 @@ class _StepDiffs:
             drawn=drawn,
             per_process=per_process,
             loader_batch=loader_batch,
-            side_models=list((getattr(traces[0], "probe", None) or {}).get(SIDE_MODELS, [])),
-            scripted=list((getattr(traces[0], "probe", None) or {}).get(SCRIPTED, [])),
+            side_models=list(probe_value(traces[0], SIDE_MODELS) or []),
+            scripted=list(probe_value(traces[0], SCRIPTED) or []),
         )
 
     def _drawn_during(
@@ -1000,6 +1002,7 @@ class OpFinding:
     slots: list[str]  # the output slots that differ
     other_repeat: int  # the first repeat whose outputs differ from repeat 0's
     ref: dict[str, Any] = field(default_factory=dict)  # stats of the first differing output
+    site: str = ""  # outside the model, in forward: where the user's code ran it ("file:line")
 
     @property
     def key(self) -> tuple[int, str, str, int, str]:
@@ -1031,6 +1034,7 @@ def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
         name, _, _ = rest.partition("/")
         groups.setdefault((step, phase, module, call, f"{op_id}/{name}"), []).append(key)
     findings = []
+    sites = probe_value(ref.trace, OP_SITES) or {}
     for (step, phase, module, call, prefix), keys in groups.items():
         differing_keys = [k for k in keys if any(idx.fp.get(k) != ref.fp[k] for idx in others)]
         outputs = [k for k in differing_keys if k[4].startswith(f"{prefix}/out")]
@@ -1048,5 +1052,7 @@ def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
             op, PROPAGATED if inputs_differ or made_from_host else ORIGIN, len(differ),
             len(traces), [k[4][len(prefix) + 1:] for k in outputs], differ[0].trace.repeat,
             ref.stats(outputs[0]),
+            sites.get(f"{step}:{prefix}", "") if (module, phase) == (OUTSIDE_MODEL, OP_FORWARD)
+            else "",
         ))
     return findings

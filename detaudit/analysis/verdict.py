@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..runfolder import INTERRUPTED as CUT_SHORT
 from ..trace import FORWARD, GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE
-from ..words import counted, joined, one_based
+from ..words import counted, joined, one_based, op_place
 from .causes import cause_of, first_op, outside_origin_op
 from .compare import (
     DETERMINISTIC,
@@ -276,7 +276,7 @@ def _headline(
     origin_op = first_op(ops)
     outside = ops.get("outside_dispatcher")
     if origin_op.get("role") == ORIGIN:
-        text += f"; op: {origin_op['op']} in {origin_op['module']}"
+        text += f"; op: {origin_op['op']} in {op_place(origin_op)}"
         if origin_op.get("planted"):
             text += " (the planted fault, found where it was planted)"
     elif outside and outside.get("planted"):

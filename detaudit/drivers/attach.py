@@ -51,6 +51,7 @@ from ..config import (
     INFERRED,
     LOADED_FROM_EARLIER_RUNS,
     MODELS,
+    OP_SITES,
     OPS_AT_FAULT,
     SCRIPTED,
     SEEDED_AFTER_PARAMETERS,
@@ -74,6 +75,7 @@ from ..record.recorder import (
     RecordKey,
     StepRecords,
 )
+from ..record.sites import user_call_site
 from ..record.stress import StressMode
 from ..record.structure import iter_leaves, iter_tensors
 from ..trace import (
@@ -91,7 +93,7 @@ from .attach_patches import Installing, transformed
 from .attach_side import SideCalls
 from .attach_updates import Updates
 from .rankprobe import RankWatch
-from .runner import loss_copy, store_records, user_call_site
+from .runner import loss_copy, store_records
 
 
 class Attachment(Installing, Updates, Epochs, SideCalls):
@@ -651,6 +653,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self._ops is not None:
             ops, self._ops = self._ops, None
             ops.__exit__(None, None, None)
+            if self.recorder is not None and self.recorder.op_sites:
+                self.trace.probe[OP_SITES] = dict(self.recorder.op_sites)
         if self._stress is not None:
             stress, self._stress = self._stress, None
             stress.__exit__(None, None, None)

@@ -22,9 +22,9 @@ from torch import nn
 
 from ..config import LOADER_IN_A_THREAD
 from ..record.recorder import printed_now
+from ..record.sites import in_a_library
 from ..trace import LOADER_BATCH, STATE
 from .rankprobe import sampler_snapshot
-from .runner import in_a_library
 
 _WAITING_UNPRINTED = 4  # batches of another loader than the training one, kept as they are
 _WAITING_PRINTED = 4096  # prints of training batches that wait (a step of many micro-batches)

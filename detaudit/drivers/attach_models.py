@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..record.recorder import running_statistics
-from .runner import in_a_library
+from ..record.sites import in_a_library
 
 # optimizers whose model is looked for among every live object: a loop that makes an
 # optimizer per batch over tensors no module owns (an adversarial perturbation) stops there

@@ -33,9 +33,10 @@ from ..config import (
     rank_trace_path,
     written_by_an_earlier_run,
 )
+from ..record.sites import user_call_site
 from .attach import Attachment
 from .rankprobe import RankWatch
-from .runner import describe_user_error, user_call_site
+from .runner import describe_user_error
 
 
 def failure_hook(attachment: Attachment) -> Callable[..., None]:

@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import re
-import site
 import sys
-import sysconfig
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, Callable
 
 import torch
 
 from ..config import (
     ANY_MODULE,
+    OP_SITES,
     ROOT_NAME,
     SCAN,
     SCRIPTED,
@@ -37,6 +34,7 @@ from ..record.environment import capture_environment
 from ..record.fingerprint import Fingerprinter, widest_float
 from ..record.oprecorder import OpRecorder
 from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
+from ..record.sites import PACKAGE_DIR, in_a_library
 from ..record.stress import StressMode
 from ..runfolder import partial_path, trace_probe
 from ..seeding import seed_everything
@@ -54,7 +52,6 @@ from ..words import counted
 from .memory import PeakMemory
 
 ProbeFactory = Callable[[torch.device], Probe]
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # detaudit/
 
 
 @dataclass
@@ -365,6 +362,8 @@ def run_repeat(
                 trace.failure = describe_user_error(exc, f"in step {done}")
                 if raised_in_detaudit(exc):  # the traceback the failure asks to report
                     traceback.print_exception(exc, file=sys.stderr)
+        if recorder.op_sites:
+            trace.probe[OP_SITES] = recorder.op_sites
         if (fault is not None and not recorder.fault_fired and trace.failure is None
                 and not _replay_stops_before(ops, fault.step)):
             raise DetauditError(
@@ -637,33 +636,8 @@ def raised_in_detaudit(exc: BaseException) -> bool:
     inner_user = max((i for i, f in enumerate(frames) if not in_a_library(f.filename)),
                      default=-1)
     inner_hook = max((i for i, f in enumerate(frames) if f.name in _HOOK_ENTRIES
-                      and os.path.abspath(f.filename).startswith(_PACKAGE_DIR)), default=-1)
+                      and os.path.abspath(f.filename).startswith(PACKAGE_DIR)), default=-1)
     return inner_hook > inner_user
-
-
-def user_call_site(frame: FrameType | None) -> str:
-    """`file:line` of the innermost frame at or above `frame` outside detaudit, torch and
-    the Python installation (where the user's code called into them); "" if none is."""
-    while frame is not None and in_a_library(frame.f_code.co_filename):
-        frame = frame.f_back
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
-
-
-def in_a_library(filename: str) -> bool:
-    """Whether `filename` is detaudit's, torch's or the Python installation's: its standard
-    library or installed packages (not anything under its prefix: a script in /usr/src/app
-    run by /usr/bin/python is the user's)."""
-    return filename.startswith("<frozen ") or os.path.abspath(filename).startswith(
-        _library_dirs())
-
-
-@functools.cache
-def _library_dirs() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    dirs = {_PACKAGE_DIR, os.path.dirname(torch.__file__), site.getusersitepackages(),
-            *getattr(site, "getsitepackages", list)(),  # (Debian's dist-packages)
-            *(paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib"))}
-    return tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
 
 
 def _first_line(exc: BaseException) -> str:

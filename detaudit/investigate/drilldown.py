@@ -154,7 +154,7 @@ def _op_row(f: OpFinding) -> dict[str, Any]:
     return {
         "op": f.op, "module": f.module or "(model)", "call": f.call, "phase": f.phase,
         "index": f.index, "role": f.role, "outputs": f.slots, "differing": f.differing,
-        "repeats": f.repeats,
+        "repeats": f.repeats, **({"site": f.site} if f.site else {}),
     }
 
 

@@ -19,6 +19,7 @@ through unseen.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 import weakref
@@ -34,6 +35,7 @@ from ..config import ANY_MODULE, Fault
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
 from .fingerprint import storage_address
 from .recorder import Call, Recorder
+from .sites import user_call_site
 from .structure import has_ulps, is_dtensor, iter_tensors, next_ulp, on_local, some_nonzero
 
 # Ops that only re-label memory or metadata: their outputs are their inputs.
@@ -269,6 +271,9 @@ class OpRecorder(ModelOpMode):
             k = self._ops[(op_phase, module, index)]
             self._ops[(op_phase, module, index)] = k + 1
             prefix = f"op{k}/{name}"
+            if self.record and module == OUTSIDE_MODEL and phase == FORWARD:
+                self.recorder.op_sites[f"{self.step}:{prefix}"] = user_call_site(
+                    sys._getframe(1))
             if self.record and name not in WAITS:
                 inputs = list(without_scratch(func, args, kwargs, None)[:2])
                 # its Python numbers too (a scale drawn on the host makes a different op call)

@@ -118,6 +118,8 @@ class Recorder(BackwardBoundaries):
         # the call of a model called apart (see attach's SideModels) running now, by name
         # and index: ops outside every module call of the recorded models are placed in it
         self.apart: tuple[str, int] | None = None
+        # where the user's code ran each op recorded outside the model (see config.OP_SITES)
+        self.op_sites: dict[str, str] = {}
         if watch not in WATCH_LEVELS:
             raise ValueError(f"watch must be one of {', '.join(WATCH_LEVELS)}, not {watch!r}")
         self._default_watch = self._watch = watch

@@ -7,7 +7,7 @@ from typing import Any
 from tabulate import tabulate
 
 from ..analysis.causes import random_origin_op
-from ..words import counted
+from ..words import counted, op_place
 from .sections import (
     CALLS_UNSEEN_NOTE,
     EPOCHS_UNSEEN_NOTE,
@@ -134,7 +134,7 @@ def _op_lines(summary: dict[str, Any]) -> list[str]:
     o = ops[0]
     drawn = ": it draws random numbers, and its generator's state differs" if (
         random_origin_op({"ops": ops})) else ""
-    said = f"op: {o['op']} in {o['module']} ({o['phase']}), inputs equal, outputs differ{drawn}"
+    said = f"op: {o['op']} in {op_place(o)} ({o['phase']}), inputs equal, outputs differ{drawn}"
     lines = ["", said]
     if o.get("elements") is not None:
         lines.append(

@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from ..analysis.compare import GRADIENTS_DIFFER
 from ..analysis.verdict import LAST_GRADIENT, OP_OUTSIDE, crash_line
-from ..words import counted
+from ..words import counted, op_place
 
 SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 120
@@ -358,7 +358,8 @@ def _first(s: dict[str, Any]) -> Section | None:
             headers, keys = headers[:4], keys[:4]
         blocks.append(Table(
             "ops of the first divergent step (op-level replay)", headers,
-            [[num(o.get(k)) for k in keys] for o in ops], key="ops", fold=len(ops) > 10,
+            [[op_place(o) if k == "module" else num(o.get(k)) for k in keys] for o in ops],
+            key="ops", fold=len(ops) > 10,
         ))
         if not measured:
             blocks.append(Text("How much each op's outputs differ is measured where detaudit "

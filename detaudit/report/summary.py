@@ -27,7 +27,7 @@ from ..config import (
     TIED_PARAMETERS,
 )
 from ..runfolder import RunInfo
-from ..trace import STATE, Trace
+from ..trace import STATE, Trace, probe_value
 from ..words import one_based
 
 SUMMARY_SCHEMA = 1
@@ -65,8 +65,7 @@ def _modules(traces: list[Trace]) -> list[str]:
 def _scripted_risk(traces: list[Trace]) -> dict[str, str]:
     """The TorchScript modules of the model, a risk of their own where repeats share a
     process."""
-    scripted = next(((t.probe or {}).get(SCRIPTED) for t in traces
-                     if (t.probe or {}).get(SCRIPTED)), None)
+    scripted = next((found for t in traces if (found := probe_value(t, SCRIPTED))), None)
     if not scripted:
         return {}
     return {"torchscript": (

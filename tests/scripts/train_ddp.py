@@ -14,7 +14,13 @@ import socket
 import subprocess
 import sys
 
-import torch
+if __name__ == "__main__" and "LOCAL_RANK" not in os.environ and "spawn" not in sys.argv:
+    # torchrun is yet to start the ranks: this process only starts it (torchrun's own
+    # process imports torch and never trains), and needs no torch itself
+    sys.exit(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", "2", *sys.argv], check=False).returncode)
+
+import torch  # (after the launch above)
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -104,10 +110,7 @@ def main():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         torch.multiprocessing.spawn(spawned, args=(2, port, args), nprocs=2)
-    elif "LOCAL_RANK" not in os.environ:  # not yet launched: start the ranks
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "2", *sys.argv], check=True)
-    else:
+    else:  # a rank torchrun started
         dist.init_process_group("gloo")
         train(dist.get_rank(), dist.get_world_size(), args)
         dist.destroy_process_group()
