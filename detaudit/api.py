@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .analysis.compare import DIVERGENT, Comparison, compare
 from .analysis.diff import GateResult, diff_traces
 from .analysis.ranks import RankAnalysis
-from .analysis.verdict import MISMATCH, REFUSED, Verdict, judge, junit_error
+from .analysis.verdict import MISMATCH, Verdict, judge, junit_error
 from .config import (
     REBUILT_KINDS,
     SCAN,
@@ -36,6 +36,7 @@ from .report import render_console, summarize, write_reports
 from .report.junit import JUnitCase, junit_case
 from .runfolder import (
     COMPLETE,
+    REFUSED,
     RUN_FILE,
     RunFolder,
     RunInfo,

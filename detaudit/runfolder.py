@@ -49,6 +49,9 @@ RUN_FILES = ("run.json", "summary.json", "report.md", "report.html", "report.git
              "*.part")
 COMPLETE = "complete"  # the state of a run that ran to its end
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM)"  # the failure of a repeat cut short
+# a run stopped by bad input found once recording had begun (a planted fault that never
+# fired): the state of its run.json begins so
+REFUSED = "refused"
 # History:
 #   1: first format: probe description, audit config, environment, the trace of repeat 0.
 BASELINE_VERSION = 1
@@ -261,9 +264,11 @@ class RunFolder:
         _writable(self.path.mkdir, self.path, parents=True, exist_ok=True)
         self._lock()
         if (self.path / RUN_FILE).exists():
-            # a run that recorded nothing (its command failed before its first step) holds
-            # nothing to lose: the folder is taken as if overwriting
-            if not self.overwrite and self._holds_records():
+            # a run that recorded nothing (its command failed before its first step), or
+            # that was refused for bad input (what it recorded served to check that input,
+            # a misspelt --inject-fault), holds nothing to lose: the folder is taken as if
+            # overwriting
+            if not self.overwrite and self._holds_records() and not self._refused():
                 self.close()
                 raise TraceError(
                     f"{self.path} already holds a run; choose another --out or pass --overwrite"
@@ -291,6 +296,15 @@ class RunFolder:
     def partial_traces(self) -> list[Path]:
         """The traces repeats are streaming (or left when they stopped), in order."""
         return sorted(self.path.glob("partial-trace-*.json.gz"))
+
+    def _refused(self) -> bool:
+        """Whether the run here was refused for bad input (see REFUSED)."""
+        try:
+            run = read_json(self.path / RUN_FILE, "run file")
+        except TraceError:
+            return False
+        state = run.get("state") if isinstance(run, dict) else None
+        return isinstance(state, str) and state.startswith(REFUSED)
 
     def _holds_records(self) -> bool:
         """Whether a trace here recorded a step (a run that failed in its first step kept

@@ -342,6 +342,14 @@ def test_a_failed_run_keeps_its_error_for_the_report(tmp_path, capsys):
     assert sorted(json.loads((folder / "run.json").read_text())["traces"]) == [
         "trace-0.json.gz", "trace-1.json.gz"]
     assert "needs --repeats 2" not in rendered
+    # what it recorded only served to check the fault: the corrected command takes the
+    # folder without --overwrite (it said "already holds a run"), and that run is kept
+    fixed = ["run", "--probe", str(PROBES / "tiny_cnn.py"), "--inject-fault", "0:1",
+             "--epochs", "1", "--out", str(folder), "--quiet"]
+    assert main(fixed) == 1
+    assert json.loads((folder / "run.json").read_text())["state"] == "complete"
+    assert main(fixed) == 2
+    assert "already holds a run" in capsys.readouterr().err
 
 
 def test_exec_plants_an_op_fault_in_any_module_and_names_the_op_and_its_module(tmp_path):

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..runfolder import INTERRUPTED as CUT_SHORT
+from ..runfolder import REFUSED
 from ..trace import FORWARD, GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE
 from ..words import counted, joined, one_based, op_place
 from .causes import cause_of, first_op, outside_origin_op
@@ -31,8 +32,6 @@ LAST_GRADIENT = "nearest the output of the gradients that differ"
 # loop's own code (a loss term): that op is the first divergence
 OP_OUTSIDE = "origin op"
 NOT_COMPARED = "not compared"  # one run, nothing to compare it with: neither pass nor divergence
-# stopped by bad input found once recording had begun (a planted fault that never fired)
-REFUSED = "refused"
 EXIT_CODES = {
     DETERMINISTIC: EXIT_OK, MATCH: EXIT_OK,
     DIVERGENT: EXIT_DIVERGED, MISMATCH: EXIT_DIVERGED, PROVEN: EXIT_DIVERGED, FAILED: EXIT_CRASH,
