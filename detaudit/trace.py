@@ -117,7 +117,7 @@ RECORD_COLUMNS = (
 CALL_COLUMNS = ("step", "module", "index", "parent", "reads")
 STRESS_COLUMNS = (
     "step", "epoch", "phase", "module", "op", "calls", "stressed", "runs", "distinct",
-    "elements", "differing", "max_abs", "max_ulp", "rel_err",
+    "elements", "differing", "max_abs", "max_ulp", "rel_err", "site",
 )
 
 
@@ -657,6 +657,9 @@ _STRESS_CHECKS = {
     "elements": (_count, _INTEGER), "differing": (_count, _INTEGER),
     "max_abs": (_stat, "a finite number or null"), "max_ulp": _MAYBE_COUNT,
     "rel_err": (_stat, "a finite number or null"),
+    # where the user's code ran it, outside the model in forward ("file:line"; "" elsewhere,
+    # and in traces written before sites were)
+    "site": (_text, "a string"),
 }
 _CALL_CHECKS = {
     "step": (_count, _INTEGER), "module": (_text, "a string"), "index": (_count, _INTEGER),
@@ -813,7 +816,8 @@ def _validated(data: dict[str, Any]) -> dict[str, Any]:
     failure = data.get("failure")
     if failure is not None and not isinstance(failure, str):
         raise _bad("failure", failure, "a string or null")
-    stress = _columns("stress", data.get("stress", {}), _STRESS_CHECKS, required=False)
+    stress = _columns("stress", data.get("stress", {}), _STRESS_CHECKS, required=False,
+                      defaults={"site": str})
     return {
         "probe": probe, "repeat": repeat, "env": env,
         "steps": [_step_info(i, s) for i, s in enumerate(steps)],

@@ -89,6 +89,12 @@ def test_an_op_the_step_runs_outside_the_model_is_proven_there_not_in_the_model(
     result = audit(probe, repeats=2, epochs=1, steps=1)
     assert [(p.module, p.phase, p.base_op) for p in result.comparison.proven] == [
         ("(outside the model)", "forward", "aten.index_put_")]
+    # with the line of the step function that ran it
+    splat = next(n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+                 if "target = votes.new_zeros(CELLS, 1).index_put_(" in line)
+    assert result.comparison.proven[0].site == f"{__file__}:{splat}"
+    assert (f"aten.index_put_ in (outside the model) at test_stress.py:{splat} (forward, "
+            "step 0, epoch 1)") in result.verdict.headline
 
 
 @pytest.mark.parametrize("term, phase, op", [

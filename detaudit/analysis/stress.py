@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..trace import Trace
-from ..words import counted
+from ..words import counted, op_place
 from .knowledge import lookup
 
 
@@ -29,6 +29,7 @@ class StressedOp:
     first_epoch: int = 0  # the first epoch whose stressed step ran it
     steps: list[int] = field(default_factory=list)
     proof: dict[str, Any] | None = None  # the first row that proved it, with the difference
+    site: str = ""  # outside the model in forward: the user's line (the proving call's)
 
     @property
     def proven(self) -> bool:
@@ -41,7 +42,7 @@ class StressedOp:
 
     def line(self) -> str:
         """One line saying what the re-executions showed."""
-        where = self.module or "(model)"
+        where = op_place({"module": self.module or "(model)", "site": self.site})
         if not self.proven:
             return (f"{self.op} in {where} ({self.phase}) gave one result in {counted(self.runs, 'run')} "
                     f"on identical inputs")
@@ -57,6 +58,7 @@ class StressedOp:
             "calls": self.calls, "stressed": self.stressed, "runs": self.runs,
             "distinct": self.distinct, "proven": self.proven, "epoch": self.first_epoch + 1,
             "steps": self.steps, "proof": self.proof, "line": self.line(),
+            **({"site": self.site} if self.site else {}),
             "what": known[0].what if known else "",
             "remedy": known[0].remedy if known else "",
         }
@@ -81,6 +83,8 @@ def stressed_ops(traces: list[Trace]) -> list[StressedOp]:
             if row["distinct"] > 1 and op.proof is None:
                 op.proof = {k: row[k] for k in ("step", "epoch", "elements", "differing",
                                                  "max_abs", "max_ulp", "rel_err")}
+                op.site = row["site"] or op.site
+            op.site = op.site or row["site"]
             op.distinct = max(op.distinct, row["distinct"])
     ops = list(found.values())
     proven = sorted((o for o in ops if o.proven), key=lambda o: o.proof["step"])

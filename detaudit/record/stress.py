@@ -18,6 +18,7 @@ phase and op, stressed or not. Results are plain rows (``trace.STRESS_COLUMNS``)
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.knowledge import applicable
-from ..trace import STRESS_COLUMNS
+from ..trace import FORWARD, OUTSIDE_MODEL, STRESS_COLUMNS
 from .difference import tensor_difference
 from .fingerprint import fingerprint
 from .oprecorder import (
@@ -39,6 +40,7 @@ from .oprecorder import (
     without_scratch,
 )
 from .recorder import Recorder
+from .sites import user_call_site
 from .structure import iter_tensors
 
 CALLS_PER_OP = 4  # stressed calls of one op in one module per step (the rest are counted)
@@ -68,6 +70,7 @@ class OpStress:
     max_abs: float | None = None  # max |a - b| (floats and integers)
     max_ulp: int | None = None  # max distance in units in the last place (floats)
     rel_err: float | None = None  # max |a - b| / max |a|
+    site: str = ""  # outside the model in forward: the user's line that ran it (see sites)
     seconds: float = 0.0  # time spent re-executing (kept out of the trace)
 
     def row(self) -> dict[str, Any]:
@@ -129,6 +132,8 @@ class StressMode(ModelOpMode):
                     g.set_state(state)
         entry.stressed += 1
         entry.seconds += time.perf_counter() - started
+        if module == OUTSIDE_MODEL and phase == FORWARD and (not entry.site or entry.distinct > 1):
+            entry.site = user_call_site(sys._getframe(1))  # (the first call, or the proving one)
         return out
 
 
