@@ -35,7 +35,7 @@ from torch import nn
 
 import detaudit
 from detaudit.analysis.causes import cause_of, cause_text
-from detaudit.config import LOADED_FROM_EARLIER_RUNS, OP_SITES
+from detaudit.config import FIRST_PASS_UNFINISHED, LOADED_FROM_EARLIER_RUNS, OP_SITES
 from detaudit.drivers.attach import Attachment
 from detaudit.execution import _is_launcher, _script_name
 from detaudit.planting import check_side_fault
@@ -1581,10 +1581,20 @@ def test_max_epochs_that_an_endless_sampler_never_lets_fire_is_said_to(tmp_path)
     report = (tmp_path / "run" / "report.md").read_text()
     assert ("--max-epochs did not end the runs: they ended within their first pass over the "
             "training DataLoader, which is 250,000 batches long, by a step count") in report
-    done = _exec(tmp_path, "--seed", "0", "--max-epochs", "3", "--json", "--overwrite",
-                 script_args=("--workers", "0", "--epochs", "1"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert json.loads(done.stdout)["first_pass_unfinished"] is None
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+    def one_whole_pass():
+        for (x,) in loader:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    trace = _attached(tmp_path / "whole.json.gz", one_whole_pass, max_epochs=3)
+    assert len(trace.steps) == 2 and FIRST_PASS_UNFINISHED not in trace.probe
 
 
 SWA_SCRIPT = """
@@ -4287,9 +4297,33 @@ def test_exec_of_a_script_that_starts_torchrun_records_each_rank_in_sync(tmp_pat
 
 def test_a_fault_named_without_ddps_prefix_is_planted_in_the_module_inside_ddp(tmp_path):
     """The report names a DDP model's layers with DDP's `module.` prefix; --inject-fault
-    takes them with or without it."""
-    done = _exec_ddp(tmp_path, "--max-steps", "3", "--json", "--inject-fault", "2@backward:1",
-                     script_args=("--launch", "torchrun"))
+    takes them with or without it. (One rank: the names are no rank's; the faults planted
+    in ranks are in the FSDP and tensor-parallel tests.)"""
+    script = tmp_path / "ddp_alone.py"
+    script.write_text(textwrap.dedent("""\
+        import socket
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(
+            nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(12, 8), torch.randint(0, 3, (12,))
+        for step in range(3):
+            optimizer.zero_grad()
+            batch = slice(4 * step, 4 * step + 4)
+            nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+            optimizer.step()
+        dist.destroy_process_group()
+        """))
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--json", "--seed", "0",
+                   "--inject-fault", "2@backward:1", "--", sys.executable, str(script))
     assert done.returncode == 1, done.stdout + done.stderr
     summary = json.loads(done.stdout)
     first = summary["first_divergence"]
