@@ -192,6 +192,25 @@ def test_op_granularity_drill_down_uses_the_recorded_ops(phase, op):
     assert result.investigations["ops"]["knowledge"] == []
 
 
+@pytest.mark.parametrize("phase,op", [("forward", "aten.convolution"),
+                                      ("backward", "aten.convolution_backward")])
+def test_the_zoom_measures_the_planted_op_from_its_own_replays(monkeypatch, phase, op):
+    """The zoom's replays keep the outputs of the op a fault plants (and of risky ops): the
+    origin's difference is measured from them, with no replay of each repeat again."""
+    from detaudit.investigate import drilldown
+
+    def replayed(*args, **kwargs):
+        raise AssertionError("the repeats were replayed again to capture the op's outputs")
+
+    monkeypatch.setattr(drilldown, "_capture", replayed)
+    fault = Fault("block1.conv", phase, 1, op="aten.convolution")
+    result = audit(small_cnn_probe, repeats=2, epochs=1, stress=0, fault=fault)
+    assert result.investigations["zoom"]["status"] == "found"
+    origin = result.investigations["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["phase"]) == (op, "block1.conv", phase)
+    assert origin["max_ulp"] == 1 and origin["elements"] >= 1 and origin["planted"]
+
+
 def test_tensor_difference_counts_elements_ulps_and_relative_error():
     a = torch.tensor([1.0, -2.0, 0.0, 4.0])
     b = a.clone()

@@ -19,6 +19,7 @@ from detaudit import Fault, Probe, audit
 from detaudit.analysis.verdict import PROVEN
 from detaudit.cli import main
 from detaudit.errors import EXIT_DIVERGED, EXIT_OK, TraceError
+from detaudit.investigate import drilldown
 from detaudit.report import render_console, render_markdown
 from detaudit.trace import Trace
 
@@ -100,7 +101,7 @@ def test_an_op_the_step_runs_outside_the_model_is_proven_there_not_in_the_model(
 @pytest.mark.parametrize("term, phase, op", [
     ("splat", "forward", "aten.index_put_"), ("gather", "backward", "aten.index_put")])
 def test_a_loss_term_racing_outside_the_model_is_the_first_divergence_not_a_module(
-        two_threads, term, phase, op):
+        two_threads, monkeypatch, term, phase, op):
     """The loop adds a loss term that races: a splat of the model's loss (its forward), or
     a penalty gathering the last layer's weight at duplicate indices (its backward). The
     modules only see a gradient that differs: the headline named the first of them
@@ -125,6 +126,11 @@ def test_a_loss_term_racing_outside_the_model_is_the_first_divergence_not_a_modu
         return Probe(model=model, batches=[torch.randn(8, 4, generator=g)] * 2, step=step,
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
 
+    def replayed(*args, **kwargs):
+        raise AssertionError("the repeats were replayed again to capture the op's outputs")
+
+    # the zoom's replays kept the racing op's outputs: its difference is the one they saw
+    monkeypatch.setattr(drilldown, "_capture", replayed)
     for _ in range(6):  # (the race fires in most runs of 2 repeats, and in most replays)
         result = audit(probe, repeats=2, epochs=1)
         if (result.investigations.get("zoom") or {}).get("status") == "found":
@@ -139,6 +145,7 @@ def test_a_loss_term_racing_outside_the_model_is_the_first_divergence_not_a_modu
     assert (f", {phase}, (outside the model) (origin op); cause: {phase}; op: {op} in "
             f"(outside the model){site}") in result.verdict.headline
     assert result.summary["ops"][0].get("site", "").endswith(site.removeprefix(" at "))
+    assert result.summary["ops"][0]["elements"] >= 1  # measured
 
 
 def test_duplicate_index_gather_backward_ends_nonzero_every_time(two_threads):

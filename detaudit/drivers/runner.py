@@ -67,6 +67,10 @@ class OpPlan:
     zoom: frozenset[int] = frozenset()  # steps of a scanned run recorded at module level
     stress: frozenset[int] = frozenset()  # steps whose risky ops the last repeat re-executes
     modes: list[OpRecorder] = field(default_factory=list)  # the census modes, once run
+    # where ops are recorded: keep the outputs of risky ops, and of the op a fault planted
+    # in any repeat names (see OpRecorder)
+    keep_risky: bool = False
+    keep_planted: Fault | None = None
     # step -> module calls during which Python's or numpy's RNG advanced (op-recorded steps
     # of every repeat run with this plan)
     host_draws: dict[int, set[tuple[str, int]]] = field(default_factory=dict)
@@ -471,7 +475,9 @@ def _op_scope(
     capture = ops.capture if ops is not None and ops.last_step == step else None
     if not (record or census or capture or (fault is not None and fault.op and fault.step == step)):
         return stressing if stressing is not None else contextlib.nullcontext()
-    mode = OpRecorder(recorder, step, record=record, fault=fault, census=census, capture=capture)
+    mode = OpRecorder(recorder, step, record=record, fault=fault, census=census, capture=capture,
+                      keep_risky=record and ops is not None and ops.keep_risky,
+                      keep_planted=ops.keep_planted if record and ops is not None else None)
     if ops is not None:
         ops.modes.append(mode)
     return mode if stressing is None else _Stacked(stressing, mode)

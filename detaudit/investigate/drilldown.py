@@ -31,13 +31,16 @@ def drill_down(
     factory: ProbeFactory | None, config: AuditConfig, comparison: Comparison,
     spec: ProbeSpec | None = None, traces: list[Trace] | None = None,
     host_draws: set[tuple[str, int]] | None = None,
+    kept: list[dict[tuple[str, str, int, str], list[torch.Tensor]]] | None = None,
 ) -> dict[str, Any] | None:
     """Plain data for the report: the differing ops of the first divergent step, the
     measured difference of the first origin op, and what is known about it. `traces`
     that already hold op-level records (``granularity="op"``, a zoom) spare the replay;
     `host_draws` are the module calls of their step where Python's or numpy's RNG advanced.
     Without a `factory` (a command's runs, which cannot be rebuilt here) the op is named from
-    `traces` and its difference is not captured."""
+    `traces` and its difference is not captured. `kept`: per repeat, the outputs of the
+    risky ops those traces' replays kept (see OpPlan.keep_risky): an origin among them is
+    measured from them, as the traces compared it, with no replay."""
     step = comparison.first_step
     if step is None:
         return None
@@ -71,8 +74,8 @@ def drill_down(
     }
     if origins:
         first = origins[0]
-        out["difference"] = (_capture_difference(factory, config, first, spec)
-                             if factory is not None else None)
+        out["difference"] = _kept_difference(first, kept) or (
+            _capture_difference(factory, config, first, spec) if factory is not None else None)
         device = str(torch.device(config.device))
         planted = _is_planted(config.fault, first)
         # a planted fault's remedy is to stop planting it, not the op's known remedies
@@ -156,6 +159,22 @@ def _op_row(f: OpFinding) -> dict[str, Any]:
         "index": f.index, "role": f.role, "outputs": f.slots, "differing": f.differing,
         "repeats": f.repeats, **({"site": f.site} if f.site else {}),
     }
+
+
+def _kept_difference(
+    origin: OpFinding, kept: list[dict[tuple[str, str, int, str], list[torch.Tensor]]] | None,
+) -> dict[str, Any] | None:
+    """How far apart the origin op's outputs are in the replays that kept them (None where
+    they did not keep them all, or they agree)."""
+    key = origin.key[1:]
+    if not kept or key not in kept[0]:
+        return None
+    for repeat in [origin.other_repeat] + [r for r in range(1, len(kept))
+                                           if r != origin.other_repeat]:
+        for a, b in zip(kept[0][key], kept[repeat].get(key) or []):
+            if not identical(a, b):
+                return tensor_difference(a, b)
+    return None
 
 
 def _capture_difference(

@@ -56,12 +56,20 @@ def zoom(
     made each in its own process too (a probe file or a built-in probe: `spec`)."""
     plans: dict[int, OpPlan] = {}
     replayed_apart = False
+    kept: list[dict[tuple[str, str, int, str], list]] = []  # per repeat: see OpPlan.keep_risky
 
     def replay(step: int) -> list[Trace]:
         nonlocal replayed_apart
-        replayed_apart, plans[step] = False, _plan(step)
-        return [run_repeat(factory, config, r, spec, ops=plans[step])[0]
-                for r in range(config.repeats)]
+        replayed_apart, plans[step] = False, replace(_plan(step), keep_risky=True,
+                                                     keep_planted=config.fault)
+        traces = []
+        kept.clear()
+        for r in range(config.repeats):
+            modes = len(plans[step].modes)
+            traces.append(run_repeat(factory, config, r, spec, ops=plans[step])[0])
+            kept.append({key: outputs for mode in plans[step].modes[modes:]
+                         for key, outputs in mode.kept.items()})
+        return traces
 
     def replay_apart(step: int) -> list[Trace]:
         nonlocal replayed_apart
@@ -78,7 +86,8 @@ def zoom(
         # an op's difference is captured by replaying here, where apart ones need not part
         return drill_down(None if replayed_apart else factory,
                           replace(config, granularity="module"), zoomed, spec, traces,
-                          plans[step].host_draws.get(step, set()))
+                          plans[step].host_draws.get(step, set()),
+                          kept=None if replayed_apart else kept)
 
     can_part = apart and spec is not None and spec.kind != "python"
     return zoom_by_replay(comparison, replay, drill, tries, replay_apart if can_part else None)

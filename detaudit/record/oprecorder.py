@@ -31,12 +31,16 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from ..analysis.knowledge import lookup
 from ..config import ANY_MODULE, Fault
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
 from .fingerprint import storage_address
 from .recorder import Call, Recorder
 from .sites import user_call_site
 from .structure import has_ulps, is_dtensor, iter_tensors, next_ulp, on_local, some_nonzero
+
+# the outputs of risky ops a zoomed step keeps, per repeat (see OpRecorder.keep_risky)
+KEPT_BYTES = 512 * 2**20
 
 # Ops that only re-label memory or metadata: their outputs are their inputs.
 PASSTHROUGH_OPS = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}
@@ -228,7 +232,12 @@ class OpRecorder(ModelOpMode):
     def __init__(
         self, recorder: Recorder, step: int, *, record: bool = True, fault: Fault | None = None,
         census: bool = False, capture: tuple[str, str, int, str] | None = None,
+        keep_risky: bool = False, keep_planted: Fault | None = None,
     ) -> None:
+        """`keep_risky`, where ops are recorded: a copy of the outputs of each op known to be
+        possibly nondeterministic, and of the op `keep_planted` (a fault any repeat plants)
+        names, is kept (:attr:`kept`, up to KEPT_BYTES), so that the difference of one found
+        to part the runs is measured without replaying them."""
         super().__init__(recorder)
         self.step = step
         self.record = record
@@ -236,6 +245,11 @@ class OpRecorder(ModelOpMode):
         self.census = census
         self.capture = capture  # (op phase, module, call, "op<k>/<name>"): keep its outputs
         self.captured: list[torch.Tensor] | None = None
+        self.keep_risky = keep_risky
+        self.keep_planted = keep_planted if keep_planted is not None and keep_planted.op else None
+        # (op phase, module, call, "op<k>/<name>") -> copies of its outputs (see keep_risky)
+        self.kept: dict[tuple[str, str, int, str], list[torch.Tensor]] = {}
+        self._kept_bytes = 0
         # (module, phase, op, its `accumulate` argument or None) -> calls
         self.counts: Counter[tuple[str, str, str, bool | None]] = Counter()
         self.alerts: list[Alert] = []
@@ -309,7 +323,30 @@ class OpRecorder(ModelOpMode):
         if prefix and self.capture == (op_phase, module, index, prefix):
             self.captured = [t.detach().to("cpu", copy=True) for _, t
                              in iter_tensors(without_scratch(func, (), {}, out)[2])]
+        if prefix and self.record and self.keep_risky:
+            self._keep_if_risky((op_phase, module, index, prefix), name, phase,
+                                accumulate_arg(func, args, kwargs), func, args, kwargs, out)
         return out
+
+    def _keep_if_risky(self, key: tuple[str, str, int, str], name: str, phase: str,
+                       accumulate: bool | None, func: Any, args: tuple, kwargs: dict,
+                       out: Any) -> None:
+        """Keep a copy of the outputs of an op known to be possibly nondeterministic, or of
+        the planted one."""
+        outputs = [t for _, t in iter_tensors(
+            without_scratch(func, (), {}, out)[2] if out is not None
+            or not func._schema.is_mutable else written_arguments(func, args, kwargs))]
+        planted = self.keep_planted
+        if not outputs or not (
+                lookup(name, phase, outputs[0].device.type, accumulate)
+                or planted is not None and planted.phase == phase and planted.step == self.step
+                and planted.module in (ANY_MODULE, key[1]) and op_matches(planted.op, name, phase)):
+            return
+        size = sum(t.numel() * t.element_size() for t in outputs)
+        if self._kept_bytes + size <= KEPT_BYTES:
+            with _disable_current_modes():
+                self.kept[key] = [t.detach().to("cpu", copy=True) for t in outputs]
+            self._kept_bytes += size
 
     def _run_catching_alert(self, func: Any, args: tuple, kwargs: dict, alert: Alert) -> Any:
         """Run the op with alerts as errors, so that each one is seen at the op that raised
