@@ -370,6 +370,12 @@ def written_by_an_earlier_run(path: str | os.PathLike, since_ns: int, began_ns: 
     return since_ns <= os.stat(path).st_mtime_ns < began_ns
 
 
+def kept_path(trace: str | Path) -> Path:
+    """Where the op outputs a zoom replay of a command kept lie, beside its trace (see
+    OpRecorder.kept)."""
+    return Path(f"{trace}.kept.pt")
+
+
 def rank_trace_path(path: str | Path, rank: int) -> Path:
     """Where rank `rank` of a distributed command writes the trace the job names `path`."""
     path = Path(path)

@@ -54,6 +54,8 @@ from .config import (
     Fault,
     ProbeSpec,
     fault_not_fired,
+    kept_path,
+    rank_trace_path,
     written_by_an_earlier_run,
 )
 from .errors import DetauditError
@@ -287,10 +289,26 @@ def _clear_stepless(path: Path) -> None:
 
 
 def _clear_attached(folder: Path, repeat: int) -> None:
-    """The command's own trace files of one run, once the folder holds them."""
+    """The command's own trace files of one run (and the op outputs a zoom replay kept),
+    once the folder holds them."""
     stem = _attach_name(repeat).removesuffix(".json.gz")
     for path in [folder / _attach_name(repeat), *folder.glob(f"{stem}-r*.json.gz")]:
         path.unlink(missing_ok=True)
+        kept_path(path).unlink(missing_ok=True)
+
+
+def _kept_outputs(folder: Path, repeat: int, rank: int | None
+                  ) -> dict[tuple[str, str, int, str], list[Any]]:
+    """The op outputs one zoom replay kept (of `rank`'s process; see kept_path): {} where
+    it kept none, or they cannot be read."""
+    import torch
+
+    trace = folder.absolute() / _attach_name(repeat)
+    path = kept_path(trace if rank is None else rank_trace_path(trace, rank))
+    try:
+        return torch.load(path, weights_only=True) if path.exists() else {}
+    except Exception:  # noqa: BLE001 -- a measurement forgone, not the verdict's
+        return {}
 
 
 def _zoom_command(
@@ -309,6 +327,7 @@ def _zoom_command(
     from .investigate.zoom import zoom_by_replay
 
     zoomed_rank: tuple[int | None, list[int]] = (rank, [])
+    kept: list[dict[tuple[str, str, int, str], list[Any]]] = []  # per run: see kept_path
 
     def replay(step: int) -> list[AnyTrace]:
         # a fault planted after the step (a real divergence came first) is not reached
@@ -326,6 +345,7 @@ def _zoom_command(
         if ranks is not None and rank is not None:
             zoomed_rank = _furthest_upstream(runs, step, ranks, rank, comparison.idle_rng)
         replayed = _of_rank(runs, zoomed_rank[0])
+        kept[:] = [_kept_outputs(folder.path, r, zoomed_rank[0]) for r in range(job.repeats)]
         for trace in replayed:
             folder.add_zoom_trace(trace)  # moved out of the command's own files, cleared next
         for r in range(job.repeats):
@@ -333,7 +353,8 @@ def _zoom_command(
         return replayed
 
     def drill(zoomed: Comparison, traces: list[Trace]) -> dict[str, Any] | None:
-        return drill_down(None, replace(config, granularity="module"), zoomed, spec, traces)
+        return drill_down(None, replace(config, granularity="module"), zoomed, spec, traces,
+                          kept=kept if len(kept) == len(traces) else None)
 
     found, traces = zoom_by_replay(comparison, replay, drill, job.zoom_tries)
     if not traces:  # intermittent: the replays kept nothing to list
@@ -404,6 +425,9 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         # the first run checks the fault the last plants (see Attachment.check_fault)
         "check_fault": asdict(job.fault) if job.fault is not None and repeat == 0
         and zoom is None and job.repeats > 1 else None,
+        # a zoom replay keeps the outputs of the planted op (and of risky ops), to measure
+        "keep_planted": asdict(job.fault) if job.fault is not None and zoom is not None
+        else None,
     })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:

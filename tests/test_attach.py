@@ -121,17 +121,20 @@ def test_a_fault_in_the_backward_of_a_layer_whose_weight_is_tied_names_that_laye
     """nanoGPT ties its embedding's weight to its output layer's: the weight is recorded
     under its first name (classes.weight here), and a fault planted in the output layer's
     weight-gradient op was headlined at the embedding. The op names the layer. (Also what
-    any planted op fault shows under exec: the op named, its difference not measured.)"""
+    any planted op fault shows under exec: the op named, its difference measured.)"""
     fault = "head/aten.mm@backward:1"
     done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", "--inject-fault", fault,
                  script_args=("--tied", "--workers", "0", "--accumulate", "1"))
     run = _planted_and_zoomed(tmp_path, done, fault)
     origin = run["extra"]["ops"]["ops"][0]
     assert (origin["op"], origin["module"], origin["role"]) == ("aten.mm", "head", "origin")
-    # a command's runs are not rebuilt to measure the op's difference: no empty columns
+    # the zoom's replays kept the planted op's outputs: its 1 ULP is measured (it was not,
+    # for a command's runs, which are not rebuilt to capture it), and the kept files gone
+    assert (origin["elements"], origin["max_ulp"]) == (1, 1)
     report = (tmp_path / "run" / "report.md").read_text()
-    assert "| elements differing |" not in report
-    assert "(detaudit run), not for a command's runs" in report
+    assert "| elements differing |" in report
+    assert "not for a command's runs" not in report
+    assert not list((tmp_path / "run").glob("*.kept.pt"))
     summary = json.loads(done.stdout)
     first = summary["first_divergence"]
     assert (first["module"], first["phase"], first["step"], first["slots"]) == (
@@ -162,6 +165,7 @@ def test_exec_finds_a_real_race_in_the_script_and_names_its_op(tmp_path, update)
         return
     origin = run["extra"]["ops"]["ops"][0]
     assert (origin["module"], origin["op"]) == ("gather", "aten.index_put")
+    assert origin["elements"] >= 1  # measured from the outputs the replays kept
     assert summary["first_divergence"]["module"] == "gather"
     assert summary["cause"]["kind"] == "backward"
 

@@ -61,6 +61,7 @@ from ..config import (
     TIED_PARAMETERS,
     TRAIN,
     Fault,
+    kept_path,
 )
 from ..errors import DetauditError
 from ..planting import fault_target
@@ -117,6 +118,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         planted_step: int | None = None, mode: str = AUTO,
         claim: Callable[[], bool] | None = None, stress: int = 0,
         stress_every_op: bool = False, check_fault: Fault | None = None,
+        keep_planted: Fault | None = None,
     ) -> None:
         """`claim`, where other processes may record the same trace: asked as the first step
         begins whether this process records it; where not, it records nothing and detaches
@@ -142,6 +144,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         # a fault another run plants: this one ends at the step after it where it cannot
         # fire there (a misspelt module), so that the audit refuses it without a whole run
         self.check_fault = check_fault
+        # the fault a run of the audit plants: the zoomed step keeps its op's outputs (and
+        # those of risky ops) beside the trace, for the audit to measure (see kept_path)
+        self.keep_planted = keep_planted
         self._stress: StressMode | None = None
         self._init_side_calls()
         self._loop_thread = threading.get_ident()  # the first step's (see _no_call_of_the_loop)
@@ -545,7 +550,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if step == self.zoom or (self.fault is not None and self.fault.op
                                  and self.fault.step == step):
             self._ops = OpRecorder(self.recorder, step, record=step == self.zoom,
-                                   fault=self.fault)
+                                   fault=self.fault, keep_risky=step == self.zoom,
+                                   keep_planted=self.keep_planted)
             self._ops.__enter__()
         if step == 0 and any(map(_in_shared_memory, self.recorder.trainable_parameters())):
             self.trace.probe[SHARED_PARAMETERS] = True
@@ -655,6 +661,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             ops.__exit__(None, None, None)
             if self.recorder is not None and self.recorder.op_sites:
                 self.trace.probe[OP_SITES] = dict(self.recorder.op_sites)
+            if ops.kept:
+                torch.save(ops.kept, kept_path(self.path))
         if self._stress is not None:
             stress, self._stress = self._stress, None
             stress.__exit__(None, None, None)

@@ -230,7 +230,9 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
                             stress=int(job.get("stress") or 0),
                             stress_every_op=bool(job.get("stress_every_op")),
                             check_fault=Fault(**job["check_fault"]) if rank is None
-                            and job.get("check_fault") else None)
+                            and job.get("check_fault") else None,
+                            keep_planted=Fault(**job["keep_planted"])
+                            if job.get("keep_planted") else None)
     attachment.on_limit = functools.partial(_end_at_the_limit, attachment)
     attachment.install()
     _LINE_ENDS.follow(attachment)

@@ -40,7 +40,7 @@ from .sites import user_call_site
 from .structure import has_ulps, is_dtensor, iter_tensors, next_ulp, on_local, some_nonzero
 
 # the outputs of risky ops a zoomed step keeps, per repeat (see OpRecorder.keep_risky)
-KEPT_BYTES = 512 * 2**20
+KEPT_BYTES = 256 * 2**20
 
 # Ops that only re-label memory or metadata: their outputs are their inputs.
 PASSTHROUGH_OPS = {"aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense"}

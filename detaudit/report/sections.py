@@ -354,7 +354,7 @@ def _first(s: dict[str, Any]) -> Section | None:
         keys = ("op", "module", "phase", "role", "elements", "max_abs_diff", "max_ulp",
                 "rel_error")
         measured = any(o.get("elements") is not None for o in ops)
-        if not measured:  # a command's runs (exec) cannot be rebuilt to measure it
+        if not measured:  # (a command's op that its zoom did not keep: not measured)
             headers, keys = headers[:4], keys[:4]
         blocks.append(Table(
             "ops of the first divergent step (op-level replay)", headers,
@@ -362,8 +362,10 @@ def _first(s: dict[str, Any]) -> Section | None:
             key="ops", fold=len(ops) > 10,
         ))
         if not measured:
-            blocks.append(Text("How much each op's outputs differ is measured where detaudit "
-                               "builds the runs itself (detaudit run), not for a command's runs."))
+            blocks.append(Text(
+                "How much each op's outputs differ is measured where detaudit builds the runs "
+                "itself (detaudit run); for a command's runs, only where the zoom kept the op's "
+                "outputs: an op known to be possibly nondeterministic, or a planted one."))
     drill = s.get("op_drill_down") or {}
     if drill.get("error"):
         blocks.append(Text(f"The op-level replay failed: {drill['error']}"))
