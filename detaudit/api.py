@@ -31,11 +31,12 @@ from .config import (
     Launch,
     ProbeSpec,
 )
-from .errors import EXIT_USAGE, DetauditError, ProbeError
+from .errors import EXIT_USAGE, DetauditError, FaultRefused, ProbeError
 from .report import render_console, summarize, write_reports
 from .report.junit import JUnitCase, junit_case
 from .runfolder import (
     COMPLETE,
+    FAULT_REFUSED,
     REFUSED,
     RUN_FILE,
     RunFolder,
@@ -253,7 +254,7 @@ def run(
             mark_interrupted(folder)
             raise
         except BaseException as exc:
-            folder.set_state(stopped_state(folder.info.state, exc))
+            mark_stopped(folder, exc)
             if (isinstance(folder, RunFolder) and folder.info.state.startswith(REFUSED)
                     and not folder.info.traces and not folder.partial_traces()):
                 folder.discard()  # bad input, found before anything was recorded
@@ -263,6 +264,14 @@ def run(
                     "was recorded")
                 _render_what_was_recorded(folder)
             raise
+
+
+def mark_stopped(folder: RunFolder | _Unsaved, exc: BaseException) -> None:
+    """Set the folder's state once `exc` stopped the run (see stopped_state), noting a run
+    refused for its fault (see runfolder.FAULT_REFUSED)."""
+    if isinstance(exc, FaultRefused):
+        folder.info.extra[FAULT_REFUSED] = True
+    folder.set_state(stopped_state(folder.info.state, exc))
 
 
 def stopped_state(state: str, exc: BaseException) -> str:

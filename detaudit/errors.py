@@ -15,6 +15,11 @@ class DetauditError(Exception):
     exit_code = EXIT_USAGE
 
 
+class FaultRefused(DetauditError):
+    """A fault to plant (``--inject-fault``) that cannot be planted where it was asked, or
+    that never fired: what a run recorded before it was refused served only to try it."""
+
+
 class TraceError(DetauditError):
     """A trace or run folder that cannot be read."""
 

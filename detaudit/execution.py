@@ -28,8 +28,8 @@ from .api import (
     Progress,
     check_fault_seen,
     mark_interrupted,
+    mark_stopped,
     needs_zoom,
-    stopped_state,
 )
 from .attached import Compared, conclude
 from .config import (
@@ -176,7 +176,7 @@ def exec_command(
             mark_interrupted(folder)
             raise
         except BaseException as exc:
-            folder.set_state(stopped_state(folder.info.state, exc))
+            mark_stopped(folder, exc)
             raise
         return conclude(traces, info, folder, timings, zoomed, ranks, comparison)
 
@@ -259,6 +259,7 @@ def _keep_partial(folder: RunFolder, repeat: int) -> None:
     if folder.info.state.startswith("investigating"):
         for path in folder.path.glob(_attach_name("*")):
             path.unlink(missing_ok=True)
+            kept_path(path).unlink(missing_ok=True)
         return
     for rank, trace in _recorded(folder.path / _attach_name(repeat)).items():
         trace.failure = trace.failure or INTERRUPTED
@@ -434,6 +435,9 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         env.setdefault("PYTHONHASHSEED", str(job.seed % 2**32))
     _claimant(path)  # (a claim an earlier run left, killed before it was read)
     _clear_stepless(path)  # (what a killed audit left in the folder)
+    stem = _attach_name(repeat).removesuffix(".json.gz")
+    for kept in [kept_path(path), *folder.glob(kept_path(f"{stem}-r*.json.gz").name)]:
+        kept.unlink(missing_ok=True)  # (the same: never paired with this run's trace)
     started = time.perf_counter()
     try:
         if isinstance(stdin, _Rewound):

@@ -20,7 +20,7 @@ from .config import (
     nearest_modules,
     scripted_fault,
 )
-from .errors import DetauditError
+from .errors import FaultRefused
 from .trace import FORWARD, STATE, AnyTrace
 
 # why a fault at step 0 may find no module: models other than the first are named later
@@ -39,14 +39,14 @@ def fault_target(fault: Fault, trace: AnyTrace) -> Fault:
     if trace.failure is not None:
         return fault  # the failure is the finding
     if len(trace.steps) <= fault.step:
-        raise DetauditError(
+        raise FaultRefused(
             f"--inject-fault plants at step {fault.step}, but the command ran "
             f"{len(trace.steps)} step{'' if len(trace.steps) == 1 else 's'} "
             f"(0 to {len(trace.steps) - 1})")
     check_side_fault(fault, trace.probe.get(SIDE_MODELS) or [])
     said = scripted_fault(fault.module, trace.probe.get(SCRIPTED) or ())
     if said is not None:
-        raise DetauditError(f"--inject-fault: {said}")
+        raise FaultRefused(f"--inject-fault: {said}")
     modules: set[str] = set()
     ran: set[str] = set()  # (and the model itself, "")
     owners: set[str] = set()  # modules with parameters, called or not
@@ -63,7 +63,7 @@ def fault_target(fault: Fault, trace: AnyTrace) -> Fault:
         if wrapped is not None:
             return replace(fault, module=wrapped)
         if fault.module in owners:
-            raise DetauditError(
+            raise FaultRefused(
                 f"--inject-fault: the model has a module {fault.module!r}, but it was not seen "
                 f"running at step {fault.step} (" + (KNOWN_LATER if fault.step == 0 else
                                                      "a layer the forward never calls, or "
@@ -71,7 +71,7 @@ def fault_target(fault: Fault, trace: AnyTrace) -> Fault:
         hint = (nearest_modules(fault.module, sorted(modules), "modules that ran") if modules
                 else "the model ran no submodule there (it has none, or calls none): name "
                      f"the model itself, {ROOT_NAME}")  # (a bare nn.Linear)
-        raise DetauditError(
+        raise FaultRefused(
             f"--inject-fault: no module {fault.module!r} ran at step {fault.step}; {hint}")
     return fault
 
@@ -98,7 +98,7 @@ def check_side_fault(fault: Fault, sides: list[str]) -> None:
     if side is None or (fault.module == side and (fault.phase == FORWARD or fault.op)):
         return
     where = f"{side!r} is" if fault.module == side else f"{fault.module!r} is inside {side!r},"
-    raise DetauditError(
+    raise FaultRefused(
         f"--inject-fault: {where} a model the loop calls apart (no optimizer trains it), recorded by its calls' inputs and output: plant at its output "
         f"(--inject-fault {side}@forward:{fault.step}) or at an op in it "
         f"({side}/OP@forward:{fault.step})")

@@ -45,13 +45,16 @@ LOCK_FILE = ".detaudit.lock"
 # What a run leaves in its folder (removed by --overwrite before a new run starts).
 RUN_FILES = ("run.json", "summary.json", "report.md", "report.html", "report.github.html",
              "launch.log", "trace-*.json.gz", "zoom-*.json.gz", "timing-*.json", "job-*.json",
-             "rank-*.json", "attach-*.json.gz", "partial-*.json.gz",
+             "rank-*.json", "attach-*.json.gz", "attach-*.kept.pt", "partial-*.json.gz",
              "*.part")
 COMPLETE = "complete"  # the state of a run that ran to its end
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM)"  # the failure of a repeat cut short
 # a run stopped by bad input found once recording had begun (a planted fault that never
 # fired): the state of its run.json begins so
 REFUSED = "refused"
+# the key in run.json's extra of a run refused for its fault (errors.FaultRefused): what it
+# recorded served only to try that fault, and the next command may take its folder
+FAULT_REFUSED = "fault_refused"
 # History:
 #   1: first format: probe description, audit config, environment, the trace of repeat 0.
 BASELINE_VERSION = 1
@@ -265,10 +268,10 @@ class RunFolder:
         self._lock()
         if (self.path / RUN_FILE).exists():
             # a run that recorded nothing (its command failed before its first step), or
-            # that was refused for bad input (what it recorded served to check that input,
-            # a misspelt --inject-fault), holds nothing to lose: the folder is taken as if
+            # that was refused for its fault (what it recorded served to try that fault, a
+            # misspelt --inject-fault), holds nothing to lose: the folder is taken as if
             # overwriting
-            if not self.overwrite and self._holds_records() and not self._refused():
+            if not self.overwrite and self._holds_records() and not self._fault_refused():
                 self.close()
                 raise TraceError(
                     f"{self.path} already holds a run; choose another --out or pass --overwrite"
@@ -297,14 +300,14 @@ class RunFolder:
         """The traces repeats are streaming (or left when they stopped), in order."""
         return sorted(self.path.glob("partial-trace-*.json.gz"))
 
-    def _refused(self) -> bool:
-        """Whether the run here was refused for bad input (see REFUSED)."""
+    def _fault_refused(self) -> bool:
+        """Whether the run here was refused for its fault (see FAULT_REFUSED)."""
         try:
             run = read_json(self.path / RUN_FILE, "run file")
         except TraceError:
             return False
-        state = run.get("state") if isinstance(run, dict) else None
-        return isinstance(state, str) and state.startswith(REFUSED)
+        extra = run.get("extra") if isinstance(run, dict) else None
+        return isinstance(extra, dict) and extra.get(FAULT_REFUSED) is True
 
     def _holds_records(self) -> bool:
         """Whether a trace here recorded a step (a run that failed in its first step kept

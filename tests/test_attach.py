@@ -2640,6 +2640,22 @@ def test_the_zoomed_step_places_each_op_outside_the_model_at_the_users_line(tmp_
     assert {f"1:{prefix}" for prefix in outside} == set(sites)
 
 
+def test_an_op_detaudits_driver_runs_in_an_installed_probe_has_no_users_line():
+    """A built-in probe installed with detaudit is library code: an op its step runs under
+    `detaudit run` has no line of the user's (it was the console script's, `detaudit:8`)."""
+    from detaudit.record import sites
+
+    installed = os.path.join(sysconfig.get_paths()["purelib"], "detaudit", "probes", "m.py")
+    namespace: dict[str, Any] = {"sys": sys, "site": sites.user_call_site}
+    exec(compile("def step():\n    return site(sys._getframe())\n", installed, "exec"),  # noqa: S102
+         namespace)
+    exec(compile("def run_step():\n    return step()\n",  # noqa: S102
+                 os.path.join(sites.PACKAGE_DIR, "drivers", "runner.py"), "exec"), namespace)
+    assert namespace["run_step"]() == ""
+    line = inspect.currentframe().f_lineno + 1
+    assert namespace["step"]() == f"{__file__}:{line}"  # (called from the user's code)
+
+
 class _ScaledTeacher(nn.Module):
     """A teacher called with a keyword input."""
 
@@ -4272,8 +4288,9 @@ def test_exec_of_a_script_that_starts_torchrun_records_each_rank_in_sync(tmp_pat
     """The script starts torchrun on itself; or a launcher runs torch's elastic agent in
     its own process, as `accelerate launch --multi_gpu` does (its ranks recorded into one
     rank-less trace, each over the other)."""
-    if launch == "torchrun":
-        done = _exec_ddp(tmp_path, "--max-steps", "3", script_args=("--launch", "torchrun"))
+    if launch == "torchrun":  # (torch imported before torchrun starts, as most scripts do)
+        done = _exec_ddp(tmp_path, "--max-steps", "3", script_args=(
+            "--launch", "torchrun", "--import-torch-first"))
     else:
         launcher = tmp_path / "bin" / "accelerate"
         launcher.parent.mkdir()
@@ -4437,13 +4454,12 @@ def test_workers_a_launcher_of_its_own_starts_each_record_their_rank(
         dist.destroy_process_group()
         os.kill(os.getpid(), signal.SIGKILL)
         """))
-    if parent_imports_torch:  # (the launcher, attached itself, ends as its workers are killed)
-        killed = run_cli("exec", "--out", str(tmp_path / "killed"), "--quiet", "--seed", "0",
-                         "--", sys.executable, str(script))
-        assert killed.returncode == 3, killed.stdout + killed.stderr
-        assert ("a worker the command's launcher started, ended without detaudit's exit hook "
-                "running (its launcher ends its workers so, as Ray does) after step 1, the last "
-                "step saved") in killed.stdout, killed.stdout
+    killed = run_cli("exec", "--out", str(tmp_path / "killed"), "--quiet", "--seed", "0",
+                     "--", sys.executable, str(script))
+    assert killed.returncode == 3, killed.stdout + killed.stderr
+    assert ("a worker the command's launcher started, ended without detaudit's exit hook "
+            "running (its launcher ends its workers so, as Ray does) after step 1, the last "
+            "step saved") in killed.stdout, killed.stdout
     done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
                    "--max-steps", "3", "--", sys.executable, str(script))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -97,6 +97,20 @@ from .rankprobe import RankWatch
 from .runner import loss_copy, store_records
 
 
+def _save_kept(kept: dict[Any, list[torch.Tensor]], path: Path) -> None:
+    """Write the op outputs a zoomed step kept for the audit to measure (or remove an older
+    file where it kept none); a failure to is a measurement forgone, never the step's."""
+    try:
+        if not kept:
+            path.unlink(missing_ok=True)
+            return
+        part = path.with_name(path.name + ".part")
+        torch.save(kept, part)
+        part.replace(path)
+    except Exception:  # noqa: BLE001 -- see above
+        return
+
+
 class Attachment(Installing, Updates, Epochs, SideCalls):
     """Records the steps of a loop it does not run, into one trace saved at `path`.
 
@@ -551,7 +565,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
                                  and self.fault.step == step):
             self._ops = OpRecorder(self.recorder, step, record=step == self.zoom,
                                    fault=self.fault, keep_risky=step == self.zoom,
-                                   keep_planted=self.keep_planted)
+                                   keep_planted=self.keep_planted, env=self.trace.env)
             self._ops.__enter__()
         if step == 0 and any(map(_in_shared_memory, self.recorder.trainable_parameters())):
             self.trace.probe[SHARED_PARAMETERS] = True
@@ -661,8 +675,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             ops.__exit__(None, None, None)
             if self.recorder is not None and self.recorder.op_sites:
                 self.trace.probe[OP_SITES] = dict(self.recorder.op_sites)
-            if ops.kept:
-                torch.save(ops.kept, kept_path(self.path))
+            if ops.record:  # (the zoomed step)
+                _save_kept(ops.kept, kept_path(self.path))
         if self._stress is not None:
             stress, self._stress = self._stress, None
             stress.__exit__(None, None, None)

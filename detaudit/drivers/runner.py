@@ -28,7 +28,7 @@ from ..config import (
     fault_not_fired,
     nearest_modules,
 )
-from ..errors import DetauditError, ProbeError
+from ..errors import DetauditError, FaultRefused, ProbeError
 from ..probe import Probe
 from ..record.environment import capture_environment
 from ..record.fingerprint import Fingerprinter, widest_float
@@ -370,7 +370,7 @@ def run_repeat(
             trace.probe[OP_SITES] = recorder.op_sites
         if (fault is not None and not recorder.fault_fired and trace.failure is None
                 and not _replay_stops_before(ops, fault.step)):
-            raise DetauditError(
+            raise FaultRefused(
                 "the planted fault never fired: "
                 + fault_not_fired(fault, steps_done, recorder.scripted_modules(),
                                   recorder.ops_at_fault))
@@ -407,7 +407,8 @@ def _run_steps(
                 return step
             due = index == 0 if ops is None else step in ops.stress
             stressing = stress.mode(recorder, step, epoch) if stress and due else None
-            scope = _op_scope(recorder, step, fault, ops, stressing, epoch_start=index == 0)
+            scope = _op_scope(recorder, step, fault, ops, stressing, epoch_start=index == 0,
+                              env=trace.env)
             watch = _watch(config, step, ops, scope)
             recorder.begin_step(step, watch)
             recorder.watch_host_rng = ops is not None and ops.records(step)
@@ -466,6 +467,7 @@ def _watch(
 def _op_scope(
     recorder: Recorder, step: int, fault: Fault | None, ops: OpPlan | None,
     stressing: StressMode | None = None, epoch_start: bool = True,
+    env: dict[str, Any] | None = None,
 ) -> contextlib.AbstractContextManager:
     """The op-level modes for this step, or nothing when no op-level work is due. The stress
     mode sits below the op recorder, so it sees each op as it really ran (before a planted
@@ -477,7 +479,8 @@ def _op_scope(
         return stressing if stressing is not None else contextlib.nullcontext()
     mode = OpRecorder(recorder, step, record=record, fault=fault, census=census, capture=capture,
                       keep_risky=record and ops is not None and ops.keep_risky,
-                      keep_planted=ops.keep_planted if record and ops is not None else None)
+                      keep_planted=ops.keep_planted if record and ops is not None else None,
+                      env=env)
     if ops is not None:
         ops.modes.append(mode)
     return mode if stressing is None else _Stacked(stressing, mode)
@@ -593,7 +596,7 @@ def _check_fault_module(fault: Fault, model: torch.nn.Module) -> None:
         return
     hint = nearest_modules(fault.module, names, "its modules") if names else (
         f"it has no submodules: name the model itself, {ROOT_NAME}")
-    raise DetauditError(f"--inject-fault: the model has no module {fault.module!r}; {hint}")
+    raise FaultRefused(f"--inject-fault: the model has no module {fault.module!r}; {hint}")
 
 
 def _replay_stops_before(ops: OpPlan | None, step: int) -> bool:

@@ -2,9 +2,10 @@
 
 The module-level pass says which module call diverged first. The drill-down replays every
 repeat up to that step (same seeds, same planted fault) with the op-level recorder on at
-that step only, finds the first op whose inputs agree and whose outputs do not, and then
-replays two repeats once more to capture just that op's outputs and measure the
-difference: elements differing, max |a - b|, max ULP distance, relative error.
+that step only, finds the first op whose inputs agree and whose outputs do not, and
+measures the difference of that op's outputs: elements differing, max |a - b|, max ULP
+distance, relative error -- from the copies the replays kept (a risky op's, a planted
+one's), or else by replaying two repeats once more to capture just that op's outputs.
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ def drill_down(
     measured difference of the first origin op, and what is known about it. `traces`
     that already hold op-level records (``granularity="op"``, a zoom) spare the replay;
     `host_draws` are the module calls of their step where Python's or numpy's RNG advanced.
-    Without a `factory` (a command's runs, which cannot be rebuilt here) the op is named from
-    `traces` and its difference is not captured. `kept`: per repeat, the outputs of the
-    risky ops those traces' replays kept (see OpPlan.keep_risky): an origin among them is
-    measured from them, as the traces compared it, with no replay."""
+    `kept`: per repeat, the op outputs those traces' replays kept (see OpPlan.keep_risky):
+    an origin among them is measured from them, as the traces compared it, with no replay;
+    otherwise by replaying, and without a `factory` (a command's runs, which cannot be
+    rebuilt here) its difference is not measured."""
     step = comparison.first_step
     if step is None:
         return None

@@ -69,6 +69,8 @@ def zoom(
             traces.append(run_repeat(factory, config, r, spec, ops=plans[step])[0])
             kept.append({key: outputs for mode in plans[step].modes[modes:]
                          for key, outputs in mode.kept.items()})
+            for mode in plans[step].modes[modes:]:
+                mode.kept = {}  # (held once, in `kept`)
         return traces
 
     def replay_apart(step: int) -> list[Trace]:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ..analysis.knowledge import lookup
+from ..analysis.knowledge import applicable
 from ..config import ANY_MODULE, Fault
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
 from .fingerprint import storage_address
@@ -233,11 +233,13 @@ class OpRecorder(ModelOpMode):
         self, recorder: Recorder, step: int, *, record: bool = True, fault: Fault | None = None,
         census: bool = False, capture: tuple[str, str, int, str] | None = None,
         keep_risky: bool = False, keep_planted: Fault | None = None,
+        env: dict[str, Any] | None = None,
     ) -> None:
-        """`keep_risky`, where ops are recorded: a copy of the outputs of each op known to be
-        possibly nondeterministic, and of the op `keep_planted` (a fault any repeat plants)
-        names, is kept (:attr:`kept`, up to KEPT_BYTES), so that the difference of one found
-        to part the runs is measured without replaying them."""
+        """`keep_risky`, where ops are recorded: a copy of the outputs of each op known to
+        make runs differ with the settings `env` records (the stress's risky ops), up to
+        KEPT_BYTES, and of the op `keep_planted` (a fault any repeat plants) names, is kept
+        (:attr:`kept`), so that the difference of one found to part the runs is measured
+        without replaying them."""
         super().__init__(recorder)
         self.step = step
         self.record = record
@@ -247,6 +249,7 @@ class OpRecorder(ModelOpMode):
         self.captured: list[torch.Tensor] | None = None
         self.keep_risky = keep_risky
         self.keep_planted = keep_planted if keep_planted is not None and keep_planted.op else None
+        self.env = env
         # (op phase, module, call, "op<k>/<name>") -> copies of its outputs (see keep_risky)
         self.kept: dict[tuple[str, str, int, str], list[torch.Tensor]] = {}
         self._kept_bytes = 0
@@ -331,22 +334,30 @@ class OpRecorder(ModelOpMode):
     def _keep_if_risky(self, key: tuple[str, str, int, str], name: str, phase: str,
                        accumulate: bool | None, func: Any, args: tuple, kwargs: dict,
                        out: Any) -> None:
-        """Keep a copy of the outputs of an op known to be possibly nondeterministic, or of
-        the planted one."""
+        """Keep a copy of the outputs of a risky op (within KEPT_BYTES), or of the planted
+        one. A copy that fails (out of memory, a tensor of no storage) is a measurement
+        forgone, never the step's failure."""
         outputs = [t for _, t in iter_tensors(
             without_scratch(func, (), {}, out)[2] if out is not None
             or not func._schema.is_mutable else written_arguments(func, args, kwargs))]
-        planted = self.keep_planted
-        if not outputs or not (
-                lookup(name, phase, outputs[0].device.type, accumulate)
-                or planted is not None and planted.phase == phase and planted.step == self.step
-                and planted.module in (ANY_MODULE, key[1]) and op_matches(planted.op, name, phase)):
+        if not outputs or any(map(is_dtensor, outputs)):  # (a shard's: not kept)
             return
-        size = sum(t.numel() * t.element_size() for t in outputs)
-        if self._kept_bytes + size <= KEPT_BYTES:
+        planted = self.keep_planted
+        if planted is not None and planted.phase == phase and planted.step == self.step and (
+                planted.module in (ANY_MODULE, key[1]) and op_matches(planted.op, name, phase)):
+            size = 0  # (one op's outputs: kept whatever the risky ops took)
+        elif applicable(name, phase, outputs[0].device.type, self.env, accumulate):
+            size = sum(t.numel() * t.element_size() for t in outputs)
+            if self._kept_bytes + size > KEPT_BYTES:
+                return
+        else:
+            return
+        try:
             with _disable_current_modes():
                 self.kept[key] = [t.detach().to("cpu", copy=True) for t in outputs]
-            self._kept_bytes += size
+        except Exception:  # noqa: BLE001 -- see above
+            return
+        self._kept_bytes += size
 
     def _run_catching_alert(self, func: Any, args: tuple, kwargs: dict, alert: Alert) -> Any:
         """Run the op with alerts as errors, so that each one is seen at the op that raised

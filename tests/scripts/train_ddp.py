@@ -6,7 +6,9 @@ model is sharded by FSDP2 instead of wrapped in DDP, with ``--fsdp1`` by FSDP1
 (``FullyShardedDataParallel``, one flat parameter), with ``--tp`` split by tensor
 parallelism; in each of those its gradients are clipped. ``--zero``: DDP with a
 ZeroRedundancyOptimizer (each rank updates its partition, then broadcasts it).
-``--noise-on-rank R``: one rank's first layer adds unseeded noise to its output at step 1."""
+``--noise-on-rank R``: one rank's first layer adds unseeded noise to its output at step 1.
+With torchrun the launching process imports no torch (a thin launcher, cheaper to start)
+unless ``--import-torch-first``, as most scripts do: the launcher attached, recording nothing."""
 
 import argparse
 import os
@@ -14,11 +16,17 @@ import socket
 import subprocess
 import sys
 
-if __name__ == "__main__" and "LOCAL_RANK" not in os.environ and "spawn" not in sys.argv:
-    # torchrun is yet to start the ranks: this process only starts it (torchrun's own
-    # process imports torch and never trains), and needs no torch itself
-    sys.exit(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", "2", *sys.argv], check=False).returncode)
+
+def _start_torchrun():
+    """torchrun started on this script (torchrun's own process imports torch and never
+    trains)."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", *sys.argv], check=False).returncode
+
+
+if (__name__ == "__main__" and "LOCAL_RANK" not in os.environ and "spawn" not in sys.argv
+        and "--import-torch-first" not in sys.argv):
+    sys.exit(_start_torchrun())  # (a thin launcher: no torch in this process)
 
 import torch  # (after the launch above)
 import torch.distributed as dist
@@ -102,6 +110,8 @@ def main():
     p.add_argument("--zero", action="store_true", help="a ZeroRedundancyOptimizer (with DDP)")
     p.add_argument("--tp", action="store_true",
                    help="split the model by tensor parallelism (with --shared-data)")
+    p.add_argument("--import-torch-first", action="store_true",
+                   help="start torchrun after importing torch here, as most scripts do")
     p.add_argument("--noise-on-rank", type=int,
                    help="unseeded noise in the first layer's output on this rank, at step 1")
     args = p.parse_args()
@@ -110,6 +120,8 @@ def main():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         torch.multiprocessing.spawn(spawned, args=(2, port, args), nprocs=2)
+    elif "LOCAL_RANK" not in os.environ:  # --import-torch-first: torch is loaded here
+        sys.exit(_start_torchrun())
     else:  # a rank torchrun started
         dist.init_process_group("gloo")
         train(dist.get_rank(), dist.get_world_size(), args)
