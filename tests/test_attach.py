@@ -571,9 +571,15 @@ for step in range(3):
 """
 
 
+_SPLAT_LINE = next(n for n, line in enumerate(_HIDDEN_RACE.splitlines(), 1)
+                   if "index_put_(" in line)
+
+
 @pytest.mark.alone  # (the race must fire: both cores)
 @pytest.mark.parametrize("where, stress, module", [
-    ("outside", "16", "(outside the model)"), ("inside", "16", "1"), ("outside", "0", None)])
+    # outside the model, with the line of the script's code that ran it
+    ("outside", "16", f"(outside the model) at hidden_race.py:{_SPLAT_LINE}"),
+    ("inside", "16", "1"), ("outside", "0", None)])
 def test_exec_proves_a_race_whose_result_the_runs_never_showed(tmp_path, where, stress, module):
     """A splat whose result weighs nothing in the loss: the runs agree bit for bit, and
     exec said DETERMINISTIC (a Mask R-CNN script's race that rounded away did so twice);
