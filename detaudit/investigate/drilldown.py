@@ -18,10 +18,10 @@ import torch
 from ..analysis.compare import ORIGIN, Comparison, OpFinding, compare, compare_ops
 from ..analysis.knowledge import lookup
 from ..analysis.stress import stressed_ops
-from ..config import ANY_MODULE, AuditConfig, Fault, ProbeSpec
+from ..config import AuditConfig, Fault, ProbeSpec
 from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
 from ..record.difference import identical, tensor_difference
-from ..record.oprecorder import op_matches
+from ..record.oprecorder import plants_at
 from ..record.structure import within
 from ..trace import OP_PHASES, Trace
 
@@ -90,9 +90,7 @@ def drill_down(
 
 def _is_planted(fault: Fault | None, op: OpFinding) -> bool:
     """Whether `op` is where an op-level fault was planted."""
-    return (fault is not None and bool(fault.op) and fault.step == op.step
-            and fault.phase == op.phase and fault.module in (ANY_MODULE, op.module)
-            and op_matches(fault.op, op.op, op.phase))
+    return plants_at(fault, op.step, op.module, op.phase, op.op)
 
 
 def _ops_not_recorded(modules: Comparison, step: int, traces: list[Trace]
@@ -170,12 +168,20 @@ def _kept_difference(
     key = origin.key[1:]
     if not kept or key not in kept[0]:
         return None
-    for repeat in [origin.other_repeat] + [r for r in range(1, len(kept))
-                                           if r != origin.other_repeat]:
-        for a, b in zip(kept[0][key], kept[repeat].get(key) or []):
-            if not identical(a, b):
-                return tensor_difference(a, b)
-    return None
+    return next((found for repeat in _others_first(origin, len(kept))
+                 if (found := _difference(kept[0][key], kept[repeat].get(key) or []))), None)
+
+
+def _others_first(origin: OpFinding, repeats: int) -> list[int]:
+    """The repeats besides 0 to measure the origin op in: the one that differed first."""
+    return [origin.other_repeat] + [r for r in range(1, repeats) if r != origin.other_repeat]
+
+
+def _difference(reference: list[torch.Tensor], outputs: list[torch.Tensor]
+                ) -> dict[str, Any] | None:
+    """How far apart the first pair of outputs that differ is (None if none does)."""
+    return next((tensor_difference(a, b) for a, b in zip(reference, outputs)
+                 if not identical(a, b)), None)
 
 
 def _capture_difference(
@@ -188,13 +194,10 @@ def _capture_difference(
     reference = _capture(factory, config, origin, 0, spec)
     if reference is None:
         return None
-    others = [origin.other_repeat] + [r for r in range(1, config.repeats)
-                                      if r != origin.other_repeat]
-    for repeat in others:
-        outputs = _capture(factory, config, origin, repeat, spec) or []
-        for a, b in zip(reference, outputs):
-            if not identical(a, b):
-                return tensor_difference(a, b)
+    for repeat in _others_first(origin, config.repeats):  # (each replayed only if needed)
+        found = _difference(reference, _capture(factory, config, origin, repeat, spec) or [])
+        if found is not None:
+            return found
     return None
 
 

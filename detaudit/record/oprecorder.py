@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ..analysis.knowledge import applicable
+from ..analysis.knowledge import applicable, lookup
 from ..config import ANY_MODULE, Fault
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
 from .fingerprint import storage_address
@@ -133,6 +133,13 @@ def op_matches(pattern: str, op: str, phase: str) -> bool:
     else:
         op, backward = op.rpartition(".")[2], (f"_{pattern}_backward", f"{pattern}_backward")
     return op == pattern or (phase == BACKWARD and op in backward)
+
+
+def plants_at(fault: Fault | None, step: int, module: str, phase: str, op: str) -> bool:
+    """Whether `op`, run in `module` in `phase` at `step`, is the op the op-level `fault`
+    changes (in whichever run plants it)."""
+    return (fault is not None and bool(fault.op) and fault.step == step and fault.phase == phase
+            and fault.module in (ANY_MODULE, module) and op_matches(fault.op, op, phase))
 
 
 @dataclass
@@ -306,7 +313,7 @@ class OpRecorder(ModelOpMode):
         if fault is not None and fault.phase == phase and fault.module in (ANY_MODULE, module):
             if not skip:
                 self.recorder.ops_at_fault.add(name)
-            if not self.recorder.fault_fired and op_matches(fault.op, name, phase):
+            if not self.recorder.fault_fired and plants_at(fault, self.step, module, phase, name):
                 out = self._perturb(func, args, out)
         if prefix and self.record:
             if name in UNINITIALIZED_OPS:
@@ -318,40 +325,35 @@ class OpRecorder(ModelOpMode):
                 # an in-place or out= op's output is its input, whose version counter is
                 # bumped only after this returns: it must not pass for the unchanged input
                 # (nor the result a wait returns for the tensor it was given)
-                mutable = func._schema.is_mutable
                 self.recorder.record(op_phase, module, index, f"{prefix}/out",
-                                     without_scratch(func, (), {}, out)[2] if out is not None
-                                     or not mutable else written_arguments(func, args, kwargs),
-                                     written=mutable or name in WAITS)
+                                     _results(func, args, kwargs, out),
+                                     written=func._schema.is_mutable or name in WAITS)
         if prefix and self.capture == (op_phase, module, index, prefix):
             self.captured = [t.detach().to("cpu", copy=True) for _, t
                              in iter_tensors(without_scratch(func, (), {}, out)[2])]
         if prefix and self.record and self.keep_risky:
-            self._keep_if_risky((op_phase, module, index, prefix), name, phase,
-                                accumulate_arg(func, args, kwargs), func, args, kwargs, out)
+            self._keep((op_phase, module, index, prefix), name, phase, func, args, kwargs, out)
         return out
 
-    def _keep_if_risky(self, key: tuple[str, str, int, str], name: str, phase: str,
-                       accumulate: bool | None, func: Any, args: tuple, kwargs: dict,
-                       out: Any) -> None:
+    def _keep(self, key: tuple[str, str, int, str], name: str, phase: str, func: Any,
+              args: tuple, kwargs: dict, out: Any) -> None:
         """Keep a copy of the outputs of a risky op (within KEPT_BYTES), or of the planted
         one. A copy that fails (out of memory, a tensor of no storage) is a measurement
         forgone, never the step's failure."""
-        outputs = [t for _, t in iter_tensors(
-            without_scratch(func, (), {}, out)[2] if out is not None
-            or not func._schema.is_mutable else written_arguments(func, args, kwargs))]
+        planted = plants_at(self.keep_planted, self.step, key[1], phase, name)
+        if not planted and not lookup(name, phase):  # (most ops: nothing more to look at)
+            return
+        outputs = [t for _, t in iter_tensors(_results(func, args, kwargs, out))]
         if not outputs or any(map(is_dtensor, outputs)):  # (a shard's: not kept)
             return
-        planted = self.keep_planted
-        if planted is not None and planted.phase == phase and planted.step == self.step and (
-                planted.module in (ANY_MODULE, key[1]) and op_matches(planted.op, name, phase)):
-            size = 0  # (one op's outputs: kept whatever the risky ops took)
-        elif applicable(name, phase, outputs[0].device.type, self.env, accumulate):
+        size = 0  # (the planted op's outputs: kept whatever the risky ops took)
+        if not planted:
+            if not applicable(name, phase, outputs[0].device.type, self.env,
+                              accumulate_arg(func, args, kwargs)):
+                return
             size = sum(t.numel() * t.element_size() for t in outputs)
             if self._kept_bytes + size > KEPT_BYTES:
                 return
-        else:
-            return
         try:
             with _disable_current_modes():
                 self.kept[key] = [t.detach().to("cpu", copy=True) for t in outputs]
@@ -404,6 +406,14 @@ class OpRecorder(ModelOpMode):
                 return out
             return _replace(out, path, changed)
         return out
+
+
+def _results(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """What an op wrote: its outputs (scratch left out), or, for an in-place or out= op that
+    returns nothing, the arguments it wrote."""
+    if out is None and func._schema.is_mutable:
+        return written_arguments(func, args, kwargs)
+    return without_scratch(func, (), {}, out)[2]
 
 
 def accumulate_arg(func: Any, args: tuple, kwargs: dict) -> bool | None:

@@ -38,6 +38,7 @@ from .oprecorder import (
     collective,
     op_name,
     without_scratch,
+    written_arguments,
 )
 from .recorder import Recorder
 from .sites import user_call_site
@@ -176,10 +177,7 @@ def _results(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tenso
     arguments it wrote in place."""
     produced = [t for _, t in iter_tensors(without_scratch(func, (), {}, out)[2])]
     if func._schema.is_mutable:
-        for i, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is not None and argument.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(argument.name)
-                produced.extend(t for _, t in iter_tensors(value))
+        produced.extend(t for _, t in iter_tensors(written_arguments(func, args, kwargs)))
     return produced
 
 
