@@ -290,3 +290,44 @@ def test_a_loss_that_differs_after_the_runs_part_says_how_long_it_hid_the_differ
         "2): the loss hid the difference until then")
     summary["first_divergence"] = {"step": 4, "epoch": 3}
     assert loss_first_differs(summary) == "loss first differs at step 4 (epoch 3)"
+
+
+class _OneLayerTwice(nn.Module):
+    """One layer applied to two inputs in a step, as to each of two accumulated batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.head(self.shared(a) + self.shared(b))
+
+
+def test_a_module_called_twice_in_the_step_is_named_with_each_call():
+    """Both calls of one layer part the runs (as a race does in the backward of each
+    accumulated batch): the console named the layer alone, and its 'other origins' row read
+    as the first origin once more."""
+    from detaudit.report import render_console
+
+    built = []
+
+    def probe(device):
+        torch.manual_seed(0)
+        model = _OneLayerTwice()
+        if built:  # the second repeat: each call of the layer 1 ULP up
+            model.shared.register_forward_hook(
+                lambda module, args, out: torch.nextafter(out, torch.full_like(out, 9.0)))
+        built.append(model)
+        batches = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(2)]
+        return Probe(model=model, batches=batches, step=lambda m, b: m(*b).pow(2).mean(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    result = api.audit(probe, granularity="module", drill_down=False, stress=0)
+    origins = [(o["phase"], o["module"], o["call"]) for o in result.summary["origins"]]
+    assert origins == [("forward", "shared", 0), ("forward", "shared", 1)]
+    console = render_console(result.summary)
+    assert re.search(r"^module +shared \(call 0\)$", console, re.MULTILINE), console
+    assert re.search(r"^phase +module +call +records$", console, re.MULTILINE), console
+    assert re.search(r"^forward +shared +1 +out$", console, re.MULTILINE), console
+    assert "| module | shared (call 0) |" in render_markdown(result.summary)

@@ -14,6 +14,8 @@ from .sections import (
     INFERRED_NOTE,
     LOADER_IN_A_THREAD_NOTE,
     SIDE_HEADERS,
+    calls_matter,
+    first_module,
     first_pass_note,
     identical_loss,
     loss_first_differs,
@@ -33,10 +35,11 @@ def render_console(summary: dict[str, Any]) -> str:
     first = summary.get("first_divergence")
     if first:
         lines.append("")
+        calls = calls_matter(summary)
         rows = [
             ("step", f"{first['step']} (epoch {first['epoch']}, step {first['index']} of the epoch)"),
             ("phase", first["phase"]),
-            ("module", first.get("outside") or first["module"] or "(model)"),
+            ("module", first_module(summary)),
             ("role", first["role"]),
             ("records", ", ".join(first["slots"][:4]) + (" ..." if len(first["slots"]) > 4 else "")),
             ("repeats differing", f"{first['differing']} of {first['repeats'] - 1} (vs repeat 0)"),
@@ -47,12 +50,10 @@ def render_console(summary: dict[str, Any]) -> str:
         if others:
             lines.append("")
             lines.append("other origins in that step:")
-            lines.append(
-                tabulate(
-                    [(o["phase"], o["module"] or "(model)", ", ".join(o["slots"][:3])) for o in others],
-                    headers=["phase", "module", "records"],
-                )
-            )
+            lines.append(tabulate(
+                [(o["phase"], o["module"] or "(model)", *([o.get("call", 0)] if calls else []),
+                  ", ".join(o["slots"][:3])) for o in others],
+                headers=["phase", "module", *(["call"] if calls else []), "records"]))
         if summary.get("fork"):
             f = summary["fork"]
             lines.append(

@@ -320,6 +320,21 @@ def _ranks(s: dict[str, Any]) -> Section | None:
     return ranks_section(s) if s.get("ranks") else None
 
 
+def calls_matter(s: dict[str, Any]) -> bool:
+    """Whether a module the first divergence or its origins name was called more than once
+    in the step (say, once per accumulated batch): then the reports say which call."""
+    return any(o.get("call") for o in [s.get("first_divergence") or {}, *s.get("origins", [])])
+
+
+def first_module(s: dict[str, Any]) -> str:
+    """The first divergence's module, with its call where calls matter."""
+    first = s["first_divergence"]
+    module = first.get("outside") or first["module"] or "(model)"
+    if calls_matter(s) and not first.get("outside"):
+        return f"{module} (call {first.get('call', 0)})"
+    return module
+
+
 def _first(s: dict[str, Any]) -> Section | None:
     first = s.get("first_divergence")
     if not first:
@@ -330,7 +345,7 @@ def _first(s: dict[str, Any]) -> Section | None:
                    "the epoch, counted from 0)")],
         ["step", f"{first['step']} (global, counted from 0)"],
         ["phase", first["phase"]],
-        ["module", first.get("outside") or first["module"] or "(model)"],
+        ["module", first_module(s)],
         ["role", ROLE_TEXT.get(first["role"], first["role"])],
         ["records", ", ".join(first["slots"])],
         ["repeats differing", f"{first['differing']} of {first['repeats'] - 1} (against repeat 0)"],
