@@ -2616,6 +2616,9 @@ def test_a_teacher_called_before_the_step_has_its_ops_recorded_for_that_step(tmp
     op = summary["ops"][0]
     assert (op["op"], op["module"], op["role"], op["planted"]) == (
         "aten.addmm", "teacher", "origin", True)
+    # measured from the outputs its replays kept aside (it was not measured at all)
+    assert (op["elements"], op["max_ulp"]) == (1, 1), op
+    assert not list((tmp_path / "planted").glob("*.kept.pt"))
 
 
 def test_the_zoomed_step_places_each_op_outside_the_model_at_the_users_line(tmp_path):

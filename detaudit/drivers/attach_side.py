@@ -5,7 +5,8 @@ Each top-level call of such a model is recorded (its inputs and output) in the s
 is for: the open step until its update, the next one after it -- a teacher called for the
 next batch's pseudo-labels runs before the step it works for begins, so its records wait
 for that step. When that step is recorded op by op (zoomed, or an op fault planted in it),
-the ops of such a call are recorded aside and join the step as it begins. A forward fault
+the ops of such a call are recorded aside and join the step as it begins (with the outputs
+they kept for the audit to measure). A forward fault
 named after the model is planted at its output.
 
 :class:`SideCalls` is a part of :class:`.attach.Attachment` (a mixin): it works on the
@@ -94,16 +95,21 @@ class SideCalls:
         if self._ahead is None or self._ahead[0] != step:
             recorder = Recorder(nn.Module(), watch=WATCH_NONE)
             recorder.begin_step(step, WATCH_NONE, rehook=False)
-            self._ahead = (step, recorder, OpRecorder(recorder, step, record=step == self.zoom,
-                                                      fault=fault))
+            self._ahead = (step, recorder, OpRecorder(
+                recorder, step, record=step == self.zoom, fault=fault,
+                keep_risky=step == self.zoom, keep_planted=self.keep_planted,
+                env=self.trace.env))
         self._ahead[1].apart = self._side_call
         self._ahead[2].__enter__()
         self._ahead_open = True
 
     def _ops_recorded_ahead(self, step: int) -> list[tuple[RecordKey, Any]]:
-        """The records of the ops recorded aside for `step`, which begins now."""
+        """The records of the ops recorded aside for `step`, which begins now; the outputs
+        they kept join those the step's own ops keep (see attach._save_kept)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead[0] != step:
             return []
+        if self._ops is not None:
+            self._ops.kept.update(ahead[2].kept)
         done = ahead[1].end_step()
         return list(zip(done.keys, done.prints))
