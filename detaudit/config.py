@@ -331,9 +331,15 @@ CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (
 LOADER_IN_A_THREAD = "loader_in_a_thread"  # a DataLoader was iterated outside the loop's thread
 DROPPED_STEPS = "dropped_steps"  # backward passes whose gradients were zeroed unused: no steps
 SIDE_MODELS = "side_models"  # models a trace recorded that no optimizer trains (an EMA copy)
-# where in the user's code each op recorded outside the model in forward ran ("file:line"),
-# by "STEP:op<k>/<name>" (the slot prefix of its records)
+# where in the user's code each op recorded outside the model ran ("file:line"; a backward
+# op, that of the forward op whose autograd node it runs), by op_site_key
 OP_SITES = "op_sites"
+
+
+def op_site_key(step: int, backward: bool, prefix: str) -> str:
+    """The key of OP_SITES for an op: "STEP:op<k>/<name>" (the slot prefix of its records)
+    in forward, "STEP:backward:op<k>/<name>" in backward."""
+    return f"{step}:backward:{prefix}" if backward else f"{step}:{prefix}"
 # the probe key of a watched run: the script it ran in, with its arguments (not in a notebook)
 WATCHED_SCRIPT = "watched_script"
 INFERRED = "inferred"  # a trace recorded as inference because auto mode took it for one

@@ -2623,8 +2623,9 @@ def test_a_teacher_called_before_the_step_has_its_ops_recorded_for_that_step(tmp
 
 def test_the_zoomed_step_places_each_op_outside_the_model_at_the_users_line(tmp_path):
     """An op the loop runs outside the model (a loss term) is recorded with the line of the
-    user's code that ran it, so that an origin op there is named with its line; the model's
-    own ops and the backward ops have none."""
+    user's code that ran it, so that an origin op there is named with its line; an op of its
+    backward, which the autograd engine runs with no frame of the user's, with the line of
+    the forward op whose autograd node it runs; the model's own ops have none."""
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.ones(3, 4)
@@ -2644,9 +2645,13 @@ def test_the_zoomed_step_places_each_op_outside_the_model_at_the_users_line(tmp_
     assert sites["1:op0/aten.sigmoid"] == f"{__file__}:{line}"
     assert all(key.startswith("1:") for key in sites)  # the zoomed step only
     records = trace.frame()
-    outside = set(records[(records.phase == "op.forward")
-                          & (records.module == OUTSIDE_MODEL)].slot.str.rpartition("/")[0])
-    assert {f"1:{prefix}" for prefix in outside} == set(sites)
+    outside = records[records.module == OUTSIDE_MODEL]
+    forward = set(outside[outside.phase == "op.forward"].slot.str.rpartition("/")[0])
+    assert {f"1:{prefix}" for prefix in forward} == {k for k in sites if ":backward:" not in k}
+    backward = {prefix.partition("/")[2]: f"1:backward:{prefix}" for prefix in set(
+        outside[outside.phase == "op.backward"].slot.str.rpartition("/")[0])}
+    assert sites[backward["aten.sigmoid_backward"]] == f"{__file__}:{line}"
+    assert set(backward.values()) <= set(sites)
 
 
 def test_an_op_detaudits_driver_runs_in_an_installed_probe_has_no_users_line():

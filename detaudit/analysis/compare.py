@@ -23,6 +23,7 @@ from ..config import (
     SHARED_PARAMETERS,
     SIDE_MODELS,
     TIED_PARAMETERS,
+    op_site_key,
 )
 from ..trace import (
     BACKWARD,
@@ -1002,7 +1003,7 @@ class OpFinding:
     slots: list[str]  # the output slots that differ
     other_repeat: int  # the first repeat whose outputs differ from repeat 0's
     ref: dict[str, Any] = field(default_factory=dict)  # stats of the first differing output
-    site: str = ""  # outside the model, in forward: where the user's code ran it ("file:line")
+    site: str = ""  # outside the model: where the user's code ran it, or its forward op ("file:line")
 
     @property
     def key(self) -> tuple[int, str, str, int, str]:
@@ -1052,7 +1053,7 @@ def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
             op, PROPAGATED if inputs_differ or made_from_host else ORIGIN, len(differ),
             len(traces), [k[4][len(prefix) + 1:] for k in outputs], differ[0].trace.repeat,
             ref.stats(outputs[0]),
-            sites.get(f"{step}:{prefix}", "") if (module, phase) == (OUTSIDE_MODEL, OP_FORWARD)
-            else "",
+            sites.get(op_site_key(step, phase == OP_BACKWARD, prefix), "")
+            if module == OUTSIDE_MODEL else "",
         ))
     return findings

@@ -29,7 +29,7 @@ class StressedOp:
     first_epoch: int = 0  # the first epoch whose stressed step ran it
     steps: list[int] = field(default_factory=list)
     proof: dict[str, Any] | None = None  # the first row that proved it, with the difference
-    site: str = ""  # outside the model in forward: the user's line (the proving call's)
+    site: str = ""  # outside the model: the user's line (the proving call's; in backward, its forward op's)
 
     @property
     def proven(self) -> bool:

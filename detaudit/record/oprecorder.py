@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..analysis.knowledge import applicable, lookup
-from ..config import ANY_MODULE, Fault
+from ..config import ANY_MODULE, Fault, op_site_key
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
 from .fingerprint import storage_address
 from .recorder import Call, Recorder
@@ -203,6 +204,10 @@ class ModelOpMode(TorchDispatchMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self.recorder = recorder
+        # the sequence number of the next autograd node, as the last forward op was
+        # dispatched; by it, where in the user's code the nodes made outside the model were
+        self._next_node = -1
+        self._node_sites: dict[int, str] = {}
 
     def __enter__(self) -> ModelOpMode:  # noqa: PYI034
         self._saved_fp = self.recorder.fp
@@ -223,6 +228,25 @@ class ModelOpMode(TorchDispatchMode):
         if node is None or call is not None:
             return FORWARD, call
         return BACKWARD, self.recorder.call_for_node(node)
+
+    def site(self, phase: str, module: str, frame: Any) -> str:
+        """Where in the user's code the op now dispatched ran ("" in a module of the model,
+        or with no user's frame): in forward the innermost user frame at or above `frame`;
+        in backward, which the autograd engine runs with no frame of the user's, that of the
+        forward op whose autograd node runs now. Call it for every op (a node is told to be
+        the op's own by the sequence number having moved on since the op before)."""
+        if phase == BACKWARD:
+            node = torch._C._current_autograd_node()
+            return "" if node is None or module != OUTSIDE_MODEL else self._node_sites.get(
+                node._sequence_nr() + 1, "")
+        next_node = _get_sequence_nr()
+        made, self._next_node = next_node != self._next_node, next_node
+        if module != OUTSIDE_MODEL:
+            return ""
+        site = user_call_site(frame)
+        if made:
+            self._node_sites[next_node] = site
+        return site
 
     def located(self, call: Call | None) -> tuple[str, int]:
         """The module and call index an op in `call` is recorded under: outside every call
@@ -289,15 +313,15 @@ class OpRecorder(ModelOpMode):
         module, index = self.located(call)
         if self.census:
             self.counts[(module, phase, name, accumulate_arg(func, args, kwargs))] += 1
+        site = self.site(phase, module, sys._getframe(1)) if self.record else ""
         skip = func.is_view or name in PASSTHROUGH_OPS
         prefix = ""
         if (self.record or self.capture) and not skip:
             k = self._ops[(op_phase, module, index)]
             self._ops[(op_phase, module, index)] = k + 1
             prefix = f"op{k}/{name}"
-            if self.record and module == OUTSIDE_MODEL and phase == FORWARD:
-                self.recorder.op_sites[f"{self.step}:{prefix}"] = user_call_site(
-                    sys._getframe(1))
+            if module == OUTSIDE_MODEL and (site or phase == FORWARD):
+                self.recorder.op_sites[op_site_key(self.step, phase == BACKWARD, prefix)] = site
             if self.record and name not in WAITS:
                 inputs = list(without_scratch(func, args, kwargs, None)[:2])
                 # its Python numbers too (a scale drawn on the host makes a different op call)

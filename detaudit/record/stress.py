@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..analysis.knowledge import applicable
-from ..trace import FORWARD, OUTSIDE_MODEL, STRESS_COLUMNS
+from ..trace import STRESS_COLUMNS
 from .difference import tensor_difference
 from .fingerprint import fingerprint
 from .oprecorder import (
@@ -41,7 +41,6 @@ from .oprecorder import (
     written_arguments,
 )
 from .recorder import Recorder
-from .sites import user_call_site
 from .structure import iter_tensors
 
 CALLS_PER_OP = 4  # stressed calls of one op in one module per step (the rest are counted)
@@ -105,10 +104,11 @@ class StressMode(ModelOpMode):
         if func.is_view or name in PASSTHROUGH_OPS or name in UNINITIALIZED_OPS or collective(func):
             return func(*args, **kwargs)
         phase, call = self.where()
+        module, _ = self.located(call)
+        site = self.site(phase, module, sys._getframe(1))  # (of every op: see site)
         accumulate = accumulate_arg(func, args, kwargs)
         if not (self.every_op or applicable(name, phase, self.device, self.env, accumulate)):
             return func(*args, **kwargs)
-        module, _ = self.located(call)
         label = name if accumulate is None else f"{name}(accumulate={accumulate})"
         entry = self.ops.get((phase, module, label))
         if entry is None:
@@ -133,8 +133,8 @@ class StressMode(ModelOpMode):
                     g.set_state(state)
         entry.stressed += 1
         entry.seconds += time.perf_counter() - started
-        if module == OUTSIDE_MODEL and phase == FORWARD and (not entry.site or entry.distinct > 1):
-            entry.site = user_call_site(sys._getframe(1))  # (the first call, or the proving one)
+        if site and (not entry.site or entry.distinct > 1):
+            entry.site = site  # (the first call's, or the proving one's)
         return out
 
 
