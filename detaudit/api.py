@@ -480,7 +480,8 @@ def check(
     result = run(stored.spec, stored.config, factory=factory, out=out, overwrite=overwrite,
                  investigations=Investigations(drill_down=False), launch=launch,
                  command=command, preset="as stored in the baseline", progress=progress)
-    gate = diff_traces(stored.trace, result.traces, rtol, atol, labels=("baseline", "now"))
+    gate = diff_traces(stored.trace, result.traces, rtol, atol, labels=("baseline", "now"),
+                       audited_alike=True)
     unstable = _not_deterministic_by_itself(result.comparison)
     if unstable:
         gate.message += (f"\nnote: the new run is not deterministic by itself ({unstable}), so "

@@ -223,15 +223,19 @@ def test_tolerance_never_passes_a_difference_it_cannot_measure(tmp_path: Path) -
 def test_a_diff_of_two_configurations_says_so_and_names_no_place_it_cannot_locate(
         conv_baseline: Path) -> None:
     """Runs of other step counts part where their batches do: the diff says their
-    configurations differ; a first differing record that no origin call explains is called
-    that, not a place ("differs at step 0 in conv" read as a location)."""
+    configurations differ, and what each audited where that differs (two exec runs of other
+    commands); a first differing record that no origin call explains is called that, not a
+    place ("differs at step 0 in conv" read as a location)."""
     a, b = (load_baseline(conv_baseline).trace for _ in range(2))
     b.probe["config"] = {**a.probe["config"], "steps": 3}
+    b.probe["info"] = {"kind": "command", "name": "train.py", "source": "python train.py --lr 2"}
     i = b.records["slot"].index("batch.0")
     b.records["fp"][i] = "f" * 16
     result = diff_traces(a, b)
     assert "configuration differs between A and B" in result.message
+    assert "  audited: 'python test_gate' -> 'command python train.py --lr 2'" in result.message
     assert "  steps: 2 -> 3" in result.message
+    assert "audited" not in diff_traces(a, b, audited_alike=True).message  # (a baseline's)
     assert "at step 0 (its first differing record: state (model) batch.0)" in result.headline
 
 

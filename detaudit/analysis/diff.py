@@ -109,14 +109,31 @@ def env_differences(a_env: dict[str, Any], b_env: dict[str, Any]) -> dict[str, t
     return {k: (a_env.get(k), b_env.get(k)) for k in ENV_KEYS if a_env.get(k) != b_env.get(k)}
 
 
-def config_differences(a: AnyTrace, b: AnyTrace) -> dict[str, tuple[Any, Any]]:
-    """The configuration keys (CONFIG_KEYS) whose values differ between two runs: key ->
-    (a, b); none where either run does not say."""
+def config_differences(a: AnyTrace, b: AnyTrace, audited_alike: bool = False
+                       ) -> dict[str, tuple[Any, Any]]:
+    """What the two runs audited (``audited``: the command, probe file or model), where it
+    differs (unless `audited_alike`: a baseline and the run that checks it, which runs what
+    the baseline names), and the configuration keys (CONFIG_KEYS) whose values differ: key
+    -> (a, b); none where either run does not say."""
+    said = {}
+    audited = _audited(a), _audited(b)
+    if not audited_alike and None not in audited and audited[0] != audited[1]:
+        said["audited"] = audited
     ca, cb = (t.probe.get(PROBE_CONFIG) for t in (a, b))
     if not isinstance(ca, dict) or not isinstance(cb, dict):
-        return {}
-    return {k: (ca.get(k), cb.get(k)) for k in CONFIG_KEYS
-            if k in ca and k in cb and ca[k] != cb[k]}
+        return said
+    return {**said, **{k: (ca.get(k), cb.get(k)) for k in CONFIG_KEYS
+                       if k in ca and k in cb and ca[k] != cb[k]}}
+
+
+def _audited(trace: AnyTrace) -> str | None:
+    """What a run audited, in words: ``command python train.py --lr 0.1``, ``file
+    probe.py``, ``builtin maskrcnn`` (None where its trace does not say)."""
+    spec = trace.probe.get(PROBE_SPEC)
+    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
+        return None
+    what = spec.get("source") or spec.get("name")
+    return f"{spec['kind']} {what}" if isinstance(what, str) and what else spec["kind"]
 
 
 def _planted_after_repeat_0(trace: AnyTrace) -> bool:
@@ -161,9 +178,11 @@ def diff_traces(
     atol: float = 0.0,
     labels: tuple[str, str] = ("A", "B"),
     zoom: Callable[[int], dict[str, Any]] | None = None,
+    audited_alike: bool = False,
 ) -> GateResult:
     """Compare run B against run A (repeat 0 of each), bitwise or within rtol/atol. `zoom`,
-    given the first step where they part, returns what a replay of both at that step found."""
+    given the first step where they part, returns what a replay of both at that step found;
+    `audited_alike`: see config_differences."""
     whole_a, whole_b = (t[0] if isinstance(t, list) else t for t in (a, b))
     ta, tb = _AtCommonLevel(whole_a, whole_b), _AtCommonLevel(whole_b, whole_a)
     algorithms = fingerprint_algorithm(ta.env), fingerprint_algorithm(tb.env)
@@ -192,7 +211,7 @@ def diff_traces(
         scan_level=SCAN in (recorded_granularity(whole_a), recorded_granularity(whole_b)),
         replayable=all(t.probe.get(PROBE_SPEC, {}).get("kind") in REBUILT_KINDS
                        for t in (whole_a, whole_b)),
-        config_differences=config_differences(whole_a, whole_b),
+        config_differences=config_differences(whole_a, whole_b, audited_alike),
         planted_apart=[label for label, t in zip(labels, (whole_a, whole_b))
                        if _planted_after_repeat_0(t)],
     )
