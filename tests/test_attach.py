@@ -2625,7 +2625,10 @@ def test_the_zoomed_step_places_each_op_outside_the_model_at_the_users_line(tmp_
     """An op the loop runs outside the model (a loss term) is recorded with the line of the
     user's code that ran it, so that an origin op there is named with its line; an op of its
     backward, which the autograd engine runs with no frame of the user's, with the line of
-    the forward op whose autograd node it runs; the model's own ops have none."""
+    the forward op whose autograd node it runs, and never another: nodes made where no op of
+    the zoom ran (a view's, those a backward with create_graph makes, those an in-place op on
+    a view adds) get none (told by sequence numbers, they took the line of the next op that
+    made no node: a mask, a target made with torch.ones). The model's own ops have none."""
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.ones(3, 4)
@@ -2634,15 +2637,23 @@ def test_the_zoomed_step_places_each_op_outside_the_model_at_the_users_line(tmp_
         for _ in range(2):
             out = model(x)
             penalty = out.sigmoid().sum()  # the line each op outside the model is placed at
-            (out.square().mean() + penalty).backward()
+            spread = out.expand(3, 2)
+            mask = torch.ones(3, 2) > 0  # no node
+            twice = out * 2
+            twice[:1].mul_(3)
+            zeros = torch.zeros(3, 1)  # no node
+            slope, = torch.autograd.grad((twice * twice).sum(), out, create_graph=True)
+            target = torch.ones(3, 1)  # no node
+            (out.square().mean() + penalty + (spread * mask).sum() + (twice + zeros).sum()
+             + ((slope - target) ** 2).sum()).backward()
             opt.step()
             opt.zero_grad()
 
     trace = _attached(tmp_path / "t.json.gz", loop, zoom=1)
-    line = next(n for n, text in enumerate(inspect.getsource(loop).splitlines())
-                if "out.sigmoid()" in text) + loop.__code__.co_firstlineno
+    lines = {text.split("=")[0].strip(" ,"): n + loop.__code__.co_firstlineno
+             for n, text in enumerate(inspect.getsource(loop).splitlines()) if " = " in text}
     sites = trace.probe[OP_SITES]
-    assert sites["1:op0/aten.sigmoid"] == f"{__file__}:{line}"
+    assert sites["1:op0/aten.sigmoid"] == f"{__file__}:{lines['penalty']}"
     assert all(key.startswith("1:") for key in sites)  # the zoomed step only
     records = trace.frame()
     outside = records[records.module == OUTSIDE_MODEL]
@@ -2650,8 +2661,11 @@ def test_the_zoomed_step_places_each_op_outside_the_model_at_the_users_line(tmp_
     assert {f"1:{prefix}" for prefix in forward} == {k for k in sites if ":backward:" not in k}
     backward = {prefix.partition("/")[2]: f"1:backward:{prefix}" for prefix in set(
         outside[outside.phase == "op.backward"].slot.str.rpartition("/")[0])}
-    assert sites[backward["aten.sigmoid_backward"]] == f"{__file__}:{line}"
-    assert set(backward.values()) <= set(sites)
+    assert sites[backward["aten.sigmoid_backward"]] == f"{__file__}:{lines['penalty']}"
+    placed = {int(site.rpartition(":")[2]) for key, site in sites.items()
+              if ":backward:" in key and site}
+    assert not placed & {lines["mask"], lines["zeros"], lines["target"]}, (placed, lines)
+    assert {lines["twice"], lines["slope"]} <= placed  # (their nodes' ops: placed)
 
 
 def test_an_op_detaudits_driver_runs_in_an_installed_probe_has_no_users_line():

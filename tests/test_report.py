@@ -331,3 +331,12 @@ def test_a_module_called_twice_in_the_step_is_named_with_each_call():
     assert re.search(r"^phase +module +call +records$", console, re.MULTILINE), console
     assert re.search(r"^forward +shared +1 +out$", console, re.MULTILINE), console
     assert "| module | shared (call 0) |" in render_markdown(result.summary)
+    # a first divergence in no module of the model takes no call; its origins keep theirs
+    for first, shown in (({"outside": "(outside the model)", "module": "(outside the model)",
+                           "phase": "backward"}, "(outside the model)"),
+                         ({"module": "", "phase": "state", "slots": ["batch.0"]}, "(model)")):
+        summary = copy.deepcopy(result.summary)
+        summary["first_divergence"].update(first)
+        console = render_console(summary)
+        assert re.search(rf"^module +{re.escape(shown)}$", console, re.MULTILINE), console
+        assert len(re.findall(r"^forward +shared +[01] +out$", console, re.MULTILINE)) == 2

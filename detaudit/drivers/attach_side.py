@@ -110,6 +110,6 @@ class SideCalls:
         if ahead is None or ahead[0] != step:
             return []
         if self._ops is not None:
-            self._ops.kept.update(ahead[2].kept)
+            self._ops.take_kept(ahead[2])
         done = ahead[1].end_step()
         return list(zip(done.keys, done.prints))

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..analysis.knowledge import applicable, lookup
@@ -58,6 +57,7 @@ SCRATCH_ARGUMENTS = frozenset({"workspace", "reserve"})
 _SCRATCH: dict[Any, tuple[tuple[int, ...], int | None]] = {}
 # A wait for a collective's result: its input has not landed yet, its output has
 WAITS = {"_c10d_functional.wait_tensor", "c10d_functional.wait_tensor"}
+_SITE_OF_NODE = "detaudit.site"  # an autograd node's metadata: the user's line that made it
 _COLLECTIVES: dict[Any, bool] = {}
 _WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}  # (see written_arguments)
 
@@ -204,10 +204,9 @@ class ModelOpMode(TorchDispatchMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self.recorder = recorder
-        # the sequence number of the next autograd node, as the last forward op was
-        # dispatched; by it, where in the user's code the nodes made outside the model were
-        self._next_node = -1
-        self._node_sites: dict[int, str] = {}
+        # the outputs of forward ops outside the model, each with where the user's code ran
+        # it: autograd sets their nodes once the op returns, and each node is then marked
+        self._unmarked: list[tuple[list[weakref.ref], str]] = []
 
     def __enter__(self) -> ModelOpMode:  # noqa: PYI034
         self._saved_fp = self.recorder.fp
@@ -230,23 +229,34 @@ class ModelOpMode(TorchDispatchMode):
         return BACKWARD, self.recorder.call_for_node(node)
 
     def site(self, phase: str, module: str, frame: Any) -> str:
-        """Where in the user's code the op now dispatched ran ("" in a module of the model,
-        or with no user's frame): in forward the innermost user frame at or above `frame`;
-        in backward, which the autograd engine runs with no frame of the user's, that of the
-        forward op whose autograd node runs now. Call it for every op (a node is told to be
-        the op's own by the sequence number having moved on since the op before)."""
-        if phase == BACKWARD:
-            node = torch._C._current_autograd_node()
-            return "" if node is None or module != OUTSIDE_MODEL else self._node_sites.get(
-                node._sequence_nr() + 1, "")
-        next_node = _get_sequence_nr()
-        made, self._next_node = next_node != self._next_node, next_node
+        """Where in the user's code the op now dispatched ran, outside every module call of
+        the model ("" in one, or with no user's frame): in forward the innermost user frame
+        at or above `frame`; in backward, which the autograd engine runs with no frame of the
+        user's, that of the forward op whose autograd node runs now (see mark_nodes)."""
+        self._mark_nodes()
         if module != OUTSIDE_MODEL:
             return ""
-        site = user_call_site(frame)
-        if made:
-            self._node_sites[next_node] = site
-        return site
+        if phase == FORWARD:
+            return user_call_site(frame)
+        metadata = getattr(torch._C._current_autograd_node(), "metadata", None) or {}
+        return metadata.get(_SITE_OF_NODE, "")
+
+    def mark_nodes(self, phase: str, module: str, out: Any, site: str) -> None:
+        """A forward op outside the model returned `out`: the autograd node its outputs get
+        (set as the op returns: marked at the next op) is marked with `site`, so that the
+        ops of its backward are placed there. A node made where no op of this mode ran (a
+        view's, a node made in backward) is never marked: its ops get no line, never one
+        that is not theirs."""
+        if site and phase == FORWARD and module == OUTSIDE_MODEL:
+            self._unmarked.append(([weakref.ref(t) for _, t in iter_tensors(out)], site))
+
+    def _mark_nodes(self) -> None:
+        unmarked, self._unmarked = self._unmarked, []
+        for outputs, site in unmarked:
+            for output in outputs:
+                metadata = getattr(getattr(output(), "grad_fn", None), "metadata", None)
+                if metadata is not None:
+                    metadata.setdefault(_SITE_OF_NODE, site)
 
     def located(self, call: Call | None) -> tuple[str, int]:
         """The module and call index an op in `call` is recorded under: outside every call
@@ -320,7 +330,7 @@ class OpRecorder(ModelOpMode):
             k = self._ops[(op_phase, module, index)]
             self._ops[(op_phase, module, index)] = k + 1
             prefix = f"op{k}/{name}"
-            if module == OUTSIDE_MODEL and (site or phase == FORWARD):
+            if self.record and module == OUTSIDE_MODEL and (site or phase == FORWARD):
                 self.recorder.op_sites[op_site_key(self.step, phase == BACKWARD, prefix)] = site
             if self.record and name not in WAITS:
                 inputs = list(without_scratch(func, args, kwargs, None)[:2])
@@ -357,7 +367,14 @@ class OpRecorder(ModelOpMode):
                              in iter_tensors(without_scratch(func, (), {}, out)[2])]
         if prefix and self.record and self.keep_risky:
             self._keep((op_phase, module, index, prefix), name, phase, func, args, kwargs, out)
+        self.mark_nodes(phase, module, out, site)
         return out
+
+    def take_kept(self, other: OpRecorder) -> None:
+        """Hold what `other` kept too (ops recorded aside for this step), within the one
+        KEPT_BYTES."""
+        self.kept.update(other.kept)
+        self._kept_bytes += other._kept_bytes
 
     def _keep(self, key: tuple[str, str, int, str], name: str, phase: str, func: Any,
               args: tuple, kwargs: dict, out: Any) -> None:

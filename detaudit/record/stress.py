@@ -105,7 +105,15 @@ class StressMode(ModelOpMode):
             return func(*args, **kwargs)
         phase, call = self.where()
         module, _ = self.located(call)
-        site = self.site(phase, module, sys._getframe(1))  # (of every op: see site)
+        site = self.site(phase, module, sys._getframe(1))
+        out = self._stressed(func, args, kwargs, name, phase, module, site)
+        self.mark_nodes(phase, module, out, site)
+        return out
+
+    def _stressed(self, func: Any, args: tuple, kwargs: dict, name: str, phase: str,
+                  module: str, site: str) -> Any:
+        """Run the op, and re-run it on copies of its inputs where it may be
+        nondeterministic."""
         accumulate = accumulate_arg(func, args, kwargs)
         if not (self.every_op or applicable(name, phase, self.device, self.env, accumulate)):
             return func(*args, **kwargs)

@@ -20,6 +20,7 @@ from .sections import (
     identical_loss,
     loss_first_differs,
     nonfinite_line,
+    other_origins,
     short_epochs_note,
     side_rows,
     updates_note,
@@ -46,7 +47,7 @@ def render_console(summary: dict[str, Any]) -> str:
             ("cause", f"{summary['cause']['kind']}: {summary['cause']['text']}"),
         ]
         lines.append(tabulate(rows, tablefmt="plain"))
-        others = summary["origins"][1:6]
+        others = other_origins(summary)[:5]
         if others:
             lines.append("")
             lines.append("other origins in that step:")

@@ -8,7 +8,10 @@ from typing import Any, Union
 
 from ..analysis.compare import GRADIENTS_DIFFER
 from ..analysis.verdict import LAST_GRADIENT, OP_OUTSIDE, crash_line
+from ..trace import BACKWARD, FORWARD
 from ..words import counted, op_place
+
+FORWARD_BACKWARD = (FORWARD, BACKWARD)
 
 SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 120
@@ -322,17 +325,29 @@ def _ranks(s: dict[str, Any]) -> Section | None:
 
 def calls_matter(s: dict[str, Any]) -> bool:
     """Whether a module the first divergence or its origins name was called more than once
-    in the step (say, once per accumulated batch): then the reports say which call."""
+    in the step (say, once per accumulated batch): then the origins say which call."""
     return any(o.get("call") for o in [s.get("first_divergence") or {}, *s.get("origins", [])])
 
 
 def first_module(s: dict[str, Any]) -> str:
-    """The first divergence's module, with its call where calls matter."""
+    """The first divergence's module, with its call where that module's calls differ in
+    the step (a module of the model, in forward or backward)."""
     first = s["first_divergence"]
     module = first.get("outside") or first["module"] or "(model)"
-    if calls_matter(s) and not first.get("outside"):
-        return f"{module} (call {first.get('call', 0)})"
-    return module
+    calls = [o.get("call") for o in [first, *s.get("origins", [])]
+             if o.get("module") == first["module"]]
+    if (first.get("outside") or not first["module"] or first["phase"] not in FORWARD_BACKWARD
+            or not any(calls)):
+        return module
+    return f"{module} (call {first.get('call', 0)})"
+
+
+def other_origins(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """The origins of the first divergent step besides the one the first divergence names."""
+    first = s.get("first_divergence") or {}
+    where = (first.get("phase"), first.get("module"), first.get("call", 0))
+    return [o for o in s.get("origins", [])
+            if (o.get("phase"), o.get("module"), o.get("call", 0)) != where]
 
 
 def _first(s: dict[str, Any]) -> Section | None:
@@ -402,7 +417,7 @@ def _first(s: dict[str, Any]) -> Section | None:
 
 def _origins(s: dict[str, Any]) -> Table:
     rows = [
-        [o["phase"], o["module"] or "(model)", str(o["call"]), ", ".join(o["slots"]),
+        [o["phase"], o["module"] or "(model)", str(o.get("call", 0)), ", ".join(o["slots"]),
          f"{o['differing']} of {o['repeats'] - 1}", "yes" if o.get("rng") else "no"]
         for o in s.get("origins", [])
     ]
