@@ -340,3 +340,10 @@ def test_a_module_called_twice_in_the_step_is_named_with_each_call():
         console = render_console(summary)
         assert re.search(rf"^module +{re.escape(shown)}$", console, re.MULTILINE), console
         assert len(re.findall(r"^forward +shared +[01] +out$", console, re.MULTILINE)) == 2
+    # the ops of two calls of one module: told apart by their call
+    summary = copy.deepcopy(result.summary)
+    summary["ops"] = [{"op": "aten.addmm", "module": "shared", "call": call, "phase": "forward",
+                       "role": "origin", "differing": 1, "repeats": 2} for call in (0, 1)]
+    markdown = render_markdown(summary)
+    assert "| op | module | call | phase | role |" in markdown
+    assert "| aten.addmm | shared | 1 | forward | origin |" in markdown

@@ -386,6 +386,8 @@ def _first(s: dict[str, Any]) -> Section | None:
         measured = any(o.get("elements") is not None for o in ops)
         if not measured:  # (a command's op that its zoom did not keep: not measured)
             headers, keys = headers[:4], keys[:4]
+        if any(o.get("call") for o in ops):  # a module called more than once in the step
+            headers, keys = [*headers[:2], "call", *headers[2:]], (*keys[:2], "call", *keys[2:])
         blocks.append(Table(
             "ops of the first divergent step (op-level replay)", headers,
             [[op_place(o) if k == "module" else num(o.get(k)) for k in keys] for o in ops],
