@@ -2128,6 +2128,36 @@ def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):
     assert "train_plain.py" in trace.failure
 
 
+@pytest.mark.parametrize("where", ["the next batch taken", "after the update"])
+def test_a_failure_after_an_update_is_the_next_steps_once_the_loop_took_its_batch(
+        tmp_path, where):
+    """A script that fails at the top of an iteration, having taken the next batch (its own
+    check of that batch), had completed the step before: that step was dropped as the one
+    that failed ("the last step it completed: 3" after the script printed step 4). One that
+    fails after the update but before it takes a batch (its scheduler's step, a w.step
+    naming the losses) is still not kept half-recorded."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.ones(8, 4), batch_size=2)
+    attachment = Attachment(tmp_path / "t.json.gz", {}).install()
+    try:
+        for i, x in enumerate(loader):
+            if i == 2 and where == "the next batch taken":
+                raise RuntimeError("a check of the batch")
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1 and where == "after the update":
+                raise RuntimeError("the scheduler")
+    except RuntimeError as exc:
+        attachment.finish(failure=str(exc))
+    finally:
+        attachment.uninstall()
+    trace = Trace.load(tmp_path / "t.json.gz")
+    assert len(trace.steps) == (2 if where == "the next batch taken" else 1)
+    assert trace.failure in ("a check of the batch", "the scheduler")
+
+
 @pytest.mark.parametrize(("fault", "message"), [
     ("haed@backward:1", "no module 'haed' ran at step 1; did you mean head?"),
     ("head@backward:3", "plants at step 3, past --max-steps 3 (steps 0 to 2)"),

@@ -171,6 +171,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.index = 0  # step within its epoch
         self._updated = False  # the open step's optimizer has stepped
         self._updated_at = 0  # the autograd sequence number when it did
+        # the loop took a batch after the open step's update: the step's code is over (a
+        # failure now is the next step's: see finish)
+        self._moved_on = False
         # the storage of what the open step's top-level training calls returned: a later
         # call given it (a discriminator given the generator's fakes) is given the step's
         # work, not data
@@ -378,7 +381,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.recorder, self.info = None, None
         self.models.forget()
         self._train_pass, self._epochs_fed, self.epoch, self.index = None, 0, 0, 0
-        self._updated, self._batches, self._losses = False, 0, 0
+        self._updated, self._batches, self._losses, self._moved_on = False, 0, 0, False
         self._loss_values, self._step_outputs = {}, []
         self._fetched, self._by_hand_possible, self._fetched_ahead = 0, None, None
         self.stream.restart()
@@ -733,6 +736,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._loss_values = {}
         self.trace.steps.append(self.info)
         self.info, self._updated, self._batches, self._losses = None, False, 0, 0
+        self._moved_on = False
         self._step_outputs = []
         self._fetched = 0
         self._stepped = set()
@@ -770,11 +774,12 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self.info is not None and self._discarded and not self._updated:
             self._drop_step()
         if self.info is not None and self.recorder is not None and (
-                self.trace.failure is not None or (not self._updated and (
-                    self._optimizers or not self._losses))):
+                (self.trace.failure is not None and not self._moved_on) or (
+                    not self._updated and (self._optimizers or not self._losses))):
             # the step that failed (after its update too: what the loop does after it, a
-            # w.step naming its losses, a scheduler's step, never ran), or that the process
-            # ended in before its update (a script that exits on a NaN loss before
+            # w.step naming its losses, a scheduler's step, never ran; but not once the loop
+            # has taken the next batch: the failure is the next step's), or that the
+            # process ended in before its update (a script that exits on a NaN loss before
             # backward), is not kept half-recorded; nor calls in training mode that no
             # backward or update followed (nothing trained)
             self.recorder.end_step()

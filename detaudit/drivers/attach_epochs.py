@@ -100,6 +100,7 @@ class Epochs:
         if not self._in_the_loops_thread():
             self._unfollow_loaders()
             return
+        self._moved_on = self._moved_on or (self.info is not None and self._updated)
         called = self._iter_called.pop(started[0], None)
         if called is not None and started[1] <= called[1]:  # its old iterator serves a new pass
             del self._iterators[iterator]
