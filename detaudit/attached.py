@@ -119,7 +119,7 @@ def compare(*runs: str | Path | Trace, out: str | Path | None = None,
                 trace.failure += (f"; the {len(finished)} runs that finished compare alone: "
                                   f"detaudit compare {shlex.join(map(str, finished))}")
     named = " ".join(str(r) for r in runs if not isinstance(r, (Trace, TraceFile)))
-    info = info_of_traces(traces[0], run_id, f"detaudit compare {named}",
+    info = info_of_traces(traces, run_id, f"detaudit compare {named}",
                           f"{len(traces)} runs compared")
     if out is None:
         return conclude(traces, info, None, replayed=False)

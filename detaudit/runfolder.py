@@ -542,11 +542,15 @@ def _run_order(path: Path) -> tuple[int, str]:
     return (int(number), "") if number.isdigit() else (1 << 62, path.name)
 
 
-def info_of_traces(first: Trace, run_id: str, command: str, preset: str) -> RunInfo:
-    """The info of a run made of traces recorded apart (by ``watch``), from the first."""
+def info_of_traces(traces: list[AnyTrace], run_id: str, command: str, preset: str) -> RunInfo:
+    """The info of a run made of traces recorded apart (by ``watch``): the first one's, with
+    the repeats and epochs the traces hold (each trace says 1 and 1 of itself)."""
+    first = traces[0]
+    config = {**first.probe.get(PROBE_CONFIG, {}), "repeats": len(traces),
+              "epochs": max((t.steps[-1].epoch + 1 for t in traces if t.steps), default=0)}
     return RunInfo(probe={**first.probe.get(PROBE_SPEC, {}), "preset": preset},
-                   config=dict(first.probe.get(PROBE_CONFIG, {})), command=command,
-                   traces=[], run_id=run_id, state="comparing")
+                   config=config, command=command, traces=[], run_id=run_id,
+                   state="comparing")
 
 
 def watched_run(path: str | Path) -> tuple[RunInfo, list[AnyTrace]]:
@@ -554,4 +558,4 @@ def watched_run(path: str | Path) -> tuple[RunInfo, list[AnyTrace]]:
     and an info made from the first (`detaudit diff` takes it as it takes a run folder)."""
     traces = load_traces((path,))
     run_id = str(traces[0].probe.get(PROBE_RUN, ""))
-    return info_of_traces(traces[0], run_id, "", "watched"), traces
+    return info_of_traces(traces, run_id, "", "watched"), traces

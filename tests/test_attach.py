@@ -3149,6 +3149,8 @@ def test_watch_finds_a_planted_difference_at_its_step(tmp_path):
     result = detaudit.compare(tmp_path, out=tmp_path / "report")
     assert result.exit_code == 1
     assert (result.comparison.first_step, result.comparison.first_epoch) == (4, 1)
+    # of the runs compared (it said "1 repeat, 1 epoch": each trace's own stand-in)
+    assert (result.summary["config"]["repeats"], result.summary["config"]["epochs"]) == (2, 2)
     html = result._repr_html_()
     assert "DIVERGENT" in html and "step 4" in html
     assert (tmp_path / "report" / "report.html").exists()
