@@ -340,6 +340,8 @@ def op_site_key(step: int, backward: bool, prefix: str) -> str:
     """The key of OP_SITES for an op: "STEP:op<k>/<name>" (the slot prefix of its records)
     in forward, "STEP:backward:op<k>/<name>" in backward."""
     return f"{step}:backward:{prefix}" if backward else f"{step}:{prefix}"
+
+
 # the probe key of a watched run: the script it ran in, with its arguments (not in a notebook)
 WATCHED_SCRIPT = "watched_script"
 INFERRED = "inferred"  # a trace recorded as inference because auto mode took it for one

@@ -251,6 +251,8 @@ class ModelOpMode(TorchDispatchMode):
             self._unmarked.append(([weakref.ref(t) for _, t in iter_tensors(out)], site))
 
     def _mark_nodes(self) -> None:
+        if not self._unmarked:  # (every op comes here: most have nothing to mark)
+            return
         unmarked, self._unmarked = self._unmarked, []
         for outputs, site in unmarked:
             for output in outputs:

@@ -70,7 +70,7 @@ class OpStress:
     max_abs: float | None = None  # max |a - b| (floats and integers)
     max_ulp: int | None = None  # max distance in units in the last place (floats)
     rel_err: float | None = None  # max |a - b| / max |a|
-    site: str = ""  # outside the model in forward: the user's line that ran it (see sites)
+    site: str = ""  # outside the model: the user's line that ran it (see ModelOpMode.site)
     seconds: float = 0.0  # time spent re-executing (kept out of the trace)
 
     def row(self) -> dict[str, Any]:
