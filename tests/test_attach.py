@@ -575,11 +575,12 @@ _SPLAT_LINE = next(n for n, line in enumerate(_HIDDEN_RACE.splitlines(), 1)
                    if "index_put_(" in line)
 
 
-@pytest.mark.alone  # (the race must fire: both cores)
 @pytest.mark.parametrize("where, stress, module", [
-    # outside the model, with the line of the script's code that ran it
-    ("outside", "16", f"(outside the model) at hidden_race.py:{_SPLAT_LINE}"),
-    ("inside", "16", "1"), ("outside", "0", None)])
+    # outside the model, with the line of the script's code that ran it (the stressed runs
+    # alone: the race must fire, on both cores)
+    pytest.param("outside", "16", f"(outside the model) at hidden_race.py:{_SPLAT_LINE}",
+                 marks=pytest.mark.alone),
+    pytest.param("inside", "16", "1", marks=pytest.mark.alone), ("outside", "0", None)])
 def test_exec_proves_a_race_whose_result_the_runs_never_showed(tmp_path, where, stress, module):
     """A splat whose result weighs nothing in the loss: the runs agree bit for bit, and
     exec said DETERMINISTIC (a Mask R-CNN script's race that rounded away did so twice);
@@ -609,7 +610,9 @@ def test_exec_proves_a_race_whose_result_the_runs_never_showed(tmp_path, where, 
 def test_exec_of_a_compiled_model_names_a_planted_fault_by_the_users_names(tmp_path, form):
     # torch.compile would trace the global hooks into its graph (and the recorder's module
     # hooks at a step recorded module by module): they stay out of it, that step runs eagerly
-    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", "--inject-fault",
+    # (the planted step is one in every run; the wrapper's is zoomed too)
+    zoom = () if form == "wrapper" else _NAMED_BY_THE_SCAN
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", *zoom, "--inject-fault",
                  "head@forward:1",
                  script_args=("--workers", "0", "--accumulate", "1", "--compile", form))
     assert done.returncode == 1, done.stderr
@@ -1641,12 +1644,7 @@ def test_max_epochs_of_the_scripts_own_epochs_lets_its_tail_run(tmp_path):
     # (under --json, the command's output goes to stderr)
     assert done.stderr.count("evaluated the averaged model: True") == 2
     assert json.loads(done.stdout)["steps_per_repeat"] == [4, 4]
-    # a limit below the script's own epochs still ends each run as the next epoch begins
-    done = _exec(tmp_path, "--seed", "0", "--max-epochs", "1", "--json", "--overwrite",
-                 script=script)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "evaluated the averaged model" not in done.stderr
-    assert json.loads(done.stdout)["steps_per_repeat"] == [2, 2]
+    # (a limit below the script's own epochs: test_max_epochs_stops_as_the_next_epochs_first_step_begins)
 
 
 LSTM_SCRIPT = """
@@ -4819,7 +4817,7 @@ def test_exec_of_a_lightning_trainer_script(tmp_path):
     assert [(s["epoch"], s["index"]) for s in summary["steps"]] == [(1, i) for i in range(8)]
     done = run_cli("exec", "--out", str(tmp_path / "fault"), "--quiet", "--json",
                    "--max-steps", "3", "--inject-fault", "net.4@backward:2",
-                   *command, "--accumulate", "2")
+                   *_NAMED_BY_THE_SCAN, *command, "--accumulate", "2")
     assert done.returncode == 1, done.stderr
     first = json.loads(done.stdout)["first_divergence"]
     assert (first["module"], first["phase"], first["step"], first["role"]) == (
