@@ -3062,7 +3062,8 @@ def test_batchnorm_running_statistics_are_recorded_though_their_version_never_mo
     assert same.verdict.kind == "deterministic"
     records = same.traces[0].frame()
     stats = records[records.slot.isin(["buffer.running_mean", "buffer.running_var"])]
-    assert sorted(set(stats.step)) == [1, 2] and set(stats.module) == {"1"}
+    # as built (step 0), then as each training step left them
+    assert sorted(set(stats.step)) == [0, 1, 2] and set(stats.module) == {"1"}
     _bn_loop(tmp_path / "apart", 0.1), _bn_loop(tmp_path / "apart", 0.1 + 1e-4)
     apart = detaudit.compare(tmp_path / "apart")
     assert (apart.verdict.kind, apart.comparison.first_step) == ("divergent", 1)
@@ -4143,6 +4144,68 @@ def test_buffers_never_written_or_overwritten_before_use_are_no_divergence(tmp_p
                 opt.zero_grad()
     result = detaudit.compare(tmp_path)
     assert result.exit_code == 0, result.verdict.headline
+
+
+class _Positions(nn.Module):
+    """A buffer of positions the model adds to its input, drawn as it is built from a
+    generator seeded with `seed` (the clock, in the script this stands for)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("pos", torch.randn(4, generator=torch.Generator().manual_seed(
+            seed)))
+
+    def forward(self, x):
+        return self.fc(x + self.pos)
+
+
+def _watched(out: Path, model_of: Callable[[], nn.Module], data_seed: int = 0) -> None:
+    torch.manual_seed(0)
+    model = model_of()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(data_seed))
+    with detaudit.watch(model, opt, out=out):
+        for i in range(3):
+            model(x[2 * i:2 * i + 2]).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_buffer_set_differently_as_the_model_was_built_is_the_cause(tmp_path):
+    """A buffer no step writes, drawn differently in each run as the model is built: its
+    prints were not taken (a buffer is recorded once written), so the runs parted in the
+    model's forward at step 0, "outside the dispatcher", with a hint at the hash seed."""
+    for seed in (1, 2):
+        _watched(tmp_path / "apart", lambda seed=seed: _Positions(seed))
+    result = detaudit.compare(tmp_path / "apart")
+    c = result.comparison
+    assert (result.exit_code, c.first_step, c.cause) == (1, 0, "init")
+    assert [(d.phase, d.module, d.slot) for d in c.first_diffs[:1]] == [
+        ("state", "", "buffer.pos")]
+    assert cause_text(c).startswith("the model's buffers (pos) differ as built, before the "
+                                    "first step, while its parameters agree")
+    # a trace recorded before buffers as built were (a baseline of an older detaudit) has
+    # none at step 0: missing there is no difference
+    for seed in (1, 1):
+        _watched(tmp_path / "same", lambda seed=seed: _Positions(seed))
+    older = Trace.load(sorted((tmp_path / "same").glob("*.json.gz"))[1])
+    kept = [i for i, (step, slot) in enumerate(zip(older.records["step"], older.records["slot"]))
+            if not (step == 0 and slot.startswith("buffer."))]
+    assert len(kept) < len(older.records["step"])
+    older.records = {name: [column[i] for i in kept] for name, column in older.records.items()}
+    older.save(sorted((tmp_path / "same").glob("*.json.gz"))[1])
+    assert detaudit.compare(tmp_path / "same").exit_code == 0
+
+
+def test_a_scratch_buffer_that_differs_as_built_is_never_blamed_for_what_the_data_did(
+        tmp_path):
+    """Runs whose batches differ (unseeded data), beside a scratch buffer whose bytes as
+    built differ too: the cause is the data, not the buffer."""
+    for n, garbage in enumerate((0.0, 1.0)):
+        _watched(tmp_path, lambda garbage=garbage: _Scratch(garbage), data_seed=n)
+    c = detaudit.compare(tmp_path).comparison
+    assert (c.first_step, c.cause) == (0, "data")
 
 
 def test_a_sparse_embedding_trains_under_watch_and_its_gradients_are_compared(tmp_path):

@@ -92,6 +92,16 @@ def seeds_apart(c: Comparison) -> str | None:
     return f"{values}; at {seeds[0][1] or 'a library call'}"
 
 
+def _buffers_alone(c: Comparison) -> list[str]:
+    """The model's buffers that differ as the first divergent step begins, where none of
+    its parameters does (named module.buffer); none otherwise."""
+    state = [d for d in c.first_diffs if d.phase == STATE]
+    if any(d.slot.startswith("param.") for d in state):
+        return []
+    return sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
+                   for d in state if d.slot.startswith("buffer.")})
+
+
 def _seeded_apart(c: Comparison) -> str | None:
     """The text for runs whose code seeded torch with a different value each (a seed
     drawn at random where none is given), where that is what parts them at the first
@@ -128,6 +138,13 @@ def _cause_text(c: Comparison) -> str:
                 "seed, the model in each run; remove the checkpoints an earlier run left, "
                 "or give each run its own output folder; in a notebook, re-run the cell "
                 "that builds it)" + _loaded_note(c))
+    buffers = _buffers_alone(c)
+    if c.cause == "init" and buffers:
+        return (f"the model's buffers ({_listed(buffers)}) differ as built, before the first "
+                "step, while its parameters agree: the model sets them from a source that "
+                "differs between runs (an unseeded generator, numpy's or Python's RNG, the "
+                "clock, the order of a set) or loads them so; fix: compute them the same way "
+                f"in every run, or {_SEED_FIRST}")
     # the RNG streams whose state differs as the step begins (never drawn: left out)
     differing = sorted({d.slot.removeprefix("rng.") for d in c.first_diffs
                         if d.rng_state})
@@ -208,16 +225,11 @@ def _cause_text(c: Comparison) -> str:
     outside = _outside_the_model(c, at_step)
     if outside:
         return outside
-    buffers = sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
-                      for d in c.first_diffs if d.phase == STATE
-                      and d.slot.startswith("buffer.")})
-    if c.cause in ("init", "params") and buffers and not any(
-            d.phase == STATE and d.slot.startswith("param.") for d in c.first_diffs):
+    if c.cause == "params" and buffers:
         return (f"the model's buffers ({_listed(buffers)}) differ before the step while its "
                 "parameters agree: running statistics, counters or averages a module keeps, "
-                + ("loaded or set differently before the first step" if c.cause == "init"
-                   else "changed between steps, or updated by a forward whose recorded "
-                   "results agreed") + "; they change what the model computes in eval mode")
+                "changed between steps, or updated by a forward whose recorded results "
+                "agreed; they change what the model computes in eval mode")
     if c.cause == "data":
         return _data_text(c, differing)
     side = _side_models_differing(c)

@@ -434,6 +434,8 @@ class _StepDiffs:
         stats = self.detailed < DETAIL_STEPS  # past the window, counts (and forks) only
         found = [(o, j, d) for j, (o, key) in enumerate(zip(origin, keys))
                  if (d := self._diff(key, ref, others, stats))]
+        if step == 0:
+            found = _as_built(found)
         diffs = [d for _, _, d in found]
         for o, j, d in found:
             # (a parameter or buffer is recorded as a later step begins only where it was
@@ -900,6 +902,20 @@ def _is_ancestor(
     return False
 
 
+def _as_built(found: list[tuple[int, int, RecordDiff]]) -> list[tuple[int, int, RecordDiff]]:
+    """Step 0's differing records, less the buffers as built where nothing else but RNG
+    states differs there: a scratch buffer torch.empty made holds other bytes in each
+    process, and one never read changes nothing. Where something else differs in step 0,
+    a buffer set differently as the model was built (from an unseeded generator, the
+    clock) is the first difference, before anything ran. A buffer only missing somewhere (a
+    trace recorded before buffers as built were) is never one."""
+    built = {j for _, j, d in found if d.phase == STATE and d.slot.startswith("buffer.")}
+    if not built:
+        return found
+    others = any(j not in built and not d.rng_state for _, j, d in found)
+    return [(o, j, d) for o, j, d in found if j not in built or (others and not d.missing)]
+
+
 def _cause(
     first: list[RecordDiff], findings: list[CallFinding], step: int | None,
     gap: RngGap | None = None, ended: bool = False, drawn: bool = False,
@@ -917,14 +933,16 @@ def _cause(
     if per_process:
         return "process"
     state = [d for d in first if d.phase == STATE]
-    if step == 0 and any(d.slot.startswith(MODEL_STATE) for d in state):
+    if step == 0 and any(d.slot.startswith("param.") for d in state):
         return "init"  # before anything ran: the other differences follow from the same cause
     if any(d.slot.startswith("batch") for d in state):
         return "data"
     if any(d.slot.startswith("rng.") for d in state):
         return "rng"
     if any(d.slot.startswith(MODEL_STATE) for d in state):
-        return "params"
+        # (buffers alone, as built: blamed where the batch and every RNG agree; a scratch
+        # buffer torch.empty made differs beside what truly parts the runs)
+        return "init" if step == 0 else "params"
     if gap is not None:
         return "rng"
     origins = [f for f in findings if f.step == step and f.role == ORIGIN]

@@ -106,6 +106,7 @@ class Recorder(BackwardBoundaries):
         self._prefixes = [""]  # each model's names begin with its own
         # each buffer as the last step began and its version then (see _record_buffers)
         self._buffers_seen: dict[str, tuple[weakref.ref, int | None]] = {}
+        self._buffers_recorded = False  # (the first time: every buffer, as built)
         self._names = {id(m): name for name, m in self._models[0].named_modules()}
         self._params = dict(self._models[0].named_parameters())
         self._param_owners: dict[int, str] | None = None  # (see _note_read)
@@ -284,11 +285,14 @@ class Recorder(BackwardBoundaries):
         """The buffers written since the last step began (BatchNorm's running statistics,
         counters, an EMA a module keeps), keyed (state, owning module, 0, buffer.<name>):
         the model's state besides its parameters. A buffer is recorded once something wrote
-        to it (its version moved, or a new tensor took its name), not as first seen: one
-        never written (a cached mask, a scratch buffer made by torch.empty) shows in what
-        the model computes, if anywhere, and is not read each step. A norm layer's running
-        statistics, which its kernel writes without moving their version, are recorded
-        each step its layer is in training mode."""
+        to it (its version moved, or a new tensor took its name), and every buffer as built,
+        as step 0 begins: one never written since (a cached mask, a scratch buffer made by
+        torch.empty) is not read again, and the comparison counts a difference in it only
+        where something else differs in step 0 too (see compare's `_as_built`). A norm
+        layer's running statistics, which its kernel writes without moving their version,
+        are recorded each step its layer is in training mode."""
+        as_built = not self._buffers_recorded and self._step == 0
+        self._buffers_recorded = True
         seen: set[int] = set()
         changed = []
         for prefix, model in zip(self._prefixes, self._models):
@@ -301,9 +305,9 @@ class Recorder(BackwardBoundaries):
                 before = self._buffers_seen.get(name)
                 self._buffers_seen[name] = (weakref.ref(buffer), version)
                 layer = statistics.get(name)
-                if before is not None and (before[0]() is not buffer or version is None
-                                           or version != before[1]
-                                           or (layer is not None and layer.training)):
+                if (before is None and as_built) or before is not None and (
+                        before[0]() is not buffer or version is None or version != before[1]
+                        or (layer is not None and layer.training)):
                     changed.append((name, buffer))
         self._keys += _parameter_keys(STATE, changed, kind="buffer")
         self.fp.add_many([t for _, t in changed], stats=False)
