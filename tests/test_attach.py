@@ -30,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
+from conftest import module_audit
 from test_cli import run_cli
 from torch import nn
 
@@ -4172,40 +4173,77 @@ def _watched(out: Path, model_of: Callable[[], nn.Module], data_seed: int = 0) -
             opt.zero_grad()
 
 
-def test_a_buffer_set_differently_as_the_model_was_built_is_the_cause(tmp_path):
+def test_a_buffer_set_differently_as_the_model_was_built_is_named_as_the_likely_source(
+        tmp_path):
     """A buffer no step writes, drawn differently in each run as the model is built: its
     prints were not taken (a buffer is recorded once written), so the runs parted in the
-    model's forward at step 0, "outside the dispatcher", with a hint at the hash seed."""
+    model's forward at step 0 "outside the dispatcher", with a hint at the hash seed and
+    none at the buffer. Its print as built is evidence, never a difference by itself: a
+    scratch buffer torch.empty made differs too (test_buffers_never_written_...)."""
     for seed in (1, 2):
         _watched(tmp_path / "apart", lambda seed=seed: _Positions(seed))
     result = detaudit.compare(tmp_path / "apart")
     c = result.comparison
-    assert (result.exit_code, c.first_step, c.cause) == (1, 0, "init")
-    assert [(d.phase, d.module, d.slot) for d in c.first_diffs[:1]] == [
-        ("state", "", "buffer.pos")]
-    assert cause_text(c).startswith("the model's buffers (pos) differ as built, before the "
-                                    "first step, while its parameters agree")
-    # a trace recorded before buffers as built were (a baseline of an older detaudit) has
-    # none at step 0: missing there is no difference
+    assert (result.exit_code, c.first_step, c.cause) == (1, 0, "forward")
+    assert c.built_buffers == ["pos"]
+    assert not any(d.slot.startswith("buffer.") for d in c.first_diffs)
+    assert "; the model's buffers (pos) differ as built, before the first step" in (
+        cause_text(c))
+    # the zoom's drill-down, which finds no op to blame, names them
+    seeds = iter((1, 2, 1, 2))  # (the runs, then the zoom's replays of them)
+
+    def probe(device):
+        torch.manual_seed(0)
+        model = _Positions(next(seeds))
+        return detaudit.Probe(model=model, batches=[torch.ones(2, 4)] * 2,
+                              step=lambda m, b: m(b).sum(),
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    zoomed = detaudit.audit(probe, repeats=2, steps=2, stress=0)
+    outside = zoomed.investigations["ops"]["outside_dispatcher"]
+    assert (outside["module"], outside["built_buffers"]) == ("(model)", ["pos"])
+    assert "its buffers pos differ as the model was built" in outside["text"]
     for seed in (1, 1):
         _watched(tmp_path / "same", lambda seed=seed: _Positions(seed))
-    older = Trace.load(sorted((tmp_path / "same").glob("*.json.gz"))[1])
+    same = detaudit.compare(tmp_path / "same")
+    assert same.exit_code == 0 and not same.comparison.built_buffers
+    # a trace recorded before buffers as built were (a baseline of an older detaudit) has
+    # none at step 0: missing there is no difference
+    newer = sorted((tmp_path / "same").glob("*.json.gz"))[1]
+    older = Trace.load(newer)
     kept = [i for i, (step, slot) in enumerate(zip(older.records["step"], older.records["slot"]))
             if not (step == 0 and slot.startswith("buffer."))]
     assert len(kept) < len(older.records["step"])
     older.records = {name: [column[i] for i in kept] for name, column in older.records.items()}
-    older.save(sorted((tmp_path / "same").glob("*.json.gz"))[1])
+    older.save(newer)
     assert detaudit.compare(tmp_path / "same").exit_code == 0
 
 
-def test_a_scratch_buffer_that_differs_as_built_is_never_blamed_for_what_the_data_did(
-        tmp_path):
-    """Runs whose batches differ (unseeded data), beside a scratch buffer whose bytes as
-    built differ too: the cause is the data, not the buffer."""
+def test_a_scratch_buffer_that_differs_as_built_is_never_the_cause(tmp_path):
+    """Runs whose batches differ (unseeded data) or whose step 0 has a 1-ULP planted
+    difference, beside a scratch buffer whose bytes as built differ too: the cause is the
+    data, or the forward, never the buffer."""
     for n, garbage in enumerate((0.0, 1.0)):
-        _watched(tmp_path, lambda garbage=garbage: _Scratch(garbage), data_seed=n)
-    c = detaudit.compare(tmp_path).comparison
-    assert (c.first_step, c.cause) == (0, "data")
+        _watched(tmp_path / "data", lambda garbage=garbage: _Scratch(garbage), data_seed=n)
+    c = detaudit.compare(tmp_path / "data").comparison
+    assert (c.first_step, c.cause, c.first_diffs[0].slot) == (0, "data", "batch.0")
+    result = module_audit(lambda device: _scratch_probe(), repeats=2, steps=2,
+                          fault=detaudit.Fault("fc", "forward", 0))
+    c = result.comparison
+    assert (c.first_step, c.cause) == (0, "forward")
+    assert [(o.module, o.phase) for o in c.origins] == [("fc", "forward")]
+
+
+_SCRATCH_BUILDS = iter(range(10**6))
+
+
+def _scratch_probe() -> detaudit.Probe:
+    """_Scratch with other bytes in its buffers each time it is built."""
+    torch.manual_seed(0)
+    model = _Scratch(float(next(_SCRATCH_BUILDS)))
+    batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(n)) for n in range(2)]
+    return detaudit.Probe(model=model, batches=batches, step=lambda m, b: m(b).sum(),
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_a_sparse_embedding_trains_under_watch_and_its_gradients_are_compared(tmp_path):

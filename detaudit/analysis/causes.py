@@ -70,6 +70,11 @@ def cause_text(c: Comparison) -> str:
     text = _cause_text(c)
     if c.cause == "init" and c.loaded_earlier and _loaded_note(c) not in text:
         text += _loaded_note(c)  # (beside an RNG that differs: the files, said too)
+    if c.built_buffers and c.first_step == 0 and c.cause in ("forward", "backward"):
+        text += (f"; the model's buffers ({_listed(c.built_buffers)}) differ as built, before "
+                 "the first step: where the step reads them, they part the runs (set from "
+                 "something that differs between runs: an unseeded generator, the clock; "
+                 "fix: compute them the same way in every run)")
     if (c.cause == "init" and c.continued_from is None
             and any(d.phase == STATE and d.slot.startswith("batch") for d in c.first_diffs)):
         text += ("; the first batch differs as well: the data order or augmentation draws "
@@ -90,16 +95,6 @@ def seeds_apart(c: Comparison) -> str | None:
     values = ", ".join(f"{s[0]} in repeat {n}" for n, s in enumerate(c.first_seeds)
                        if s is not None)
     return f"{values}; at {seeds[0][1] or 'a library call'}"
-
-
-def _buffers_alone(c: Comparison) -> list[str]:
-    """The model's buffers that differ as the first divergent step begins, where none of
-    its parameters does (named module.buffer); none otherwise."""
-    state = [d for d in c.first_diffs if d.phase == STATE]
-    if any(d.slot.startswith("param.") for d in state):
-        return []
-    return sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
-                   for d in state if d.slot.startswith("buffer.")})
 
 
 def _seeded_apart(c: Comparison) -> str | None:
@@ -138,13 +133,6 @@ def _cause_text(c: Comparison) -> str:
                 "seed, the model in each run; remove the checkpoints an earlier run left, "
                 "or give each run its own output folder; in a notebook, re-run the cell "
                 "that builds it)" + _loaded_note(c))
-    buffers = _buffers_alone(c)
-    if c.cause == "init" and buffers:
-        return (f"the model's buffers ({_listed(buffers)}) differ as built, before the first "
-                "step, while its parameters agree: the model sets them from a source that "
-                "differs between runs (an unseeded generator, numpy's or Python's RNG, the "
-                "clock, the order of a set) or loads them so; fix: compute them the same way "
-                f"in every run, or {_SEED_FIRST}")
     # the RNG streams whose state differs as the step begins (never drawn: left out)
     differing = sorted({d.slot.removeprefix("rng.") for d in c.first_diffs
                         if d.rng_state})
@@ -225,11 +213,16 @@ def _cause_text(c: Comparison) -> str:
     outside = _outside_the_model(c, at_step)
     if outside:
         return outside
-    if c.cause == "params" and buffers:
+    buffers = sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
+                      for d in c.first_diffs if d.phase == STATE
+                      and d.slot.startswith("buffer.")})
+    if c.cause in ("init", "params") and buffers and not any(
+            d.phase == STATE and d.slot.startswith("param.") for d in c.first_diffs):
         return (f"the model's buffers ({_listed(buffers)}) differ before the step while its "
                 "parameters agree: running statistics, counters or averages a module keeps, "
-                "changed between steps, or updated by a forward whose recorded results "
-                "agreed; they change what the model computes in eval mode")
+                + ("loaded or set differently before the first step" if c.cause == "init"
+                   else "changed between steps, or updated by a forward whose recorded "
+                   "results agreed") + "; they change what the model computes in eval mode")
     if c.cause == "data":
         return _data_text(c, differing)
     side = _side_models_differing(c)

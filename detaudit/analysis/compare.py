@@ -204,6 +204,8 @@ class Comparison:
     scripted: list[str] = field(default_factory=list)  # the model's TorchScript modules
     # the zoomed step parted only in replays each in its own process (see PER_PROCESS)
     per_process: str | None = None
+    # the model's buffers (module.buffer) whose prints as built differ (see `as_built`)
+    built_buffers: list[str] = field(default_factory=list)
 
     @property
     def proven(self) -> list[StressedOp]:
@@ -273,9 +275,20 @@ class _Index:
         return {c: r[c][i] for c in ("shape", "dtype", "norm", "absmax", "nonfinite")}
 
 
+def as_built(d: RecordDiff | Key) -> bool:
+    """A buffer's print as step 0 begins: the buffer as the model was built. One that
+    differs is no difference of the runs by itself (a scratch buffer torch.empty made holds
+    other bytes in each process, and one never read changes nothing), only evidence where
+    the model's forward then parts with no op to blame (a buffer drawn from the clock as
+    the model was built: see `built_buffers`)."""
+    step, phase, slot = (d[0], d[1], d[4]) if isinstance(d, tuple) else (d.step, d.phase, d.slot)
+    return step == 0 and phase == STATE and slot.startswith("buffer.")
+
+
 def fingerprints_before(trace: Trace, step: int) -> dict[Key, str]:
-    """Key -> print of a trace's module-granularity records (no op level) before `step`."""
-    return _Index(trace, steps=step).fp
+    """Key -> print of a trace's module-granularity records (no op level) before `step`,
+    the buffers as built aside (see `as_built`)."""
+    return {key: fp for key, fp in _Index(trace, steps=step).fp.items() if not as_built(key)}
 
 
 def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Comparison:
@@ -414,6 +427,7 @@ class _StepDiffs:
         self.previous: dict[tuple[int, str, str, int], list[RecordDiff]] = {}
         self.rng_states: list[dict[str, tuple[str, bool]]] = [{} for _ in range(repeats)]
         self.rng_steps = [0] * repeats  # steps with RNG states, per repeat
+        self.built: list[RecordDiff] = []  # the buffers as built that differ (see as_built)
 
     def add(self, step: int, cuts: list[Trace]) -> None:
         """Compare one step's records across the repeats."""
@@ -434,8 +448,9 @@ class _StepDiffs:
         stats = self.detailed < DETAIL_STEPS  # past the window, counts (and forks) only
         found = [(o, j, d) for j, (o, key) in enumerate(zip(origin, keys))
                  if (d := self._diff(key, ref, others, stats))]
-        if step == 0:
-            found = _as_built(found)
+        if step == 0:  # the buffers as built: evidence, never a difference (see as_built)
+            self.built += [d for _, _, d in found if as_built(d) and not d.missing]
+            found = [(o, j, d) for o, j, d in found if not as_built(d)]
         diffs = [d for _, _, d in found]
         for o, j, d in found:
             # (a parameter or buffer is recorded as a later step begins only where it was
@@ -615,6 +630,8 @@ class _StepDiffs:
             loader_batch=loader_batch,
             side_models=list(probe_value(traces[0], SIDE_MODELS) or []),
             scripted=list(probe_value(traces[0], SCRIPTED) or []),
+            built_buffers=sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
+                                  for d in self.built}),
         )
 
     def _drawn_during(
@@ -902,20 +919,6 @@ def _is_ancestor(
     return False
 
 
-def _as_built(found: list[tuple[int, int, RecordDiff]]) -> list[tuple[int, int, RecordDiff]]:
-    """Step 0's differing records, less the buffers as built where nothing else but RNG
-    states differs there: a scratch buffer torch.empty made holds other bytes in each
-    process, and one never read changes nothing. Where something else differs in step 0,
-    a buffer set differently as the model was built (from an unseeded generator, the
-    clock) is the first difference, before anything ran. A buffer only missing somewhere (a
-    trace recorded before buffers as built were) is never one."""
-    built = {j for _, j, d in found if d.phase == STATE and d.slot.startswith("buffer.")}
-    if not built:
-        return found
-    others = any(j not in built and not d.rng_state for _, j, d in found)
-    return [(o, j, d) for o, j, d in found if j not in built or (others and not d.missing)]
-
-
 def _cause(
     first: list[RecordDiff], findings: list[CallFinding], step: int | None,
     gap: RngGap | None = None, ended: bool = False, drawn: bool = False,
@@ -933,16 +936,14 @@ def _cause(
     if per_process:
         return "process"
     state = [d for d in first if d.phase == STATE]
-    if step == 0 and any(d.slot.startswith("param.") for d in state):
+    if step == 0 and any(d.slot.startswith(MODEL_STATE) for d in state):
         return "init"  # before anything ran: the other differences follow from the same cause
     if any(d.slot.startswith("batch") for d in state):
         return "data"
     if any(d.slot.startswith("rng.") for d in state):
         return "rng"
     if any(d.slot.startswith(MODEL_STATE) for d in state):
-        # (buffers alone, as built: blamed where the batch and every RNG agree; a scratch
-        # buffer torch.empty made differs beside what truly parts the runs)
-        return "init" if step == 0 else "params"
+        return "params"
     if gap is not None:
         return "rng"
     origins = [f for f in findings if f.step == step and f.role == ORIGIN]

@@ -140,14 +140,19 @@ def _outside_dispatcher(
             "text": f"the planted 1-ULP fault, added to {where}'s {origin.phase} result{inside} "
             "by a hook (outside any op), found where it was planted",
         }
+    built = [b for b in modules.built_buffers if within(b, origin.module)]
     return {
         "module": origin.module or "(model)", "phase": origin.phase,
-        "host_rng_draws": draws,
+        "host_rng_draws": draws, "built_buffers": built,
         "text": f"no op inside {origin.module or '(model)'} differs on equal inputs, yet its "
         f"{origin.phase} result does: the difference comes from code outside PyTorch's "
         "dispatcher (a C++/CUDA extension called directly, a Python-side random draw, a "
         "host-side computation)" + (
-            f"; Python or numpy random draws ran in {', '.join(draws)}" if draws else ""),
+            f"; Python or numpy random draws ran in {', '.join(draws)}" if draws else "") + (
+            f"; its buffers {', '.join(built)} differ as the model was built (an op reads "
+            "them as they are, so none differs on equal inputs): the likely source, set "
+            "from something that differs between runs (an unseeded generator, the clock)"
+            if built else ""),
     }
 
 
