@@ -4202,7 +4202,8 @@ def test_a_buffer_set_differently_as_the_model_was_built_is_named_as_the_likely_
     zoomed = detaudit.audit(probe, repeats=2, steps=2, stress=0)
     outside = zoomed.investigations["ops"]["outside_dispatcher"]
     assert (outside["module"], outside["built_buffers"]) == ("(model)", ["pos"])
-    assert "its buffers pos differ as the model was built" in outside["text"]
+    assert "its buffers pos differ as the model was built: where an op reads them" in (
+        outside["text"])
     for seed in (1, 1):
         _watched(tmp_path / "same", lambda seed=seed: _Positions(seed))
     same = detaudit.compare(tmp_path / "same")

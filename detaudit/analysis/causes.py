@@ -70,7 +70,9 @@ def cause_text(c: Comparison) -> str:
     text = _cause_text(c)
     if c.cause == "init" and c.loaded_earlier and _loaded_note(c) not in text:
         text += _loaded_note(c)  # (beside an RNG that differs: the files, said too)
-    if c.built_buffers and c.first_step == 0 and c.cause in ("forward", "backward"):
+    # (a step recorded module by module says more: see the drill-down's outside_dispatcher)
+    if (c.built_buffers and c.first_step == 0 and c.cause in ("forward", "backward")
+            and not any(f.step == 0 for f in c.findings)):
         text += (f"; the model's buffers ({_listed(c.built_buffers)}) differ as built, before "
                  "the first step: where the step reads them, they part the runs (set from "
                  "something that differs between runs: an unseeded generator, the clock; "
@@ -216,13 +218,13 @@ def _cause_text(c: Comparison) -> str:
     buffers = sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
                       for d in c.first_diffs if d.phase == STATE
                       and d.slot.startswith("buffer.")})
-    if c.cause in ("init", "params") and buffers and not any(
+    # (a buffer as built is never a difference: see compare's `as_built`)
+    if c.cause == "params" and buffers and not any(
             d.phase == STATE and d.slot.startswith("param.") for d in c.first_diffs):
         return (f"the model's buffers ({_listed(buffers)}) differ before the step while its "
                 "parameters agree: running statistics, counters or averages a module keeps, "
-                + ("loaded or set differently before the first step" if c.cause == "init"
-                   else "changed between steps, or updated by a forward whose recorded "
-                   "results agreed") + "; they change what the model computes in eval mode")
+                "changed between steps, or updated by a forward whose recorded results "
+                "agreed; they change what the model computes in eval mode")
     if c.cause == "data":
         return _data_text(c, differing)
     side = _side_models_differing(c)

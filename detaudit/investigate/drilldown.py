@@ -140,7 +140,8 @@ def _outside_dispatcher(
             "text": f"the planted 1-ULP fault, added to {where}'s {origin.phase} result{inside} "
             "by a hook (outside any op), found where it was planted",
         }
-    built = [b for b in modules.built_buffers if within(b, origin.module)]
+    # (a buffer as built that differs is read, if anywhere, from step 0 on)
+    built = [b for b in modules.built_buffers if within(b, origin.module)] if step == 0 else []
     return {
         "module": origin.module or "(model)", "phase": origin.phase,
         "host_rng_draws": draws, "built_buffers": built,
@@ -149,9 +150,9 @@ def _outside_dispatcher(
         "dispatcher (a C++/CUDA extension called directly, a Python-side random draw, a "
         "host-side computation)" + (
             f"; Python or numpy random draws ran in {', '.join(draws)}" if draws else "") + (
-            f"; its buffers {', '.join(built)} differ as the model was built (an op reads "
-            "them as they are, so none differs on equal inputs): the likely source, set "
-            "from something that differs between runs (an unseeded generator, the clock)"
+            f"; its buffers {', '.join(built)} differ as the model was built: where an op "
+            "reads them, that op's inputs differ, so none differs on equal inputs (set from "
+            "something that differs between runs: an unseeded generator, the clock)"
             if built else ""),
     }
 
