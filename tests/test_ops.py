@@ -629,7 +629,7 @@ def test_an_origin_op_in_another_module_leaves_the_dispatcher_unblamed():
     from detaudit.investigate.drilldown import _outside_dispatcher
 
     modules = SimpleNamespace(origins=[SimpleNamespace(step=0, module="block.fc",
-                                                       phase="backward")])
+                                                       phase="backward")], built_buffers=[])
     op = OpFinding(0, "backward", "block.gather", 0, 3, "aten.index_put", ORIGIN, 1, 2,
                    ["out.0"], 1)
     assert _outside_dispatcher(modules, 0, [op], set()) is None

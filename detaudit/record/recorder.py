@@ -289,9 +289,8 @@ class Recorder(BackwardBoundaries):
         as step 0 begins (not on the meta device): one never written since (a cached mask, a
         scratch buffer made by torch.empty) is not read again, and the comparison takes a
         difference there as evidence only, never as one of the runs (see compare's
-        `as_built`). A norm
-        layer's running statistics, which its kernel writes without moving their version,
-        are recorded each step its layer is in training mode."""
+        `as_built`). A norm layer's running statistics, which its kernel writes without
+        moving their version, are recorded each step its layer is in training mode."""
         as_built = not self._buffers_recorded and self._step == 0
         self._buffers_recorded = True
         seen: set[int] = set()
@@ -306,8 +305,8 @@ class Recorder(BackwardBoundaries):
                 before = self._buffers_seen.get(name)
                 self._buffers_seen[name] = (weakref.ref(buffer), version)
                 layer = statistics.get(name)
-                first_seen = before is None and as_built and not buffer.is_meta
-                if first_seen or before is not None and (
+                built_print = before is None and as_built and not buffer.is_meta
+                if built_print or before is not None and (
                         before[0]() is not buffer or version is None or version != before[1]
                         or (layer is not None and layer.training)):
                     changed.append((name, buffer))
