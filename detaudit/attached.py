@@ -51,6 +51,7 @@ from .trace import (
     AnyTrace,
     Trace,
     TraceFile,
+    state_name,
 )
 from .words import counted
 
@@ -158,7 +159,7 @@ def _parameter_shapes(trace: AnyTrace) -> dict[str, list[int]]:
     """Each parameter's shape before the first step, by name."""
     for _, cut in trace.by_step():
         r = cut.records
-        return {f"{module}.{slot.removeprefix('param.')}".lstrip("."): shape
+        return {state_name(module, slot): shape
                 for phase, module, slot, shape in zip(r["phase"], r["module"], r["slot"],
                                                       r["shape"])
                 if phase == STATE and slot.startswith("param.")}

@@ -270,6 +270,12 @@ class Trace:
             raise TraceError(f"{source} is damaged: {exc}") from None
 
 
+def state_name(module: str, slot: str) -> str:
+    """The name a parameter or buffer record stands for, as `named_parameters` gives it:
+    ``layer1.0.conv1.weight`` for (``layer1.0.conv1``, ``param.weight``)."""
+    return f"{module}.{slot.split('.', 1)[-1]}".lstrip(".")
+
+
 def open_trace(path: str | Path) -> AnyTrace:
     """A trace to analyse: a streamed one (however long its run) as a :class:`TraceFile`,
     read a step at a time; one saved whole, loaded whole."""

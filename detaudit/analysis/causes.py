@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..trace import BACKWARD, FORWARD, LOADER_BATCH, MODEL_STATE, OUTPUT, OUTSIDE_MODEL, STATE
+from ..trace import (
+    BACKWARD,
+    FORWARD,
+    LOADER_BATCH,
+    MODEL_STATE,
+    OUTPUT,
+    OUTSIDE_MODEL,
+    STATE,
+    state_name,
+)
 from .compare import ORIGIN, CallFinding, Comparison, draws_random_numbers
 
 _CAUSE_TEXT = {
@@ -215,8 +224,7 @@ def _cause_text(c: Comparison) -> str:
     outside = _outside_the_model(c, at_step)
     if outside:
         return outside
-    buffers = sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
-                      for d in c.first_diffs if d.phase == STATE
+    buffers = sorted({state_name(d.module, d.slot) for d in c.first_diffs if d.phase == STATE
                       and d.slot.startswith("buffer.")})
     # (a buffer as built is never a difference: see compare's `as_built`)
     if c.cause == "params" and buffers and not any(

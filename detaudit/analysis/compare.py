@@ -42,6 +42,7 @@ from ..trace import (
     StepInfo,
     Trace,
     probe_value,
+    state_name,
 )
 from .rnggap import RngGap, rng_gap
 from .stress import StressedOp, stressed_ops
@@ -630,8 +631,7 @@ class _StepDiffs:
             loader_batch=loader_batch,
             side_models=list(probe_value(traces[0], SIDE_MODELS) or []),
             scripted=list(probe_value(traces[0], SCRIPTED) or []),
-            built_buffers=sorted({f"{d.module}.{d.slot.removeprefix('buffer.')}".lstrip(".")
-                                  for d in self.built}),
+            built_buffers=sorted({state_name(d.module, d.slot) for d in self.built}),
         )
 
     def _drawn_during(

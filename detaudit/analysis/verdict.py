@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..runfolder import INTERRUPTED as CUT_SHORT
 from ..runfolder import REFUSED
-from ..trace import FORWARD, GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE
+from ..trace import FORWARD, GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE, state_name
 from ..words import counted, joined, one_based, op_place
 from .causes import cause_of, first_op, outside_origin_op
 from .compare import (
@@ -219,8 +219,7 @@ def _held_where_op_ran(first: dict[str, Any] | None, tied: dict[str, list[str]],
     if first is None or not tied or not first["slots"] or not all(
             s.startswith("param.") for s in first["slots"]):
         return first
-    names = [f"{first['module']}.{s.removeprefix('param.')}".lstrip(".")
-             for s in first["slots"]]
+    names = [state_name(first["module"], s) for s in first["slots"]]
     aliases = [(n, a) for n in names for a in tied.get(n, ())]
     if not aliases:
         return first

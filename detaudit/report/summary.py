@@ -27,7 +27,7 @@ from ..config import (
     TIED_PARAMETERS,
 )
 from ..runfolder import RunInfo
-from ..trace import STATE, Trace, probe_value
+from ..trace import STATE, Trace, probe_value, state_name
 from ..words import one_based
 
 SUMMARY_SCHEMA = 1
@@ -55,7 +55,7 @@ def _modules(traces: list[Trace]) -> list[str]:
         owners = [holder or ROOT_NAME for p, m, s in zip(r["phase"], r["module"], r["slot"])
                   if p == STATE and s.startswith("param.")  # (a model's own: "(model)")
                   for holder in (m, *(alias.rpartition(".")[0] for alias in tied.get(
-                      f"{m}.{s.removeprefix('param.')}".lstrip("."), ())))]
+                      state_name(m, s), ())))]
         return list(dict.fromkeys(
             next((side for side in sides if m == side or m.startswith(side + ".")), m)
             for m in owners))
