@@ -27,3 +27,9 @@ def op_place(op: dict) -> str:
         return str(op.get("module") or "(model)")
     path, _, line = site.rpartition(":")
     return f"{op.get('module')} at {path.replace(chr(92), '/').rpartition('/')[2]}:{line}"
+
+
+def steps_run(lengths: list[int]) -> str:
+    """How many steps each repeat ran: ``repeat 0 ran 6 steps, repeat 1 ran 3``."""
+    return ", ".join(f"repeat {n} ran {counted(steps, 'step') if n == 0 else steps}"
+                     for n, steps in enumerate(lengths))

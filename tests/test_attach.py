@@ -4388,7 +4388,15 @@ def test_runs_of_different_lengths_are_said_so(tmp_path):
         tmp_path / "report" / "report.md").read_text()
     # the shorter run's missing steps are no divergence of data or parameters
     assert (result.comparison.first_step, result.comparison.cause) == (3, "length")
-    assert "cause: length" in result.verdict.headline
+    # named as where a run had ended, not as the shorter run's missing batch
+    assert ("first at step 3 (epoch 2), where a run had ended (repeat 0 ran 6 steps, repeat 1 "
+            "ran 3); cause: length") in result.verdict.headline
+    assert "batch" not in result.verdict.headline
+    console = render_console(result.summary)
+    assert "steps run          repeat 0 ran 6 steps, repeat 1 ran 3" in console
+    assert not any(line.startswith(("phase", "records", "role")) for line in console.splitlines())
+    assert "| steps run | repeat 0 ran 6 steps, repeat 1 ran 3 |" in (
+        tmp_path / "report" / "report.md").read_text()
     assert "parameters diverged" not in result.verdict.headline
     # nor is the end of the shorter run a fork ("control flow forked at step 3: batch.0 is
     # missing in 1 repeat", the console and the report said)

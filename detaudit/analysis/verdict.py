@@ -12,7 +12,7 @@ from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_
 from ..runfolder import INTERRUPTED as CUT_SHORT
 from ..runfolder import REFUSED
 from ..trace import FORWARD, GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE, state_name
-from ..words import counted, joined, one_based, op_place
+from ..words import counted, joined, one_based, op_place, steps_run
 from .causes import cause_of, first_op, outside_origin_op
 from .compare import (
     DETERMINISTIC,
@@ -31,6 +31,8 @@ LAST_GRADIENT = "nearest the output of the gradients that differ"
 # a step no module call began to differ in, whose op-level replay found the origin op in the
 # loop's own code (a loss term): that op is the first divergence
 OP_OUTSIDE = "origin op"
+# where the runs part because one had ended (cause: length): its records are missing there
+RUN_ENDED = "a run had ended"
 NOT_COMPARED = "not compared"  # one run, nothing to compare it with: neither pass nor divergence
 EXIT_CODES = {
     DETERMINISTIC: EXIT_OK, MATCH: EXIT_OK,
@@ -183,7 +185,8 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
             "differing": d.differing, "repeats": d.repeats,
         }
     state = [d for d in c.first_diffs if d.phase == STATE]
-    if c.origins and not (c.cause == "data" and state):  # (data: the modules only see it)
+    # (data: the modules only see it; length: a run had ended, its records are missing)
+    if c.origins and not (c.cause in ("data", "length") and state):
         o = c.origins[0]
         return {
             "step": o.step, "epoch": epoch, "index": step_index, "phase": o.phase,
@@ -202,6 +205,8 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
         # parameters nearest the output first, so the last in the model's order is where
         # the difference can begin
         d, role = grads[-1], LAST_GRADIENT
+    if c.cause == "length":
+        role = RUN_ENDED
     return {
         "step": d.step, "epoch": epoch, "index": step_index, "phase": d.phase,
         "module": d.module, "call": d.call, "slots": [d.slot], "role": role,
@@ -267,10 +272,10 @@ def _headline(
     where = first.get("outside") or first["module"] or (
         first["slots"][0] if first["phase"] == STATE else "(model)")  # (the batch, an RNG)
     tied = "".join(f"; {said}" for said in first.get("tied") or ())
-    text = (
-        f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {first['phase']}, "
-        f"{where} ({first['role']}{tied}); cause: {cause_of(c, ops)[0]}"
-    )
+    part = (f"where {RUN_ENDED} ({steps_run(c.lengths)})" if first["role"] == RUN_ENDED
+            else f"{first['phase']}, {where} ({first['role']}{tied})")
+    text = (f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {part}; "
+            f"cause: {cause_of(c, ops)[0]}")
     origin_op = first_op(ops)
     outside = ops.get("outside_dispatcher")
     if origin_op.get("role") == ORIGIN:

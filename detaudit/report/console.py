@@ -7,7 +7,7 @@ from typing import Any
 from tabulate import tabulate
 
 from ..analysis.causes import random_origin_op
-from ..words import counted, op_place
+from ..words import counted, op_place, steps_run
 from .sections import (
     CALLS_UNSEEN_NOTE,
     EPOCHS_UNSEEN_NOTE,
@@ -15,6 +15,7 @@ from .sections import (
     LOADER_IN_A_THREAD_NOTE,
     SIDE_HEADERS,
     calls_matter,
+    ended,
     first_module,
     first_pass_note,
     identical_loss,
@@ -37,12 +38,15 @@ def render_console(summary: dict[str, Any]) -> str:
     if first:
         lines.append("")
         calls = calls_matter(summary)
-        rows = [
-            ("step", f"{first['step']} (epoch {first['epoch']}, step {first['index']} of the epoch)"),
+        where = [("steps run", steps_run(summary["steps_per_repeat"]))] if ended(summary) else [
             ("phase", first["phase"]),
             ("module", first_module(summary)),
             ("role", first["role"]),
             ("records", ", ".join(first["slots"][:4]) + (" ..." if len(first["slots"]) > 4 else "")),
+        ]
+        rows = [
+            ("step", f"{first['step']} (epoch {first['epoch']}, step {first['index']} of the epoch)"),
+            *where,
             ("repeats differing", f"{first['differing']} of {first['repeats'] - 1} (vs repeat 0)"),
             ("cause", f"{summary['cause']['kind']}: {summary['cause']['text']}"),
         ]

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from ..analysis.compare import GRADIENTS_DIFFER
-from ..analysis.verdict import LAST_GRADIENT, OP_OUTSIDE, crash_line
+from ..analysis.verdict import LAST_GRADIENT, OP_OUTSIDE, RUN_ENDED, crash_line
 from ..trace import BACKWARD, FORWARD
-from ..words import counted, op_place
+from ..words import counted, op_place, steps_run
 
 FORWARD_BACKWARD = (FORWARD, BACKWARD)
 
@@ -329,6 +329,12 @@ def calls_matter(s: dict[str, Any]) -> bool:
     return any(o.get("call") for o in [s.get("first_divergence") or {}, *s.get("origins", [])])
 
 
+def ended(s: dict[str, Any]) -> bool:
+    """Whether the runs first part where one had ended (cause: length): the step's records
+    are missing in it, not different, so no phase, module or record is named."""
+    return s["first_divergence"]["role"] == RUN_ENDED and bool(s.get("steps_per_repeat"))
+
+
 def first_module(s: dict[str, Any]) -> str:
     """The first divergence's module, with its call where that module's calls differ in
     the step (a module of the model, in forward or backward)."""
@@ -359,10 +365,11 @@ def _first(s: dict[str, Any]) -> Section | None:
         ["epoch", (f"{first['epoch']} (counted from 1; step {num(first.get('index'))} of "
                    "the epoch, counted from 0)")],
         ["step", f"{first['step']} (global, counted from 0)"],
-        ["phase", first["phase"]],
-        ["module", first_module(s)],
-        ["role", ROLE_TEXT.get(first["role"], first["role"])],
-        ["records", ", ".join(first["slots"])],
+        *([["steps run", steps_run(s["steps_per_repeat"])]] if ended(s) else [
+            ["phase", first["phase"]],
+            ["module", first_module(s)],
+            ["role", ROLE_TEXT.get(first["role"], first["role"])],
+            ["records", ", ".join(first["slots"])]]),
         ["repeats differing", f"{first['differing']} of {first['repeats'] - 1} (against repeat 0)"],
         ["records differing in the run",
          f"{records.get('differing', '?')} of {records.get('total', '?')}"],
