@@ -21,6 +21,7 @@ import sysconfig
 import textwrap
 import threading
 import time
+import types
 import warnings
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ import detaudit
 from detaudit.analysis.causes import cause_of, cause_text
 from detaudit.config import FIRST_PASS_UNFINISHED, LOADED_FROM_EARLIER_RUNS, OP_SITES
 from detaudit.drivers.attach import Attachment
+from detaudit.drivers.attach_process import _loading_noted
 from detaudit.execution import _is_launcher, _script_name
 from detaudit.planting import check_side_fault
 from detaudit.record.recorder import printed_now
@@ -774,13 +776,7 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     assert "note: the RNG state" not in done.stderr
     report = (tmp_path / "run" / "report.md").read_text()
     assert "device cpu; not seeded by detaudit;" in report and "cpu; seed 0" not in report
-    # a script that seeds itself needs no --seed, and is said to seed itself, where (it was
-    # labelled "unseeded")
-    done = _exec(tmp_path, "--max-steps", "2", "--overwrite", script_args=("--seed-self",))
-    assert done.returncode == 0, done.stdout + done.stderr
-    line = SCRIPT.read_text().splitlines().index("        torch.manual_seed(0)") + 1
-    report = (tmp_path / "run" / "report.md").read_text().replace("\\_", "_")
-    assert f"device cpu; seeded by the code (0 at {SCRIPT}:{line});" in report
+    # (a script that seeds itself: the launcher test below)
 
 
 # A loader that fetches one batch ahead of the loop, as accelerate's does (to know which
@@ -1113,7 +1109,9 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
 
 def test_the_step_limit_runs_the_scripts_exit_hooks(tmp_path):
     """--max-steps ended the process without its exit hooks: a temporary folder a script
-    (Composer's checkpoint saver) removes at exit was left behind by every run."""
+    (Composer's checkpoint saver) removes at exit was left behind by every run. (A script
+    that prints nothing, as this one, leaves no line open: --quiet printed a blank line per
+    run before the verdict; lines a script leaves open are in the next test.)"""
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     script = tmp_path / "cleans_up.py"
@@ -1130,11 +1128,14 @@ def test_the_step_limit_runs_the_scripts_exit_hooks(tmp_path):
             optimizer.step()
             optimizer.zero_grad()
         """))
-    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
-                   "--max-steps", "2", "--", sys.executable, str(script),
-                   env={"TMPDIR": str(temporary)})
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "detaudit", "exec", "--out", str(tmp_path / "run"), "--quiet",
+         "--seed", "0", "--max-steps", "2", "--", sys.executable, str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, check=False,
+        env={**os.environ, "TMPDIR": str(temporary)})
+    assert done.returncode == 0, done.stdout
     assert not list(temporary.glob("tmp*"))  # (torch's own caches may be there)
+    assert done.stdout.startswith("DETERMINISTIC: 2 repeats"), done.stdout
 
 
 # A planted fault's module, phase and step are named from the scan alone (its step is
@@ -1352,14 +1353,14 @@ def test_the_update_that_makes_an_optimizers_state_for_a_checkpoint_is_no_step(t
     assert not summary["updates_without_backward"] and not summary["calls_unseen"]
 
 
-@pytest.mark.parametrize("drawn", ["tqdm", "carriage returns", "nothing"])
+@pytest.mark.parametrize("drawn", ["tqdm", "carriage returns"])
 def test_a_progress_line_the_limit_cuts_short_leaves_the_verdict_on_a_line_of_its_own(
         tmp_path, drawn):
     """A progress line (a tqdm bar on stderr, or a line the script redraws on stdout with
     carriage returns) has no line end while its loop runs; --max-steps ends the process
     mid-loop, so the bar is closed as the loop's end would close it and the line ended: the
     next run's output, and the verdict (stdout, the same log in CI), begin lines of their own.
-    A script that leaves no line open gets no blank line (--quiet printed one per run)."""
+    (A script that leaves no line open: the step-limit test above.)"""
     script = tmp_path / "bar.py"
     script.write_text(
         "import sys, torch, tqdm\n"
@@ -1380,9 +1381,6 @@ def test_a_progress_line_the_limit_cuts_short_leaves_the_verdict_on_a_line_of_it
     output = done.stdout.decode()  # (not as text: that splits lines at the bar's returns)
     lines = output.split("\n")
     assert done.returncode == 0, output
-    if drawn == "nothing":
-        assert output.startswith("DETERMINISTIC: 2 repeats"), output
-        return
     assert sum("/1000 [" in line for line in lines) == 2, output  # a line in each run
     assert any(line.startswith("DETERMINISTIC") for line in lines), output
 
@@ -1451,6 +1449,27 @@ def test_a_script_that_resumes_from_what_an_earlier_run_saved_is_told_so(tmp_pat
     traces = [Trace.load(tmp_path / "run" / f"trace-{r}.json.gz") for r in (0, 1)]
     assert [t.steps[0].epoch for t in traces] == [0, 0]  # (the script's epoch 1 is their first)
     assert not any(LOADED_FROM_EARLIER_RUNS in t.probe for t in traces)
+
+
+def test_a_checkpoint_loaded_through_a_link_is_noted_as_the_file_it_points_to(tmp_path):
+    """Composer resumes through a temporary link to the checkpoint, which it deletes once
+    loaded: the link was named as the file the run loaded. Only a file an earlier run of the
+    audit wrote is noted (written after the audit began and before this run did)."""
+    checkpoint = tmp_path / "ep1.pt"
+    torch.save({"epoch": 1}, checkpoint)
+    written = checkpoint.stat().st_mtime_ns
+    link = tmp_path / "tmp" / "latest.pt"
+    link.parent.mkdir()
+    link.symlink_to(checkpoint)
+    attachment = types.SimpleNamespace(trace=types.SimpleNamespace(probe={}))
+    loading = _loading_noted(attachment, torch.load, written - 1, written + 1)
+    assert loading(str(link)) == {"epoch": 1}
+    link.unlink()
+    assert attachment.trace.probe[LOADED_FROM_EARLIER_RUNS] == [os.path.realpath(checkpoint)]
+    # written before the audit began: the script's own input, not noted
+    later = types.SimpleNamespace(trace=types.SimpleNamespace(probe={}))
+    _loading_noted(later, torch.load, written + 1, written + 2)(checkpoint)
+    assert later.trace.probe == {}
 
 
 def test_a_run_that_fails_after_resuming_from_an_earlier_runs_checkpoint_is_told_so(
@@ -1965,7 +1984,8 @@ def test_a_command_that_exits_with_an_error_after_its_steps_says_where(tmp_path,
 def test_exec_of_a_launcher_records_the_script_it_starts(tmp_path):
     """`accelerate launch` on one process is a Python program that trains nothing and runs
     the script in a child with no rank set: the child records (nothing did, and the
-    command was said to end before its first step)."""
+    command was said to end before its first step). The script seeds itself: it needs no
+    --seed, and is said to seed itself, where (it was labelled "unseeded")."""
     launcher = tmp_path / "bin" / "accelerate"
     launcher.parent.mkdir()
     launcher.write_text(f"#!{sys.executable}\n"
@@ -1973,12 +1993,15 @@ def test_exec_of_a_launcher_records_the_script_it_starts(tmp_path):
                         "assert sys.argv[1] == 'launch'\n"
                         "sys.exit(subprocess.call([sys.executable, *sys.argv[2:]]))\n")
     launcher.chmod(0o755)
-    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet",
                    "--max-steps", "2", "--", str(launcher), "launch", str(SCRIPT),
-                   "--workers", "0")
+                   "--workers", "0", "--seed-self")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DETERMINISTIC" in done.stdout
     assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 2
+    line = SCRIPT.read_text().splitlines().index("        torch.manual_seed(0)") + 1
+    report = (tmp_path / "run" / "report.md").read_text().replace("\\_", "_")
+    assert f"device cpu; seeded by the code (0 at {SCRIPT}:{line});" in report
 
 
 def test_exec_of_a_front_end_records_the_kernel_it_runs_the_training_in(tmp_path):

@@ -254,16 +254,19 @@ def _loading_noted(attachment: Attachment, load: Callable[..., Any], since_ns: i
     """``torch.load`` that notes, in the trace, a file last written after the audit began
     (`since_ns`) and before this run of the command did (`began_ns`; not this process: the
     command's own first script may write what its second loads): one an earlier run of the
-    audit wrote, such as a checkpoint the script resumes from, which makes the runs differ."""
+    audit wrote, such as a checkpoint the script resumes from, which makes the runs differ.
+    A link is noted as the file it points to: a library may load through a temporary link
+    that it deletes next (Composer's)."""
     @functools.wraps(load)
     def loading(f: Any, *args: Any, **kwargs: Any) -> Any:
         name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
         with contextlib.suppress(OSError, TypeError, ValueError):  # (load says what is wrong)
             if isinstance(name, (str, os.PathLike)) and written_by_an_earlier_run(
                     name, since_ns, began_ns):
+                file = os.path.realpath(name) if os.path.islink(name) else os.fspath(name)
                 noted = attachment.trace.probe.setdefault(LOADED_FROM_EARLIER_RUNS, [])
-                if os.fspath(name) not in noted and len(noted) < 5:
-                    noted.append(os.fspath(name))
+                if file not in noted and len(noted) < 5:
+                    noted.append(file)
         return load(f, *args, **kwargs)
 
     return loading
