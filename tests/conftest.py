@@ -138,16 +138,18 @@ def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist (`-n 2`), a test holds the run's lock file from before its first
     fixture is made to after its last is torn down (a module's fixtures run an audit too):
     shared when it is marked `shares_cores`, exclusive otherwise, so that a race that must
-    fire on 2 threads (a test marked `alone`, or one that sets the thread count), a Mask
-    R-CNN-sized test (`slow`: it keeps both cores busy by itself) or a test no one has
-    looked at never has another test beside it. The file lies in the run's temporary
-    folder, which holds each worker's (and which pytest removes with its older runs)."""
+    fire on 2 threads (a test marked `alone`, or one that sets the thread count) or a test
+    no one has looked at never has another test beside it. (A Mask R-CNN-sized test, marked
+    `slow`, keeps both cores busy by itself, yet shares them: the other worker's tests fill
+    what it leaves idle, and the suite took 1,009 s where it took 1,100 s with those tests
+    alone.) The file lies in the run's temporary folder, which holds each worker's (and
+    which pytest removes with its older runs)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return (yield)
     import fcntl  # (POSIX; xdist runs here)
 
     beside = (item.get_closest_marker("shares_cores") is not None
-              and not any(item.get_closest_marker(m) for m in ("alone", "slow"))
+              and item.get_closest_marker("alone") is None
               and not {"two_threads", "threads"} & set(item.fixturenames))
     folder = item.config._tmp_path_factory.getbasetemp().parent
     with open(folder / "cores.lock", "a") as lock:
