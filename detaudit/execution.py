@@ -507,7 +507,9 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             trace.failure += (f" (the last step it completed: {len(trace.steps) - 1})"
                               if trace.steps else " (before its first step completed)")
             written = _written_by_earlier_runs(trace.failure, since_ns, began_ns)
-            loaded = [f for f in trace.probe.get(LOADED_FROM_EARLIER_RUNS, ()) if f not in written]
+            named = {os.path.realpath(f) for f in written}  # (a load through a link: its file)
+            loaded = [f for f in trace.probe.get(LOADED_FROM_EARLIER_RUNS, ())
+                      if os.path.realpath(f) not in named]
             if written:
                 trace.failure += (f"; {', '.join(written)} named there "
                                   f"{'was' if len(written) == 1 else 'were'} written by an "

@@ -29,7 +29,7 @@ def op_place(op: dict) -> str:
     return f"{op.get('module')} at {path.replace(chr(92), '/').rpartition('/')[2]}:{line}"
 
 
-def steps_run(lengths: list[int]) -> str:
-    """How many steps each repeat ran: ``repeat 0 ran 6 steps, repeat 1 ran 3``."""
-    return ", ".join(f"repeat {n} ran {counted(steps, 'step') if n == 0 else steps}"
-                     for n, steps in enumerate(lengths))
+def steps_run(lengths: dict[int, int]) -> str:
+    """How many steps each repeat ran, by repeat: ``repeat 0 ran 6 steps, repeat 1 ran 3``."""
+    return ", ".join(f"repeat {n} ran {steps if i else counted(steps, 'step')}"
+                     for i, (n, steps) in enumerate(sorted(lengths.items())))

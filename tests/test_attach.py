@@ -37,6 +37,10 @@ from torch import nn
 
 import detaudit
 from detaudit.analysis.causes import cause_of, cause_text
+from detaudit.analysis.compare import compare as compare_traces
+from detaudit.analysis.diff import diff_traces
+from detaudit.analysis.ranks import _rank_row
+from detaudit.analysis.verdict import judge
 from detaudit.config import FIRST_PASS_UNFINISHED, LOADED_FROM_EARLIER_RUNS, OP_SITES
 from detaudit.drivers.attach import Attachment
 from detaudit.drivers.attach_process import _loading_noted
@@ -776,7 +780,13 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     assert "note: the RNG state" not in done.stderr
     report = (tmp_path / "run" / "report.md").read_text()
     assert "device cpu; not seeded by detaudit;" in report and "cpu; seed 0" not in report
-    # (a script that seeds itself: the launcher test below)
+    # a script that seeds itself needs no --seed, and is said to seed itself, where (it was
+    # labelled "unseeded")
+    done = _exec(tmp_path, "--max-steps", "2", "--overwrite", script_args=("--seed-self",))
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = SCRIPT.read_text().splitlines().index("        torch.manual_seed(0)") + 1
+    report = (tmp_path / "run" / "report.md").read_text().replace("\\_", "_")
+    assert f"device cpu; seeded by the code (0 at {SCRIPT}:{line});" in report
 
 
 # A loader that fetches one batch ahead of the loop, as accelerate's does (to know which
@@ -1984,8 +1994,7 @@ def test_a_command_that_exits_with_an_error_after_its_steps_says_where(tmp_path,
 def test_exec_of_a_launcher_records_the_script_it_starts(tmp_path):
     """`accelerate launch` on one process is a Python program that trains nothing and runs
     the script in a child with no rank set: the child records (nothing did, and the
-    command was said to end before its first step). The script seeds itself: it needs no
-    --seed, and is said to seed itself, where (it was labelled "unseeded")."""
+    command was said to end before its first step)."""
     launcher = tmp_path / "bin" / "accelerate"
     launcher.parent.mkdir()
     launcher.write_text(f"#!{sys.executable}\n"
@@ -1993,15 +2002,12 @@ def test_exec_of_a_launcher_records_the_script_it_starts(tmp_path):
                         "assert sys.argv[1] == 'launch'\n"
                         "sys.exit(subprocess.call([sys.executable, *sys.argv[2:]]))\n")
     launcher.chmod(0o755)
-    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet",
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--quiet", "--seed", "0",
                    "--max-steps", "2", "--", str(launcher), "launch", str(SCRIPT),
-                   "--workers", "0", "--seed-self")
+                   "--workers", "0")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "DETERMINISTIC" in done.stdout
     assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 2
-    line = SCRIPT.read_text().splitlines().index("        torch.manual_seed(0)") + 1
-    report = (tmp_path / "run" / "report.md").read_text().replace("\\_", "_")
-    assert f"device cpu; seeded by the code (0 at {SCRIPT}:{line});" in report
 
 
 def test_exec_of_a_front_end_records_the_kernel_it_runs_the_training_in(tmp_path):
@@ -4432,6 +4438,19 @@ def test_runs_of_different_lengths_are_said_so(tmp_path):
     shorter_first = detaudit.compare(runs / "trace-1.json.gz", runs / "trace-0.json.gz")
     assert "first at step 3 (epoch 2)" in shorter_first.verdict.headline
     assert shorter_first.summary["first_divergence"]["index"] == 0
+    assert "(repeat 0 ran 3 steps, repeat 1 ran 6)" in shorter_first.verdict.headline
+    # a run by its own repeat number, not its place among those compared (a repeat between
+    # them that failed to record is left out)
+    traces = [Trace.load(runs / f"trace-{n}.json.gz") for n in (0, 1)]
+    traces[1].repeat = 2
+    assert "(repeat 0 ran 6 steps, repeat 2 ran 3)" in judge(compare_traces(traces)).headline
+    # a rank's row, and a diff of the two runs, say so too
+    assert _rank_row(0, result.comparison).role == "a run had ended"
+    diffed = diff_traces(*(Trace.load(runs / f"trace-{n}.json.gz") for n in (0, 1)),
+                         labels=("long", "short"))
+    assert ("MISMATCH: short differs from long bitwise at step 3 where a run had ended "
+            "(long ran 6 steps, short ran 3)") in diffed.headline
+    assert "first difference: step 3, where a run had ended" in diffed.message
 
 
 def test_compare_needs_two_runs(tmp_path):

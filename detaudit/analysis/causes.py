@@ -147,7 +147,7 @@ def _cause_text(c: Comparison) -> str:
     # the RNG streams whose state differs as the step begins (never drawn: left out)
     differing = sorted({d.slot.removeprefix("rng.") for d in c.first_diffs
                         if d.rng_state})
-    stepless = [n for n, steps in enumerate(c.lengths) if steps == 0]
+    stepless = [n for n, steps in c.lengths.items() if steps == 0]
     if c.cause == "length" and stepless:
         return (f"repeat {stepless[0]} made no step: its command ended at once (exit 0), "
                 "as a script does that finds what an earlier run left and takes the "

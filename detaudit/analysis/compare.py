@@ -50,6 +50,9 @@ from .stress import StressedOp, stressed_ops
 Key = tuple[int, str, str, int, str]  # step, phase, module, call, slot
 
 ORIGIN, CONTAINS, PROPAGATED = "origin", "contains-origin", "propagated"
+# the role of the first step a run never reached (cause: length): its records are missing
+# there, not different
+RUN_ENDED = "a run had ended"
 GRADIENTS_DIFFER = "gradients differ"  # a scanned step's map cell: no module records there
 DETERMINISTIC, DIVERGENT, FAILED = "deterministic", "divergent", "failed"
 DETAIL_STEPS = 100  # divergent steps whose differing records are all kept and classified
@@ -188,7 +191,7 @@ class Comparison:
     # parameters held under more than one name (tied weights): the name records go under ->
     # the others
     tied: dict[str, list[str]] = field(default_factory=dict)
-    lengths: list[int] = field(default_factory=list)  # each repeat's number of steps
+    lengths: dict[int, int] = field(default_factory=dict)  # each repeat's steps, by repeat
     # with cause "optimizer": each repeat's learning rates at the first divergent step, when
     # they differ (a schedule that depends on something that differs between the runs)
     lr_by_repeat: list[list[float | None]] | None = None
@@ -311,7 +314,7 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
     comparison.first_seeds = [probe_value(t, FIRST_SEED) for t in traces]
     comparison.shared_parameters = any(probe_value(t, SHARED_PARAMETERS) for t in traces)
     comparison.tied = probe_value(traces[0], TIED_PARAMETERS) or {}
-    comparison.lengths = [len(t.steps) for t in traces]
+    comparison.lengths = {t.repeat: len(t.steps) for t in traces}
     comparison.loaded_earlier = {n: files for n, t in enumerate(traces)
                                   if (files := probe_value(t, LOADED_FROM_EARLIER_RUNS))}
     if comparison.cause == "init":

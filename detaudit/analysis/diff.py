@@ -86,6 +86,8 @@ class GateResult:
     replayable: bool = False  # both runs are of probes a replay rebuilds (built-in or file)
     config_differences: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     planted_apart: list[str] = field(default_factory=list)  # labels: a fault not in repeat 0
+    # each run's number of steps, where they first part because one had ended (cause: length)
+    lengths: tuple[int, int] | None = None
 
     @property
     def verdict(self) -> str:
@@ -214,6 +216,7 @@ def diff_traces(
         config_differences=config_differences(whole_a, whole_b, audited_alike),
         planted_apart=[label for label, t in zip(labels, (whole_a, whole_b))
                        if _planted_after_repeat_0(t)],
+        lengths=(len(ta.steps), len(tb.steps)) if comparison.cause == "length" else None,
     )
     if zoom is not None and first is not None:
         result.zoom = zoom(first.step)
@@ -405,7 +408,10 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
     if first is None:
         return "\n".join(lines)
     missing = " (present in only one run)" if first.missing else ""
-    lines.append(f"first difference: step {first.step}, {first.phase}, {first.where}{missing}")
+    if result.lengths is not None:
+        lines.append(f"first difference: step {first.step}, {_ended(result)}")
+    else:
+        lines.append(f"first difference: step {first.step}, {first.phase}, {first.where}{missing}")
     for name, (x, y) in (("norm", first.norm), ("absmax", first.absmax)):
         if x is not None and y is not None:
             lines.append(f"  {name}: {la} {x:.9g}  {lb} {y:.9g}  (abs. diff {abs(x - y):.3g})")
@@ -446,6 +452,12 @@ def zoom_line(zoom: dict[str, Any], la: str, lb: str) -> str:
     return f"zoom: {la} and {lb} replayed to step {step}: origin {where}{op}"
 
 
+def _ended(result: GateResult) -> str:
+    """Where two runs of different lengths part: the first step one never reached."""
+    (la, lb), (na, nb) = result.labels, result.lengths or (0, 0)
+    return f"where a run had ended ({la} ran {counted(na, 'step')}, {lb} ran {nb})"
+
+
 def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
     """The one-line verdict."""
     la, lb = result.labels
@@ -470,7 +482,9 @@ def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
         return f"MISMATCH: {lb} and {la} did not run to the same end"
     first = result.first
     # an origin is a place; without one, the first record that differs is only that
-    if first.phase == STATE and first.slot.startswith("param."):
+    if result.lengths is not None:
+        where = _ended(result)
+    elif first.phase == STATE and first.slot.startswith("param."):
         where = f"in the parameters of {first.module or '(model)'}, before the step"
     elif result.origin_module is not None:
         where = f"in {result.origin_module or '(model)'} ({result.origin_phase})"

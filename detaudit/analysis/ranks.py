@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ..config import UNJOINED
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, PROBE_DISTRIBUTED, STATE, AnyTrace, Trace
 from ..words import counted, joined, one_based
-from .compare import DIVERGENT, ORIGIN, Comparison, aligned_steps, compare
+from .compare import DIVERGENT, ORIGIN, RUN_ENDED, Comparison, aligned_steps, compare
 
 OK, FLAGGED, NOT_CHECKED = "ok", "flagged", "not checked"
 NOTED = "noted"  # seen, and harmless as the run went: said, not flagged
@@ -152,7 +152,9 @@ def _rank_row(rank: int, c: Comparison) -> RankRow:
         first_epoch=one_based(c.first_epoch), phase=None, module=None, role=None,
         cause=c.cause, source=None, failures={str(k): v for k, v in c.failures.items()},
     )
-    if c.first_step is not None:
+    if c.first_step is not None and c.cause == "length":  # (its records are missing there)
+        row.role, row.source = RUN_ENDED, "local"
+    elif c.first_step is not None:
         origin = c.origins[0] if c.origins else None
         first = c.first_diffs[0]
         row.phase = origin.phase if origin else first.phase

@@ -19,6 +19,7 @@ from .compare import (
     DIVERGENT,
     FAILED,
     ORIGIN,
+    RUN_ENDED,
     Comparison,
 )
 from .ranks import NO_PROCESS_GROUP, NOT_CHECKED, RankAnalysis
@@ -31,8 +32,6 @@ LAST_GRADIENT = "nearest the output of the gradients that differ"
 # a step no module call began to differ in, whose op-level replay found the origin op in the
 # loop's own code (a loss term): that op is the first divergence
 OP_OUTSIDE = "origin op"
-# where the runs part because one had ended (cause: length): its records are missing there
-RUN_ENDED = "a run had ended"
 NOT_COMPARED = "not compared"  # one run, nothing to compare it with: neither pass nor divergence
 EXIT_CODES = {
     DETERMINISTIC: EXIT_OK, MATCH: EXIT_OK,
@@ -205,12 +204,11 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
         # parameters nearest the output first, so the last in the model's order is where
         # the difference can begin
         d, role = grads[-1], LAST_GRADIENT
-    if c.cause == "length":
-        role = RUN_ENDED
+    ended = {"role": RUN_ENDED, "steps_run": steps_run(c.lengths)} if c.cause == "length" else {}
     return {
         "step": d.step, "epoch": epoch, "index": step_index, "phase": d.phase,
         "module": d.module, "call": d.call, "slots": [d.slot], "role": role,
-        "differing": d.differing, "repeats": d.repeats,
+        "differing": d.differing, "repeats": d.repeats, **ended,
     }
 
 
@@ -272,7 +270,7 @@ def _headline(
     where = first.get("outside") or first["module"] or (
         first["slots"][0] if first["phase"] == STATE else "(model)")  # (the batch, an RNG)
     tied = "".join(f"; {said}" for said in first.get("tied") or ())
-    part = (f"where {RUN_ENDED} ({steps_run(c.lengths)})" if first["role"] == RUN_ENDED
+    part = (f"where {RUN_ENDED} ({first['steps_run']})" if first["role"] == RUN_ENDED
             else f"{first['phase']}, {where} ({first['role']}{tied})")
     text = (f"DIVERGENT: first at step {first['step']} (epoch {first['epoch']}), {part}; "
             f"cause: {cause_of(c, ops)[0]}")

@@ -7,7 +7,7 @@ from typing import Any
 from tabulate import tabulate
 
 from ..analysis.causes import random_origin_op
-from ..words import counted, op_place, steps_run
+from ..words import counted, op_place
 from .sections import (
     CALLS_UNSEEN_NOTE,
     EPOCHS_UNSEEN_NOTE,
@@ -38,7 +38,7 @@ def render_console(summary: dict[str, Any]) -> str:
     if first:
         lines.append("")
         calls = calls_matter(summary)
-        where = [("steps run", steps_run(summary["steps_per_repeat"]))] if ended(summary) else [
+        where = [("steps run", first["steps_run"])] if ended(summary) else [
             ("phase", first["phase"]),
             ("module", first_module(summary)),
             ("role", first["role"]),

@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from ..analysis.compare import GRADIENTS_DIFFER
-from ..analysis.verdict import LAST_GRADIENT, OP_OUTSIDE, RUN_ENDED, crash_line
+from ..analysis.compare import GRADIENTS_DIFFER, RUN_ENDED
+from ..analysis.verdict import LAST_GRADIENT, OP_OUTSIDE, crash_line
 from ..trace import BACKWARD, FORWARD
-from ..words import counted, op_place, steps_run
+from ..words import counted, op_place
 
 FORWARD_BACKWARD = (FORWARD, BACKWARD)
 
@@ -332,7 +332,7 @@ def calls_matter(s: dict[str, Any]) -> bool:
 def ended(s: dict[str, Any]) -> bool:
     """Whether the runs first part where one had ended (cause: length): the step's records
     are missing in it, not different, so no phase, module or record is named."""
-    return s["first_divergence"]["role"] == RUN_ENDED and bool(s.get("steps_per_repeat"))
+    return s["first_divergence"]["role"] == RUN_ENDED
 
 
 def first_module(s: dict[str, Any]) -> str:
@@ -365,7 +365,7 @@ def _first(s: dict[str, Any]) -> Section | None:
         ["epoch", (f"{first['epoch']} (counted from 1; step {num(first.get('index'))} of "
                    "the epoch, counted from 0)")],
         ["step", f"{first['step']} (global, counted from 0)"],
-        *([["steps run", steps_run(s["steps_per_repeat"])]] if ended(s) else [
+        *([["steps run", first["steps_run"]]] if ended(s) else [
             ["phase", first["phase"]],
             ["module", first_module(s)],
             ["role", ROLE_TEXT.get(first["role"], first["role"])],
