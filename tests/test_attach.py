@@ -4424,8 +4424,10 @@ def test_runs_of_different_lengths_are_said_so(tmp_path):
     console = render_console(result.summary)
     assert "steps run          repeat 0 ran 6 steps, repeat 1 ran 3" in console
     assert not any(line.startswith(("phase", "records", "role")) for line in console.splitlines())
-    assert "| steps run | repeat 0 ran 6 steps, repeat 1 ran 3 |" in (
-        tmp_path / "report" / "report.md").read_text()
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "| steps run | repeat 0 ran 6 steps, repeat 1 ran 3 |" in report
+    assert "Size of the difference" not in report  # (of records the shorter run lacks)
+    assert "a run had ended" in (tmp_path / "report" / "report.html").read_text()
     assert "parameters diverged" not in result.verdict.headline
     # nor is the end of the shorter run a fork ("control flow forked at step 3: batch.0 is
     # missing in 1 repeat", the console and the report said)

@@ -542,6 +542,8 @@ def _loss_diff(value: float) -> str:
 
 
 def _size(s: dict[str, Any]) -> Section | None:
+    if s.get("first_divergence") and ended(s):  # (the shorter run's records are missing)
+        return None
     rows = []
     for phase, d in s.get("first_by_phase", {}).items():
         ref, other = d.get("ref", {}), d.get("other", {})

@@ -222,7 +222,8 @@ def _drift_marks(f: Frame, summary: dict[str, Any], bottom: float | None = None)
     """Lines at the first step whose records differ and the first whose loss differs."""
     first = summary.get("first_divergence") or {}
     marks = [
-        (first.get("step"), "#bc4c00", "records first differ"),
+        (first.get("step"), "#bc4c00",
+         "a run had ended" if first.get("steps_run") else "records first differ"),
         (summary["loss"].get("first_step"), "#cf222e", "loss first differs"),
     ]
     out = []
