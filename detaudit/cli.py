@@ -503,6 +503,10 @@ def cmd_run(args: argparse.Namespace, argv: list[str]) -> int:
     """`detaudit run`."""
     from . import api
 
+    if args.verify_fix and args.nproc:
+        raise DetauditError("--verify-fix re-runs one process with PyTorch's deterministic "
+                            "settings, and does not run with --nproc: audit the ranks, then "
+                            "verify the fix without --nproc")
     launch = Launch(args.isolation, args.nproc)
     spec, config, preset = _audit_setup(args, launch)
     _check_output_file(args.junit, "--junit")

@@ -130,6 +130,14 @@ def exec_command(
                         "every time")
                 runs.append(recorded)
                 timings.append(timing)
+                # a run that failed before its first step leaves no step to compare: the
+                # verdict is FAILED whatever the other runs do, so they are not run
+                unstarted = repeat < job.repeats - 1 and all(
+                    t.failure and not t.steps for t in recorded.values())
+                others = ("repeat 1 was" if job.repeats == 2
+                          else f"repeats 1 to {job.repeats - 1} were")
+                for trace in recorded.values() if unstarted else ():
+                    trace.failure += f"; {others} not run (no step to compare)"
                 for rank, trace in recorded.items():
                     folder.add_trace(trace, timing if rank == min(recorded, key=_rank_order)
                                      else None, rank)
@@ -139,6 +147,8 @@ def exec_command(
                 steps = len(next(iter(recorded.values())).steps)
                 progress.advance(f"run {repeat + 1}/{job.repeats}: {steps} steps"
                                  f"{f' on {len(recorded)} ranks' if None not in recorded else ''}")
+                if unstarted:
+                    break
             progress.close()
             config = replace(config, fault=job.fault)  # (named as planted: see above)
             ranks = _rank_analysis(runs, command) if None not in runs[0] else None
@@ -489,9 +499,10 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             + ("no optimizer step was seen, and --mode train takes nothing else for a step"
                if job.mode == TRAIN else
                "no optimizer step and no call of a model was seen" if job.mode == INFER else
-               "no optimizer step was seen, and its model's calls were no inference: a script "
-               "with an optimizer, or whose model was first called in training mode with "
-               "gradients on; --mode infer takes every top-level call of the model for a step")
+               "no optimizer step was seen, nor a model called for inference: a call in "
+               "training mode with gradients on, or in a script that builds an optimizer, is "
+               "no inference step; --mode infer takes every top-level call of the model for a "
+               "step")
             + ("; the process of the command that trains records (the first to begin a step)"
                f", in a Python that has detaudit installed, as {sys.executable} does"
                if claimed_by is None else f"; {claimed_by!r} began one and left no trace: "

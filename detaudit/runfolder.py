@@ -187,7 +187,8 @@ def load_run(folder: str | Path) -> tuple[RunInfo, list[AnyTrace]]:
     mixed = [name for name, t in zip(info.traces, traces)
              if info.run_id and t.probe.get(PROBE_RUN, info.run_id) != info.run_id]
     if mixed:
-        raise TraceError(f"{folder} mixes runs: {', '.join(mixed)} belong to another run than "
+        raise TraceError(f"{folder} mixes runs: {', '.join(mixed)} "
+                         f"{'belongs' if len(mixed) == 1 else 'belong'} to another run than "
                          f"{RUN_FILE}; re-run the audit into an empty folder")
     return info, traces
 

@@ -2156,6 +2156,23 @@ def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):
     assert "train_plain.py" in trace.failure
 
 
+def test_a_script_that_crashes_before_its_first_step_is_run_once(tmp_path):
+    """A run that fails before its first step leaves nothing to compare, and the verdict
+    is FAILED whatever the others do: they were run all the same (a script that loads its
+    data for minutes, then fails on its configuration, failed once per repeat)."""
+    script = tmp_path / "early.py"
+    script.write_text("import torch\nraise ValueError('no such class: dog')\n")
+    done = _exec(tmp_path, "--repeats", "3", "--json", script=script)
+    assert done.returncode == 3, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["headline"].startswith(
+        f"FAILED: repeat 0 stopped: ValueError while running at {script}:2: no such class: "
+        "dog (before its first step completed); repeats 1 to 2 were not run (no step to "
+        "compare)"), summary["headline"]
+    assert sorted(p.name for p in (tmp_path / "run").glob("trace-*")) == ["trace-0.json.gz"]
+    assert done.stderr.count("Traceback") == 1
+
+
 @pytest.mark.parametrize("where", ["the next batch taken", "after the update"])
 def test_a_failure_after_an_update_is_the_next_steps_once_the_loop_took_its_batch(
         tmp_path, where):
@@ -2281,7 +2298,8 @@ def test_a_fault_in_a_module_that_exists_but_was_not_seen_says_why(tmp_path, scr
 
 @pytest.mark.parametrize(("command", "message"), [
     (["no-such-command-here"], "cannot run 'no-such-command-here'"),
-    ([sys.executable, "-c", "print('no training here')"], "before its first step (no optimizer step"),
+    ([sys.executable, "-c", "print('no training here')"],
+     "before its first step (no optimizer step was seen, nor a model called for inference"),
     # a command that fails at once (its own argparse error): said first, not buried after an
     # explanation of what a step is
     ([sys.executable, "-c", "import sys; sys.exit(2)"],
@@ -4128,7 +4146,7 @@ def test_a_weight_changed_between_steps_in_one_run_is_its_state_not_a_fork(tmp_p
     result = detaudit.compare(tmp_path)
     assert result.comparison.fork is None
     assert result.verdict.headline.startswith(
-        "DIVERGENT: first at step 3 (epoch 1), state, 2 (first record); cause: params")
+        "DIVERGENT: first at step 3 (epoch 1), state, 2.weight (first record); cause: params")
 
 
 def test_buffers_are_the_models_state_too(tmp_path):

@@ -116,6 +116,8 @@ def test_process_isolation_finds_hash_seed_dependence(tmp_path):
     (["run", "--probe", "/nonexistent/probe.py"], "does not exist"),
     (["run", "--model", "maskrcnn", "--inject-fault", "a@sideways:1"], "--inject-fault"),
     (["run", "--probe", str(PROBES)], "probe_files is a folder"),
+    (["run", "--model", "maskrcnn", "--nproc", "2", "--verify-fix"],
+     "--verify-fix re-runs one process"),  # (it was dropped without a word)
     (["run", "--probe", str(PROBES / "tiny_cnn.py"), "--epochs", "1", "--steps", "1",
       "--no-census", "--inject-fault", "op:torchvision.nms"],
      ("never fired: op 'torchvision.nms' did not run forward in any module at step 0 of 1 "

@@ -395,11 +395,13 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
             "seeded, or one reseeded during the step (torch.seed(), a seed from the clock or "
             "os.urandom), or more was drawn from it before this op in one run (fix: seed "
             "every generator once, before training)")
+    ops = ops or {}
     text = cause_text(c)
+    if ops.get("reproduced"):  # the zoom's op-level replay parted again: its records say which
+        text = text.removesuffix(UNCONFIRMED)
     outside = outside_origin_op(ops)
     if outside is not None and c.cause in ("forward", "backward"):
         return outside["phase"], text  # (a backward difference its forward op made)
-    ops = ops or {}
     op = first_op(ops)
     if (c.cause in ("forward", "backward") and ops.get("reproduced") and op
             and not ops.get("origin_ops") and not ops.get("outside_dispatcher")

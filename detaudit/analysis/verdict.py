@@ -269,6 +269,9 @@ def _headline(
         return f"DETERMINISTIC: {c.repeats} repeats bit-identical over {_steps(c)}"
     where = first.get("outside") or first["module"] or (
         first["slots"][0] if first["phase"] == STATE else "(model)")  # (the batch, an RNG)
+    if first["phase"] == STATE and first["module"] and first["slots"][0].startswith(
+            ("param.", "buffer.")):  # (a parameter by its name: `2.weight`, not `2`)
+        where = state_name(first["module"], first["slots"][0])
     tied = "".join(f"; {said}" for said in first.get("tied") or ())
     part = (f"where {RUN_ENDED} ({first['steps_run']})" if first["role"] == RUN_ENDED
             else f"{first['phase']}, {where} ({first['role']}{tied})")

@@ -7,7 +7,7 @@ from typing import Any
 from tabulate import tabulate
 
 from ..analysis.causes import random_origin_op
-from ..words import counted, op_place
+from ..words import counted, joined, op_place
 from .sections import (
     CALLS_UNSEEN_NOTE,
     EPOCHS_UNSEEN_NOTE,
@@ -161,8 +161,10 @@ def _stress_lines(summary: dict[str, Any]) -> list[str]:
     proven = [op for op in stress if op.get("proven")]
     if not proven:
         runs = max(op.get("runs") or 0 for op in stress)
-        return ["", (f"proof by re-execution: {counted(len(stress), 'risky op')} re-run {runs} times on "
-                     "identical inputs each gave one result")]
+        steps = sorted({step for op in stress for step in op.get("steps") or ()})
+        at = f" at step{'s' if len(steps) > 1 else ''} {joined(steps)}" if steps else ""
+        return ["", (f"proof by re-execution{at}: {counted(len(stress), 'risky op')} re-run {runs} "
+                     "times on identical inputs each gave one result")]
     lines = [""]
     for op in proven[:6]:
         proof = op.get("proof") or {}
