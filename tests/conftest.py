@@ -165,7 +165,9 @@ def temporary_folder_of_started_processes(tmp_path_factory):
     """Processes the tests start make their temporary files in the run's temporary folder,
     which pytest removes with its older runs: torchrun leaves a log folder
     (``torchelastic_*``) on every run, and a DataLoader worker that a test ends by a signal
-    leaves its ``pymp-*`` folder."""
+    leaves its ``pymp-*`` folder. Its path stays short: a DataLoader worker sends a batch's
+    shared memory through a socket it makes there, whose path may not pass 107 bytes (past
+    that the batch is lost, and the loop waits for it forever)."""
     folder = tmp_path_factory.mktemp("started-processes")
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(folder)

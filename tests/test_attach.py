@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 import threading
 import time
@@ -1101,8 +1102,10 @@ def test_labels_a_loss_takes_outside_the_model_are_step_state(tmp_path):
 
 def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_path):
     started = time.monotonic()
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
+    # (a folder of a short path: a DataLoader worker sends its batch's shared memory through
+    # a socket made in the TMPDIR, and past 107 bytes of path its batch is lost and the loop
+    # waits for it forever, as tmp_path/"tmp" made it once pytest numbered its runs past 99)
+    temporary = Path(tempfile.mkdtemp(dir=os.environ.get("TMPDIR")))
     done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--repeats", "1",
                  script_args=("--forever", "--workers", "2"), env={"TMPDIR": str(temporary)})
     # one run, stopped cleanly; nothing to compare it with, which is no pass
