@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
@@ -97,6 +98,7 @@ def exec_command(
         raise DetauditError(
             f"--inject-fault plants at step {job.fault.step}, past --max-steps {job.max_steps} "
             f"(steps 0 to {job.max_steps - 1})")
+    _note_a_long_temporary_folder()
     run_id = new_run_id()
     config = AuditConfig(repeats=job.repeats, epochs=job.max_epochs or 1, steps=job.max_steps,
                          seed=job.seed or 0, granularity=SCAN, stress=job.stress,
@@ -388,6 +390,24 @@ class _Rewound:
     """Standard input from a file, inherited by each run from where the first began."""
 
     offset: int
+
+
+# what a DataLoader worker adds to the temporary folder for the socket it sends a batch's
+# shared memory through (pymp-XXXXXXXX/listener-XXXXXXXX), and the longest path a socket takes
+_SOCKET_IN_TEMPORARY_FOLDER, _SOCKET_PATH_MAX = 32, 107
+
+
+def _note_a_long_temporary_folder() -> None:
+    """A temporary folder whose path leaves too little room for a DataLoader worker's socket
+    makes every batch a worker sends fail (``AF_UNIX path too long``, printed by the worker)
+    and the loop wait forever for it: said before the command runs, which would hang with or
+    without detaudit."""
+    folder = tempfile.gettempdir()
+    if len(os.fsencode(folder)) + _SOCKET_IN_TEMPORARY_FOLDER > _SOCKET_PATH_MAX:
+        print(f"detaudit: note: the temporary folder {folder} is a long path: a DataLoader "
+              "worker's socket there would pass the 107 bytes a socket path may have, and "
+              "a loop whose workers send it batches would wait for them forever (set TMPDIR "
+              "to a shorter folder)", file=sys.stderr)
 
 
 def _repeated_stdin() -> Any:

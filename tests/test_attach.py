@@ -1118,6 +1118,19 @@ def test_max_steps_stops_a_script_that_would_run_forever_and_swallows_exits(tmp_
     # its DataLoader workers were ended as a loop's end ends them, not killed: each removed
     # the temporary folder it made to pass batches (killed, each left a pymp-* folder)
     assert not list(temporary.glob("pymp-*"))
+    assert "temporary folder" not in done.stderr  # (short enough: see the next test)
+
+
+def test_a_temporary_folder_too_long_for_a_dataloader_workers_socket_is_said(tmp_path):
+    """The loop of a script whose DataLoader workers send batches waits forever for them
+    when the temporary folder leaves too little room for their socket's path: said first."""
+    long = tmp_path / ("x" * 60)
+    long.mkdir()
+    done = run_cli("exec", "--out", str(tmp_path / "run"), "--", sys.executable, "-c",
+                   "print()", env={"TMPDIR": str(long)})
+    assert done.returncode == 2  # (it made no step)
+    assert "is a long path: a DataLoader worker's socket there would pass the 107 bytes" in (
+        done.stderr)
 
 
 def test_the_step_limit_runs_the_scripts_exit_hooks(tmp_path):
