@@ -1138,8 +1138,7 @@ def test_the_step_limit_runs_the_scripts_exit_hooks(tmp_path):
     (Composer's checkpoint saver) removes at exit was left behind by every run. (A script
     that prints nothing, as this one, leaves no line open: --quiet printed a blank line per
     run before the verdict; lines a script leaves open are in the next test.)"""
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
+    temporary = Path(tempfile.mkdtemp(dir=os.environ.get("TMPDIR")))  # (short: see above)
     script = tmp_path / "cleans_up.py"
     script.write_text(textwrap.dedent("""\
         import atexit, shutil, tempfile
