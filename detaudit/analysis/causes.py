@@ -50,6 +50,9 @@ _CAUSE_TEXT = {
 }
 
 
+# where a buffer that differs as the model was built came from
+BUILT_APART = "set from something that differs between runs: an unseeded generator, the clock"
+
 # A scanned step's forward or backward cause, which its step state alone cannot confirm.
 UNCONFIRMED = ("; unconfirmed from the step's state alone (a zoom's module and op records, "
                "when the step parts again, say which)")
@@ -83,8 +86,7 @@ def cause_text(c: Comparison) -> str:
     if (c.built_buffers and c.first_step == 0 and c.cause in ("forward", "backward")
             and not any(f.step == 0 for f in c.findings)):
         text += (f"; the model's buffers ({_listed(c.built_buffers)}) differ as built, before "
-                 "the first step: where the step reads them, they part the runs (set from "
-                 "something that differs between runs: an unseeded generator, the clock; "
+                 f"the first step: where the step reads them, they part the runs ({BUILT_APART}; "
                  "fix: compute them the same way in every run)")
     if (c.cause == "init" and c.continued_from is None
             and any(d.phase == STATE and d.slot.startswith("batch") for d in c.first_diffs)):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..analysis.causes import BUILT_APART
 from ..analysis.compare import ORIGIN, Comparison, OpFinding, compare, compare_ops
 from ..analysis.knowledge import lookup
 from ..analysis.stress import stressed_ops
@@ -151,8 +152,7 @@ def _outside_dispatcher(
         "host-side computation)" + (
             f"; Python or numpy random draws ran in {', '.join(draws)}" if draws else "") + (
             f"; its buffers {', '.join(built)} differ as the model was built: where an op "
-            "reads them, that op's inputs differ, so none differs on equal inputs (set from "
-            "something that differs between runs: an unseeded generator, the clock)"
+            f"reads them, that op's inputs differ, so none differs on equal inputs ({BUILT_APART})"
             if built else ""),
     }
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any, Callable
 
-from ..analysis.compare import GRADIENTS_DIFFER
+from ..analysis.compare import GRADIENTS_DIFFER, RUN_ENDED
 from .sections import ROLE_RANK, epoch_starts, map_rows
 
 WIDTH = 1120
@@ -223,7 +223,7 @@ def _drift_marks(f: Frame, summary: dict[str, Any], bottom: float | None = None)
     first = summary.get("first_divergence") or {}
     marks = [
         (first.get("step"), "#bc4c00",
-         "a run had ended" if first.get("steps_run") else "records first differ"),
+         RUN_ENDED if first.get("role") == RUN_ENDED else "records first differ"),
         (summary["loss"].get("first_step"), "#cf222e", "loss first differs"),
     ]
     out = []
