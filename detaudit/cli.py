@@ -287,6 +287,13 @@ def _parser() -> argparse.ArgumentParser:
                          help="end each run cleanly after K steps")
     execute.add_argument("--max-epochs", type=_count, metavar="E",
                          help="end each run cleanly when its training DataLoader starts pass E+1")
+    execute.add_argument("--step-timeout", type=_seconds, metavar="SECONDS",
+                         help="stop a run in which no step ends for SECONDS (a hang: a "
+                         "DataLoader worker that died, a collective a rank never joins): the "
+                         "verdict is FAILED, saying where it was stopped, and the stacks of its "
+                         "threads are kept in the run folder; the time before the first step "
+                         "and evaluations between steps count, so leave room for them "
+                         "(default: no limit)")
     execute.add_argument("--inject-fault", metavar="MODULE[/OP][@forward|@backward][:STEP]",
                          help="plant a 1-ULP change in the last run, as `run --inject-fault` "
                          "does (modules are named inside the top-level model)")
@@ -386,6 +393,17 @@ def _seed(text: str) -> int:
         raise argparse.ArgumentTypeError(f"takes 0 to {2**32 - 1}, not {seed} (numpy and "
                                          "PYTHONHASHSEED take no other)")
     return seed
+
+
+def _seconds(text: str) -> float:
+    """A time limit: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of seconds, not {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"takes a number of seconds above 0, not {text}")
+    return value
 
 
 def _tolerance(text: str) -> float:
@@ -547,7 +565,8 @@ def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
     out = _out_folder(args.out, "exec")
     job = ExecJob(repeats=args.repeats, seed=args.seed, max_steps=args.max_steps,
                   max_epochs=args.max_epochs, fault=_fault(args.inject_fault), zoom=args.zoom,
-                  zoom_tries=args.zoom_tries, mode=args.mode, **_stress(args.stress))
+                  zoom_tries=args.zoom_tries, mode=args.mode, step_timeout=args.step_timeout,
+                  **_stress(args.stress))
     result = exec_command(command, job, out=out, overwrite=args.overwrite,
                           progress=_Bar(args.quiet or args.json),
                           output=sys.stderr if args.json else None,

@@ -320,6 +320,13 @@ class Launch:
 JOB_VARIABLE = "DETAUDIT_ATTACH"
 OWNER_VARIABLE = "DETAUDIT_ATTACH_PID"
 CLAIM_SUFFIX = ".claim"  # beside a run's trace: the process of the command that records it
+# --step-timeout: beside a run's trace (or a rank's), touched by the recording process as each
+# step ends; the processes of the run that attached (one pid a line), which exec asks to stop
+# when no step ended in time; the mark it leaves first; and where each was when stopped so
+PROGRESS_SUFFIX = ".progress"
+PIDS_SUFFIX = ".pids"
+TIMED_OUT_SUFFIX = ".timed-out"
+STACKS_SUFFIX = ".stacks"
 RANK_OWNER_VARIABLE = "DETAUDIT_ATTACH_RANK"  # the rank whose first process records
 FAULT_FIRED = "fault_fired"
 ENDED = "ended"  # a trace's recording ended as it should (its loop ended, failed or hit a limit)
@@ -409,3 +416,5 @@ class ExecJob:
     # (0: off; `stress_every_op`: every op of those steps)
     stress: int = STRESS_RUNS
     stress_every_op: bool = False
+    # a run in which no step ends for this many seconds is stopped (None: no limit)
+    step_timeout: float | None = None

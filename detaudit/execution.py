@@ -45,10 +45,14 @@ from .config import (
     LOADED_FROM_EARLIER_RUNS,
     OPS_AT_FAULT,
     OWNER_VARIABLE,
+    PIDS_SUFFIX,
+    PROGRESS_SUFFIX,
     RANK_OWNER_VARIABLE,
     SCAN,
     SCRIPTED,
+    STACKS_SUFFIX,
     STEPLESS_LOADS,
+    TIMED_OUT_SUFFIX,
     TRAIN,
     AuditConfig,
     ExecJob,
@@ -76,6 +80,8 @@ from .words import counted
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"  # holds the sitecustomize
 UNATTACHED = ".unattached"  # beside a run's trace: why its Python could not record
 STOP_GRACE_S = 10.0  # after Ctrl-C, how long the command has to save its trace
+WATCH_INTERVAL_S = 1.0  # with --step-timeout, how often exec looks for a step's end
+ASKED, KILLED = "asked", "killed"  # how a run was stopped for its step timeout
 
 
 def exec_command(
@@ -453,6 +459,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         # the first run proves its risky ops by re-execution (a race its repeats missed)
         "stress": job.stress if repeat == 0 and zoom is None else 0,
         "stress_every_op": job.stress_every_op,
+        "step_timeout": job.step_timeout,
         # the first run checks the fault the last plants (see Attachment.check_fault)
         "check_fault": asdict(job.fault) if job.fault is not None and repeat == 0
         and zoom is None and job.repeats > 1 else None,
@@ -465,6 +472,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         env.setdefault("PYTHONHASHSEED", str(job.seed % 2**32))
     _claimant(path)  # (a claim an earlier run left, killed before it was read)
     _clear_stepless(path)  # (what a killed audit left in the folder)
+    _clear_watch(path)
     stem = _attach_name(repeat).removesuffix(".json.gz")
     for kept in [kept_path(path), *folder.glob(kept_path(f"{stem}-r*.json.gz").name)]:
         kept.unlink(missing_ok=True)  # (the same: never paired with this run's trace)
@@ -477,7 +485,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     except OSError as exc:  # not found, not executable, no interpreter line (ENOEXEC), ...
         raise DetauditError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
     try:
-        code = child.wait()
+        code, timed_out = _wait(child, path, job.step_timeout)
     except KeyboardInterrupt:  # the command saves its trace on SIGTERM, then ends
         _stop(child)
         raise
@@ -485,7 +493,11 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         _kill_group(child)
         claimed_by = _claimant(path)  # (and cleared for the next run, interrupted or not)
     seconds = time.perf_counter() - started
+    stacks = _keep_stacks(path, repeat) if timed_out else None
+    _clear_watch(path)
     recorded = _recorded(path)
+    if timed_out:
+        _timed_out(recorded, timed_out, job.step_timeout, probe, repeat)
     if None not in recorded and recorded and path.exists() and open_trace(path).steps:
         raise DetauditError(
             f"repeat {repeat} recorded ranks ({', '.join(map(str, sorted(recorded)))}) and a "
@@ -565,6 +577,8 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         elif code != 0 and not at_limit:
             trace.failure = f"the command {how} after step {len(trace.steps) - 1}" + (
                 f" ({trace.probe[EXIT_CALL]})" if trace.probe.get(EXIT_CALL) else "")
+        if stacks is not None and trace.failure is not None:
+            trace.failure += f"; the stacks of its threads: {stacks.name}"
     if fault is not None and not any(t.probe.get(FAULT_FIRED) for t in recorded.values()) \
             and not any(t.failure for t in recorded.values()):
         steps = max(len(t.steps) for t in recorded.values())
@@ -580,6 +594,114 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     timing = {"repeat": repeat, "seconds": seconds,
               "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}
     return recorded, timing
+
+
+def _wait(child: subprocess.Popen, trace: Path, timeout: float | None
+          ) -> tuple[int, str | None]:
+    """The command's exit code, and how it was stopped for `timeout` (--step-timeout), if it
+    was: a run in which no step ends for that long (the time before the first counts) is
+    marked timed out and asked to stop (SIGTERM to the command and to each of its processes
+    that attached, which save what they recorded and where they were: see attach_process),
+    then killed with its group if it has not ended in the grace time."""
+    if timeout is None:
+        return child.wait(), None
+    since = time.time()
+    while True:
+        try:
+            return child.wait(timeout=min(timeout, WATCH_INTERVAL_S)), None
+        except subprocess.TimeoutExpired:
+            pass
+        if time.time() - max([since, *_step_ends(trace)]) > timeout:
+            break
+    trace.with_name(trace.name + TIMED_OUT_SUFFIX).touch()
+    asked = []
+    for pid in dict.fromkeys([child.pid, *_attached_pids(trace)]):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if pid == child.pid or os.getpgid(pid) == child.pid:  # (not a pid reused since)
+                os.kill(pid, signal.SIGTERM)
+                asked.append(pid)
+    # each asked process saves before it ends (a thin launcher may end first, at once)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and (child.poll() is None or any(
+            _alive(pid) for pid in asked if pid != child.pid)):
+        time.sleep(0.05)
+    if child.poll() is not None:
+        return child.returncode, ASKED
+    _kill_group(child)
+    return child.wait(), KILLED
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, ended but not yet waited for, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # (where /proc is, a zombie is told apart)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _step_ends(trace: Path) -> list[float]:
+    """When the run's recording processes (its own, or each rank's) last ended a step."""
+    ends = []
+    for beat in _beside(trace, PROGRESS_SUFFIX):
+        with contextlib.suppress(OSError):
+            ends.append(beat.stat().st_mtime)
+    return ends
+
+
+def _beside(trace: Path, suffix: str) -> list[Path]:
+    """The files with `suffix` beside a run's trace and each of its ranks'."""
+    stem = trace.name.removesuffix(".json.gz")
+    return [*trace.parent.glob(trace.name + suffix),
+            *trace.parent.glob(f"{stem}-r*.json.gz{suffix}")]
+
+
+def _attached_pids(trace: Path) -> list[int]:
+    """The processes of the run that attached to record (see PIDS_SUFFIX)."""
+    with contextlib.suppress(OSError):
+        text = trace.with_name(trace.name + PIDS_SUFFIX).read_text()
+        return [int(line) for line in text.split() if line.isdigit()]
+    return []
+
+
+def _keep_stacks(trace: Path, repeat: int | str) -> Path | None:
+    """The stacks each process of a run stopped for its step timeout wrote, as one file in
+    the run folder (``stacks-<repeat>.txt``), if any did."""
+    written = sorted(_beside(trace, STACKS_SUFFIX))
+    if not written:
+        return None
+    kept = trace.with_name(f"stacks-{repeat}.txt")
+    kept.write_text("\n".join(p.read_text(errors="replace") for p in written))
+    return kept
+
+
+def _timed_out(recorded: Recorded, how: str, timeout: float, probe: dict[str, Any],
+               repeat: int) -> None:
+    """A run stopped for its step timeout (`how`) that could not say so itself: killed when
+    it did not end once asked (its steps since its last save lost), or ended without saying
+    where it was (a wrapper that does not pass SIGTERM on, a handler of the script's own)."""
+    said = f"no step ended in {timeout:g} s, the --step-timeout" + (
+        f", and it did not end in {STOP_GRACE_S:g} s of being asked to (SIGTERM): killed"
+        if how == KILLED else ": stopped (SIGTERM), where it was is not known")
+    if not recorded:
+        recorded[None] = Trace(probe={**probe, ENDED: True}, repeat=repeat, env={},
+                               failure=said)
+    for trace in recorded.values():
+        if trace.failure is None:
+            trace.failure = said + (", its steps since the last one it saved lost"
+                                    if trace.steps and how == KILLED else "")
+
+
+def _clear_watch(trace: Path) -> None:
+    """The step timeout's files of one run (see PROGRESS_SUFFIX)."""
+    for suffix in (PROGRESS_SUFFIX, PIDS_SUFFIX, TIMED_OUT_SUFFIX, STACKS_SUFFIX):
+        for path in _beside(trace, suffix):
+            path.unlink(missing_ok=True)
 
 
 def _written_by_earlier_runs(text: str, since_ns: int | None, began_ns: int) -> list[str]:

@@ -65,9 +65,12 @@ def _exec(tmp_path, *options, script_args=(), script=SCRIPT, env=None):
 # -- exec ------------------------------------------------------------------------------------
 def test_exec_of_a_seeded_script_is_deterministic_with_steps_and_epochs_as_the_script_runs(tmp_path):
     # DataLoader workers started by spawn run the bootstrap again: they must neither record
-    # nor disturb the run (forked ones, the default, are in the other tests)
-    done = _exec(tmp_path, "--seed", "0", script_args=("--spawn",))
+    # nor disturb the run (forked ones, the default, are in the other tests); a step timeout
+    # far above its steps' time is no false alarm, and leaves nothing of its watch behind
+    done = _exec(tmp_path, "--seed", "0", "--step-timeout", "300", script_args=("--spawn",))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.suffix != ".json") == [
+        "report.github.html", "report.html", "report.md", "trace-0.json.gz", "trace-1.json.gz"]
     assert "DETERMINISTIC" in done.stdout
     assert done.stdout.count("trained 4 steps") == 2  # the script ran to its end, twice
     traces = [Trace.load(tmp_path / "run" / f"trace-{r}.json.gz") for r in (0, 1)]
@@ -1131,6 +1134,160 @@ def test_a_temporary_folder_too_long_for_a_dataloader_workers_socket_is_said(tmp
     assert done.returncode == 2  # (it made no step)
     assert "is a long path: a DataLoader worker's socket there would pass the 107 bytes" in (
         done.stderr)
+
+
+def test_a_run_that_hangs_is_stopped_at_the_step_timeout_saying_where(tmp_path):
+    """A real hang: DataLoader workers whose socket path is too long (a long TMPDIR) lose
+    every batch, and the loop waits for the first forever. With --step-timeout the run is
+    stopped, FAILED (never a pass, never a divergence), naming the loop's line and the
+    loader's function it waited in, and the stacks of its threads are kept; no second run
+    is started, as none could be compared."""
+    long = tmp_path / ("x" * 60)
+    long.mkdir()
+    script = tmp_path / "workers.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        from torch.utils.data import DataLoader
+
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in DataLoader(torch.ones(8, 4), batch_size=2, num_workers=2):
+            model(x).sum().backward()
+            opt.step()
+    """))
+    done = _exec(tmp_path, "--step-timeout", "10", "--json", script=script,
+                 env={"TMPDIR": str(long)})
+    assert done.returncode == 3, done.stdout + done.stderr
+    headline = json.loads(done.stdout)["headline"]
+    assert headline.startswith(
+        f"FAILED: repeat 0 stopped: no step ended in 10 s, the --step-timeout; it was stopped "
+        f"at {script}:6, in _try_get_data of torch/utils/data/dataloader.py:"), headline
+    assert ("(before its first step completed); the stacks of its threads: stacks-0.txt; "
+            "repeat 1 was not run (no step to compare)") in headline
+    stacks = (tmp_path / "run" / "stacks-0.txt").read_text()
+    assert stacks.startswith("process ") and "Thread MainThread (most recent call last):" in (
+        stacks)
+    assert f'File "{script}", line 6, in <module>' in stacks
+    assert "_stopped_by_the_timeout" not in stacks  # (the handler's own frames left out)
+    # nothing of the watch is left beside the run's traces
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if "trace" in p.name
+                  or "attach" in p.name) == ["trace-0.json.gz"]
+
+
+def test_the_step_timeout_stops_each_rank_under_a_thin_launcher_saying_where_each_was(
+        tmp_path):
+    """Rank 1 hangs as step 2 begins, rank 0 waits in its backward for it (the all-reduce):
+    the script's own process, a thin launcher with no torch, ends at once on SIGTERM, and
+    each rank is still asked to stop and given the time to say where it was."""
+    script = tmp_path / "ddp_hang.py"
+    script.write_text(textwrap.dedent("""\
+        import os, subprocess, sys, threading
+        if "LOCAL_RANK" not in os.environ:
+            sys.exit(subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                                     "--standalone", "--nproc-per-node", "2", *sys.argv]
+                                    ).returncode)
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+
+        dist.init_process_group("gloo")
+        model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            if step == 2 and dist.get_rank() == 1:
+                threading.Event().wait()
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+    """))
+    done = _exec(tmp_path, "--seed", "0", "--repeats", "1", "--step-timeout", "5", "--json",
+                 script=script)
+    assert done.returncode == 3, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["headline"].startswith(  # (rank 0's run, the ranks' verdicts are rank 0's)
+        f"FAILED: repeat 0 stopped: no step ended in 5 s, the --step-timeout; it was stopped "
+        f"at {script}:16, in _engine_run_backward of torch/autograd/graph.py:"), summary
+    assert "(the last step it completed: 1)" in summary["headline"]
+    stacks = (tmp_path / "run" / "stacks-0.txt").read_text()
+    wheres = sorted(line.split(", stopped at ")[1].rsplit(":", 1)[0]
+                    for line in stacks.splitlines() if line.startswith("process "))
+    assert wheres == [f"{script}:15, in wait of threading.py",
+                      f"{script}:16, in _engine_run_backward of torch/autograd/graph.py"], stacks
+
+
+def test_the_step_timeout_waits_on_steps_and_kills_what_does_not_end_when_asked(
+        tmp_path, monkeypatch):
+    """The clock restarts at each step's end, so a run longer than the timeout whose steps
+    keep ending is not stopped; a process that ignores SIGTERM is killed after the grace."""
+    from detaudit import execution
+
+    trace = tmp_path / "attach-0.json.gz"
+    beats = textwrap.dedent(f"""\
+        import pathlib, time
+        for _ in range(8):
+            time.sleep(0.25)
+            pathlib.Path({str(trace) + ".progress"!r}).touch()
+    """)
+    stepping = subprocess.Popen([sys.executable, "-c", beats], start_new_session=True)
+    started = time.monotonic()
+    assert execution._wait(stepping, trace, 1.0) == (0, None)
+    assert time.monotonic() - started > 1.5  # (it ran past the timeout, stepping)
+    monkeypatch.setattr(execution, "STOP_GRACE_S", 0.5)
+    deaf = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time\n"
+         + "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)"],
+        start_new_session=True)
+    assert execution._wait(deaf, tmp_path / "attach-1.json.gz", 1.0) == (
+        -signal.SIGKILL, execution.KILLED)
+    assert (tmp_path / "attach-1.json.gz.timed-out").exists()  # (the mark the run reads)
+
+
+def test_the_recording_process_marks_the_end_of_each_step_for_the_step_timeout(tmp_path):
+    """What exec's watch reads: the file beside the trace, touched as each step ends."""
+    from detaudit.drivers.attach_process import _step_ended
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    attachment = Attachment(tmp_path / "t.json.gz", {}).install()
+    attachment.on_step_end = functools.partial(_step_ended, attachment)
+    beat = tmp_path / "t.json.gz.progress"
+    ends = []
+    try:
+        for _ in range(3):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ends.append(beat.stat().st_mtime_ns if beat.exists() else None)
+            time.sleep(0.02)
+    finally:
+        attachment.finish()
+        attachment.uninstall()
+    # a step ends as the next begins: the first update leaves no mark, each later one does
+    assert ends[0] is None and None not in ends[1:] and ends[1] < ends[2]
+    assert len(Trace.load(tmp_path / "t.json.gz").steps) == 3
+
+
+def test_a_run_killed_for_its_step_timeout_before_recording_anything_fails(
+        tmp_path, monkeypatch):
+    """A script that ignores SIGTERM and hangs before its first step leaves no trace: the
+    audit still ends FAILED (exit 3) with a report, saying it was killed."""
+    from detaudit import execution
+    from detaudit.config import ExecJob
+
+    monkeypatch.setattr(execution, "STOP_GRACE_S", 1.0)
+    script = tmp_path / "deaf.py"
+    script.write_text("import signal, threading\nimport torch\n"
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "threading.Event().wait()\n")
+    result = execution.exec_command([sys.executable, str(script)],
+                                    ExecJob(step_timeout=3.0), out=tmp_path / "run",
+                                    output=subprocess.DEVNULL)
+    assert result.verdict.exit_code == 3
+    assert result.verdict.headline == (
+        "FAILED: repeat 0 stopped: no step ended in 3 s, the --step-timeout, and it did not "
+        "end in 1 s of being asked to (SIGTERM): killed (before its first step completed); "
+        "repeat 1 was not run (no step to compare); only 1 repeat was recorded (0 steps), so "
+        "nothing could be compared")
+    assert (tmp_path / "run" / "report.html").exists()
 
 
 def test_the_step_limit_runs_the_scripts_exit_hooks(tmp_path):

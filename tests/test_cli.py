@@ -141,6 +141,10 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     (["exec", "--seed"], "detaudit exec: error: argument --seed: expected one argument"),
     (["exec", "--seed", "-1", "--", "python"], "argument --seed: takes 0 to 4294967295, not -1"),
     (["run", "--model", "maskrcnn", "--seed", str(2**32)], f"not {2**32} (numpy and"),
+    (["exec", "--step-timeout", "0", "--", "python", "t.py"],
+     "argument --step-timeout: takes a number of seconds above 0, not 0"),
+    (["exec", "--step-timeout", "1m", "--", "python", "t.py"],
+     "argument --step-timeout: takes a number of seconds, not '1m'"),
 ])
 def test_a_malformed_command_line_is_one_line_and_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as stopped:

@@ -148,6 +148,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.models = ModelFinder(model, optimizer)  # which modules are the models
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.on_limit = on_limit
+        self.on_step_end: Callable[[], None] | None = None  # (exec's --step-timeout watch)
         self.zoom, self.fault = zoom, fault
         # the step a fault is planted at, in whichever run: recorded at module level in all
         self.planted_step = fault.step if fault is not None else planted_step
@@ -743,6 +744,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.index += 1
         if self.stream.due():
             self.save()
+        if self.on_step_end is not None:
+            self.on_step_end()
 
     def stop(self) -> None:
         """The step or epoch limit is reached: save, stop recording, end the loop."""

@@ -45,3 +45,53 @@ def _library_dirs() -> tuple[str, ...]:
             *(paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib",
                                        "scripts"))}  # (scripts: a console script's)
     return tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
+
+
+def stopped_site(frame: FrameType | None) -> str:
+    """Where a thread stopped from outside was: the user's line and, where it was inside a
+    library then, the innermost function it was in there outside detaudit and the standard
+    library (torch's ``_try_get_data``, not the ``selectors.select`` it waits in), else the
+    innermost. Code a library made (``<string>``, from ``eval``) is the library's."""
+    def library(f: FrameType) -> bool:
+        name = f.f_code.co_filename
+        return in_a_library(name) or (name.startswith("<") and f.f_back is not None
+                                      and library(f.f_back))
+
+    user = frame
+    while user is not None and library(user):
+        user = user.f_back
+    site = f"{user.f_code.co_filename}:{user.f_lineno}" if user is not None else ""
+    if frame is None or frame is user:
+        return site or "an unknown place"
+    inner = frame
+    while inner is not user and _standard_or_ours(inner.f_code.co_filename):
+        inner = inner.f_back
+    inner = frame if inner is user else inner
+    code = inner.f_code
+    where = f"{code.co_name} of {library_path(code.co_filename)}:{inner.f_lineno}"
+    return f"{site}, in {where}" if site else where
+
+
+def _standard_or_ours(filename: str) -> bool:
+    """Whether `filename` is the standard library's or detaudit's."""
+    path = os.path.abspath(filename)
+    paths = sysconfig.get_paths()
+    return filename.startswith("<") or path.startswith(os.path.join(PACKAGE_DIR, "")) or (
+        any(path.startswith(os.path.join(os.path.abspath(paths[name]), ""))
+            for name in ("stdlib", "platstdlib"))
+        and not any(path.startswith(os.path.join(os.path.abspath(paths[name]), ""))
+                    for name in ("purelib", "platlib")))
+
+
+def library_path(filename: str) -> str:
+    """A library's file named from the folder it is installed in
+    (``torch/utils/data/dataloader.py``, ``threading.py``)."""
+    path = os.path.abspath(filename)
+    roots = [os.path.dirname(d.rstrip(os.sep)) if d.rstrip(os.sep) in _packages() else d
+             for d in _library_dirs()]
+    root = max((r for r in roots if path.startswith(os.path.join(r, ""))), key=len, default="")
+    return os.path.relpath(path, root) if root else path
+
+
+def _packages() -> tuple[str, ...]:
+    return PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__))
