@@ -4611,6 +4611,10 @@ def test_runs_of_different_lengths_are_said_so(tmp_path):
     assert ("first at step 3 (epoch 2), where a run had ended (repeat 0 ran 6 steps, repeat 1 "
             "ran 3); cause: length") in result.verdict.headline
     assert "batch" not in result.verdict.headline
+    # nor in the JSON a CI job reads: no phase, module or record differs where a run ended
+    first = result.summary["first_divergence"]
+    assert (first["phase"], first["module"], first["slots"], first["role"]) == (
+        None, None, [], "a run had ended")
     console = render_console(result.summary)
     assert "steps run          repeat 0 ran 6 steps, repeat 1 ran 3" in console
     assert not any(line.startswith(("phase", "records", "role")) for line in console.splitlines())

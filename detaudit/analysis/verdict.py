@@ -204,11 +204,15 @@ def first_divergence(c: Comparison) -> dict[str, Any] | None:
         # parameters nearest the output first, so the last in the model's order is where
         # the difference can begin
         d, role = grads[-1], LAST_GRADIENT
-    ended = {"role": RUN_ENDED, "steps_run": steps_run(c.lengths)} if c.cause == "length" else {}
+    if c.cause == "length":  # (no record differs there: the shorter run's are missing)
+        return {"step": d.step, "epoch": epoch, "index": step_index, "phase": None,
+                "module": None, "call": None, "slots": [], "role": RUN_ENDED,
+                "differing": d.differing, "repeats": d.repeats,
+                "steps_run": steps_run(c.lengths)}
     return {
         "step": d.step, "epoch": epoch, "index": step_index, "phase": d.phase,
         "module": d.module, "call": d.call, "slots": [d.slot], "role": role,
-        "differing": d.differing, "repeats": d.repeats, **ended,
+        "differing": d.differing, "repeats": d.repeats,
     }
 
 
