@@ -320,9 +320,10 @@ class Launch:
 JOB_VARIABLE = "DETAUDIT_ATTACH"
 OWNER_VARIABLE = "DETAUDIT_ATTACH_PID"
 CLAIM_SUFFIX = ".claim"  # beside a run's trace: the process of the command that records it
-# --step-timeout: beside a run's trace (or a rank's), touched by the recording process as each
-# step ends; the processes of the run that attached (one pid a line), which exec asks to stop
-# when no step ended in time; the mark it leaves first; and where each was when stopped so
+# Beside a run's trace (or a rank's; see drivers/stopping.py): touched by the recording process
+# as each step ends (--step-timeout); the processes of the run that attached (a pid and its
+# start time a line), which exec asks to stop; the mark it leaves before it stops a run for
+# its step timeout; and where each process was when stopped so
 PROGRESS_SUFFIX = ".progress"
 PIDS_SUFFIX = ".pids"
 TIMED_OUT_SUFFIX = ".timed-out"

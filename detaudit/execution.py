@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import stat
 import subprocess
 import sys
@@ -45,14 +44,10 @@ from .config import (
     LOADED_FROM_EARLIER_RUNS,
     OPS_AT_FAULT,
     OWNER_VARIABLE,
-    PIDS_SUFFIX,
-    PROGRESS_SUFFIX,
     RANK_OWNER_VARIABLE,
     SCAN,
     SCRIPTED,
-    STACKS_SUFFIX,
     STEPLESS_LOADS,
-    TIMED_OUT_SUFFIX,
     TRAIN,
     AuditConfig,
     ExecJob,
@@ -62,6 +57,14 @@ from .config import (
     kept_path,
     rank_trace_path,
     written_by_an_earlier_run,
+)
+from .drivers.stopping import (
+    clear_files,
+    keep_stacks,
+    kill_left,
+    say_timed_out,
+    stop_run,
+    wait_watching,
 )
 from .errors import DetauditError
 from .planting import KNOWN_LATER, fault_target
@@ -80,8 +83,6 @@ from .words import counted
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"  # holds the sitecustomize
 UNATTACHED = ".unattached"  # beside a run's trace: why its Python could not record
 STOP_GRACE_S = 10.0  # after Ctrl-C, how long the command has to save its trace
-WATCH_INTERVAL_S = 1.0  # with --step-timeout, how often exec looks for a step's end
-ASKED, KILLED = "asked", "killed"  # how a run was stopped for its step timeout
 
 
 def exec_command(
@@ -130,7 +131,8 @@ def exec_command(
                 recorded, timing = _run_once(
                     command, job, folder.path, repeat, probe, output, stdin=stdin,
                     since_ns=since_ns, stepped_before=any(
-                        t.steps for run in runs for t in run.values()))
+                        t.steps for run in runs for t in run.values()),
+                    like=runs[0] if runs else None)
                 if runs and (None in recorded) != (None in runs[0]):
                     raise DetauditError(
                         f"repeat {repeat} recorded {_what(recorded)} and repeat 0 "
@@ -437,13 +439,14 @@ def _repeated_stdin() -> Any:
 def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
               probe: dict[str, Any], output: Any, zoom: int | None = None, stdin: Any = None,
               since_ns: int | None = None, stepped_before: bool = False,
-              ) -> tuple[Recorded, dict[str, Any]]:
+              like: Recorded | None = None) -> tuple[Recorded, dict[str, Any]]:
     """One run of the command in its own process group; its trace, or each rank's. `stdin`:
     its standard input (see _repeated_stdin), read from the start; `since_ns`: when the
     audit began (the run notes the files it loads that an earlier run wrote). A run that
     ends (exit 0) before its first step after an earlier run made steps is a run of no
     steps, compared with the others (a script that resumed from what an earlier run saved,
-    with nothing left to train), not an error."""
+    with nothing left to train), not an error. `like`: what the first run recorded (its
+    ranks), which one stopped for its step timeout before recording anything stands as."""
     path = folder.absolute() / _attach_name(repeat)  # (the command may change directory)
     fault = job.fault if job.fault is not None and repeat == job.repeats - 1 else None
     began_ns = time.time_ns()
@@ -472,7 +475,7 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         env.setdefault("PYTHONHASHSEED", str(job.seed % 2**32))
     _claimant(path)  # (a claim an earlier run left, killed before it was read)
     _clear_stepless(path)  # (what a killed audit left in the folder)
-    _clear_watch(path)
+    clear_files(path)
     stem = _attach_name(repeat).removesuffix(".json.gz")
     for kept in [kept_path(path), *folder.glob(kept_path(f"{stem}-r*.json.gz").name)]:
         kept.unlink(missing_ok=True)  # (the same: never paired with this run's trace)
@@ -485,19 +488,23 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     except OSError as exc:  # not found, not executable, no interpreter line (ENOEXEC), ...
         raise DetauditError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
     try:
-        code, timed_out = _wait(child, path, job.step_timeout)
+        code, timed_out = wait_watching(child, path, job.step_timeout, STOP_GRACE_S)
     except KeyboardInterrupt:  # the command saves its trace on SIGTERM, then ends
-        _stop(child)
+        stop_run(child, path, STOP_GRACE_S)
+        clear_files(path)
         raise
     finally:
-        _kill_group(child)
+        kill_left(child, path)
         claimed_by = _claimant(path)  # (and cleared for the next run, interrupted or not)
     seconds = time.perf_counter() - started
-    stacks = _keep_stacks(path, repeat) if timed_out else None
-    _clear_watch(path)
+    stacks = keep_stacks(path, str(repeat) if zoom is None else f"zoom-{repeat}") \
+        if timed_out else None
+    clear_files(path)
     recorded = _recorded(path)
-    if timed_out:
-        _timed_out(recorded, timed_out, job.step_timeout, probe, repeat)
+    if timed_out:  # (a run that recorded nothing stands as the run before it: its ranks)
+        say_timed_out(recorded, timed_out, job.step_timeout, STOP_GRACE_S, {
+            rank: Trace(probe={**(like[rank].probe if like else probe), ENDED: True},
+                        repeat=repeat, env={}) for rank in (like or {None: None})})
     if None not in recorded and recorded and path.exists() and open_trace(path).steps:
         raise DetauditError(
             f"repeat {repeat} recorded ranks ({', '.join(map(str, sorted(recorded)))}) and a "
@@ -596,114 +603,6 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     return recorded, timing
 
 
-def _wait(child: subprocess.Popen, trace: Path, timeout: float | None
-          ) -> tuple[int, str | None]:
-    """The command's exit code, and how it was stopped for `timeout` (--step-timeout), if it
-    was: a run in which no step ends for that long (the time before the first counts) is
-    marked timed out and asked to stop (SIGTERM to the command and to each of its processes
-    that attached, which save what they recorded and where they were: see attach_process),
-    then killed with its group if it has not ended in the grace time."""
-    if timeout is None:
-        return child.wait(), None
-    since = time.time()
-    while True:
-        try:
-            return child.wait(timeout=min(timeout, WATCH_INTERVAL_S)), None
-        except subprocess.TimeoutExpired:
-            pass
-        if time.time() - max([since, *_step_ends(trace)]) > timeout:
-            break
-    trace.with_name(trace.name + TIMED_OUT_SUFFIX).touch()
-    asked = []
-    for pid in dict.fromkeys([child.pid, *_attached_pids(trace)]):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if pid == child.pid or os.getpgid(pid) == child.pid:  # (not a pid reused since)
-                os.kill(pid, signal.SIGTERM)
-                asked.append(pid)
-    # each asked process saves before it ends (a thin launcher may end first, at once)
-    deadline = time.monotonic() + STOP_GRACE_S
-    while time.monotonic() < deadline and (child.poll() is None or any(
-            _alive(pid) for pid in asked if pid != child.pid)):
-        time.sleep(0.05)
-    if child.poll() is not None:
-        return child.returncode, ASKED
-    _kill_group(child)
-    return child.wait(), KILLED
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` still runs (a zombie, ended but not yet waited for, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # (where /proc is, a zombie is told apart)
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _step_ends(trace: Path) -> list[float]:
-    """When the run's recording processes (its own, or each rank's) last ended a step."""
-    ends = []
-    for beat in _beside(trace, PROGRESS_SUFFIX):
-        with contextlib.suppress(OSError):
-            ends.append(beat.stat().st_mtime)
-    return ends
-
-
-def _beside(trace: Path, suffix: str) -> list[Path]:
-    """The files with `suffix` beside a run's trace and each of its ranks'."""
-    stem = trace.name.removesuffix(".json.gz")
-    return [*trace.parent.glob(trace.name + suffix),
-            *trace.parent.glob(f"{stem}-r*.json.gz{suffix}")]
-
-
-def _attached_pids(trace: Path) -> list[int]:
-    """The processes of the run that attached to record (see PIDS_SUFFIX)."""
-    with contextlib.suppress(OSError):
-        text = trace.with_name(trace.name + PIDS_SUFFIX).read_text()
-        return [int(line) for line in text.split() if line.isdigit()]
-    return []
-
-
-def _keep_stacks(trace: Path, repeat: int | str) -> Path | None:
-    """The stacks each process of a run stopped for its step timeout wrote, as one file in
-    the run folder (``stacks-<repeat>.txt``), if any did."""
-    written = sorted(_beside(trace, STACKS_SUFFIX))
-    if not written:
-        return None
-    kept = trace.with_name(f"stacks-{repeat}.txt")
-    kept.write_text("\n".join(p.read_text(errors="replace") for p in written))
-    return kept
-
-
-def _timed_out(recorded: Recorded, how: str, timeout: float, probe: dict[str, Any],
-               repeat: int) -> None:
-    """A run stopped for its step timeout (`how`) that could not say so itself: killed when
-    it did not end once asked (its steps since its last save lost), or ended without saying
-    where it was (a wrapper that does not pass SIGTERM on, a handler of the script's own)."""
-    said = f"no step ended in {timeout:g} s, the --step-timeout" + (
-        f", and it did not end in {STOP_GRACE_S:g} s of being asked to (SIGTERM): killed"
-        if how == KILLED else ": stopped (SIGTERM), where it was is not known")
-    if not recorded:
-        recorded[None] = Trace(probe={**probe, ENDED: True}, repeat=repeat, env={},
-                               failure=said)
-    for trace in recorded.values():
-        if trace.failure is None:
-            trace.failure = said + (", its steps since the last one it saved lost"
-                                    if trace.steps and how == KILLED else "")
-
-
-def _clear_watch(trace: Path) -> None:
-    """The step timeout's files of one run (see PROGRESS_SUFFIX)."""
-    for suffix in (PROGRESS_SUFFIX, PIDS_SUFFIX, TIMED_OUT_SUFFIX, STACKS_SUFFIX):
-        for path in _beside(trace, suffix):
-            path.unlink(missing_ok=True)
-
-
 def _written_by_earlier_runs(text: str, since_ns: int | None, began_ns: int) -> list[str]:
     """The paths a failure's message names (as words: a folder, a file) that a run of the
     audit before this one wrote: what a script refuses to write over (Ignite's
@@ -733,25 +632,6 @@ def _is_launcher(command: list[str]) -> bool:
     return "accelerate-launch" in names[:script] or any(
         names[i:i + 2] in (["accelerate", "launch"], ["-m", "accelerate.commands.launch"])
         for i in range(script))
-
-
-def _stop(child: subprocess.Popen) -> None:
-    """Ctrl-C: SIGTERM to the command alone (it saves what it recorded, then ends; its
-    DataLoader workers are not signalled first, which it would report as a crash); what is
-    still running after the grace time is killed with its group."""
-    try:
-        child.send_signal(signal.SIGTERM)
-        child.wait(timeout=STOP_GRACE_S)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-
-
-def _kill_group(child: subprocess.Popen) -> None:
-    """Whatever the command left running in its process group (workers, subprocesses)."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _claimant(trace: Path) -> str | None:

@@ -1155,13 +1155,13 @@ def test_a_run_that_hangs_is_stopped_at_the_step_timeout_saying_where(tmp_path):
             model(x).sum().backward()
             opt.step()
     """))
-    done = _exec(tmp_path, "--step-timeout", "10", "--json", script=script,
+    done = _exec(tmp_path, "--step-timeout", "15", "--json", script=script,
                  env={"TMPDIR": str(long)})
     assert done.returncode == 3, done.stdout + done.stderr
     headline = json.loads(done.stdout)["headline"]
     assert headline.startswith(
-        f"FAILED: repeat 0 stopped: no step ended in 10 s, the --step-timeout; it was stopped "
-        f"at {script}:6, in _try_get_data of torch/utils/data/dataloader.py:"), headline
+        f"FAILED: repeat 0 stopped: no step ended within the --step-timeout (15 s); it was at "
+        f"{script}:6, in _try_get_data of torch/utils/data/dataloader.py:"), headline
     assert ("(before its first step completed); the stacks of its threads: stacks-0.txt; "
             "repeat 1 was not run (no step to compare)") in headline
     stacks = (tmp_path / "run" / "stacks-0.txt").read_text()
@@ -1199,13 +1199,15 @@ def test_the_step_timeout_stops_each_rank_under_a_thin_launcher_saying_where_eac
             model(torch.ones(3, 4)).sum().backward()
             opt.step()
     """))
-    done = _exec(tmp_path, "--seed", "0", "--repeats", "1", "--step-timeout", "5", "--json",
+    # (the clock counts from the start: room for torchrun and its ranks to start on a busy
+    # machine before their first step ends)
+    done = _exec(tmp_path, "--seed", "0", "--repeats", "1", "--step-timeout", "20", "--json",
                  script=script)
     assert done.returncode == 3, done.stdout + done.stderr
     summary = json.loads(done.stdout)
     assert summary["headline"].startswith(  # (rank 0's run, the ranks' verdicts are rank 0's)
-        f"FAILED: repeat 0 stopped: no step ended in 5 s, the --step-timeout; it was stopped "
-        f"at {script}:16, in _engine_run_backward of torch/autograd/graph.py:"), summary
+        f"FAILED: repeat 0 stopped: no step ended within the --step-timeout (20 s); it was at "
+        f"{script}:16, in _engine_run_backward of torch/autograd/graph.py:"), summary
     assert "(the last step it completed: 1)" in summary["headline"]
     stacks = (tmp_path / "run" / "stacks-0.txt").read_text()
     wheres = sorted(line.split(", stopped at ")[1].rsplit(":", 1)[0]
@@ -1218,7 +1220,7 @@ def test_the_step_timeout_waits_on_steps_and_kills_what_does_not_end_when_asked(
         tmp_path, monkeypatch):
     """The clock restarts at each step's end, so a run longer than the timeout whose steps
     keep ending is not stopped; a process that ignores SIGTERM is killed after the grace."""
-    from detaudit import execution
+    from detaudit.drivers import stopping
 
     trace = tmp_path / "attach-0.json.gz"
     beats = textwrap.dedent(f"""\
@@ -1229,26 +1231,92 @@ def test_the_step_timeout_waits_on_steps_and_kills_what_does_not_end_when_asked(
     """)
     stepping = subprocess.Popen([sys.executable, "-c", beats], start_new_session=True)
     started = time.monotonic()
-    assert execution._wait(stepping, trace, 1.0) == (0, None)
+    assert stopping.wait_watching(stepping, trace, 1.0, grace=10.0) == (0, None)
     assert time.monotonic() - started > 1.5  # (it ran past the timeout, stepping)
-    monkeypatch.setattr(execution, "STOP_GRACE_S", 0.5)
-    deaf = subprocess.Popen(
-        [sys.executable, "-c", "import signal, time\n"
-         + "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)"],
-        start_new_session=True)
-    assert execution._wait(deaf, tmp_path / "attach-1.json.gz", 1.0) == (
-        -signal.SIGKILL, execution.KILLED)
+    deaf = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""\
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with open({str(tmp_path / "attach-1.json.gz.pids")!r}, "a") as pids:  # (attached)
+            pids.write(f"{{os.getpid()}}\\n")
+        time.sleep(60)
+    """)], start_new_session=True)
+    assert stopping.wait_watching(deaf, tmp_path / "attach-1.json.gz", 1.0, grace=0.5) == (
+        -signal.SIGKILL, stopping.KILLED)
     assert (tmp_path / "attach-1.json.gz.timed-out").exists()  # (the mark the run reads)
+
+
+def test_a_run_stopped_by_the_step_timeout_between_steps_keeps_the_step_it_completed(tmp_path):
+    """A hang after a step's update, before the next batch (where a loop waits for data), is
+    not in that step: the step is kept, not dropped as the one that failed."""
+    from detaudit import execution
+    from detaudit.config import ExecJob
+
+    script = tmp_path / "sleeps.py"
+    script.write_text(textwrap.dedent("""\
+        import time
+        import torch
+
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 1:
+                time.sleep(120)
+    """))
+    result = execution.exec_command([sys.executable, str(script)],
+                                    ExecJob(step_timeout=15.0, repeats=1), out=tmp_path / "run",
+                                    output=subprocess.DEVNULL)
+    assert result.verdict.exit_code == 3
+    assert (f"no step ended within the --step-timeout (15 s); it was at {script}:11 (the last "
+            "step it completed: 1)") in result.verdict.headline
+    assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_a_process_of_the_run_in_a_session_of_its_own_is_ended_too(tmp_path):
+    """torchrun starts each rank in a session of its own: killing the command's process
+    group left a rank that ignored SIGTERM running after the audit ended (and writing into
+    its folder later). Each process that attached is asked, then killed."""
+    from detaudit.drivers import stopping
+
+    trace = tmp_path / "attach-0.json.gz"
+    rank = textwrap.dedent(f"""\
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        started = open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]
+        with open({str(trace) + ".pids"!r}, "a") as pids:
+            pids.write(f"{{os.getpid()}} {{started}}\\n")
+        time.sleep(60)
+    """)
+    launcher = textwrap.dedent(f"""\
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", {rank!r}], start_new_session=True)
+        time.sleep(60)
+    """)
+    command = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "attach-0.json.gz.pids").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int((tmp_path / "attach-0.json.gz.pids").read_text().split()[0])
+    assert os.getpgid(pid) != command.pid  # (outside the command's process group)
+    assert stopping.stop_run(command, trace, grace=0.5) is False  # (it would not end)
+    command.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while stopping._stat(pid)[0] not in ("", "Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stopping._stat(pid)[0] in ("", "Z")  # killed (reaped, or waiting to be)
 
 
 def test_the_recording_process_marks_the_end_of_each_step_for_the_step_timeout(tmp_path):
     """What exec's watch reads: the file beside the trace, touched as each step ends."""
-    from detaudit.drivers.attach_process import _step_ended
+    from detaudit.drivers.stopping import step_ended
 
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     attachment = Attachment(tmp_path / "t.json.gz", {}).install()
-    attachment.on_step_end = functools.partial(_step_ended, attachment)
+    attachment.on_step_end = functools.partial(step_ended, attachment.path)
     beat = tmp_path / "t.json.gz.progress"
     ends = []
     try:
@@ -1275,16 +1343,18 @@ def test_a_run_killed_for_its_step_timeout_before_recording_anything_fails(
 
     monkeypatch.setattr(execution, "STOP_GRACE_S", 1.0)
     script = tmp_path / "deaf.py"
-    script.write_text("import signal, threading\nimport torch\n"
-                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    script.write_text("import signal, threading\n"  # (ignored from the start: whenever
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"  # the time runs out)
+                      "import torch\n"
                       "threading.Event().wait()\n")
     result = execution.exec_command([sys.executable, str(script)],
                                     ExecJob(step_timeout=3.0), out=tmp_path / "run",
                                     output=subprocess.DEVNULL)
     assert result.verdict.exit_code == 3
     assert result.verdict.headline == (
-        "FAILED: repeat 0 stopped: no step ended in 3 s, the --step-timeout, and it did not "
-        "end in 1 s of being asked to (SIGTERM): killed (before its first step completed); "
+        "FAILED: repeat 0 stopped: no step ended within the --step-timeout (3 s), and it did "
+        "not end within 1 s of being asked to (SIGTERM): killed (before its first step "
+        "completed); "
         "repeat 1 was not run (no step to compare); only 1 repeat was recorded (0 steps), so "
         "nothing could be compared")
     assert (tmp_path / "run" / "report.html").exists()
@@ -1979,7 +2049,7 @@ def test_ctrl_c_ends_the_process_tree_and_keeps_what_was_recorded(tmp_path):
     audit = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "DETAUDIT_TEST_TREE": str(tmp_path)})
     deadline = time.monotonic() + 60
-    while not any(out.glob("attach-*")) and time.monotonic() < deadline:
+    while not any(out.glob("attach-*.json.gz")) and time.monotonic() < deadline:
         time.sleep(0.5)  # the command's recording has begun (its first save)
     time.sleep(2)
     audit.send_signal(signal.SIGINT)

@@ -149,6 +149,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.on_limit = on_limit
         self.on_step_end: Callable[[], None] | None = None  # (exec's --step-timeout watch)
+        self.finishing = False  # (saving the trace as the run ends)
         self.zoom, self.fault = zoom, fault
         # the step a fault is planted at, in whichever run: recorded at module level in all
         self.planted_step = fault.step if fault is not None else planted_step
@@ -755,8 +756,23 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self.on_limit is not None:
             self.on_limit()
 
+    def end_updated_step(self) -> None:
+        """The open step is complete once its update ran (by an optimizer or by hand): a
+        run stopped from outside after it (a hang before the next batch) keeps it."""
+        if self.info is not None and not self._updated and self._updated_by_hand():
+            self._record_update_by_hand(last=True)
+        if self.info is not None and self._updated and not self.stopped:
+            self.end_step()
+
     def finish(self, failure: str | None = None) -> None:
         """The loop is over (or failed): close the open step, save the trace."""
+        self.finishing = True
+        try:
+            self._finish(failure)
+        finally:
+            self.finishing = False
+
+    def _finish(self, failure: str | None) -> None:
         self.trace.probe[ENDED] = True
         if not self._claimed and (self.stopped or not (failure or self.trace.failure)
                                   or not self._claims_the_trace()):

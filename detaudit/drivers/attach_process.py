@@ -15,7 +15,6 @@ import shlex
 import signal
 import sys
 import threading
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -28,20 +27,17 @@ from ..config import (
     JOB_VARIABLE,
     LOADED_FROM_EARLIER_RUNS,
     OWNER_VARIABLE,
-    PIDS_SUFFIX,
-    PROGRESS_SUFFIX,
     RANK_OWNER_VARIABLE,
-    STACKS_SUFFIX,
-    TIMED_OUT_SUFFIX,
     UNJOINED,
     Fault,
     rank_trace_path,
     written_by_an_earlier_run,
 )
-from ..record.sites import stopped_site, user_call_site
+from ..record.sites import user_call_site
 from .attach import Attachment
 from .rankprobe import RankWatch
 from .runner import describe_user_error
+from .stopping import note_attached, step_ended, stopped_by_the_timeout, timed_out
 
 
 def failure_hook(attachment: Attachment) -> Callable[..., None]:
@@ -248,10 +244,9 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
     if job.get("since_ns") is not None:
         attachment._patch(torch, "load", _loading_noted(
             attachment, torch.load, int(job["since_ns"]), int(job.get("began_ns") or 0)))
+    note_attached(job["trace"])  # (exec asks it to stop, and ends it if it will not)
     if job.get("step_timeout"):
-        attachment.on_step_end = functools.partial(_step_ended, attachment)
-        with contextlib.suppress(OSError), open(job["trace"] + PIDS_SUFFIX, "a") as pids:
-            pids.write(f"{os.getpid()}\n")  # (to be asked to stop: see execution._wait)
+        attachment.on_step_end = lambda: step_ended(attachment.path)  # (a rank's path, too)
     if (threading.current_thread() is threading.main_thread()  # (torch imported in a thread)
             and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
         signal.signal(signal.SIGTERM, _on_terminate(attachment, job))
@@ -338,59 +333,29 @@ def _on_terminate(attachment: Attachment, job: dict[str, Any]) -> Callable[..., 
     nothing failed, and its last step is kept. It exits as SIGTERM would have it (143): a
     command whose own process ended so is a failed run all the same (a training loop
     inside an installed package, killed), a kernel's front-end that exits 0 is not. A run
-    exec stops for its step timeout (marked beside the job's trace first) fails so, saying
-    where it was (see _stopped_by_the_timeout)."""
-    handling = []
+    exec stops for its step timeout fails so, saying where it was (see stopping). A
+    process forked from this one (a DataLoader worker) ends as SIGTERM ends it; one that
+    is saving its trace as it ends already finishes that."""
+    pid, handling = os.getpid(), []
 
     def handler(signum: int, frame: Any) -> None:
-        if handling:  # (a second SIGTERM: a launcher passing exec's on)
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if handling or attachment.finishing:  # (a second SIGTERM: a launcher's, passed on)
             return
         handling.append(signum)
-        if os.path.exists(job["trace"] + TIMED_OUT_SUFFIX):
-            _stopped_by_the_timeout(attachment, frame, float(job["step_timeout"]))
+        if timed_out(job["trace"]):
+            attachment.end_updated_step()  # (the hang came after it: it is complete)
+            stopped_by_the_timeout(attachment.path, frame, float(job["step_timeout"]),
+                                   attachment.finish)
         elif attachment.claimed:  # (one that never began a step says nothing, claims none)
             attachment.finish("interrupted (Ctrl-C or SIGTERM)" if user_call_site(frame)
                               else None)
         _end_process(128 + signum)  # (a command ended so has not ended well: see execution)
 
     return handler
-
-
-def _step_ended(attachment: Attachment) -> None:
-    """--step-timeout: this process made a step (exec watches the time of this file)."""
-    with contextlib.suppress(OSError):
-        attachment.path.with_name(attachment.path.name + PROGRESS_SUFFIX).touch()
-
-
-def _stopped_by_the_timeout(attachment: Attachment, frame: Any, seconds: float) -> None:
-    """No step ended in `seconds`: where the main thread was goes into the failure, and
-    every thread's stack into a file beside the trace, for exec to keep. The failure is
-    this process's to say where it may claim the run (a hang before the first step)."""
-    where = stopped_site(frame)
-    said = f"process {os.getpid()} ({shlex.join(sys.argv)}), stopped at {where}\n{_stacks(frame)}"
-    with contextlib.suppress(OSError):  # (one write: other processes of the run append too)
-        fd = os.open(attachment.path.with_name(attachment.path.name + STACKS_SUFFIX),
-                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, f"{said}\n".encode(errors="replace"))
-        finally:
-            os.close(fd)
-    attachment.finish(f"no step ended in {seconds:g} s, the --step-timeout; it was stopped at "
-                      f"{where}")
-
-
-def _stacks(main_frame: Any) -> str:
-    """Every thread's stack, most recent call last, as a traceback gives it: the main
-    thread's from `main_frame`, where the signal found it (the handler runs in that thread,
-    so its own frames are left out)."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    frames = {threading.main_thread().ident: main_frame, **{
-        ident: frame for ident, frame in sys._current_frames().items()
-        if ident != threading.main_thread().ident}}
-    return "".join(
-        f"\nThread {names.get(ident, ident)} (most recent call last):\n"
-        + "".join(traceback.format_stack(frame))
-        for ident, frame in frames.items() if frame is not None)
 
 
 def _end_at_the_limit(attachment: Attachment) -> None:

@@ -1,0 +1,244 @@
+"""How ``detaudit exec`` stops a run: when asked (Ctrl-C), and for ``--step-timeout`` when
+no step ends in time, saying where it was.
+
+Every process of the run that attaches notes itself beside the run's trace (PIDS_SUFFIX):
+exec asks each to stop, and kills what is left, torchrun's ranks in sessions of their own
+too (:func:`stop_run`, :func:`kill_left`). With a step timeout the recording process (each
+rank's) touches a file as each step ends (PROGRESS_SUFFIX). exec watches when those files change (:func:`wait_watching`); when no step
+has ended for the timeout it leaves a mark (TIMED_OUT_SUFFIX) and asks the command and each
+noted process to stop (SIGTERM). A process that finds the mark as the signal comes keeps the
+step it had completed, writes where its threads were (STACKS_SUFFIX) and saves its trace
+with the failure (:func:`stopped_by_the_timeout`); what has not ended after the grace time
+is killed, and the failure is said for it (:func:`say_timed_out`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import PIDS_SUFFIX, PROGRESS_SUFFIX, STACKS_SUFFIX, TIMED_OUT_SUFFIX
+from ..record.sites import stopped_site
+from ..trace import Trace
+
+WATCH_INTERVAL_S = 1.0  # how often exec looks for a step's end
+# how a run was stopped for its step timeout: asked and ended, killed, or stopped before any
+# process of it had imported torch (nothing of it could say where it was)
+ASKED, KILLED, UNSTARTED = "asked", "killed", "unstarted"
+_SAID = "no step ended within the --step-timeout"  # (how each failure it makes begins)
+
+
+# -- in exec's own process --------------------------------------------------------------
+def wait_watching(child: subprocess.Popen, trace: Path, timeout: float | None,
+                  grace: float) -> tuple[int, str | None]:
+    """The command's exit code, and how it was stopped for `timeout` (None: it was not). A
+    run in which no step ends for that long (from the start, then from each step's end in
+    any rank) is marked timed out and its processes asked to stop; whatever of them has not
+    ended within `grace` seconds is killed."""
+    if timeout is None:
+        return child.wait(), None
+    seen: dict[Path, int] = {}
+    last = time.monotonic()  # (the files' changes, not their times: no clock of theirs)
+    while True:
+        try:
+            return child.wait(timeout=min(timeout, WATCH_INTERVAL_S)), None
+        except subprocess.TimeoutExpired:
+            pass
+        for beat in beside(trace, PROGRESS_SUFFIX):
+            with contextlib.suppress(OSError):
+                changed = beat.stat().st_mtime_ns
+                if seen.get(beat) != changed:
+                    seen[beat], last = changed, time.monotonic()
+        if time.monotonic() - last > timeout:
+            break
+    mark = trace.with_name(trace.name + TIMED_OUT_SUFFIX)
+    mark.touch()
+    if child.poll() is not None:  # (it ended as the time ran out)
+        mark.unlink(missing_ok=True)
+        return child.returncode, None
+    unstarted = not _attached(trace)
+    ended = stop_run(child, trace, grace)
+    return child.wait(), UNSTARTED if unstarted else ASKED if ended else KILLED
+
+
+def stop_run(child: subprocess.Popen, trace: Path, grace: float) -> bool:
+    """Ask the command and each of its processes that attached to stop (SIGTERM: each saves
+    what it recorded, then ends; not their DataLoader workers, whose end the loop would
+    report as a crash) and wait up to `grace` seconds for them; whatever has not ended then
+    is killed. Whether all ended when asked."""
+    asked = [p for p in _attached(trace) if p.ours(child.pid)]
+    for pid in dict.fromkeys([child.pid, *(p.pid for p in asked)]):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    # a thin launcher may end at once, its ranks (in sessions of their own under torchrun)
+    # after they saved
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and (child.poll() is None or _left(trace, child.pid)):
+        time.sleep(0.05)
+    ended = child.poll() is not None and not _left(trace, child.pid)
+    kill_left(child, trace)
+    return ended
+
+
+def kill_left(child: subprocess.Popen, trace: Path) -> None:
+    """Whatever the command left running: its process group (DataLoader workers,
+    subprocesses) and each process that attached outside it (torchrun starts each rank in
+    a session of its own)."""
+    for process in _left(trace, child.pid):
+        process.kill()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
+
+
+def _left(trace: Path, group: int) -> list[_Process]:
+    return [p for p in _attached(trace) if p.ours(group)]
+
+
+def say_timed_out(recorded: dict[int | None, Trace], how: str, timeout: float,
+                  grace: float, stand_ins: dict[int | None, Trace]) -> None:
+    """The failure of a run stopped for its step timeout where its processes could not say
+    it (killed, a handler of the script's own that took the signal, a wrapper that passes
+    none on), or said another (what the stop made the script raise). A run that recorded
+    nothing is its `stand_ins` (one per rank, as the run before had them)."""
+    said = f"{_SAID} ({timeout:g} s)" + (
+        f", and it did not end within {grace:g} s of being asked to (SIGTERM): killed"
+        if how == KILLED else ", which counts from the start: no process of the command "
+        "had imported torch yet" if how == UNSTARTED
+        else ": stopped (SIGTERM); where it was is not known")
+    if not recorded:
+        recorded.update(stand_ins)
+    for trace in recorded.values():
+        if trace.failure is None:
+            trace.failure = said + (", its steps since the last one it saved lost"
+                                    if trace.steps and how == KILLED else "")
+        elif not trace.failure.startswith(_SAID):
+            trace.failure = f"{said}; as it stopped: {trace.failure}"
+
+
+def keep_stacks(trace: Path, name: str) -> Path | None:
+    """The stacks the processes of a stopped run wrote, as one file in the run folder
+    (``stacks-<name>.txt``), if any did."""
+    written = sorted(beside(trace, STACKS_SUFFIX))
+    if not written:
+        return None
+    kept = trace.with_name(f"stacks-{name}.txt")
+    kept.write_text("\n".join(p.read_text(errors="replace") for p in written))
+    return kept
+
+
+def clear_files(trace: Path) -> None:
+    """The step timeout's files of one run."""
+    for suffix in (PROGRESS_SUFFIX, PIDS_SUFFIX, TIMED_OUT_SUFFIX, STACKS_SUFFIX):
+        for path in beside(trace, suffix):
+            path.unlink(missing_ok=True)
+
+
+def beside(trace: Path, suffix: str) -> list[Path]:
+    """The files with `suffix` beside a run's trace and each of its ranks'."""
+    stem = trace.name.removesuffix(".json.gz")
+    return [*trace.parent.glob(trace.name + suffix),
+            *trace.parent.glob(f"{stem}-r*.json.gz{suffix}")]
+
+
+@dataclass(frozen=True)
+class _Process:
+    """A process of the run that attached, as it noted itself: its pid and, where /proc
+    tells, when it started (so that a pid used again since is not taken for it)."""
+
+    pid: int
+    started: str
+
+    def ours(self, group: int) -> bool:
+        """Whether it still runs (an ended one not yet waited for does not) and is the one
+        noted; where /proc is not, one in the command's process `group`."""
+        state, started = _stat(self.pid)
+        if started:
+            return state != "Z" and started == self.started
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            return os.getpgid(self.pid) == group
+        return False
+
+    def kill(self) -> None:
+        """Killed, with its own process group where it leads one (torchrun starts each rank
+        in a session of its own: its DataLoader workers are in it)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(self.pid) == self.pid:
+                os.killpg(self.pid, signal.SIGKILL)
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _attached(trace: Path) -> list[_Process]:
+    with contextlib.suppress(OSError):
+        lines = trace.with_name(trace.name + PIDS_SUFFIX).read_text().splitlines()
+        return [_Process(int(pid), started) for pid, _, started in
+                (line.partition(" ") for line in lines) if pid.isdigit()]
+    return []
+
+
+def _stat(pid: int | str) -> tuple[str, str]:
+    """A process's state and start time (fields 3 and 22 of /proc/PID/stat); ("", "") where
+    it has ended or there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], fields[19]
+    except (OSError, IndexError):
+        return "", ""
+
+
+# -- in the command's processes ------------------------------------------------------------
+def note_attached(trace: str) -> None:
+    """This process attached to record `trace`'s run: exec may ask it to stop."""
+    with contextlib.suppress(OSError), open(trace + PIDS_SUFFIX, "a") as pids:
+        pids.write(f"{os.getpid()} {_stat('self')[1]}\n")
+
+
+def step_ended(path: Path) -> None:
+    """This process ended a step of the trace at `path`."""
+    with contextlib.suppress(OSError):
+        path.with_name(path.name + PROGRESS_SUFFIX).touch()
+
+
+def timed_out(trace: str) -> bool:
+    """Whether exec stopped the run of `trace` for its step timeout (asked as SIGTERM comes)."""
+    return os.path.exists(trace + TIMED_OUT_SUFFIX)
+
+
+def stopped_by_the_timeout(path: Path, frame: Any, seconds: float,
+                           finish: Callable[[str], None]) -> None:
+    """No step ended in `seconds`: where the main thread was (`frame`, where the signal
+    found it) goes into the failure, given to `finish`, and every thread's stack into a
+    file beside the trace at `path`, for exec to keep."""
+    where = stopped_site(frame)
+    said = f"process {os.getpid()} ({shlex.join(sys.argv)}), stopped at {where}\n{_stacks(frame)}"
+    with contextlib.suppress(OSError):  # (one write: other processes of the run append too)
+        fd = os.open(path.with_name(path.name + STACKS_SUFFIX),
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{said}\n".encode(errors="replace"))
+        finally:
+            os.close(fd)
+    finish(f"{_SAID} ({seconds:g} s); it was at {where}")
+
+
+def _stacks(main_frame: Any) -> str:
+    """Every thread's stack, most recent call last, as a traceback gives it: the main
+    thread's from `main_frame`, where the signal found it (the handler runs in that thread,
+    so its own frames are left out)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    frames = {main: main_frame, **{
+        ident: frame for ident, frame in sys._current_frames().items() if ident != main}}
+    return "".join(
+        f"\nThread {names.get(ident, ident)} (most recent call last):\n"
+        + "".join(traceback.format_stack(frame))
+        for ident, frame in frames.items() if frame is not None)
