@@ -90,6 +90,9 @@ def test_exec_of_a_seeded_script_is_deterministic_with_steps_and_epochs_as_the_s
     assert set(step0[step0.phase == "optimizer"].module) == {"stem", "head"}
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["verdict"] == "deterministic"
+    # which object was taken for the model, by its class (a script's: its __main__)
+    assert summary["model_class"] == "__main__.Net"
+    assert "; model __main__.Net; " in (tmp_path / "run" / "report.html").read_text()
 
 
 def _planted_and_zoomed(tmp_path: Path, done: subprocess.CompletedProcess, fault: str,

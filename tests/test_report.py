@@ -110,6 +110,8 @@ def test_planted_fault_named_everywhere(planted: tuple[Path, dict[str, Any]]) ->
         assert "conv" in text and "backward" in text, name
         assert "detaudit run --probe demo.py" in text, name
         assert "modules with parameters (for --inject-fault" in text, name
+        # last: a model's modules run to hundreds of rows, not to stand before the findings
+        assert text.index("modules with parameters") > text.index("First divergence"), name
 
 
 def test_deterministic_run_says_so(clean: dict[str, Any]) -> None:

@@ -50,6 +50,7 @@ from ..config import (
     INFER,
     INFERRED,
     LOADED_FROM_EARLIER_RUNS,
+    MODEL_CLASS,
     MODELS,
     OP_SITES,
     OPS_AT_FAULT,
@@ -656,6 +657,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         recorder = Recorder(model, fault=self.fault, watch=WATCH_NONE)
         for name, other in self.models.others:
             recorder.add_model(name, other)
+        self.trace.probe[MODEL_CLASS] = recorder.model_class()
         return recorder
 
     def _watch(self, step: int) -> str:

@@ -17,6 +17,7 @@ import torch
 
 from ..config import (
     ANY_MODULE,
+    MODEL_CLASS,
     OP_SITES,
     ROOT_NAME,
     SCAN,
@@ -352,6 +353,7 @@ def run_repeat(
 
         watch = WATCH_NONE if config.granularity == SCAN else WATCH_MODULE
         with Recorder(probe.model, fingerprinter, fault=fault, watch=watch) as recorder:
+            trace.probe[MODEL_CLASS] = recorder.model_class()
             if scripted := recorder.scripted_modules():
                 trace.probe[SCRIPTED] = scripted
             if tied := recorder.tied_parameters():

@@ -435,6 +435,19 @@ class Recorder(BackwardBoundaries):
         """Whether a module's hook is one of this recorder's."""
         return isinstance(hook, _Hook) and getattr(hook.hook, "__self__", None) is self
 
+    def model_class(self) -> str:
+        """The recorded model's class, qualified by its module
+        (``torchvision.models.segmentation.lraspp.LRASPP``); a wrapper's (DDP, a compiled
+        model) with the class it wraps (``...DistributedDataParallel(__main__.Net)``)."""
+        def named(module: nn.Module) -> str:
+            return f"{type(module).__module__}.{type(module).__qualname__}"
+
+        inner = getattr(self.model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module) and type(self.model).__name__ in (
+                "DistributedDataParallel", "DataParallel"):
+            inner = getattr(self.model, "module", None)
+        return named(self.model) + (f"({named(inner)})" if isinstance(inner, nn.Module) else "")
+
     def scripted_modules(self) -> list[str]:
         """The names of the TorchScript modules (``torch.jit.script``) in the recorded
         models, the outermost: they take no hooks, so their calls are not recorded by

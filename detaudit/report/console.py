@@ -34,6 +34,8 @@ def render_console(summary: dict[str, Any]) -> str:
     probe = summary.get("probe", {})
     if probe.get("preset"):
         lines.append(f"preset: {probe['preset']}")
+    if summary.get("model_class"):
+        lines.append(f"model: {summary['model_class']}")
     first = summary.get("first_divergence")
     if first:
         lines.append("")

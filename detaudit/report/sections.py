@@ -92,7 +92,7 @@ def sections(summary: dict[str, Any], limits: dict[str, int] | None = None) -> l
     builders = (
         _verdict, _reproduce, _failures, _ranks, _first, _cause, _loss, _size, _stress, _census,
         _verify,
-        _map, _env,
+        _map, _env, _modules,
     )
     found = [build(summary) for build in builders]
     out = [s for s in found if s is not None and s.blocks]
@@ -272,6 +272,8 @@ def _run_line(s: dict[str, Any]) -> str:
     parts = [f"probe {probe.get('name', '?')} ({probe.get('kind', '?')})"]
     if probe.get("preset"):
         parts.append(f"preset {probe['preset']}")
+    if s.get("model_class"):
+        parts.append(f"model {s['model_class']}")
     steps = s.get("steps", [])
     lengths = s.get("steps_per_repeat") or [len(steps)]
     epochs = s.get("epochs_per_repeat") or [len({x["epoch"] for x in steps})]
@@ -303,12 +305,17 @@ def _run_line(s: dict[str, Any]) -> str:
 def _reproduce(s: dict[str, Any]) -> Section | None:
     if not s.get("command"):
         return None
-    blocks: list[Block] = [Code(s["command"])]
-    if s.get("modules"):  # (what a planted fault, `--inject-fault MODULE@...`, may name)
-        blocks.append(Table(
-            "modules with parameters (for --inject-fault MODULE@forward|backward:STEP)",
-            ["module"], [[m] for m in s["modules"]], key="modules", fold=True))
-    return Section("reproduce", "Reproduce", blocks)
+    return Section("reproduce", "Reproduce", [Code(s["command"])])
+
+
+def _modules(s: dict[str, Any]) -> Section | None:
+    """What a planted fault, `--inject-fault MODULE@...`, may name: last, as a model's
+    modules may run to hundreds of rows."""
+    if not s.get("modules"):
+        return None
+    return Section("modules", "Modules", [Table(
+        "modules with parameters (for --inject-fault MODULE@forward|backward:STEP)",
+        ["module"], [[m] for m in s["modules"]], key="modules", fold=True)])
 
 
 def _failures(s: dict[str, Any]) -> Section | None:

@@ -21,6 +21,7 @@ from ..config import (
     FIRST_PASS_UNFINISHED,
     INFERRED,
     LOADER_IN_A_THREAD,
+    MODEL_CLASS,
     ROOT_NAME,
     SCRIPTED,
     SIDE_MODELS,
@@ -146,6 +147,8 @@ def summarize(
             traces and all(FIRST_PASS_UNFINISHED in t.probe for t in traces)) else None,
         "zoom": (info.extra or {}).get("zoom"),
         "modules": _modules(traces),
+        "model_class": next((t.probe[MODEL_CLASS] for t in traces if t.probe.get(MODEL_CLASS)),
+                            None),
         # the first seed the code gave torch, [value, "file:line"] (exec without --seed: the
         # script's own seeding), or None
         "code_seed": next((seed for seed in c.first_seeds if seed), None),
