@@ -4,6 +4,7 @@ quiet on deterministic runs."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar
 
@@ -417,19 +418,26 @@ def test_module_called_twice_is_an_origin_only_where_its_calls_say(model, fault,
         assert (1, "shared", "weight") in c.grad_diffs
 
 
-def _rounded_away(device: torch.device) -> Probe:
+def _rounded_away(device: torch.device, lr: float = 1e-12, steps: int = 3) -> Probe:
     """A step whose update is too small to change any parameter (lr 1e-12)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
-    batches = [torch.randn(8, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    batches = [torch.randn(8, 32, generator=torch.Generator().manual_seed(i))
+               for i in range(steps)]
     return Probe(model=model, batches=batches, step=lambda m, x: m(x).pow(2).mean(),
-                 optimizer=torch.optim.SGD(model.parameters(), lr=1e-12))
+                 optimizer=torch.optim.SGD(model.parameters(), lr=lr))
 
 
-def test_gradients_that_differ_while_parameters_and_loss_agree_are_called_gradients():
-    """A backward difference whose update rounds away: only gradients differ, yet the
-    headline said "the loss stayed bit-identical while parameters diverged"."""
-    result = audit(_rounded_away, repeats=2, epochs=1, fault=Fault("0", "backward", 1))
+@pytest.mark.parametrize("probe", [
+    _rounded_away,
+    # the update changes the parameters in the same step (the last: no loss after it)
+    functools.partial(_rounded_away, lr=1.0, steps=2),
+], ids=["update rounded away", "update in the same step"])
+def test_gradients_that_differ_while_parameters_and_loss_agree_are_called_gradients(probe):
+    """A backward difference: the gradients differ first, whether or not the update made
+    from them rounds away, yet the headline said "the loss stayed bit-identical while
+    parameters diverged"."""
+    result = audit(probe, repeats=2, epochs=1, fault=Fault("0", "backward", 1))
     c = result.comparison
     assert (c.first_step, c.cause, c.drifted) == (1, "backward", "gradients")
     assert "the loss stayed bit-identical while gradients diverged" in result.verdict.headline

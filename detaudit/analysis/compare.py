@@ -473,12 +473,13 @@ class _StepDiffs:
         if rest:
             self.counts[step] = len(rest)
             self.missing += sum(1 for d in rest if d.missing)
-            parameters = any(d.phase == OPTIMIZER or (d.phase == STATE
-                                                       and d.slot.startswith("param."))
-                             for d in rest)
-            if (parameters or any(d.phase == GRAD for d in rest)) and self.param_drift is None:
+            # in the step's order: the parameters it began with, its gradients, the update
+            began = any(d.phase == STATE and d.slot.startswith("param.") for d in rest)
+            gradients = any(d.phase == GRAD for d in rest)
+            if (began or gradients or any(d.phase == OPTIMIZER for d in rest)) and (
+                    self.param_drift is None):
                 self.param_drift = step
-                self.drifted = "parameters" if parameters else "gradients"
+                self.drifted = "gradients" if gradients and not began else "parameters"
         detail = bool(rest) and self.detailed < DETAIL_STEPS
         if rest and not detail:
             self.more = True
