@@ -271,7 +271,9 @@ def _parser() -> argparse.ArgumentParser:
         "A command that starts ranks (torchrun, torch.multiprocessing.spawn) is recorded per "
         "rank, and the ranks are checked against each other as with `run --nproc`.",
         epilog="examples: `detaudit exec --seed 0 --max-steps 20 -- python train.py --epochs 1`; "
-        "`detaudit exec --seed 0 --max-steps 20 -- torchrun --nproc-per-node 2 train.py`",
+        "`detaudit exec --seed 0 --max-steps 20 -- torchrun --nproc-per-node 2 train.py`; "
+        "in CI, where a hang must not hold the job: `detaudit exec --seed 0 --max-steps 200 "
+        "--step-timeout 600 --junit audit.xml -- python train.py`",
     )
     execute.add_argument("--repeats", type=_count, default=2, help="runs to compare (default 2)")
     execute.add_argument("--seed", type=_seed,
