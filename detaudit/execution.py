@@ -60,6 +60,7 @@ from .config import (
 )
 from .drivers.stopping import (
     clear_files,
+    dumped_wheres,
     keep_stacks,
     kill_left,
     say_timed_out,
@@ -499,12 +500,13 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     seconds = time.perf_counter() - started
     stacks = keep_stacks(path, str(repeat) if zoom is None else f"zoom-{repeat}") \
         if timed_out else None
+    wheres = dumped_wheres(path) if timed_out else {}
     clear_files(path)
     recorded = _recorded(path)
     if timed_out:  # (a run that recorded nothing stands as the run before it: its ranks)
         say_timed_out(recorded, timed_out, job.step_timeout, STOP_GRACE_S, {
             rank: Trace(probe={**(like[rank].probe if like else probe), ENDED: True},
-                        repeat=repeat, env={}) for rank in (like or {None: None})})
+                        repeat=repeat, env={}) for rank in (like or {None: None})}, wheres)
     if None not in recorded and recorded and path.exists() and open_trace(path).steps:
         raise DetauditError(
             f"repeat {repeat} recorded ranks ({', '.join(map(str, sorted(recorded)))}) and a "

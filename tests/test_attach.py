@@ -1339,28 +1339,61 @@ def test_the_recording_process_marks_the_end_of_each_step_for_the_step_timeout(t
 
 def test_a_run_killed_for_its_step_timeout_before_recording_anything_fails(
         tmp_path, monkeypatch):
-    """A script that ignores SIGTERM and hangs before its first step leaves no trace: the
-    audit still ends FAILED (exit 3) with a report, saying it was killed."""
+    """A script that ignores SIGTERM and hangs before it imports torch leaves no trace: the
+    audit still ends FAILED (exit 3) with a report, saying how far it got."""
     from detaudit import execution
     from detaudit.config import ExecJob
 
     monkeypatch.setattr(execution, "STOP_GRACE_S", 1.0)
     script = tmp_path / "deaf.py"
-    script.write_text("import signal, threading\n"  # (ignored from the start: whenever
-                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"  # the time runs out)
-                      "import torch\n"
+    script.write_text("import signal, threading\n"
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                       "threading.Event().wait()\n")
     result = execution.exec_command([sys.executable, str(script)],
-                                    ExecJob(step_timeout=3.0), out=tmp_path / "run",
+                                    ExecJob(step_timeout=2.0), out=tmp_path / "run",
                                     output=subprocess.DEVNULL)
     assert result.verdict.exit_code == 3
     assert result.verdict.headline == (
-        "FAILED: repeat 0 stopped: no step ended within the --step-timeout (3 s), and it did "
-        "not end within 1 s of being asked to (SIGTERM): killed (before its first step "
-        "completed); "
-        "repeat 1 was not run (no step to compare); only 1 repeat was recorded (0 steps), so "
-        "nothing could be compared")
+        "FAILED: repeat 0 stopped: no step ended within the --step-timeout (2 s), which counts "
+        "from the start: no process of the command had imported torch yet (before its first "
+        "step completed); repeat 1 was not run (no step to compare); only 1 repeat was "
+        "recorded (0 steps), so nothing could be compared")
     assert (tmp_path / "run" / "report.html").exists()
+
+
+def test_a_run_stuck_where_python_cannot_stop_it_says_where_from_c(tmp_path, monkeypatch):
+    """A process whose SIGTERM handler never runs (a wait inside a C extension; here, a
+    script that ignores SIGTERM) is killed: before that it writes its stacks from C on
+    exec's signal, and the verdict says where it was from them."""
+    from detaudit import execution
+    from detaudit.config import ExecJob
+
+    monkeypatch.setattr(execution, "STOP_GRACE_S", 1.0)
+    script = tmp_path / "stuck.py"
+    script.write_text(textwrap.dedent("""\
+        import signal, threading
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        import torch
+
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            if step == 1:
+                threading.Event().wait()
+    """))
+    result = execution.exec_command([sys.executable, str(script)],
+                                    ExecJob(step_timeout=15.0, repeats=1),
+                                    out=tmp_path / "run", output=subprocess.DEVNULL)
+    assert result.verdict.exit_code == 3
+    assert ("no step ended within the --step-timeout (15 s), and it did not end within 1 s of "
+            "being asked to (SIGTERM): killed, its steps since the last one it saved lost; it "
+            f"was at {script}:11, in wait of threading.py:") in result.verdict.headline
+    stacks = (tmp_path / "run" / "stacks-0.txt").read_text()
+    assert "its stacks as it wrote them from C when asked:" in stacks
+    assert f'File "{script}", line 11 in <module>' in stacks
+    assert not list((tmp_path / "run").glob("*.dump-*"))
 
 
 def test_the_step_limit_runs_the_scripts_exit_hooks(tmp_path):

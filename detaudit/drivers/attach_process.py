@@ -15,6 +15,7 @@ import shlex
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -244,7 +245,8 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
     if job.get("since_ns") is not None:
         attachment._patch(torch, "load", _loading_noted(
             attachment, torch.load, int(job["since_ns"]), int(job.get("began_ns") or 0)))
-    note_attached(job["trace"])  # (exec asks it to stop, and ends it if it will not)
+    # (exec asks it to stop, and ends it if it will not)
+    note_attached(job["trace"], watched=bool(job.get("step_timeout")), path=Path(path))
     if job.get("step_timeout"):
         attachment.on_step_end = lambda: step_ended(attachment.path)  # (a rank's path, too)
     if (threading.current_thread() is threading.main_thread()  # (torch imported in a thread)

@@ -15,7 +15,9 @@ is killed, and the failure is said for it (:func:`say_timed_out`).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -28,9 +30,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import PIDS_SUFFIX, PROGRESS_SUFFIX, STACKS_SUFFIX, TIMED_OUT_SUFFIX
+from ..record.sites import dumped_site
 from ..trace import Trace
 
 WATCH_INTERVAL_S = 1.0  # how often exec looks for a step's end
+DUMP_WAIT_S = 0.5  # after the dump signal, how long exec gives the processes to write
+# the signal that makes a watched process write its stacks from C (see note_attached): a
+# real-time one no library claims, where there are such
+DUMP_SIGNAL = signal.SIGRTMAX - 6 if hasattr(signal, "SIGRTMAX") else None
+DUMP_SUFFIX = ".dump-"  # beside a run's trace, then the pid: what DUMP_SIGNAL made it write
+_DUMPS: list[Any] = []
 # how a run was stopped for its step timeout: asked and ended, killed, or stopped before any
 # process of it had imported torch (nothing of it could say where it was)
 ASKED, KILLED, UNSTARTED = "asked", "killed", "unstarted"
@@ -66,8 +75,20 @@ def wait_watching(child: subprocess.Popen, trace: Path, timeout: float | None,
         mark.unlink(missing_ok=True)
         return child.returncode, None
     unstarted = not _attached(trace)
+    _ask_for_stacks(child, trace)
     ended = stop_run(child, trace, grace)
     return child.wait(), UNSTARTED if unstarted else ASKED if ended else KILLED
+
+
+def _ask_for_stacks(child: subprocess.Popen, trace: Path) -> None:
+    """Each process of a watched run writes its stacks from C (see note_attached), then a
+    moment for them to."""
+    asked = [p for p in _attached(trace) if p.ours(child.pid)]
+    for process in asked if DUMP_SIGNAL is not None else ():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(process.pid, DUMP_SIGNAL)
+    if asked:
+        time.sleep(DUMP_WAIT_S)
 
 
 def stop_run(child: subprocess.Popen, trace: Path, grace: float) -> bool:
@@ -104,11 +125,13 @@ def _left(trace: Path, group: int) -> list[_Process]:
 
 
 def say_timed_out(recorded: dict[int | None, Trace], how: str, timeout: float,
-                  grace: float, stand_ins: dict[int | None, Trace]) -> None:
+                  grace: float, stand_ins: dict[int | None, Trace],
+                  wheres: dict[int | None, str]) -> None:
     """The failure of a run stopped for its step timeout where its processes could not say
     it (killed, a handler of the script's own that took the signal, a wrapper that passes
-    none on), or said another (what the stop made the script raise). A run that recorded
-    nothing is its `stand_ins` (one per rank, as the run before had them)."""
+    none on), or said another (what the stop made the script raise); where each was, as
+    it wrote it from C (`wheres`, by rank), if it did. A run that recorded nothing is its
+    `stand_ins` (one per rank, as the run before had them)."""
     said = f"{_SAID} ({timeout:g} s)" + (
         f", and it did not end within {grace:g} s of being asked to (SIGTERM): killed"
         if how == KILLED else ", which counts from the start: no process of the command "
@@ -116,23 +139,56 @@ def say_timed_out(recorded: dict[int | None, Trace], how: str, timeout: float,
         else ": stopped (SIGTERM); where it was is not known")
     if not recorded:
         recorded.update(stand_ins)
-    for trace in recorded.values():
+    for rank, trace in recorded.items():
+        known = f"; it was at {wheres[rank]}" if rank in wheres else ""
         if trace.failure is None:
-            trace.failure = said + (", its steps since the last one it saved lost"
-                                    if trace.steps and how == KILLED else "")
+            trace.failure = said.replace("; where it was is not known", "") + (
+                ", its steps since the last one it saved lost"
+                if trace.steps and how == KILLED else "") + known
         elif not trace.failure.startswith(_SAID):
-            trace.failure = f"{said}; as it stopped: {trace.failure}"
+            trace.failure = f"{said}{known}; as it stopped: {trace.failure}"
 
 
 def keep_stacks(trace: Path, name: str) -> Path | None:
     """The stacks the processes of a stopped run wrote, as one file in the run folder
-    (``stacks-<name>.txt``), if any did."""
-    written = sorted(beside(trace, STACKS_SUFFIX))
-    if not written:
+    (``stacks-<name>.txt``), if any did: as each said where it was; for one that could not
+    (killed), as it wrote them from C when exec asked (innermost call first)."""
+    said = [p.read_text(errors="replace") for p in sorted(beside(trace, STACKS_SUFFIX))]
+    spoke = {int(pid) for text in said
+             for pid in re.findall(r"^process (\d+) ", text, re.MULTILINE)}
+    dumped = [f"process {pid}, its stacks as it wrote them from C when asked:\n{text}"
+              for pid, text in _dumps(trace) if pid not in spoke and text.strip()]
+    if not said and not dumped:
         return None
     kept = trace.with_name(f"stacks-{name}.txt")
-    kept.write_text("\n".join(p.read_text(errors="replace") for p in written))
+    kept.write_text("\n".join(said + dumped))
     return kept
+
+
+def dumped_wheres(trace: Path) -> dict[int | None, str]:
+    """Where the processes of a stopped run were, as they wrote it on DUMP_SIGNAL: by rank
+    (None: the run's own trace), the first with a place in the user's code."""
+    wheres: dict[int | None, str] = {}
+    stem = trace.name.removesuffix(".json.gz")
+    for path in sorted(beside(trace, DUMP_SUFFIX + "*")):
+        rank = path.name[len(stem) + 2:].partition(".")[0] if path.name.startswith(
+            f"{stem}-r") else None
+        where = dumped_site(path.read_text(errors="replace"))
+        key = int(rank) if rank is not None and rank.isdigit() else None
+        if where and (key not in wheres or ":" not in wheres[key]):
+            wheres[key] = where
+    return wheres
+
+
+def _dumps(trace: Path) -> list[tuple[int, str]]:
+    """What each process of the run wrote on DUMP_SIGNAL: (pid, text)."""
+    found = []
+    for path in beside(trace, DUMP_SUFFIX + "*"):
+        pid = path.name.rpartition(DUMP_SUFFIX)[2]
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                found.append((int(pid), path.read_text(errors="replace")))
+    return sorted(found)
 
 
 def clear_files(trace: Path) -> None:
@@ -140,6 +196,8 @@ def clear_files(trace: Path) -> None:
     for suffix in (PROGRESS_SUFFIX, PIDS_SUFFIX, TIMED_OUT_SUFFIX, STACKS_SUFFIX):
         for path in beside(trace, suffix):
             path.unlink(missing_ok=True)
+    for path in beside(trace, DUMP_SUFFIX + "*"):
+        path.unlink(missing_ok=True)
 
 
 def beside(trace: Path, suffix: str) -> list[Path]:
@@ -195,10 +253,18 @@ def _stat(pid: int | str) -> tuple[str, str]:
 
 
 # -- in the command's processes ------------------------------------------------------------
-def note_attached(trace: str) -> None:
-    """This process attached to record `trace`'s run: exec may ask it to stop."""
+def note_attached(trace: str, watched: bool = False, path: Path | None = None) -> None:
+    """This process attached to record `trace`'s run (into `path`, a rank's trace, if not
+    `trace`): exec may ask it to stop. `watched` (a step timeout): :data:`DUMP_SIGNAL` makes
+    it write the stacks of its threads beside `path`, from C, even where Python cannot run
+    a handler (a wait inside a C extension that never returns: a collective on the GPU)."""
     with contextlib.suppress(OSError), open(trace + PIDS_SUFFIX, "a") as pids:
         pids.write(f"{os.getpid()} {_stat('self')[1]}\n")
+    if watched and DUMP_SIGNAL is not None:
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            dump = open(f"{path or trace}{DUMP_SUFFIX}{os.getpid()}", "w")  # noqa: SIM115
+            faulthandler.register(DUMP_SIGNAL, file=dump, all_threads=True)
+            _DUMPS.append(dump)  # (faulthandler writes to its descriptor: kept open)
 
 
 def step_ended(path: Path) -> None:

@@ -1,15 +1,15 @@
 """Where in the user's code something happened: the innermost frame outside detaudit, torch
-and the Python installation."""
+and the Python installation (found without importing torch)."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+import re
 import site
 import sysconfig
 from types import FrameType
-
-import torch
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # detaudit/
 # detaudit's code that runs a probe's steps: below it, with no user's frame in between, the
@@ -40,7 +40,7 @@ def in_a_library(filename: str) -> bool:
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
-    dirs = {PACKAGE_DIR, os.path.dirname(torch.__file__), site.getusersitepackages(),
+    dirs = {PACKAGE_DIR, *_torch_dir(), site.getusersitepackages(),
             *getattr(site, "getsitepackages", list)(),  # (Debian's dist-packages)
             *(paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib",
                                        "scripts"))}  # (scripts: a console script's)
@@ -48,27 +48,44 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def stopped_site(frame: FrameType | None) -> str:
-    """Where a thread stopped from outside was: the user's line and, where it was inside a
-    library then, the innermost function it was in there outside detaudit and the standard
-    library (torch's ``_try_get_data``, not the ``selectors.select`` it waits in), else the
-    innermost. Code a library made (``<string>``, from ``eval``) is the library's."""
-    def library(f: FrameType) -> bool:
-        name = f.f_code.co_filename
-        return in_a_library(name) or (name.startswith("<") and f.f_back is not None
-                                      and library(f.f_back))
+    """Where a thread stopped from outside was (see site_of_stack), from its innermost
+    frame."""
+    stack = []
+    while frame is not None:
+        stack.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return site_of_stack(stack)
 
-    user = frame
-    while user is not None and library(user):
-        user = user.f_back
-    site = f"{user.f_code.co_filename}:{user.f_lineno}" if user is not None else ""
-    if frame is None or frame is user:
+
+def dumped_site(dump: str) -> str:
+    """Where the thread a faulthandler dump names first (its current thread, else the
+    first it lists) was (see site_of_stack); "" for a dump with no frame."""
+    blocks = re.split(r"\n(?=\S)", dump.strip())
+    block = next((b for b in blocks if b.startswith("Current thread")), blocks[0])
+    stack = [(name, int(line), function) for name, line, function in
+             re.findall(r'^\s+File "(.*)", line (\d+) in (.*)$', block, re.MULTILINE)]
+    return site_of_stack(stack) if stack else ""
+
+
+def site_of_stack(stack: list[tuple[str, int, str]]) -> str:
+    """Where a stack (file, line, function; innermost first) was: the user's line and,
+    where it was inside a library then, the innermost function it was in there outside
+    detaudit and the standard library (torch's ``_try_get_data``, not the
+    ``selectors.select`` it waits in), else the innermost. Code a library made
+    (``<string>``, from ``eval``) is the library's."""
+    def library(i: int) -> bool:
+        name = stack[i][0]
+        return in_a_library(name) or (name.startswith("<") and i + 1 < len(stack)
+                                      and library(i + 1))
+
+    user = next((i for i in range(len(stack)) if not library(i)), None)
+    site = f"{stack[user][0]}:{stack[user][1]}" if user is not None else ""
+    if not stack or user == 0:
         return site or "an unknown place"
-    inner = frame
-    while inner is not user and _standard_or_ours(inner.f_code.co_filename):
-        inner = inner.f_back
-    inner = frame if inner is user else inner
-    code = inner.f_code
-    where = f"{code.co_name} of {library_path(code.co_filename)}:{inner.f_lineno}"
+    inner = next((i for i in range(user if user is not None else len(stack))
+                  if not _standard_or_ours(stack[i][0])), 0)
+    name, line, function = stack[inner]
+    where = f"{function} of {library_path(name)}:{line}"
     return f"{site}, in {where}" if site else where
 
 
@@ -94,4 +111,13 @@ def library_path(filename: str) -> str:
 
 
 def _packages() -> tuple[str, ...]:
-    return PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__))
+    return PACKAGE_DIR, *_torch_dir()
+
+
+@functools.cache
+def _torch_dir() -> tuple[str, ...]:
+    """Where torch is installed, found without importing it (exec's own process, which
+    reads what its runs wrote, imports none)."""
+    spec = importlib.util.find_spec("torch")
+    origin = spec.origin if spec is not None else None
+    return (os.path.dirname(os.path.abspath(origin)),) if origin else ()
