@@ -338,6 +338,7 @@ EXIT_CALL = "exit_call"  # where the command last called sys.exit, and with what
 CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (compiled code)
 LOADER_IN_A_THREAD = "loader_in_a_thread"  # a DataLoader was iterated outside the loop's thread
 DROPPED_STEPS = "dropped_steps"  # backward passes whose gradients were zeroed unused: no steps
+RECORDED_BY = "recorded_by"  # exec: the pid of the process that recorded a trace
 MODEL_CLASS = "model_class"  # the class of the model a trace recorded (Recorder.model_class)
 SIDE_MODELS = "side_models"  # models a trace recorded that no optimizer trains (an EMA copy)
 # where in the user's code each op recorded outside the model ran ("file:line"; a backward

@@ -1213,8 +1213,9 @@ def test_the_step_timeout_stops_each_rank_under_a_thin_launcher_saying_where_eac
         f"{script}:16, in _engine_run_backward of torch/autograd/graph.py:"), summary
     assert "(the last step it completed: 1)" in summary["headline"]
     stacks = (tmp_path / "run" / "stacks-0.txt").read_text()
-    wheres = sorted(line.split(", stopped at ")[1].rsplit(":", 1)[0]
-                    for line in stacks.splitlines() if line.startswith("process "))
+    wheres = sorted(line.split(", stopped at ")[1].rsplit(":", 1)[0]  # (as each rank said it)
+                    for line in stacks.splitlines()
+                    if line.startswith("process ") and ", stopped at " in line)
     assert wheres == [f"{script}:15, in wait of threading.py",
                       f"{script}:16, in _engine_run_backward of torch/autograd/graph.py"], stacks
 
@@ -1248,17 +1249,22 @@ def test_the_step_timeout_waits_on_steps_and_kills_what_does_not_end_when_asked(
     assert (tmp_path / "attach-1.json.gz.timed-out").exists()  # (the mark the run reads)
 
 
-def test_a_run_stopped_by_the_step_timeout_between_steps_keeps_the_step_it_completed(tmp_path):
+@pytest.mark.parametrize("handler", ["detaudit's", "the script's own"])
+def test_a_run_stopped_by_the_step_timeout_between_steps_keeps_the_step_it_completed(
+        tmp_path, handler):
     """A hang after a step's update, before the next batch (where a loop waits for data), is
-    not in that step: the step is kept, not dropped as the one that failed."""
+    not in that step: the step is kept, not dropped as the one that failed; also where the
+    script's own SIGTERM handler takes the signal (it exits), where the place comes from the
+    stacks the process wrote from C."""
     from detaudit import execution
     from detaudit.config import ExecJob
 
     script = tmp_path / "sleeps.py"
     script.write_text(textwrap.dedent("""\
-        import time
+        import signal, sys, time
         import torch
-
+        if sys.argv[1:] == ["own"]:
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
         model = torch.nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(4):
@@ -1268,12 +1274,15 @@ def test_a_run_stopped_by_the_step_timeout_between_steps_keeps_the_step_it_compl
             if step == 1:
                 time.sleep(120)
     """))
-    result = execution.exec_command([sys.executable, str(script)],
+    own = handler == "the script's own"
+    result = execution.exec_command([sys.executable, str(script), *(["own"] if own else [])],
                                     ExecJob(step_timeout=15.0, repeats=1), out=tmp_path / "run",
                                     output=subprocess.DEVNULL)
     assert result.verdict.exit_code == 3
-    assert (f"no step ended within the --step-timeout (15 s); it was at {script}:11 (the last "
-            "step it completed: 1)") in result.verdict.headline
+    said = ": stopped (SIGTERM); it was at" if own else "; it was at"
+    assert (f"no step ended within the --step-timeout (15 s){said} {script}:12") in (
+        result.verdict.headline)
+    assert "(the last step it completed: 1)" in result.verdict.headline
     assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 2
 
 

@@ -15,7 +15,6 @@ import shlex
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -29,6 +28,7 @@ from ..config import (
     LOADED_FROM_EARLIER_RUNS,
     OWNER_VARIABLE,
     RANK_OWNER_VARIABLE,
+    RECORDED_BY,
     UNJOINED,
     Fault,
     rank_trace_path,
@@ -239,14 +239,16 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
     attachment.install()
     _LINE_ENDS.follow(attachment)
     sys.excepthook = failure_hook(attachment)
-    atexit.register(attachment.finish)
-    attachment._patch(os, "_exit", _exit_saving(attachment))
+    finish = functools.partial(_finish_run, attachment, job["trace"])
+    atexit.register(finish)
+    attachment._patch(os, "_exit", _exit_saving(finish))
     attachment._patch(sys, "exit", _exit_noting_where(attachment))
     if job.get("since_ns") is not None:
         attachment._patch(torch, "load", _loading_noted(
             attachment, torch.load, int(job["since_ns"]), int(job.get("began_ns") or 0)))
     # (exec asks it to stop, and ends it if it will not)
-    note_attached(job["trace"], watched=bool(job.get("step_timeout")), path=Path(path))
+    note_attached(job["trace"], watched=bool(job.get("step_timeout")))
+    attachment.trace.probe[RECORDED_BY] = os.getpid()
     if job.get("step_timeout"):
         attachment.on_step_end = lambda: step_ended(attachment.path)  # (a rank's path, too)
     if (threading.current_thread() is threading.main_thread()  # (torch imported in a thread)
@@ -348,14 +350,16 @@ def _on_terminate(attachment: Attachment, job: dict[str, Any]) -> Callable[..., 
         if handling or attachment.finishing:  # (a second SIGTERM: a launcher's, passed on)
             return
         handling.append(signum)
-        if timed_out(job["trace"]):
-            attachment.end_updated_step()  # (the hang came after it: it is complete)
-            stopped_by_the_timeout(attachment.path, frame, float(job["step_timeout"]),
-                                   attachment.finish)
-        elif attachment.claimed:  # (one that never began a step says nothing, claims none)
-            attachment.finish("interrupted (Ctrl-C or SIGTERM)" if user_call_site(frame)
-                              else None)
-        _end_process(128 + signum)  # (a command ended so has not ended well: see execution)
+        try:
+            if timed_out(job["trace"]):
+                attachment.end_updated_step()  # (the hang came after it: it is complete)
+                stopped_by_the_timeout(attachment.path, frame, float(job["step_timeout"]),
+                                       attachment.finish)
+            elif attachment.claimed:  # (one that never began a step says nothing)
+                attachment.finish("interrupted (Ctrl-C or SIGTERM)" if user_call_site(frame)
+                                  else None)
+        finally:  # (a command ended so has not ended well: see execution)
+            _end_process(128 + signum)
 
     return handler
 
@@ -454,16 +458,25 @@ def _end_process(code: int = 0) -> None:
 _REAL_EXIT = os._exit
 
 
-def _exit_saving(attachment: Attachment) -> Callable[[int], None]:
-    """``os._exit`` that saves the trace first, in the recording process (a script that
-    ends that way, as distributed ones do to avoid a hang at shutdown, skips the exit hook);
-    its forked children (DataLoader workers) exit as they would."""
+def _finish_run(attachment: Attachment, trace: str) -> None:
+    """The run ends (its exit hook, ``os._exit``): the trace saved. Where exec stopped it
+    for its step timeout and a SIGTERM handler of the script's own took the signal, the
+    step whose update ran is kept, as detaudit's handler keeps it."""
+    if timed_out(trace):
+        attachment.end_updated_step()
+    attachment.finish()
+
+
+def _exit_saving(finish: Callable[[], None]) -> Callable[[int], None]:
+    """``os._exit`` that saves the trace first (`finish`), in the recording process (a
+    script that ends that way, as distributed ones do to avoid a hang at shutdown, skips
+    the exit hook); its forked children (DataLoader workers) exit as they would."""
     pid = os.getpid()
 
     def _exit(code: int) -> None:
         if os.getpid() == pid:
             with contextlib.suppress(Exception):
-                attachment.finish()
+                finish()
         _REAL_EXIT(code)
 
     return _exit

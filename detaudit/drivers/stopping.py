@@ -29,7 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import PIDS_SUFFIX, PROGRESS_SUFFIX, STACKS_SUFFIX, TIMED_OUT_SUFFIX
+from ..config import (
+    ENDED,
+    PIDS_SUFFIX,
+    PROGRESS_SUFFIX,
+    RECORDED_BY,
+    STACKS_SUFFIX,
+    TIMED_OUT_SUFFIX,
+)
 from ..record.sites import dumped_site
 from ..trace import Trace
 
@@ -39,6 +46,7 @@ DUMP_WAIT_S = 0.5  # after the dump signal, how long exec gives the processes to
 # real-time one no library claims, where there are such
 DUMP_SIGNAL = signal.SIGRTMAX - 6 if hasattr(signal, "SIGRTMAX") else None
 DUMP_SUFFIX = ".dump-"  # beside a run's trace, then the pid: what DUMP_SIGNAL made it write
+MAIN_THREAD = "main thread"  # (a dump's first line: the id of the thread to read it by)
 _DUMPS: list[Any] = []
 # how a run was stopped for its step timeout: asked and ended, killed, or stopped before any
 # process of it had imported torch (nothing of it could say where it was)
@@ -83,12 +91,24 @@ def wait_watching(child: subprocess.Popen, trace: Path, timeout: float | None,
 def _ask_for_stacks(child: subprocess.Popen, trace: Path) -> None:
     """Each process of a watched run writes its stacks from C (see note_attached), then a
     moment for them to."""
-    asked = [p for p in _attached(trace) if p.ours(child.pid)]
-    for process in asked if DUMP_SIGNAL is not None else ():
+    if DUMP_SIGNAL is None:
+        return
+    asked = [p for p in dict.fromkeys(_attached(trace))
+             if p.ours(child.pid) and _catches(p.pid, DUMP_SIGNAL)]
+    for process in asked:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(process.pid, DUMP_SIGNAL)
     if asked:
         time.sleep(DUMP_WAIT_S)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (/proc's SigCgt mask)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
 
 
 def stop_run(child: subprocess.Popen, trace: Path, grace: float) -> bool:
@@ -116,6 +136,8 @@ def kill_left(child: subprocess.Popen, trace: Path) -> None:
     a session of its own)."""
     for process in _left(trace, child.pid):
         process.kill()
+    for process in _attached(trace):  # (a rank that ended, its stuck DataLoader worker left)
+        process.kill_group()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)
 
@@ -126,27 +148,28 @@ def _left(trace: Path, group: int) -> list[_Process]:
 
 def say_timed_out(recorded: dict[int | None, Trace], how: str, timeout: float,
                   grace: float, stand_ins: dict[int | None, Trace],
-                  wheres: dict[int | None, str]) -> None:
+                  wheres: dict[int, str]) -> None:
     """The failure of a run stopped for its step timeout where its processes could not say
     it (killed, a handler of the script's own that took the signal, a wrapper that passes
     none on), or said another (what the stop made the script raise); where each was, as
-    it wrote it from C (`wheres`, by rank), if it did. A run that recorded nothing is its
-    `stand_ins` (one per rank, as the run before had them)."""
-    said = f"{_SAID} ({timeout:g} s)" + (
-        f", and it did not end within {grace:g} s of being asked to (SIGTERM): killed"
-        if how == KILLED else ", which counts from the start: no process of the command "
-        "had imported torch yet" if how == UNSTARTED
-        else ": stopped (SIGTERM); where it was is not known")
+    its recording process wrote it from C (`wheres`, by pid), if it did. A run that
+    recorded nothing is its `stand_ins` (one per rank, as the run before had them)."""
     if not recorded:
         recorded.update(stand_ins)
-    for rank, trace in recorded.items():
-        known = f"; it was at {wheres[rank]}" if rank in wheres else ""
+    for trace in recorded.values():
+        where = wheres.get(trace.probe.get(RECORDED_BY, -1))
+        killed = how == KILLED and trace.probe.get(ENDED) is False  # (not one that ended)
+        said = f"{_SAID} ({timeout:g} s)" + (
+            f", and it did not end within {grace:g} s of being asked to (SIGTERM): killed"
+            + (", its steps since the last one it saved lost" if trace.steps else "")
+            if killed else ", which counts from the start: no process of the command had "
+            "imported torch yet" if how == UNSTARTED else ": stopped (SIGTERM)"
+            + ("" if where else "; where it was is not known"))
+        said += f"; it was at {where}" if where else ""
         if trace.failure is None:
-            trace.failure = said.replace("; where it was is not known", "") + (
-                ", its steps since the last one it saved lost"
-                if trace.steps and how == KILLED else "") + known
+            trace.failure = said
         elif not trace.failure.startswith(_SAID):
-            trace.failure = f"{said}{known}; as it stopped: {trace.failure}"
+            trace.failure = f"{said}; as it stopped: {trace.failure}"
 
 
 def keep_stacks(trace: Path, name: str) -> Path | None:
@@ -157,7 +180,7 @@ def keep_stacks(trace: Path, name: str) -> Path | None:
     spoke = {int(pid) for text in said
              for pid in re.findall(r"^process (\d+) ", text, re.MULTILINE)}
     dumped = [f"process {pid}, its stacks as it wrote them from C when asked:\n{text}"
-              for pid, text in _dumps(trace) if pid not in spoke and text.strip()]
+              for pid, _, text in _dumps(trace) if pid not in spoke]
     if not said and not dumped:
         return None
     kept = trace.with_name(f"stacks-{name}.txt")
@@ -165,29 +188,24 @@ def keep_stacks(trace: Path, name: str) -> Path | None:
     return kept
 
 
-def dumped_wheres(trace: Path) -> dict[int | None, str]:
-    """Where the processes of a stopped run were, as they wrote it on DUMP_SIGNAL: by rank
-    (None: the run's own trace), the first with a place in the user's code."""
-    wheres: dict[int | None, str] = {}
-    stem = trace.name.removesuffix(".json.gz")
-    for path in sorted(beside(trace, DUMP_SUFFIX + "*")):
-        rank = path.name[len(stem) + 2:].partition(".")[0] if path.name.startswith(
-            f"{stem}-r") else None
-        where = dumped_site(path.read_text(errors="replace"))
-        key = int(rank) if rank is not None and rank.isdigit() else None
-        if where and (key not in wheres or ":" not in wheres[key]):
-            wheres[key] = where
-    return wheres
+def dumped_wheres(trace: Path) -> dict[int, str]:
+    """Where each process of a stopped run was, by pid, as it wrote it on DUMP_SIGNAL."""
+    return {pid: where for pid, main, text in _dumps(trace)
+            if (where := dumped_site(text, main))}
 
 
-def _dumps(trace: Path) -> list[tuple[int, str]]:
-    """What each process of the run wrote on DUMP_SIGNAL: (pid, text)."""
+def _dumps(trace: Path) -> list[tuple[int, int | None, str]]:
+    """What each process of the run wrote on DUMP_SIGNAL: (pid, its main thread's id, the
+    dump), where it wrote any."""
     found = []
     for path in beside(trace, DUMP_SUFFIX + "*"):
         pid = path.name.rpartition(DUMP_SUFFIX)[2]
-        if pid.isdigit():
-            with contextlib.suppress(OSError):
-                found.append((int(pid), path.read_text(errors="replace")))
+        with contextlib.suppress(OSError, ValueError):
+            head, _, text = path.read_text(errors="replace").partition("\n")
+            main = int(head.removeprefix(MAIN_THREAD), 16) if head.startswith(MAIN_THREAD) \
+                else None
+            if pid.isdigit() and text.strip():
+                found.append((int(pid), main, text))
     return sorted(found)
 
 
@@ -233,6 +251,19 @@ class _Process:
                 os.killpg(self.pid, signal.SIGKILL)
             os.kill(self.pid, signal.SIGKILL)
 
+    def kill_group(self) -> None:
+        """What is left of the process group it led, if it did, ended or not: the members
+        /proc shows in that group that started after it (not a group of a pid used again)."""
+        if not self.started:
+            return
+        for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == self.pid and int(fields[19]) >= int(self.started):
+                    os.kill(int(entry.name), signal.SIGKILL)
+
 
 def _attached(trace: Path) -> list[_Process]:
     with contextlib.suppress(OSError):
@@ -253,18 +284,22 @@ def _stat(pid: int | str) -> tuple[str, str]:
 
 
 # -- in the command's processes ------------------------------------------------------------
-def note_attached(trace: str, watched: bool = False, path: Path | None = None) -> None:
-    """This process attached to record `trace`'s run (into `path`, a rank's trace, if not
-    `trace`): exec may ask it to stop. `watched` (a step timeout): :data:`DUMP_SIGNAL` makes
-    it write the stacks of its threads beside `path`, from C, even where Python cannot run
-    a handler (a wait inside a C extension that never returns: a collective on the GPU)."""
-    with contextlib.suppress(OSError), open(trace + PIDS_SUFFIX, "a") as pids:
-        pids.write(f"{os.getpid()} {_stat('self')[1]}\n")
+def note_attached(trace: str, watched: bool = False) -> None:
+    """This process attached to record `trace`'s run: exec may ask it to stop. `watched`
+    (a step timeout): :data:`DUMP_SIGNAL` makes it write the stacks of its threads beside
+    the trace, from C, even where Python cannot run a handler (a wait inside a C extension
+    that never returns: a collective on the GPU), headed by its main thread's id. Set up
+    before the process is noted: exec sends that signal only to a noted process that
+    catches it (its default action ends a process)."""
     if watched and DUMP_SIGNAL is not None:
         with contextlib.suppress(OSError, ValueError, RuntimeError):
-            dump = open(f"{path or trace}{DUMP_SUFFIX}{os.getpid()}", "w")  # noqa: SIM115
+            dump = open(f"{trace}{DUMP_SUFFIX}{os.getpid()}", "w")  # noqa: SIM115 (kept open)
+            dump.write(f"{MAIN_THREAD} {threading.main_thread().ident:#x}\n")
+            dump.flush()
             faulthandler.register(DUMP_SIGNAL, file=dump, all_threads=True)
             _DUMPS.append(dump)  # (faulthandler writes to its descriptor: kept open)
+    with contextlib.suppress(OSError), open(trace + PIDS_SUFFIX, "a") as pids:
+        pids.write(f"{os.getpid()} {_stat('self')[1]}\n")
 
 
 def step_ended(path: Path) -> None:

@@ -57,13 +57,17 @@ def stopped_site(frame: FrameType | None) -> str:
     return site_of_stack(stack)
 
 
-def dumped_site(dump: str) -> str:
-    """Where the thread a faulthandler dump names first (its current thread, else the
-    first it lists) was (see site_of_stack); "" for a dump with no frame."""
+def dumped_site(dump: str, main: int | None = None) -> str:
+    """Where a faulthandler dump's thread `main` (by its id), else its current thread, else
+    the last it lists (the oldest: the main thread, where the others started from it) was
+    (see site_of_stack); "" for a dump with no frame."""
     blocks = re.split(r"\n(?=\S)", dump.strip())
-    block = next((b for b in blocks if b.startswith("Current thread")), blocks[0])
-    stack = [(name, int(line), function) for name, line, function in
-             re.findall(r'^\s+File "(.*)", line (\d+) in (.*)$', block, re.MULTILINE)]
+    ids = [int(m.group(1), 16) if (m := re.match(r"(?:Current thread|Thread) (0x[0-9a-f]+)",
+                                                  b)) else None for b in blocks]
+    block = (blocks[ids.index(main)] if main is not None and main in ids else
+             next((b for b in blocks if b.startswith("Current thread")), blocks[-1]))
+    stack = [(name, int(line) if line.isdigit() else 0, function) for name, line, function in
+             re.findall(r'^\s+File "(.*)", line (\d+|\?\?\?) in (.*)$', block, re.MULTILINE)]
     return site_of_stack(stack) if stack else ""
 
 
