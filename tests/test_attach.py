@@ -1284,6 +1284,13 @@ def test_a_run_stopped_by_the_step_timeout_between_steps_keeps_the_step_it_compl
         result.verdict.headline)
     assert "(the last step it completed: 1)" in result.verdict.headline
     assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 2
+    stacks = (tmp_path / "run" / "stacks-0.txt").read_text()
+    if own:  # (as a process stuck in C code would: the stacks it wrote from C)
+        assert "its stacks as it wrote them from C when asked:" in stacks
+        assert f'File "{script}", line 12 in <module>' in stacks
+    else:
+        assert f'File "{script}", line 12, in <module>' in stacks
+    assert not list((tmp_path / "run").glob("*.dump-*"))
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
@@ -1368,41 +1375,6 @@ def test_a_run_killed_for_its_step_timeout_before_recording_anything_fails(
         "step completed); repeat 1 was not run (no step to compare); only 1 repeat was "
         "recorded (0 steps), so nothing could be compared")
     assert (tmp_path / "run" / "report.html").exists()
-
-
-def test_a_run_stuck_where_python_cannot_stop_it_says_where_from_c(tmp_path, monkeypatch):
-    """A process whose SIGTERM handler never runs (a wait inside a C extension; here, a
-    script that ignores SIGTERM) is killed: before that it writes its stacks from C on
-    exec's signal, and the verdict says where it was from them."""
-    from detaudit import execution
-    from detaudit.config import ExecJob
-
-    monkeypatch.setattr(execution, "STOP_GRACE_S", 1.0)
-    script = tmp_path / "stuck.py"
-    script.write_text(textwrap.dedent("""\
-        import signal, threading
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        import torch
-
-        model = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(3):
-            model(torch.ones(2, 4)).sum().backward()
-            opt.step()
-            if step == 1:
-                threading.Event().wait()
-    """))
-    result = execution.exec_command([sys.executable, str(script)],
-                                    ExecJob(step_timeout=15.0, repeats=1),
-                                    out=tmp_path / "run", output=subprocess.DEVNULL)
-    assert result.verdict.exit_code == 3
-    assert ("no step ended within the --step-timeout (15 s), and it did not end within 1 s of "
-            "being asked to (SIGTERM): killed, its steps since the last one it saved lost; it "
-            f"was at {script}:11, in wait of threading.py:") in result.verdict.headline
-    stacks = (tmp_path / "run" / "stacks-0.txt").read_text()
-    assert "its stacks as it wrote them from C when asked:" in stacks
-    assert f'File "{script}", line 11 in <module>' in stacks
-    assert not list((tmp_path / "run").glob("*.dump-*"))
 
 
 def test_the_step_limit_runs_the_scripts_exit_hooks(tmp_path):
