@@ -4,12 +4,14 @@ no step ends in time, saying where it was.
 Every process of the run that attaches notes itself beside the run's trace (PIDS_SUFFIX):
 exec asks each to stop, and kills what is left, torchrun's ranks in sessions of their own
 too (:func:`stop_run`, :func:`kill_left`). With a step timeout the recording process (each
-rank's) touches a file as each step ends (PROGRESS_SUFFIX). exec watches when those files change (:func:`wait_watching`); when no step
-has ended for the timeout it leaves a mark (TIMED_OUT_SUFFIX) and asks the command and each
-noted process to stop (SIGTERM). A process that finds the mark as the signal comes keeps the
-step it had completed, writes where its threads were (STACKS_SUFFIX) and saves its trace
-with the failure (:func:`stopped_by_the_timeout`); what has not ended after the grace time
-is killed, and the failure is said for it (:func:`say_timed_out`).
+rank's) touches a file as each step ends (PROGRESS_SUFFIX), and exec watches when those
+files change (:func:`wait_watching`). When no step has ended for the timeout, it leaves a
+mark (TIMED_OUT_SUFFIX), has each noted process write its stacks from C (DUMP_SIGNAL, which
+works where Python cannot run a handler), then asks the command and each noted process to
+stop (SIGTERM). A process that finds the mark as the signal comes keeps the step it had
+completed, writes where its threads were (STACKS_SUFFIX) and saves its trace with the
+failure (:func:`stopped_by_the_timeout`); what has not ended after the grace time is
+killed, and the failure is said for it (:func:`say_timed_out`).
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ def _dumps(trace: Path) -> list[tuple[int, int | None, str]]:
 
 
 def clear_files(trace: Path) -> None:
-    """The step timeout's files of one run."""
+    """What stopping keeps beside a run's trace (and its ranks'), once the run is over."""
     for suffix in (PROGRESS_SUFFIX, PIDS_SUFFIX, TIMED_OUT_SUFFIX, STACKS_SUFFIX):
         for path in beside(trace, suffix):
             path.unlink(missing_ok=True)
