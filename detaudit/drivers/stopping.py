@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -160,6 +159,11 @@ def say_timed_out(recorded: dict[int | None, Trace], how: str, timeout: float,
         recorded.update(stand_ins)
     for trace in recorded.values():
         where = wheres.get(trace.probe.get(RECORDED_BY, -1))
+        if where and trace.failure is not None and trace.failure.startswith(_SAID):
+            # where it said it was as SIGTERM came, the other processes ending (a rank
+            # whose peer ended moves on): where its stacks from C put it, before that
+            trace.failure = f"{_SAID} ({timeout:g} s); it was at {where}"
+            continue
         killed = how == KILLED and trace.probe.get(ENDED) is False  # (not one that ended)
         said = f"{_SAID} ({timeout:g} s)" + (
             f", and it did not end within {grace:g} s of being asked to (SIGTERM): killed"
@@ -176,13 +180,11 @@ def say_timed_out(recorded: dict[int | None, Trace], how: str, timeout: float,
 
 def keep_stacks(trace: Path, name: str) -> Path | None:
     """The stacks the processes of a stopped run wrote, as one file in the run folder
-    (``stacks-<name>.txt``), if any did: as each said where it was; for one that could not
-    (killed), as it wrote them from C when exec asked (innermost call first)."""
+    (``stacks-<name>.txt``), if any did: as each said where it was when asked to stop, and
+    as each wrote them from C just before (innermost call first)."""
     said = [p.read_text(errors="replace") for p in sorted(beside(trace, STACKS_SUFFIX))]
-    spoke = {int(pid) for text in said
-             for pid in re.findall(r"^process (\d+) ", text, re.MULTILINE)}
-    dumped = [f"process {pid}, its stacks as it wrote them from C when asked:\n{text}"
-              for pid, _, text in _dumps(trace) if pid not in spoke]
+    dumped = [f"process {pid}, its stacks as it wrote them from C when the time ran out, "
+              f"before it was asked to stop:\n{text}" for pid, _, text in _dumps(trace)]
     if not said and not dumped:
         return None
     kept = trace.with_name(f"stacks-{name}.txt")
