@@ -504,9 +504,10 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     clear_files(path)
     recorded = _recorded(path)
     if timed_out:  # (a run that recorded nothing stands as the run before it: its ranks)
-        say_timed_out(recorded, timed_out, job.step_timeout, STOP_GRACE_S, {
+        stand_ins = {} if recorded else {
             rank: Trace(probe={**(like[rank].probe if like else probe), ENDED: True},
-                        repeat=repeat, env={}) for rank in (like or {None: None})}, wheres)
+                        repeat=repeat, env={}) for rank in (like or {None: None})}
+        say_timed_out(recorded, timed_out, job.step_timeout, STOP_GRACE_S, stand_ins, wheres)
     if None not in recorded and recorded and path.exists() and open_trace(path).steps:
         raise DetauditError(
             f"repeat {repeat} recorded ranks ({', '.join(map(str, sorted(recorded)))}) and a "

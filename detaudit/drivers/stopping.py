@@ -94,8 +94,7 @@ def _ask_for_stacks(child: subprocess.Popen, trace: Path) -> None:
     moment for them to."""
     if DUMP_SIGNAL is None:
         return
-    asked = [p for p in dict.fromkeys(_attached(trace))
-             if p.ours(child.pid) and _catches(p.pid, DUMP_SIGNAL)]
+    asked = [p for p in dict.fromkeys(_left(trace, child.pid)) if _catches(p.pid, DUMP_SIGNAL)]
     for process in asked:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(process.pid, DUMP_SIGNAL)
@@ -117,8 +116,7 @@ def stop_run(child: subprocess.Popen, trace: Path, grace: float) -> bool:
     what it recorded, then ends; not their DataLoader workers, whose end the loop would
     report as a crash) and wait up to `grace` seconds for them; whatever has not ended then
     is killed. Whether all ended when asked."""
-    asked = [p for p in _attached(trace) if p.ours(child.pid)]
-    for pid in dict.fromkeys([child.pid, *(p.pid for p in asked)]):
+    for pid in dict.fromkeys([child.pid, *(p.pid for p in _left(trace, child.pid))]):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
     # a thin launcher may end at once, its ranks (in sessions of their own under torchrun)
@@ -144,6 +142,7 @@ def kill_left(child: subprocess.Popen, trace: Path) -> None:
 
 
 def _left(trace: Path, group: int) -> list[_Process]:
+    """The processes of the run that attached and still run (see _Process.ours)."""
     return [p for p in _attached(trace) if p.ours(group)]
 
 

@@ -96,12 +96,17 @@ def site_of_stack(stack: list[tuple[str, int, str]]) -> str:
 def _standard_or_ours(filename: str) -> bool:
     """Whether `filename` is the standard library's or detaudit's."""
     path = os.path.abspath(filename)
-    paths = sysconfig.get_paths()
+    standard, installed = _standard_dirs()
     return filename.startswith("<") or path.startswith(os.path.join(PACKAGE_DIR, "")) or (
-        any(path.startswith(os.path.join(os.path.abspath(paths[name]), ""))
-            for name in ("stdlib", "platstdlib"))
-        and not any(path.startswith(os.path.join(os.path.abspath(paths[name]), ""))
-                    for name in ("purelib", "platlib")))
+        path.startswith(standard) and not path.startswith(installed))
+
+
+@functools.cache
+def _standard_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The standard library's folders, and the installed packages' (which may lie in it)."""
+    paths = sysconfig.get_paths()
+    return tuple(tuple(os.path.join(os.path.abspath(paths[name]), "") for name in names)
+                 for names in (("stdlib", "platstdlib"), ("purelib", "platlib")))
 
 
 def library_path(filename: str) -> str:
