@@ -389,9 +389,21 @@ def written_by_an_earlier_run(path: str | os.PathLike, since_ns: int, began_ns: 
 
 
 def kept_path(trace: str | Path) -> Path:
-    """Where the op outputs a zoom replay of a command kept lie, beside its trace (see
-    OpRecorder.kept)."""
+    """Where the op outputs the first run's zoom replay of a command kept lie, beside its
+    trace, for the later runs' replays to measure theirs against (see OpRecorder.kept)."""
     return Path(f"{trace}.kept.pt")
+
+
+def measured_path(trace: str | Path) -> Path:
+    """Where a later run's zoom replay of a command writes how far the op outputs it kept
+    are from the first run's (see record.difference.differences_from), beside its trace: the
+    audit reads it without torch."""
+    return Path(f"{trace}.measured.json")
+
+
+def zoom_outputs(trace: str | Path) -> tuple[Path, Path]:
+    """What a zoom replay of a command may leave beside its trace for the audit."""
+    return kept_path(trace), measured_path(trace)
 
 
 def rank_trace_path(path: str | Path, rank: int) -> Path:

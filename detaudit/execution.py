@@ -54,9 +54,10 @@ from .config import (
     Fault,
     ProbeSpec,
     fault_not_fired,
-    kept_path,
+    measured_path,
     rank_trace_path,
     written_by_an_earlier_run,
+    zoom_outputs,
 )
 from .drivers.stopping import (
     clear_files,
@@ -279,8 +280,8 @@ def _keep_partial(folder: RunFolder, repeat: int) -> None:
     a zoom's replay is dropped (its step is the scan's, which the folder keeps)."""
     if folder.info.state.startswith("investigating"):
         for path in folder.path.glob(_attach_name("*")):
-            path.unlink(missing_ok=True)
-            kept_path(path).unlink(missing_ok=True)
+            for left in (path, *zoom_outputs(path)):
+                left.unlink(missing_ok=True)
         return
     for rank, trace in _recorded(folder.path / _attach_name(repeat)).items():
         trace.failure = trace.failure or INTERRUPTED
@@ -311,25 +312,24 @@ def _clear_stepless(path: Path) -> None:
 
 
 def _clear_attached(folder: Path, repeat: int) -> None:
-    """The command's own trace files of one run (and the op outputs a zoom replay kept),
-    once the folder holds them."""
+    """The command's own trace files of one run (and what a zoom replay left beside them
+    for the audit), once the folder holds them."""
     stem = _attach_name(repeat).removesuffix(".json.gz")
     for path in [folder / _attach_name(repeat), *folder.glob(f"{stem}-r*.json.gz")]:
-        path.unlink(missing_ok=True)
-        kept_path(path).unlink(missing_ok=True)
+        for left in (path, *zoom_outputs(path)):
+            left.unlink(missing_ok=True)
 
 
-def _kept_outputs(folder: Path, repeat: int, rank: int | None
-                  ) -> dict[tuple[str, str, int, str], list[Any]]:
-    """The op outputs one zoom replay kept (of `rank`'s process; see kept_path): {} where
-    it kept none, or they cannot be read."""
-    import torch
-
+def _measured(folder: Path, repeat: int, rank: int | None
+              ) -> dict[tuple[str, str, int, str], dict[str, Any] | None]:
+    """How far the op outputs one zoom replay kept (of `rank`'s process) are from the first
+    run's, by op key (see measured_path): {} for the first run, or where they cannot be
+    read."""
     trace = folder.absolute() / _attach_name(repeat)
-    path = kept_path(trace if rank is None else rank_trace_path(trace, rank))
+    path = measured_path(trace if rank is None else rank_trace_path(trace, rank))
     try:
-        return torch.load(path, weights_only=True) if path.exists() else {}
-    except Exception:  # noqa: BLE001 -- a measurement forgone, not the verdict's
+        return {tuple(key): found for key, found in json.loads(path.read_text())}
+    except (OSError, ValueError, TypeError):  # a measurement forgone, not the verdict's
         return {}
 
 
@@ -345,11 +345,11 @@ def _zoom_command(
     the zoomed comparison, the rank it details (of `ranks`, the one where the replayed step
     parts furthest upstream, see _furthest_upstream; `rank` if none sooner) and the ranks
     that received the difference from it."""
-    from .investigate.drilldown import drill_down
+    from .investigate.drilldown import Measured, drill_down
     from .investigate.zoom import zoom_by_replay
 
     zoomed_rank: tuple[int | None, list[int]] = (rank, [])
-    kept: list[dict[tuple[str, str, int, str], list[Any]]] = []  # per run: see kept_path
+    measured: Measured = []  # per run: see measured_path
 
     def replay(step: int) -> list[AnyTrace]:
         # a fault planted after the step (a real divergence came first) is not reached
@@ -367,7 +367,7 @@ def _zoom_command(
         if ranks is not None and rank is not None:
             zoomed_rank = _furthest_upstream(runs, step, ranks, rank, comparison.idle_rng)
         replayed = _of_rank(runs, zoomed_rank[0])
-        kept[:] = [_kept_outputs(folder.path, r, zoomed_rank[0]) for r in range(job.repeats)]
+        measured[:] = [_measured(folder.path, r, zoomed_rank[0]) for r in range(job.repeats)]
         for trace in replayed:
             folder.add_zoom_trace(trace)  # moved out of the command's own files, cleared next
         for r in range(job.repeats):
@@ -376,7 +376,7 @@ def _zoom_command(
 
     def drill(zoomed: Comparison, traces: list[Trace]) -> dict[str, Any] | None:
         return drill_down(None, replace(config, granularity="module"), zoomed, spec, traces,
-                          kept=kept if len(kept) == len(traces) else None)
+                          measured=measured if len(measured) == len(traces) else None)
 
     found, traces = zoom_by_replay(comparison, replay, drill, job.zoom_tries)
     if not traces:  # intermittent: the replays kept nothing to list
@@ -470,6 +470,9 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         # a zoom replay keeps the outputs of the planted op (and of risky ops), to measure
         "keep_planted": asdict(job.fault) if job.fault is not None and zoom is not None
         else None,
+        # ... and measures them against the first run's replay's (see measured_path)
+        "measure_against": str(folder.absolute() / _attach_name(0))
+        if zoom is not None and repeat > 0 else None,
     })
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP), env.get("PYTHONPATH")]))
     if job.seed is not None:
@@ -478,8 +481,9 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     _clear_stepless(path)  # (what a killed audit left in the folder)
     clear_files(path)
     stem = _attach_name(repeat).removesuffix(".json.gz")
-    for kept in [kept_path(path), *folder.glob(kept_path(f"{stem}-r*.json.gz").name)]:
-        kept.unlink(missing_ok=True)  # (the same: never paired with this run's trace)
+    for left in [*zoom_outputs(path), *(found for kept in zoom_outputs(f"{stem}-r*.json.gz")
+                                         for found in folder.glob(kept.name))]:
+        left.unlink(missing_ok=True)  # (the same: never paired with this run's trace)
     started = time.perf_counter()
     try:
         if isinstance(stdin, _Rewound):

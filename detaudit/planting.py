@@ -21,7 +21,7 @@ from .config import (
     scripted_fault,
 )
 from .errors import FaultRefused
-from .trace import FORWARD, STATE, AnyTrace
+from .trace import BACKWARD, FORWARD, STATE, AnyTrace
 
 # why a fault at step 0 may find no module: models other than the first are named later
 KNOWN_LATER = ("at step 0 only the model the first update trains is known before it runs; "
@@ -102,3 +102,28 @@ def check_side_fault(fault: Fault, sides: list[str]) -> None:
         f"--inject-fault: {where} a model the loop calls apart (no optimizer trains it), recorded by its calls' inputs and output: plant at its output "
         f"(--inject-fault {side}@forward:{fault.step}) or at an op in it "
         f"({side}/OP@forward:{fault.step})")
+
+
+def backward_name(op: str) -> str:
+    """The name of the backward op of a custom forward op: torchvision.roi_align ->
+    torchvision._roi_align_backward."""
+    namespace, _, base = op.rpartition(".")
+    return f"{namespace}._{base}_backward"
+
+
+def op_matches(pattern: str, op: str, phase: str) -> bool:
+    """`op` is `pattern`, or (in backward) `pattern`'s own backward op, named the
+    torchvision way (``_roi_align_backward``) or the aten way (``convolution_backward``). A
+    pattern without a namespace (``addmm``) names the op in any namespace."""
+    if "." in pattern:
+        backward = (backward_name(pattern), f"{pattern}_backward")
+    else:
+        op, backward = op.rpartition(".")[2], (f"_{pattern}_backward", f"{pattern}_backward")
+    return op == pattern or (phase == BACKWARD and op in backward)
+
+
+def plants_at(fault: Fault | None, step: int, module: str, phase: str, op: str) -> bool:
+    """Whether `op`, run in `module` in `phase` at `step`, is the op the op-level `fault`
+    changes (in whichever run plants it)."""
+    return (fault is not None and bool(fault.op) and fault.step == step and fault.phase == phase
+            and fault.module in (ANY_MODULE, module) and op_matches(fault.op, op, phase))

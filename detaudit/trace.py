@@ -276,6 +276,12 @@ def state_name(module: str, slot: str) -> str:
     return f"{module}.{slot.split('.', 1)[-1]}".lstrip(".")
 
 
+def within(name: str, module: str) -> bool:
+    """Whether the module (or parameter owner) named `name` is `module` or inside it ("" is
+    the model: everything is inside it)."""
+    return not module or name == module or name.startswith(f"{module}.")
+
+
 def open_trace(path: str | Path) -> AnyTrace:
     """A trace to analyse: a streamed one (however long its run) as a :class:`TraceFile`,
     read a step at a time; one saved whole, loaded whole."""

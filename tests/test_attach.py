@@ -62,6 +62,11 @@ def _exec(tmp_path, *options, script_args=(), script=SCRIPT, env=None):
                    sys.executable, str(script), *script_args, env=env)
 
 
+# exec's own process, with `import torch` failing in it (not in the command it runs)
+WITHOUT_TORCH = ("import sys\nsys.modules['torch'] = sys.modules['torchvision'] = None\n"
+                 "from detaudit.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+
+
 # -- exec ------------------------------------------------------------------------------------
 def test_exec_of_a_seeded_script_is_deterministic_with_steps_and_epochs_as_the_script_runs(tmp_path):
     # DataLoader workers started by spawn run the bootstrap again: they must neither record
@@ -135,20 +140,27 @@ def test_a_fault_in_the_backward_of_a_layer_whose_weight_is_tied_names_that_laye
     """nanoGPT ties its embedding's weight to its output layer's: the weight is recorded
     under its first name (classes.weight here), and a fault planted in the output layer's
     weight-gradient op was headlined at the embedding. The op names the layer. (Also what
-    any planted op fault shows under exec: the op named, its difference measured.)"""
+    any planted op fault shows under exec: the op named, its difference measured; and that
+    exec's own process, scan, zoom and measure, runs without torch.)"""
     fault = "head/aten.mm@backward:1"
-    done = _exec(tmp_path, "--seed", "0", "--max-steps", "3", "--json", "--inject-fault", fault,
-                 script_args=("--tied", "--workers", "0", "--accumulate", "1"))
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH, "exec", "--out", str(tmp_path / "run"), "--quiet",
+         "--seed", "0", "--max-steps", "3", "--json", "--inject-fault", fault, "--",
+         sys.executable, str(SCRIPT), "--tied", "--workers", "0", "--accumulate", "1"],
+        capture_output=True, text=True, timeout=600, check=False,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"})
     run = _planted_and_zoomed(tmp_path, done, fault)
     origin = run["extra"]["ops"]["ops"][0]
     assert (origin["op"], origin["module"], origin["role"]) == ("aten.mm", "head", "origin")
-    # the zoom's replays kept the planted op's outputs: its 1 ULP is measured (it was not,
-    # for a command's runs, which are not rebuilt to capture it), and the kept files gone
+    # the zoom's replays kept the planted op's outputs: its 1 ULP is measured by the later
+    # replay against the first's (it was not, for a command's runs, which are not rebuilt to
+    # capture it), and what they left for the audit is gone
     assert (origin["elements"], origin["max_ulp"]) == (1, 1)
     report = (tmp_path / "run" / "report.md").read_text()
     assert "| elements differing |" in report
     assert "not for a command's runs" not in report
-    assert not list((tmp_path / "run").glob("*.kept.pt"))
+    assert not [p.name for p in (tmp_path / "run").iterdir()
+                if p.name.endswith((".kept.pt", ".measured.json"))]
     summary = json.loads(done.stdout)
     first = summary["first_divergence"]
     assert (first["module"], first["phase"], first["step"], first["slots"]) == (

@@ -35,8 +35,9 @@ TORCH_FREE = [
     "detaudit.report.summary", "detaudit.report.console", "detaudit.report.markdown",
     "detaudit.report.html", "detaudit.report.github", "detaudit.report.svg",
     "detaudit.report.junit", "detaudit.analysis.knowledge", "detaudit.api", "detaudit.cli",
-    # exec's own process: it starts the command and compares what it recorded
-    "detaudit.execution", "detaudit.drivers.stopping",
+    # exec's own process: it starts the command, compares what it recorded and zooms
+    "detaudit.execution", "detaudit.drivers.stopping", "detaudit.investigate.zoom",
+    "detaudit.investigate.drilldown",
 ]
 
 

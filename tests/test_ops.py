@@ -21,9 +21,9 @@ from detaudit.analysis.knowledge import KNOWN, lookup
 from detaudit.analysis.risks import risks
 from detaudit.config import ANY_MODULE
 from detaudit.errors import DetauditError
+from detaudit.planting import op_matches
 from detaudit.record.difference import tensor_difference
 from detaudit.record.environment import capture_environment
-from detaudit.record.oprecorder import op_matches
 from detaudit.trace import OP_PHASES
 
 # under pytest-xdist (conftest): the race tests take two_threads, which runs them alone

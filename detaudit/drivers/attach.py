@@ -26,6 +26,7 @@ update), :mod:`.attach_epochs` (the DataLoader batches and epochs) and :mod:`.at
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import sys
 import threading
@@ -63,9 +64,11 @@ from ..config import (
     TRAIN,
     Fault,
     kept_path,
+    measured_path,
 )
 from ..errors import DetauditError
 from ..planting import fault_target
+from ..record.difference import differences_from
 from ..record.environment import capture_environment
 from ..record.fingerprint import TensorPrint, storages_of
 from ..record.oprecorder import OpRecorder
@@ -80,6 +83,7 @@ from ..record.recorder import (
 from ..record.sites import user_call_site
 from ..record.stress import StressMode
 from ..record.structure import iter_leaves, iter_tensors
+from ..storage import atomic_write
 from ..trace import (
     OUTPUT,
     PROBE_CONFIG,
@@ -98,16 +102,26 @@ from .rankprobe import RankWatch
 from .runner import loss_copy, store_records
 
 
-def _save_kept(kept: dict[Any, list[torch.Tensor]], path: Path) -> None:
-    """Write the op outputs a zoomed step kept for the audit to measure (or remove an older
-    file where it kept none); a failure to is a measurement forgone, never the step's."""
+def _keep_or_measure(kept: dict[Any, list[torch.Tensor]], trace: Path,
+                     reference: Path | None) -> None:
+    """The op outputs a zoomed step kept: the first run's replay writes them for the later
+    runs' (see kept_path); a later one, given them as `reference`, writes how far its own are
+    from them (see measured_path), which the audit reads without torch. A failure to is a
+    measurement forgone, never the step's."""
     try:
-        if not kept:
-            path.unlink(missing_ok=True)
+        if reference is None:
+            path = kept_path(trace)
+            if not kept:
+                path.unlink(missing_ok=True)
+                return
+            part = path.with_name(path.name + ".part")
+            torch.save(kept, part)
+            part.replace(path)
             return
-        part = path.with_name(path.name + ".part")
-        torch.save(kept, part)
-        part.replace(path)
+        found = differences_from(torch.load(reference, weights_only=True), kept) if (
+            kept and reference.exists()) else {}
+        # (Python's JSON, not strict JSON: a difference may be infinite)
+        atomic_write(measured_path(trace), json.dumps([[list(k), v] for k, v in found.items()]))
     except Exception:  # noqa: BLE001 -- see above
         return
 
@@ -133,11 +147,12 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         planted_step: int | None = None, mode: str = AUTO,
         claim: Callable[[], bool] | None = None, stress: int = 0,
         stress_every_op: bool = False, check_fault: Fault | None = None,
-        keep_planted: Fault | None = None,
+        keep_planted: Fault | None = None, measure_against: Path | None = None,
     ) -> None:
         """`claim`, where other processes may record the same trace: asked as the first step
         begins whether this process records it; where not, it records nothing and detaches
-        (see attach_process._first_to_claim)."""
+        (see attach_process._first_to_claim). `measure_against`: the op outputs the first
+        run's zoom replay kept, which this one's are measured against (see _keep_or_measure)."""
         if mode not in ATTACH_MODES:
             raise ValueError(f"mode must be one of {', '.join(ATTACH_MODES)}, not {mode!r}")
         self.path = Path(path)
@@ -163,7 +178,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.check_fault = check_fault
         # the fault a run of the audit plants: the zoomed step keeps its op's outputs (and
         # those of risky ops) beside the trace, for the audit to measure (see kept_path)
-        self.keep_planted = keep_planted
+        self.keep_planted, self.measure_against = keep_planted, measure_against
         self._stress: StressMode | None = None
         self._init_side_calls()
         self._loop_thread = threading.get_ident()  # the first step's (see _no_call_of_the_loop)
@@ -683,7 +698,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             if self.recorder is not None and self.recorder.op_sites:
                 self.trace.probe[OP_SITES] = dict(self.recorder.op_sites)
             if ops.record:  # (the zoomed step)
-                _save_kept(ops.kept, kept_path(self.path))
+                _keep_or_measure(ops.kept, self.path, self.measure_against)
         if self._stress is not None:
             stress, self._stress = self._stress, None
             stress.__exit__(None, None, None)

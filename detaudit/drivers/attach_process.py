@@ -31,6 +31,7 @@ from ..config import (
     RECORDED_BY,
     UNJOINED,
     Fault,
+    kept_path,
     rank_trace_path,
     written_by_an_earlier_run,
 )
@@ -222,6 +223,9 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
         _seed_torch(job)
     fault = Fault(**job["fault"]) if job.get("fault") else None
     path = job["trace"] if rank is None else rank_trace_path(job["trace"], rank.rank)
+    against = job.get("measure_against")  # (the first run's zoom replay's trace)
+    if against and rank is not None:
+        against = rank_trace_path(against, rank.rank)
     if rank is not None:
         rank.wrapped_by = "script"  # the user's code builds its DDP model
     attachment = Attachment(path, job["probe"], int(job.get("repeat", 0)),
@@ -234,7 +238,8 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
                             check_fault=Fault(**job["check_fault"]) if rank is None
                             and job.get("check_fault") else None,
                             keep_planted=Fault(**job["keep_planted"])
-                            if job.get("keep_planted") else None)
+                            if job.get("keep_planted") else None,
+                            measure_against=kept_path(against) if against else None)
     attachment.on_limit = functools.partial(_end_at_the_limit, attachment)
     attachment.install()
     _LINE_ENDS.follow(attachment)

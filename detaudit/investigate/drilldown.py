@@ -6,25 +6,32 @@ that step only, finds the first op whose inputs agree and whose outputs do not, 
 measures the difference of that op's outputs: elements differing, max |a - b|, max ULP
 distance, relative error -- from the copies the replays kept (a risky op's, a planted
 one's), or else by replaying two repeats once more to capture just that op's outputs.
+
+It imports torch only to replay a probe: `exec`'s own process drills into its command's
+replays, whose processes measured what they kept, without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..analysis.causes import BUILT_APART
 from ..analysis.compare import ORIGIN, Comparison, OpFinding, compare, compare_ops
 from ..analysis.knowledge import lookup
 from ..analysis.stress import stressed_ops
 from ..config import AuditConfig, Fault, ProbeSpec
-from ..drivers.runner import OpPlan, ProbeFactory, run_repeat
-from ..record.difference import identical, tensor_difference
-from ..record.oprecorder import plants_at
-from ..record.structure import within
-from ..trace import OP_PHASES, Trace
+from ..planting import plants_at
+from ..trace import OP_PHASES, Trace, within
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..drivers.runner import ProbeFactory
+
+# per repeat, how far the op outputs its replay kept are from the first repeat's, by op key
+# (phase, module, call, op): see record.difference.differences_from (the first repeat's: {})
+Measured = list[dict[tuple[str, str, int, str], dict[str, Any] | None]]
 
 MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
 
@@ -32,31 +39,33 @@ MAX_OPS_REPORTED = 20  # the origin ops first, then the first propagated ones
 def drill_down(
     factory: ProbeFactory | None, config: AuditConfig, comparison: Comparison,
     spec: ProbeSpec | None = None, traces: list[Trace] | None = None,
-    host_draws: set[tuple[str, int]] | None = None,
-    kept: list[dict[tuple[str, str, int, str], list[torch.Tensor]]] | None = None,
+    host_draws: set[tuple[str, int]] | None = None, measured: Measured | None = None,
 ) -> dict[str, Any] | None:
     """Plain data for the report: the differing ops of the first divergent step, the
     measured difference of the first origin op, and what is known about it. `traces`
     that already hold op-level records (``granularity="op"``, a zoom) spare the replay;
     `host_draws` are the module calls of their step where Python's or numpy's RNG advanced.
-    `kept`: per repeat, the op outputs those traces' replays kept (see OpPlan.keep_risky):
-    an origin among them is measured from them, as the traces compared it, with no replay;
+    `measured`: how far the op outputs those traces' replays kept (see OpPlan.keep_risky) are
+    apart: an origin among them is measured so, as the traces compared it, with no replay;
     otherwise by replaying, and without a `factory` (a command's runs, which cannot be
     rebuilt here) its difference is not measured."""
     step = comparison.first_step
     if step is None:
         return None
     config = replace(config, granularity="module")
-    plan = OpPlan(steps=frozenset({step}), last_step=step, stress=frozenset({step}))
     replayed = comparison  # given traces are the ones `comparison` compared
+    draws = set(host_draws or ())
     if traces is None:
         assert factory is not None, "a drill-down without traces replays the probe"
+        from ..drivers.runner import OpPlan, run_repeat
+
+        plan = OpPlan(steps=frozenset({step}), last_step=step, stress=frozenset({step}))
         traces = [run_repeat(factory, config, r, spec, ops=plan)[0]
                   for r in range(config.repeats)]
         replayed = compare(traces)
+        draws |= plan.host_draws.get(step, set())
     findings = [f for f in compare_ops(traces) if f.step == step]
     origins = [f for f in findings if f.role == ORIGIN]
-    draws = plan.host_draws.get(step, set()) | (host_draws or set())
     unrecorded = _ops_not_recorded(replayed, step, traces)
     outside = None if unrecorded else _outside_dispatcher(replayed, step, origins, draws,
                                                           config.fault)
@@ -76,13 +85,12 @@ def drill_down(
     }
     if origins:
         first = origins[0]
-        out["difference"] = _kept_difference(first, kept) or (
+        out["difference"] = _kept_difference(first, measured) or (
             _capture_difference(factory, config, first, spec) if factory is not None else None)
-        device = str(torch.device(config.device))
         planted = _is_planted(config.fault, first)
         # a planted fault's remedy is to stop planting it, not the op's known remedies
         out["knowledge"] = [] if planted else [
-            {"op": first.op, **k.to_dict()} for k in lookup(first.op, first.phase, device)
+            {"op": first.op, **k.to_dict()} for k in lookup(first.op, first.phase, config.device)
         ]
         out["ops"][0].update(out["difference"] or {})
         out["ops"][0]["planted"] = planted
@@ -166,28 +174,19 @@ def _op_row(f: OpFinding) -> dict[str, Any]:
     }
 
 
-def _kept_difference(
-    origin: OpFinding, kept: list[dict[tuple[str, str, int, str], list[torch.Tensor]]] | None,
-) -> dict[str, Any] | None:
+def _kept_difference(origin: OpFinding, measured: Measured | None) -> dict[str, Any] | None:
     """How far apart the origin op's outputs are in the replays that kept them (None where
-    they did not keep them all, or they agree)."""
+    they did not keep them, or they agree)."""
     key = origin.key[1:]
-    if not kept or key not in kept[0]:
+    if not measured:
         return None
-    return next((found for repeat in _others_first(origin, len(kept))
-                 if (found := _difference(kept[0][key], kept[repeat].get(key) or []))), None)
+    return next((found for repeat in _others_first(origin, len(measured))
+                 if (found := measured[repeat].get(key))), None)
 
 
 def _others_first(origin: OpFinding, repeats: int) -> list[int]:
     """The repeats besides 0 to measure the origin op in: the one that differed first."""
     return [origin.other_repeat] + [r for r in range(1, repeats) if r != origin.other_repeat]
-
-
-def _difference(reference: list[torch.Tensor], outputs: list[torch.Tensor]
-                ) -> dict[str, Any] | None:
-    """How far apart the first pair of outputs that differ is (None if none does)."""
-    return next((tensor_difference(a, b) for a, b in zip(reference, outputs)
-                 if not identical(a, b)), None)
 
 
 def _capture_difference(
@@ -197,11 +196,13 @@ def _capture_difference(
     """Replay repeat 0 and then the differing repeats, keeping only the origin op's outputs,
     and measure how far apart they are. An intermittent difference may not show again: the
     other repeats are tried in turn, and None means none of them differed this time."""
+    from ..record.difference import first_difference
+
     reference = _capture(factory, config, origin, 0, spec)
     if reference is None:
         return None
     for repeat in _others_first(origin, config.repeats):  # (each replayed only if needed)
-        found = _difference(reference, _capture(factory, config, origin, repeat, spec) or [])
+        found = first_difference(reference, _capture(factory, config, origin, repeat, spec) or [])
         if found is not None:
             return found
     return None
@@ -211,6 +212,8 @@ def _capture(
     factory: ProbeFactory, config: AuditConfig, origin: OpFinding, repeat: int,
     spec: ProbeSpec | None,
 ) -> list[torch.Tensor] | None:
+    from ..drivers.runner import OpPlan, run_repeat
+
     plan = OpPlan(steps=frozenset(), last_step=origin.step, capture=origin.key[1:])
     run_repeat(factory, config, repeat, spec, ops=plan)
     return next((m.captured for m in plan.modes if m.captured is not None), None)

@@ -12,6 +12,9 @@ replays do not part, each repeat in a fresh interpreter as they ran: a step that
 so depends on per-process state (``PYTHONHASHSEED``...), which the zoomed traces say. Run as
 ``python -m detaudit.investigate.zoom JOB`` for one such replay (and for each replay of
 ``detaudit diff --zoom``).
+
+Torch is imported only by what replays a probe: `exec`'s own process zooms by re-running its
+command (zoom_by_replay) without it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..analysis.compare import (
     ORIGIN,
@@ -33,12 +36,13 @@ from ..analysis.compare import (
 )
 from ..analysis.diff import env_differences
 from ..config import AuditConfig, ProbeSpec
-from ..drivers.isolation import run_child
-from ..drivers.runner import OpPlan, ProbeFactory, run_repeat, threads_as_recorded
 from ..errors import DetauditError
 from ..storage import atomic_write, dump_json
 from ..trace import Trace
-from .drilldown import drill_down
+from .drilldown import Measured, drill_down
+
+if TYPE_CHECKING:
+    from ..drivers.runner import OpPlan, ProbeFactory
 
 FOUND, INTERMITTENT = "found", "intermittent"
 NOT_REPRODUCED, NOT_POSSIBLE = "not reproduced", "not possible"
@@ -54,23 +58,30 @@ def zoom(
     ``ops``) and the zoomed traces (module and op records at the zoomed step). With `apart`
     (the runs were recorded each in its own process) replays that do not part here are
     made each in its own process too (a probe file or a built-in probe: `spec`)."""
+    from ..drivers.runner import run_repeat
+    from ..record.difference import differences_from
+
     plans: dict[int, OpPlan] = {}
     replayed_apart = False
-    kept: list[dict[tuple[str, str, int, str], list]] = []  # per repeat: see OpPlan.keep_risky
+    measured: Measured = []  # per repeat: see OpPlan.keep_risky
 
     def replay(step: int) -> list[Trace]:
         nonlocal replayed_apart
         replayed_apart, plans[step] = False, replace(_plan(step), keep_risky=True,
                                                      keep_planted=config.fault)
         traces = []
-        kept.clear()
+        measured.clear()
+        reference: dict[tuple[str, str, int, str], list] = {}  # the first repeat's outputs
         for r in range(config.repeats):
             modes = len(plans[step].modes)
             traces.append(run_repeat(factory, config, r, spec, ops=plans[step])[0])
-            kept.append({key: outputs for mode in plans[step].modes[modes:]
-                         for key, outputs in mode.kept.items()})
+            kept = {key: outputs for mode in plans[step].modes[modes:]
+                    for key, outputs in mode.kept.items()}
             for mode in plans[step].modes[modes:]:
-                mode.kept = {}  # (held once, in `kept`)
+                mode.kept = {}  # (held once, in `reference` or measured at once)
+            if r == 0:
+                reference = kept
+            measured.append(differences_from(reference, kept) if r else {})
         return traces
 
     def replay_apart(step: int) -> list[Trace]:
@@ -89,7 +100,7 @@ def zoom(
         return drill_down(None if replayed_apart else factory,
                           replace(config, granularity="module"), zoomed, spec, traces,
                           plans[step].host_draws.get(step, set()),
-                          kept=None if replayed_apart else kept)
+                          measured=None if replayed_apart else measured)
 
     can_part = apart and spec is not None and spec.kind != "python"
     return zoom_by_replay(comparison, replay, drill, tries, replay_apart if can_part else None)
@@ -215,6 +226,8 @@ def _unrestored(label: str, recorded: dict[str, Any], replayed: dict[str, Any]) 
 def _plan(step: int, stress: bool = True) -> OpPlan:
     """A zoom's replay: scanned to `step`, which is recorded at module and op level (and,
     with `stress`, its risky ops re-executed in the last repeat), then stop."""
+    from ..drivers.runner import OpPlan
+
     at = frozenset({step})
     return OpPlan(steps=at, last_step=step, zoom=at, stress=at if stress else frozenset())
 
@@ -228,6 +241,8 @@ def _replay_in_own_process(
     counts it records): its trace, and the module calls of `step` during which Python's or
     numpy's RNG advanced."""
     assert spec is not None, "a replay in another process rebuilds the probe from its spec"
+    from ..drivers.isolation import run_child
+
     with tempfile.TemporaryDirectory(prefix="detaudit-zoom-") as scratch:
         job, out, draws = (Path(scratch) / name for name in (
             "job.json", "trace.json.gz", "draws.json"))
@@ -244,6 +259,7 @@ def _replay_in_own_process(
 def _child(job_path: str) -> int:
     """Run the zoom replay a job file describes and write its trace and host draws."""
     from ..drivers.loading import make_factory
+    from ..drivers.runner import run_repeat, threads_as_recorded
 
     job = json.loads(Path(job_path).read_text())
     spec, config, step = (ProbeSpec.from_dict(job["spec"]), AuditConfig.from_dict(job["config"]),

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..trace import BACKWARD
-from .structure import has_ulps, iter_tensors, next_ulp, some_nonzero, within
+from ..trace import BACKWARD, within
+from .structure import has_ulps, iter_tensors, next_ulp, some_nonzero
 
 _AccumulateGrad = torch._C._functions.AccumulateGrad  # the node that fills a leaf's .grad
 SeqIndex = tuple[list[int], list[list[int]]]  # sequence numbers -> enclosing calls from there

@@ -51,6 +51,21 @@ def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     return out
 
 
+def first_difference(reference: list[torch.Tensor], outputs: list[torch.Tensor]
+                     ) -> dict[str, Any] | None:
+    """How far apart the first pair of one op's outputs that differ is (None if none does)."""
+    return next((tensor_difference(a, b) for a, b in zip(reference, outputs)
+                 if not identical(a, b)), None)
+
+
+def differences_from(reference: dict[Any, list[torch.Tensor]],
+                     outputs: dict[Any, list[torch.Tensor]]) -> dict[Any, dict[str, Any] | None]:
+    """For each op (by key) whose outputs one replay kept, as did the `reference` replay's:
+    how far apart they are (see first_difference)."""
+    return {key: first_difference(reference[key], kept) for key, kept in outputs.items()
+            if key in reference}
+
+
 def _sparse_difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     stored = a._nnz() if a.layout is torch.sparse_coo else a.numel()
     if a.layout != b.layout or a.shape != b.shape:

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..analysis.knowledge import applicable, lookup
 from ..config import ANY_MODULE, Fault, op_site_key
+from ..planting import plants_at
 from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
 from .fingerprint import storage_address
 from .recorder import Call, Recorder
@@ -116,31 +117,6 @@ ALERT_MARK = "does not have a deterministic implementation"
 def op_name(func: Any) -> str:
     """``namespace.op`` without the overload: ``aten.index_put``, ``torchvision.nms``."""
     return f"{func.namespace}.{func.overloadpacket.__name__}"
-
-
-def backward_name(op: str) -> str:
-    """The name of the backward op of a custom forward op: torchvision.roi_align ->
-    torchvision._roi_align_backward."""
-    namespace, _, base = op.rpartition(".")
-    return f"{namespace}._{base}_backward"
-
-
-def op_matches(pattern: str, op: str, phase: str) -> bool:
-    """`op` is `pattern`, or (in backward) `pattern`'s own backward op, named the
-    torchvision way (``_roi_align_backward``) or the aten way (``convolution_backward``). A
-    pattern without a namespace (``addmm``) names the op in any namespace."""
-    if "." in pattern:
-        backward = (backward_name(pattern), f"{pattern}_backward")
-    else:
-        op, backward = op.rpartition(".")[2], (f"_{pattern}_backward", f"{pattern}_backward")
-    return op == pattern or (phase == BACKWARD and op in backward)
-
-
-def plants_at(fault: Fault | None, step: int, module: str, phase: str, op: str) -> bool:
-    """Whether `op`, run in `module` in `phase` at `step`, is the op the op-level `fault`
-    changes (in whichever run plants it)."""
-    return (fault is not None and bool(fault.op) and fault.step == step and fault.phase == phase
-            and fault.module in (ANY_MODULE, module) and op_matches(fault.op, op, phase))
 
 
 @dataclass

@@ -164,11 +164,5 @@ def next_ulp(t: torch.Tensor, largest: bool = False) -> torch.Tensor:
     return t + (torch.view_as_complex(delta) if t.is_complex() else delta)
 
 
-def within(name: str, module: str) -> bool:
-    """Whether the module (or parameter owner) named `name` is `module` or inside it ("" is
-    the model: everything is inside it)."""
-    return not module or name == module or name.startswith(f"{module}.")
-
-
 def _join(path: str, part: str) -> str:
     return f"{path}.{part}" if path else part
