@@ -161,6 +161,8 @@ def test_a_fault_in_the_backward_of_a_layer_whose_weight_is_tied_names_that_laye
     assert "not for a command's runs" not in report
     assert not [p.name for p in (tmp_path / "run").iterdir()
                 if p.name.endswith((".kept.pt", ".measured.json"))]
+    # (the later replay's reading of the first one's outputs is not the script's loading)
+    assert not Trace.load(tmp_path / "run" / "zoom-1.json.gz").probe.get(LOADED_FROM_EARLIER_RUNS)
     summary = json.loads(done.stdout)
     first = summary["first_divergence"]
     assert (first["module"], first["phase"], first["step"], first["slots"]) == (
@@ -4919,6 +4921,34 @@ def test_ranks_lightning_fabric_starts_as_copies_of_the_command_each_record(tmp_
         traces = [Trace.load(tmp_path / "run" / f"trace-r{rank}-{r}.json.gz") for r in (0, 1)]
         assert [len(t.steps) for t in traces] == [6, 6]
         assert {t.probe["distributed"]["backend"] for t in traces} == {"gloo"}
+
+
+def test_the_zoom_measures_an_op_on_the_rank_the_commands_own_process_becomes(tmp_path):
+    """Fabric's DDP: the command's own process attaches before it knows it is rank 0. Its
+    zoom replay in the later run measured its kept op outputs against the first run's file of
+    no rank, which did not exist (rank 0's was beside its rank trace): not measured."""
+    pytest.importorskip("lightning.fabric")
+    script = tmp_path / "fabric_ddp.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        from lightning.fabric import Fabric
+        fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+        fabric.launch()
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(16, 8)
+        for step in range(3):
+            fabric.backward(model(x[4 * step:4 * step + 4]).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        """))
+    summary = _found_fault(tmp_path, script, "2/aten.addmm@forward:1", "--seed", "0")
+    first = summary["first_divergence"]
+    assert (first["module"], first["phase"], first["step"]) == ("2", "forward", 1)
+    assert summary["ranks"]["primary_rank"] == 0
+    origin = json.loads((tmp_path / "run" / "run.json").read_text())["extra"]["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["planted"]) == ("aten.addmm", "2", True)
+    assert (origin["elements"], origin["max_ulp"]) == (1, 1)
 
 
 @pytest.mark.parametrize("parent_imports_torch", [False, True])

@@ -65,6 +65,7 @@ from ..config import (
     Fault,
     kept_path,
     measured_path,
+    rank_trace_path,
 )
 from ..errors import DetauditError
 from ..planting import fault_target
@@ -101,6 +102,10 @@ from .attach_updates import Updates
 from .rankprobe import RankWatch
 from .runner import loss_copy, store_records
 
+# torch.load as detaudit found it: a process of the command notes what its code loads through
+# it (see attach_process._loading_noted), and a zoom replay's own reading is none of that
+_TORCH_LOAD = torch.load
+
 
 def _keep_or_measure(kept: dict[Any, list[torch.Tensor]], trace: Path,
                      reference: Path | None) -> None:
@@ -118,7 +123,7 @@ def _keep_or_measure(kept: dict[Any, list[torch.Tensor]], trace: Path,
             torch.save(kept, part)
             part.replace(path)
             return
-        found = differences_from(torch.load(reference, weights_only=True), kept) if (
+        found = differences_from(_TORCH_LOAD(reference, weights_only=True), kept) if (
             kept and reference.exists()) else {}
         # (Python's JSON, not strict JSON: a difference may be infinite)
         atomic_write(measured_path(trace), json.dumps([[list(k), v] for k, v in found.items()]))
@@ -151,8 +156,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
     ) -> None:
         """`claim`, where other processes may record the same trace: asked as the first step
         begins whether this process records it; where not, it records nothing and detaches
-        (see attach_process._first_to_claim). `measure_against`: the op outputs the first
-        run's zoom replay kept, which this one's are measured against (see _keep_or_measure)."""
+        (see attach_process._first_to_claim). `measure_against`: the trace of the first run's
+        zoom replay (of this process's rank, once it is known to record one), whose kept op
+        outputs this one's are measured against (see _keep_or_measure)."""
         if mode not in ATTACH_MODES:
             raise ValueError(f"mode must be one of {', '.join(ATTACH_MODES)}, not {mode!r}")
         self.path = Path(path)
@@ -698,7 +704,10 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             if self.recorder is not None and self.recorder.op_sites:
                 self.trace.probe[OP_SITES] = dict(self.recorder.op_sites)
             if ops.record:  # (the zoomed step)
-                _keep_or_measure(ops.kept, self.path, self.measure_against)
+                against = self.measure_against
+                if against is not None and self.rank is not None:
+                    against = rank_trace_path(against, self.rank.rank)
+                _keep_or_measure(ops.kept, self.path, kept_path(against) if against else None)
         if self._stress is not None:
             stress, self._stress = self._stress, None
             stress.__exit__(None, None, None)

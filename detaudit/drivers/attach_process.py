@@ -15,6 +15,7 @@ import shlex
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -31,7 +32,6 @@ from ..config import (
     RECORDED_BY,
     UNJOINED,
     Fault,
-    kept_path,
     rank_trace_path,
     written_by_an_earlier_run,
 )
@@ -223,9 +223,6 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
         _seed_torch(job)
     fault = Fault(**job["fault"]) if job.get("fault") else None
     path = job["trace"] if rank is None else rank_trace_path(job["trace"], rank.rank)
-    against = job.get("measure_against")  # (the first run's zoom replay's trace)
-    if against and rank is not None:
-        against = rank_trace_path(against, rank.rank)
     if rank is not None:
         rank.wrapped_by = "script"  # the user's code builds its DDP model
     attachment = Attachment(path, job["probe"], int(job.get("repeat", 0)),
@@ -239,7 +236,8 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
                             and job.get("check_fault") else None,
                             keep_planted=Fault(**job["keep_planted"])
                             if job.get("keep_planted") else None,
-                            measure_against=kept_path(against) if against else None)
+                            measure_against=Path(job["measure_against"])
+                            if job.get("measure_against") else None)
     attachment.on_limit = functools.partial(_end_at_the_limit, attachment)
     attachment.install()
     _LINE_ENDS.follow(attachment)
