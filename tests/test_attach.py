@@ -4885,18 +4885,23 @@ def test_a_fault_named_as_in_the_users_model_is_planted_inside_lightning_fabrics
     assert (first["module"], first["phase"], first["step"]) == ("_forward_module.2", "forward", 1)
 
 
+# a script's start under Fabric's DDP, 2 processes on the CPU: then its model's optimizer
+FABRIC_DDP = """\
+import torch
+from lightning.fabric import Fabric
+fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+fabric.launch()
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+"""
+
+
 def test_ranks_lightning_fabric_starts_as_copies_of_the_command_each_record(tmp_path):
     """Lightning's and Fabric's DDP on one machine: the command's own process is rank 0 and
     starts the other ranks as copies of the command (LOCAL_RANK and WORLD_SIZE set, no
     RANK). Only rank 0 was recorded, and a difference on rank 1 was blamed on rank 0."""
     pytest.importorskip("lightning.fabric")
     script = tmp_path / "fabric_ddp.py"
-    script.write_text(textwrap.dedent("""\
-        import torch
-        from lightning.fabric import Fabric
-        fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
-        fabric.launch()
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    script.write_text(FABRIC_DDP + textwrap.dedent("""\
         optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
         data = torch.utils.data.TensorDataset(torch.arange(128.0).reshape(16, 8) / 128)
         loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(data, batch_size=2))
@@ -4929,12 +4934,7 @@ def test_the_zoom_measures_an_op_on_the_rank_the_commands_own_process_becomes(tm
     no rank, which did not exist (rank 0's was beside its rank trace): not measured."""
     pytest.importorskip("lightning.fabric")
     script = tmp_path / "fabric_ddp.py"
-    script.write_text(textwrap.dedent("""\
-        import torch
-        from lightning.fabric import Fabric
-        fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
-        fabric.launch()
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    script.write_text(FABRIC_DDP + textwrap.dedent("""\
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         x = torch.randn(16, 8)
         for step in range(3):
