@@ -4,6 +4,7 @@ alerts, the fix is verified with its cost, `detaudit env` flags risky settings."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -209,6 +210,26 @@ def test_the_zoom_measures_the_planted_op_from_its_own_replays(monkeypatch, phas
     origin = result.investigations["ops"]["ops"][0]
     assert (origin["op"], origin["module"], origin["phase"]) == (op, "block1.conv", phase)
     assert origin["max_ulp"] == 1 and origin["elements"] >= 1 and origin["planted"]
+
+
+def test_the_known_fixes_of_the_origin_op_are_those_of_the_device_the_runs_recorded_on():
+    """exec's audit knows the device only from its runs' traces (its configuration says
+    cpu): a convolution backward that parted on a GPU was given the CPU's remedies, not
+    cuDNN's."""
+    from detaudit.analysis.compare import compare
+    from detaudit.investigate.drilldown import drill_down
+
+    fault = Fault("block1.conv", "backward", 1, op="aten.convolution")
+    result = audit(small_cnn_probe, repeats=2, epochs=1, stress=0, fault=fault,
+                   granularity="op")
+    traces = result.traces
+    unplanted = dataclasses.replace(result.config, fault=None)  # (else: "stop planting it")
+    for recorded, kind in (("cpu", "cpu"), ("cuda:0", "cuda")):
+        for trace in traces:
+            trace.env["device"] = recorded
+        found = drill_down(None, unplanted, compare(traces), None, traces)
+        assert found["ops"][0]["op"] == "aten.convolution_backward"
+        assert {k["device"] for k in found["knowledge"]} == {kind}
 
 
 def test_tensor_difference_counts_elements_ulps_and_relative_error():

@@ -88,9 +88,11 @@ def drill_down(
         out["difference"] = _kept_difference(first, measured) or (
             _capture_difference(factory, config, first, spec) if factory is not None else None)
         planted = _is_planted(config.fault, first)
+        # the device the runs recorded the model on: exec's configuration knows none
+        device = traces[0].env.get("device") or config.device
         # a planted fault's remedy is to stop planting it, not the op's known remedies
         out["knowledge"] = [] if planted else [
-            {"op": first.op, **k.to_dict()} for k in lookup(first.op, first.phase, config.device)
+            {"op": first.op, **k.to_dict()} for k in lookup(first.op, first.phase, device)
         ]
         out["ops"][0].update(out["difference"] or {})
         out["ops"][0]["planted"] = planted
