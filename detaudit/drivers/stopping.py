@@ -38,7 +38,7 @@ from ..config import (
     STACKS_SUFFIX,
     TIMED_OUT_SUFFIX,
 )
-from ..record.sites import dumped_site
+from ..record.sites import dumped_site, stopped_site
 from ..trace import Trace
 
 WATCH_INTERVAL_S = 1.0  # how often exec looks for a step's end
@@ -321,8 +321,6 @@ def stopped_by_the_timeout(path: Path, frame: Any, seconds: float,
     """No step ended in `seconds`: where the main thread was (`frame`, where the signal
     found it) goes into the failure, given to `finish`, and every thread's stack into a
     file beside the trace at `path`, for exec to keep."""
-    from ..record.sites import stopped_site  # (torch's: exec's own process imports none)
-
     where = stopped_site(frame)
     said = f"process {os.getpid()} ({shlex.join(sys.argv)}), stopped at {where}\n{_stacks(frame)}"
     with contextlib.suppress(OSError):  # (one write: other processes of the run append too)
