@@ -267,7 +267,8 @@ class watch:
         self.path = _free_trace_path(self.out)
         config = AuditConfig(repeats=1, steps=self.max_steps, granularity=SCAN, stress=0)
         probe = trace_probe(ProbeSpec("watch", self.name), config, new_run_id())
-        del probe[PROBE_CONFIG]["seed"]  # watch seeds nothing: the user's code does, or not
+        # watch seeds nothing and picks no device: the user's code does
+        del probe[PROBE_CONFIG]["seed"], probe[PROBE_CONFIG]["device"]
         script = sys.argv[0] if sys.argv else ""
         if script.endswith(".py") and not in_a_library(os.path.abspath(script)):
             # (a notebook's kernel, pytest: a library's)

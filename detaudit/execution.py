@@ -118,7 +118,7 @@ def exec_command(
                        ("--max-epochs", job.max_epochs)) if v) or "to its end"
     seeded = f"seed {job.seed}" if job.seed is not None else "no --seed"
     info = RunInfo(probe={**spec.to_dict(), "preset": f"exec: {counted(job.repeats, 'run')}, {limits}, "
-                          f"{seeded}"}, config={**config.to_dict(), "seed": job.seed},
+                          f"{seeded}"}, config=_exec_config(config, job.seed),
                    command=reproduce or f"detaudit exec -- {_shell_line(command)}", traces=[],
                    run_id=run_id, state="recording")
     stdin = _repeated_stdin()
@@ -404,6 +404,15 @@ class _Rewound:
 # what a DataLoader worker adds to the temporary folder for the socket it sends a batch's
 # shared memory through (pymp-XXXXXXXX/listener-XXXXXXXX), and the longest path a socket takes
 _SOCKET_IN_TEMPORARY_FOLDER, _SOCKET_PATH_MAX = 32, 107
+
+
+def _exec_config(config: AuditConfig, seed: int | None) -> dict[str, Any]:
+    """The run's configuration as its reports show it: the seed as given (None: not seeded
+    by detaudit), and no device (the command puts its model where it chooses, and the
+    traces say where)."""
+    data = {**config.to_dict(), "seed": seed}
+    del data["device"]
+    return data
 
 
 def _note_a_long_temporary_folder() -> None:

@@ -801,6 +801,7 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     assert "note: the RNG state" not in done.stderr
     report = (tmp_path / "run" / "report.md").read_text()
     assert "device cpu; not seeded by detaudit;" in report and "cpu; seed 0" not in report
+    assert "device" not in summary["config"]  # the script chose it: the traces say which
     # a script that seeds itself needs no --seed, and is said to seed itself, where (it was
     # labelled "unseeded")
     done = _exec(tmp_path, "--max-steps", "2", "--overwrite", script_args=("--seed-self",))
@@ -3475,6 +3476,7 @@ def test_watch_finds_a_planted_difference_at_its_step(tmp_path):
     assert "DIVERGENT" in html and "step 4" in html
     assert (tmp_path / "report" / "report.html").exists()
     assert "seed 0" not in (tmp_path / "report" / "report.md").read_text()  # watch seeds nothing
+    assert "device" not in result.summary["config"]  # nor picks a device: the loop does
     # and the CLI says the same of the same traces
     done = run_cli("compare", str(tmp_path / "trace-0.json.gz"), str(tmp_path / "trace-1.json.gz"),
                    "--out", str(tmp_path / "cli"), "--json", "--junit", str(tmp_path / "j.xml"))

@@ -122,6 +122,17 @@ def test_deterministic_run_says_so(clean: dict[str, Any]) -> None:
         assert "steps that differ" not in text, name  # no empty table
 
 
+def test_the_run_line_names_the_device_the_runs_recorded_the_model_on(
+        clean: dict[str, Any]) -> None:
+    # exec and watch choose no device (the user's code does): their configuration holds
+    # none, and a GPU run was said to be on the cpu, the configuration's default
+    assert "device cpu;" in render_markdown(clean)
+    on_a_gpu = {**copy.deepcopy(clean), "env": {**clean["env"], "device": "cuda:0"}}
+    del on_a_gpu["config"]["device"]
+    for name, text in _renders(on_a_gpu).items():
+        assert "device cuda:0;" in text and "device cpu" not in text, name
+
+
 def test_github_uses_only_kept_tags(planted: tuple[Path, dict[str, Any]]) -> None:
     text = render_github(planted[1])
     for tag, attrs in _tags(text):

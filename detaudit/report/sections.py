@@ -285,9 +285,12 @@ def _run_line(s: dict[str, Any]) -> str:
         parts.append(f"{runs}: " + " and ".join(
             f"{counted(n, 'step')} in {counted(e, 'epoch')}" for n, e in zip(lengths, epochs))
             + " (the runs differ in length)")
-    for key in ("mode", "device", "seed"):
-        if key in config and (key != "seed" or config[key] is not None):
-            parts.append(f"{key} {config[key]}")
+    # the device the model was on, as the runs recorded it (exec and watch choose none)
+    device = (s.get("env") or {}).get("device") or config.get("device")
+    for key, value in (("mode", config.get("mode")), ("device", device),
+                       ("seed", config.get("seed"))):
+        if value is not None:
+            parts.append(f"{key} {value}")
     if "seed" in config and config["seed"] is None:  # (exec without --seed, watch)
         code = s.get("code_seed")
         parts.append(f"seeded by the code ({code[0]} at {code[1] or 'a library call'})"
