@@ -2447,14 +2447,17 @@ def test_a_script_that_crashes_before_its_first_step_is_run_once(tmp_path):
     assert done.stderr.count("Traceback") == 1
 
 
-@pytest.mark.parametrize("where", ["the next batch taken", "after the update"])
+@pytest.mark.parametrize("where", ["the next batch taken", "after the update",
+                                   "after the pass"])
 def test_a_failure_after_an_update_is_the_next_steps_once_the_loop_took_its_batch(
         tmp_path, where):
     """A script that fails at the top of an iteration, having taken the next batch (its own
     check of that batch), had completed the step before: that step was dropped as the one
-    that failed ("the last step it completed: 3" after the script printed step 4). One that
-    fails after the update but before it takes a batch (its scheduler's step, a w.step
-    naming the losses) is still not kept half-recorded."""
+    that failed ("the last step it completed: 3" after the script printed step 4); so was
+    the last step of a script that fails once its pass over the training data is over (in
+    its evaluation, saving its results). One that fails after the update but before it
+    takes a batch (its scheduler's step, a w.step naming the losses) is still not kept
+    half-recorded."""
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(torch.ones(8, 4), batch_size=2)
@@ -2468,13 +2471,17 @@ def test_a_failure_after_an_update_is_the_next_steps_once_the_loop_took_its_batc
             opt.zero_grad()
             if i == 1 and where == "after the update":
                 raise RuntimeError("the scheduler")
+        with torch.no_grad():
+            model.eval()(torch.ones(1, 4))
+        raise RuntimeError("the results")
     except RuntimeError as exc:
         attachment.finish(failure=str(exc))
     finally:
         attachment.uninstall()
     trace = Trace.load(tmp_path / "t.json.gz")
-    assert len(trace.steps) == (2 if where == "the next batch taken" else 1)
-    assert trace.failure in ("a check of the batch", "the scheduler")
+    assert len(trace.steps) == {"the next batch taken": 2, "after the update": 1,
+                                "after the pass": 4}[where]
+    assert trace.failure in ("a check of the batch", "the scheduler", "the results")
 
 
 @pytest.mark.parametrize(("fault", "message"), [
@@ -3975,6 +3982,33 @@ def test_a_frozen_copy_built_unseeded_is_no_forward_origin(tmp_path, reference_f
     assert (c.first_step, c.cause) == (0, "init")
     assert [(f.module, f.phase) for f in c.findings if f.step == 0 and f.role == "origin"] == []
     assert ("ref", "forward") in [(f.module, f.phase) for f in c.findings if f.step == 0]
+
+
+def test_a_dataset_that_seeds_each_sample_is_not_taken_for_the_seeding_of_the_model(tmp_path):
+    """torchvision's FakeData seeds torch with each sample's index, then puts the RNG state
+    back: in an unseeded script (an unseeded sampler: other indices, so other seeds each
+    run) that was said to be the code seeding at random, with a fix for the seed's source.
+    A seed after the model is built did not build it: the unseeded initialisation is the
+    cause, and its fix to seed first."""
+    def loop() -> None:
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            index = int(torch.randint(0, 10**6, ()))  # an unseeded sampler's
+            state = torch.get_rng_state()
+            torch.manual_seed(index)  # FakeData.__getitem__
+            x = torch.randn(8, 4)
+            torch.set_rng_state(state)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    _unseeded_runs(tmp_path, loop)
+    c = detaudit.compare(tmp_path).comparison
+    assert (c.first_step, c.cause) == (0, "init") and c.seeded_late is not None
+    said = cause_text(c)
+    assert "a different value in each run" not in said and "seed the RNG it draws" not in said
+    assert "initialised from an unseeded RNG (fix: seed every RNG before building" in said, said
 
 
 def test_a_model_built_before_the_code_seeds_is_told_so_with_where_it_seeds(tmp_path):

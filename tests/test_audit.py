@@ -372,15 +372,16 @@ class _SharedHead(nn.Module):
 
 
 class _SharedOnData(nn.Module):
-    """`shared` called twice straight on the data: its inputs need no gradient. The second
-    call's gradients are small, so 1 ULP planted in the first's survives their sum."""
+    """`shared` called twice straight on the data: its inputs need no gradient. Backward
+    sends the second call's gradients first, and the fault is planted there; the first
+    call's are small, so 1 ULP survives their sum."""
 
     def __init__(self) -> None:
         super().__init__()
         self.shared = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.shared(x) + 1e-3 * self.shared(2 * x)
+        return 1e-3 * self.shared(x) + self.shared(2 * x)
 
 
 def _shared_probe(model: type[nn.Module]):
@@ -416,6 +417,51 @@ def test_module_called_twice_is_an_origin_only_where_its_calls_say(model, fault,
     assert [(o.module, o.phase) for o in c.origins] == [origin]
     if fault.module == "b":  # shared's parameter gradient did differ, downstream of b
         assert (1, "shared", "weight") in c.grad_diffs
+
+
+class _Critic(nn.Module):
+    """A piecewise-linear critic: the gradient of its input gradient with respect to its
+    input is zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.act, self.out = nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.first(x)))
+
+
+def _gradient_penalty_probe(device: torch.device) -> Probe:
+    """A WGAN-GP critic's steps: its first call, on samples mixed from real and fake ones,
+    is taken apart by torch.autograd.grad for the gradient penalty, before the loss's
+    backward."""
+    torch.manual_seed(0)
+    critic = _Critic().to(device)
+    g = torch.Generator().manual_seed(0)
+    batches = [tuple(torch.randn(4, 8, generator=g) for _ in range(2))
+               + (torch.rand(4, 1, generator=g),) for _ in range(3)]
+
+    def step(m: nn.Module, batch):
+        real, fake, mix = (t.to(device) for t in batch)
+        mixed = (mix * real + (1 - mix) * fake).requires_grad_(True)
+        grad, = torch.autograd.grad(m(mixed).sum(), mixed, create_graph=True)
+        penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
+        return m(fake).mean() - m(real).mean() + 10 * penalty
+
+    return Probe(model=critic, batches=batches, step=step,
+                 optimizer=torch.optim.SGD(critic.parameters(), lr=0.01))
+
+
+@pytest.mark.parametrize("module", ["first", "out"])
+def test_a_backward_fault_in_a_critic_whose_first_call_makes_its_gradient_penalty_is_found(
+        module):
+    """The loss's backward sends the first call's layers zero gradients (or none): the
+    fault was planted there only, and never fired. It is planted in the first gradient of
+    the module that can carry 1 ULP, a later call's."""
+    c = module_audit(_gradient_penalty_probe, repeats=2, epochs=1,
+                     fault=Fault(module, "backward", 1)).comparison
+    assert c.first_step == 1
+    assert [(o.module, o.phase) for o in c.origins] == [(module, "backward")]
 
 
 def _rounded_away(device: torch.device, lr: float = 1e-12, steps: int = 3) -> Probe:

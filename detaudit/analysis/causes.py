@@ -117,6 +117,10 @@ def _seeded_apart(c: Comparison) -> str | None:
     apart = seeds_apart(c)
     if c.cause not in ("init", "rng", "data") or c.first_step != 0 or apart is None:
         return None
+    if c.cause == "init" and c.seeded_late is not None:
+        # the code's first seed came after the model was built: it did not draw the weights
+        # (a dataset that seeds each sample with its index, as torchvision's FakeData does)
+        return None
     what = {"init": "the parameters differ before the first step",
             "rng": "an RNG stream differs", "data": "the batch differs"}[c.cause]
     return (f"{what}: the code seeds torch with a different value in each run ({apart}), "

@@ -94,6 +94,9 @@ def judge(
         and c.cause != "length" and bool(c.loss.per_step)
     ) else None
     headline = _headline(kind, located, first, hidden, ops or {})
+    if _rounded_away(c):
+        headline += ("; it rounded away: no loss, gradient or parameter differs, in that step "
+                     "or after (the training stayed bit-identical)")
     if c.proven and kind == DETERMINISTIC:
         kind, headline = PROVEN, _proven_headline(c)
     elif kind == DIVERGENT and (proofs := [p for p in stressed_op_rows(c, zoom, ops)
@@ -238,6 +241,15 @@ def _held_where_op_ran(first: dict[str, Any] | None, tied: dict[str, list[str]],
                     "tied": [f"its {local} is tied to {name}"]}
     return {**first, "tied": [f"its {s.removeprefix('param.')} is also {', '.join(tied[n])}"
                               for s, n in zip(first["slots"], names) if n in tied]}
+
+
+def _rounded_away(c: Comparison) -> bool:
+    """Whether the runs part in a forward or backward record of one step only, and no loss,
+    gradient or parameter differs (1 ULP in a place the training cannot feel: the
+    difference rounded away before anything the training keeps)."""
+    return (c.verdict == DIVERGENT and c.cause in ("forward", "backward")
+            and c.param_drift_step is None and c.loss.first_step is None
+            and bool(c.loss.per_step) and set(c.differing_by_step) == {c.first_step})
 
 
 def _at_an_op_outside_the_model(first: dict[str, Any] | None, ops: dict[str, Any]

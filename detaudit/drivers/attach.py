@@ -195,8 +195,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.index = 0  # step within its epoch
         self._updated = False  # the open step's optimizer has stepped
         self._updated_at = 0  # the autograd sequence number when it did
-        # the loop took a batch after the open step's update: the step's code is over (a
-        # failure now is the next step's: see finish)
+        # the loop took a batch after the open step's update, or its pass over the training
+        # data ended: the step's code is over (a failure now is not the step's: see finish)
         self._moved_on = False
         # the storage of what the open step's top-level training calls returned: a later
         # call given it (a discriminator given the generator's fakes) is given the step's
@@ -823,10 +823,10 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
                     not self._updated and (self._optimizers or not self._losses))):
             # the step that failed (after its update too: what the loop does after it, a
             # w.step naming its losses, a scheduler's step, never ran; but not once the loop
-            # has taken the next batch: the failure is the next step's), or that the
-            # process ended in before its update (a script that exits on a NaN loss before
-            # backward), is not kept half-recorded; nor calls in training mode that no
-            # backward or update followed (nothing trained)
+            # has taken the next batch, or ended its pass: the failure is not the step's),
+            # or that the process ended in before its update (a script that exits on a NaN
+            # loss before backward), is not kept half-recorded; nor calls in training mode
+            # that no backward or update followed (nothing trained)
             self.recorder.end_step()
             self.info = None
         self.end_step()

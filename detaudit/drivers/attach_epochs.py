@@ -84,6 +84,14 @@ class Epochs:
         """Whether an iterator of `loader` is alive and not exhausted."""
         return any(key == loader for key, _ in self._iterators.values())
 
+    def on_loader_exhausted(self, iterator: Any) -> None:
+        """A DataLoader iterator ran out: its pass is over. The training pass over, after
+        the open step's update, the step's code is over too: a failure from then on (in an
+        evaluation, saving the results) is not the step's."""
+        started = self._iterators.pop(iterator, None)
+        if started is not None and started == self._train_pass:
+            self._moved_on = self._moved_on or (self.info is not None and self._updated)
+
     def on_loader_batch(self, iterator: Any, batch: Any, fetched_by: CodeType | None = None
                         ) -> None:
         """A DataLoader iterator yielded `batch` (asked for by the code `fetched_by`). The

@@ -233,9 +233,12 @@ class BackwardBoundaries:
                 grad = grads[k]
                 if grad is None:
                     continue
+                # (in the first gradient any call of the module sends that can carry 1 ULP:
+                # its first call's may be zero, or sent by torch.autograd.grad, as a critic's
+                # call on the interpolated samples of a WGAN-GP gradient penalty is)
                 if (
                     fault is not None and fault.phase == BACKWARD and fault.step == self._step
-                    and fault.module == call.module and call.index == 0 and not self.fault_fired
+                    and fault.module == call.module and not self.fault_fired
                     and has_ulps(grad)
                 ):
                     with _disable_current_modes():  # the fault's own ops are not the model's
