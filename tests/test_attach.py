@@ -5587,6 +5587,20 @@ def test_a_generator_called_before_the_discriminator_belongs_to_the_step_it_star
         assert [(o.module, o.phase) for o in c.origins] == [("Sequential.2", "forward")]
 
 
+def test_the_loss_of_a_gan_step_that_began_at_the_generator_is_recorded_at_step_0(tmp_path):
+    """At step 0 the model is known only at the discriminator's update, after its loss's
+    backward: the step began at the generator's call, and only its batch and RNG states
+    were carried over to the discriminator's step. Its loss value was kept (the loss curve
+    showed it differ) and its record dropped: a loss that differed there read as agreeing
+    ("cause: backward ... while the loss agrees"; a WGAN-GP gradient penalty whose backward
+    raced)."""
+    trace = _gan(tmp_path / "t.json.gz")
+    records = trace.frame()
+    for step in trace.steps:
+        at = records[(records.step == step.step) & (records.phase == "output")]
+        assert list(at.slot) == ["loss"], (step.step, list(at.slot))
+
+
 def test_a_generator_update_through_the_fakes_of_the_step_before_is_downstream_of_it(tmp_path):
     """The generator's update goes through fakes it made in the discriminator's step: the
     generator runs no call in its own step. A fault in the discriminator's backward there

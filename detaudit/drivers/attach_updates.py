@@ -26,7 +26,7 @@ from torch._C._autograd import _get_sequence_nr
 from ..config import CALLS_UNSEEN, DROPPED_STEPS
 from ..record.environment import capture_environment
 from ..record.recorder import WATCH_NONE, StepRecords, printed_now
-from ..trace import OPTIMIZER, STATE
+from ..trace import OPTIMIZER, OUTPUT, STATE
 from .attach_models import MAX_MODEL_SEARCHES, held_by_an_optimizer, parameters_of
 
 # the code of every optimizer's step as torch runs it, with the step hooks around it
@@ -315,8 +315,8 @@ class Updates:
             return
         if self.recorder is not None and self.recorder.model is not self.model:
             # the step began at another module's call (a frozen teacher, a GAN's generator):
-            # its batch and RNG states are the step's; the model's parameters as they were
-            # before the first step are recorded now, before its first update
+            # its batch, RNG states and losses are the step's; the model's parameters as
+            # they were before the first step are recorded now, before its first update
             so_far = self.recorder.end_step() if self.info is not None else None
             self.recorder.__exit__(None, None, None)
             self.recorder = self._new_recorder(self.model)
@@ -355,9 +355,11 @@ class Updates:
 
 
 def _step_state(records: StepRecords) -> StepRecords:
-    """The batch and RNG state records among a step's records."""
+    """The batch and RNG state records among a step's records, and its losses (those of
+    a backward before the update that named the model)."""
     kept = [(k, p) for k, p in zip(records.keys, records.prints)
-            if k[0] == STATE and k[3].startswith(("batch", "rng."))]
+            if (k[0] == STATE and k[3].startswith(("batch", "rng.")))
+            or (k[0] == OUTPUT and k[1] == "" and k[3].startswith("loss"))]
     return StepRecords([k for k, _ in kept], [p for _, p in kept], [])
 
 
