@@ -46,12 +46,12 @@ def test_scan_and_zoom_name_what_full_recording_names(fault):
         assert f"op: aten.convolution_backward in {fault.module}" in scan.verdict.headline
     assert "zoomed in on step 2 after a scan" in scan.verdict.headline
     assert "a scanned step" not in scan.summary["cause"]["text"]  # the zoom recorded modules
-    # a difference that no loss, gradient or parameter shows is said to have rounded away
+    # a difference that no loss, gradient or parameter shows is said to leave them alone
     rounded = fault.phase == "forward"
-    assert full.comparison.param_drift_step is None if rounded else 2
+    assert full.comparison.param_drift_step == (None if rounded else 2)
     for verdict in (scan.verdict, full.verdict):
-        assert ("; it rounded away: no loss, gradient or parameter differs" in verdict.headline
-                ) == rounded, verdict.headline
+        said = "; the training stayed bit-identical: no loss, gradient or parameter differs"
+        assert (said in verdict.headline) == rounded, verdict.headline
 
 
 def test_a_scan_records_step_state_only_and_few_records():
@@ -621,8 +621,8 @@ def test_a_planted_fault_that_rounding_absorbs_is_still_found_where_it_was_plant
     assert c.loss.first_step is None and c.param_drift_step is None
     assert "the planted fault, found where it was planted" in result.verdict.headline
     # and the headline says so (it read as any divergence)
-    assert ("; it rounded away: no loss, gradient or parameter differs, in that step or after "
-            "(the training stayed bit-identical)") in result.verdict.headline
+    assert ("; the training stayed bit-identical: no loss, gradient or parameter differs, in "
+            "that step or after (the difference rounded away") in result.verdict.headline
 
 
 class _AbsorbsInside(nn.Module):

@@ -95,8 +95,9 @@ def judge(
     ) else None
     headline = _headline(kind, located, first, hidden, ops or {})
     if _rounded_away(c):
-        headline += ("; it rounded away: no loss, gradient or parameter differs, in that step "
-                     "or after (the training stayed bit-identical)")
+        headline += ("; the training stayed bit-identical: no loss, gradient or parameter "
+                     "differs, in that step or after (the difference rounded away, or went "
+                     "nowhere the training reads)")
     if c.proven and kind == DETERMINISTIC:
         kind, headline = PROVEN, _proven_headline(c)
     elif kind == DIVERGENT and (proofs := [p for p in stressed_op_rows(c, zoom, ops)
