@@ -5601,6 +5601,46 @@ def test_the_loss_of_a_gan_step_that_began_at_the_generator_is_recorded_at_step_
         assert list(at.slot) == ["loss"], (step.step, list(at.slot))
 
 
+def _two_backward_passes(path: Path, fault=None) -> Trace:
+    """Two losses of one forward, each with a backward of its own through the same graph
+    (`retain_graph=True`), the step at fault recorded module by module."""
+    def loop() -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(20, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                              nn.Linear(32, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(8, 20, generator=g), torch.randint(0, 3, (8,), generator=g)
+            out = model(x)
+            nn.functional.cross_entropy(out, y).backward(retain_graph=True)
+            (out.pow(2).mean() * 0.01).backward()
+            opt.step()
+            opt.zero_grad()
+
+    return _attached(path, loop, fault=fault, planted_step=2)
+
+
+def test_a_backward_fault_under_two_backward_passes_of_one_forward_is_found_where_planted(
+        tmp_path):
+    """The second pass ran the first's hooks again, under the same records' names, and
+    hooked the graph once more: the first pass's records were hidden, and the fault was
+    named in the module below, "outside the dispatcher". Each later pass's records are
+    `slot@n`."""
+    from detaudit.analysis.compare import compare
+    from detaudit.config import Fault
+
+    plain = _two_backward_passes(tmp_path / "a.json.gz")
+    faulted = _two_backward_passes(tmp_path / "b.json.gz", Fault("1", "backward", 2))
+    c = compare([plain, faulted])
+    assert (c.first_step, c.cause) == (2, "backward")
+    assert [(o.module, o.phase) for o in c.origins] == [("1", "backward")]
+    records = plain.frame()
+    slots = list(records[(records.step == 2) & (records.module == "1")
+                         & (records.phase == "backward")].slot)
+    assert sorted(slots) == ["grad_in.0", "grad_in.0@1", "grad_out", "grad_out@1"], slots
+
+
 def test_a_generator_update_through_the_fakes_of_the_step_before_is_downstream_of_it(tmp_path):
     """The generator's update goes through fakes it made in the discriminator's step: the
     generator runs no call in its own step. A fault in the discriminator's backward there
@@ -5755,18 +5795,20 @@ def test_a_loss_that_is_infinite_at_one_step_only_is_not_a_divergence_of_trainin
     from detaudit.analysis.compare import compare
     from detaudit.report.sections import nonfinite_line
 
-    def loop():
-        torch.manual_seed(0)
-        model = nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu")
-        for step in range(4):
-            loss = model(torch.ones(2, 4)).sum() * (math.inf if step == 1 else 1.0)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+    def scaled(loss_of: Callable[[torch.Tensor, int], torch.Tensor], steps: int):
+        def loop():
+            torch.manual_seed(0)
+            model = nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            scaler = torch.amp.GradScaler("cpu")
+            for step in range(steps):
+                scaler.scale(loss_of(model(torch.ones(2, 4)).sum(), step)).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        return loop
 
+    loop = scaled(lambda out, step: out * (math.inf if step == 1 else 1.0), 4)
     c = compare([_attached(tmp_path / "a.json.gz", loop), _attached(tmp_path / "b.json.gz", loop)])
     assert c.first_step is None and len(c.steps) == 4
     assert (c.loss.nonfinite, c.loss.finite_again) == ((1, 0, "inf"), 2)
@@ -5781,3 +5823,11 @@ def test_a_loss_that_is_infinite_at_one_step_only_is_not_a_divergence_of_trainin
                            "skipped": True})
     assert line.endswith("the last step recorded, whose update a GradScaler skipped: not a "
                          "training that diverged"), line
+
+    # a loss never finite again after a skipped step that was not the last: not said to be
+    # the last step recorded (it was said of step 0 of 4): step 0's gradients infinite (its
+    # update skipped), the later ones finite under an infinite loss
+    never_again = scaled(lambda out, step: out * math.inf if step == 0 else out + math.inf, 3)
+    c = compare([_attached(tmp_path / f"{r}.json.gz", never_again) for r in "ef"])
+    assert c.loss.nonfinite[0] == 0 and c.loss.finite_again is None, c.loss
+    assert not c.loss.skipped

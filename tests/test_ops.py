@@ -212,6 +212,43 @@ def test_the_zoom_measures_the_planted_op_from_its_own_replays(monkeypatch, phas
     assert origin["max_ulp"] == 1 and origin["elements"] >= 1 and origin["planted"]
 
 
+class _Gated(nn.Module):
+    """`gate * sigmoid(x)`, with the gate 0 at the sigmoid's first element, where a fault
+    planted in it goes: 1 ULP there leaves the output alone, and changes the gate's
+    gradient, which multiplies by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.gate[0] = 0.0
+        return self.gate * torch.sigmoid(x)
+
+
+def test_a_forward_op_whose_difference_only_the_gradients_show_is_a_forward_cause():
+    """The module's outputs agree, its gradients do not: the first divergence is in the
+    backward records, and the cause was "a backward computation gave different gradients
+    from equal upstream gradients" beside the origin op, a forward one."""
+    def probe(device):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), _Gated())
+        return Probe(model=model, batches=[torch.randn(1, 8) for _ in range(3)],
+                     step=lambda m, b: m(b).sum(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    result = audit(probe, repeats=2, epochs=1, stress=0,
+                   fault=Fault("1", "forward", 1, op="aten.sigmoid"))
+    origin = result.investigations["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["phase"]) == ("aten.sigmoid", "1", "forward")
+    first = result.verdict.first
+    assert (first["step"], first["phase"], first["module"]) == (1, "backward", "1"), first
+    assert result.summary["cause"]["kind"] == "forward", result.summary["cause"]
+    assert "(aten.sigmoid in 1), which the module's outputs did not show" in (
+        result.summary["cause"]["text"])
+
+
 def test_the_known_fixes_of_the_origin_op_are_those_of_the_device_the_runs_recorded_on():
     """exec's audit knows the device only from its runs' traces (its configuration says
     cpu): a convolution backward that parted on a GPU was given the CPU's remedies, not

@@ -409,6 +409,12 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
     if outside is not None and c.cause in ("forward", "backward"):
         return outside["phase"], text  # (a backward difference its forward op made)
     op = first_op(ops)
+    if c.cause == "backward" and op and op.get("role") == ORIGIN and op.get("phase") == FORWARD:
+        # (the module's outputs agreed: what its backward saved of the forward did not)
+        return FORWARD, (
+            f"a forward computation gave different results from equal inputs ({op['op']} in "
+            f"{op['module']}), which the module's outputs did not show: its difference shows "
+            "first in the gradients, computed from what the forward saved")
     if (c.cause in ("forward", "backward") and ops.get("reproduced") and op
             and not ops.get("origin_ops") and not ops.get("outside_dispatcher")
             and op.get("role") != ORIGIN):

@@ -124,7 +124,7 @@ class LossDrift:
     per_step: list[tuple[int, int, float]]  # (step, epoch, max relative difference)
     nonfinite: tuple[int, int, str] | None = None  # first (step, epoch, "nan"/"inf") of repeat 0
     finite_again: int | None = None  # the first step after it whose losses are all finite
-    skipped: bool = False  # a GradScaler skipped that step's update
+    skipped: bool = False  # a GradScaler skipped that step's update, the last recorded
 
     def per_epoch(self) -> list[tuple[int, float]]:
         """(epoch, max relative loss difference in that epoch)."""
@@ -1007,6 +1007,10 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
             first_step, first_epoch = info.step, info.epoch
         if values:
             per_step.append((info.step, info.epoch, rel))
+    # (said of the last step recorded only, where nothing after it says more: a loss still
+    # not finite after the skipped step is no skipped step's)
+    last = ref.steps[:common][-1].step if ref.steps[:common] else None
+    skipped = skipped and finite_again is None and nonfinite is not None and nonfinite[0] == last
     return LossDrift(first_step, first_epoch, per_step, nonfinite, finite_again, skipped)
 
 

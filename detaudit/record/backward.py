@@ -188,7 +188,17 @@ class BackwardBoundaries:
                     n = sent[(c, slot)] = sent.get((c, slot), -1) + 1
                     edges_of.setdefault(node, []).append((k, c, f"{slot}#{n}" if n else slot))
         for node, edges in edges_of.items():
-            self._step_handles.append(node.register_hook(self._boundary_hook(edges)))
+            if node not in self._hooked:  # (hooked by an earlier backward of the step)
+                self._hooked.add(node)
+                self._step_handles.append(node.register_hook(self._boundary_hook(edges)))
+
+    def backward_key(self, call: Call, slot: str) -> tuple[str, str, int, str]:
+        """The key of a backward record of `call`: `slot`, and in the n-th later backward
+        pass of the step through the same call (`retain_graph=True`), `slot@n`. (Called
+        holding the lock.)"""
+        key = (BACKWARD, call.module, call.index, slot)
+        n = self._backward_seen[key] = self._backward_seen.get(key, -1) + 1
+        return key if n == 0 else (BACKWARD, call.module, call.index, f"{slot}@{n}")
 
     def _enclosing_calls(self, seq: int) -> list[int]:
         """The forward calls (innermost first) that created the node with sequence nr `seq`.
@@ -248,7 +258,7 @@ class BackwardBoundaries:
                             changed = self.fault_fired = True
                 if slot is not None and self._records_modules:
                     with self._lock:
-                        self._keys.append((BACKWARD, call.module, call.index, slot))
+                        self._keys.append(self.backward_key(call, slot))
                         self.fp.add(grads[k])
             return tuple(grads) if changed else None
 

@@ -28,7 +28,7 @@ from torch.nn.parameter import UninitializedBuffer
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import Fault
-from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER, STATE
+from ..trace import FORWARD, GRAD, OPTIMIZER, STATE
 from .backward import BackwardBoundaries, Call, CallIndex, SeqIndex, index_call, slot_name
 from .fingerprint import Fingerprinter, TensorPrint
 from .structure import iter_leaves, iter_tensors, next_ulp, replace_first_float
@@ -176,6 +176,10 @@ class Recorder(BackwardBoundaries):
         self._seq_index: SeqIndex | None = None
         self._call_index: CallIndex | None = None  # see _indexed
         self._recomputed = False  # some nodes of this step's graph carry their call
+        # backward records of the step so far, by key, and the autograd nodes hooked: a
+        # later backward through the same graph (`retain_graph=True`) runs those hooks again
+        self._backward_seen: dict[RecordKey, int] = {}
+        self._hooked: set[Any] = set()
 
     def begin_step(self, step: int, watch: str | None = None, rehook: bool = True) -> None:
         """Start recording global step `step`, watching its modules as `watch` says (default:
@@ -646,7 +650,7 @@ class Recorder(BackwardBoundaries):
     def _grad_out_hook(self, call: Call, slot: str):
         def hook(grad: torch.Tensor) -> None:
             with self._lock:  # backward across devices runs hooks on several threads
-                self._keys.append((BACKWARD, call.module, call.index, slot))
+                self._keys.append(self.backward_key(call, slot))
                 self.fp.add(grad)
 
         return hook
