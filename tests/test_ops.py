@@ -462,6 +462,29 @@ def test_a_backward_op_under_a_reentrant_checkpoint_is_named_with_its_module():
     assert drill["outside_dispatcher"] is None
 
 
+class _CheckpointedNonReentrant(_Checkpointed):
+    """_Checkpointed's block under a non-reentrant checkpoint, whose recomputation stops as
+    soon as it has recomputed what backward saved, by an exception through the block's
+    module calls."""
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+
+
+def test_a_backward_op_under_a_non_reentrant_checkpoint_is_a_backward_op():
+    """The calls its stopped recomputation left open took the backward's ops for theirs,
+    in the forward phase: a backward op planted @forward fired there, and a real difference
+    in it would have been called a forward one."""
+    probe = _mean_square_probe(_CheckpointedNonReentrant)
+    result = audit(probe, repeats=2, epochs=1, drill_down=True,
+                   fault=Fault("block.2", "backward", 1, op="aten.mm"))
+    origin = result.investigations["ops"]["ops"][0]
+    assert (origin["op"], origin["module"], origin["phase"]) == ("aten.mm", "block.2", "backward")
+    with pytest.raises(DetauditError, match="did not run forward"):
+        audit(probe, repeats=2, epochs=1, fault=Fault("block.2", "forward", 1, op="aten.mm"))
+
+
 def test_an_op_fault_in_a_complex_output_is_one_ulp_and_measured_so():
     """A complex op output is moved by 1 ULP in one part (two elements were swapped), and
     the difference is measured on the complex values (the imaginary parts were dropped)."""

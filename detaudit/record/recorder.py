@@ -162,7 +162,10 @@ class Recorder(BackwardBoundaries):
     def _hook(self, module: nn.Module) -> None:
         pre, post = _Hook(self._pre_hook), _Hook(self._post_hook)
         self._handles.append((module.register_forward_pre_hook(pre, with_kwargs=True), pre))
-        self._handles.append((module.register_forward_hook(post, with_kwargs=True), post))
+        # (called when forward raises too, with no output: the call ends there, as one that
+        # a non-reentrant checkpoint's recomputation stops early does)
+        self._handles.append((module.register_forward_hook(post, with_kwargs=True,
+                                                           always_call=True), post))
 
     @property
     def _records_modules(self) -> bool:
