@@ -68,9 +68,11 @@ def render_console(summary: dict[str, Any]) -> str:
                 f"is missing in {counted(f['missing'], 'repeat')}"
             )
     if summary.get("idle_rng"):
+        # (the runs may have drawn from it: draws that happened to agree, a coin flip, are
+        # luck, not proof that nothing uses it)
         lines.append(f"note: the RNG state of {', '.join(summary['idle_rng'])} differs between "
-                     "the repeats, but nothing that drew from it changed the run (unseeded, "
-                     "unused)")
+                     "the repeats (unseeded), and nothing drawn from it changed the runs this "
+                     "time: seed it, or a draw from it may part them in another run")
     if summary.get("updates_without_backward"):
         lines.append(f"note: {updates_note(summary['updates_without_backward'])}")
     if summary.get("short_epochs"):
