@@ -45,8 +45,8 @@ LOCK_FILE = ".detaudit.lock"
 # What a run leaves in its folder (removed by --overwrite before a new run starts).
 RUN_FILES = ("run.json", "summary.json", "report.md", "report.html", "report.github.html",
              "launch.log", "trace-*.json.gz", "zoom-*.json.gz", "timing-*.json", "job-*.json",
-             "rank-*.json", "attach-*.json.gz", "attach-*.kept.pt", "attach-*.measured.json", "partial-*.json.gz",
-             "*.part")
+             "rank-*.json", "attach-*.json.gz", "attach-*.kept.pt", "attach-*.measured.json",
+             "partial-*.json.gz", "*.part")
 COMPLETE = "complete"  # the state of a run that ran to its end
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM)"  # the failure of a repeat cut short
 # a run stopped by bad input found once recording had begun (a planted fault that never

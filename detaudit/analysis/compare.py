@@ -978,7 +978,6 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
     ref = traces[0]
     first_step = first_epoch = None
     nonfinite = finite_again = None
-    skipped = False
     per_step = []
     ran = min(len(t.steps) for t in traces)
     for i, info in enumerate(ref.steps[:common]):
@@ -986,7 +985,6 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
         bad = next((v for v in values.values() if not math.isfinite(v)), None)
         if bad is not None and nonfinite is None:
             nonfinite = (info.step, info.epoch, "nan" if math.isnan(bad) else "inf")
-            skipped = not info.optimizer_stepped and info.scale is not None
         elif bad is None and values and nonfinite is not None and finite_again is None:
             finite_again = info.step  # (a step a GradScaler skipped, one bad batch)
         if i >= ran:  # (repeat 0's own steps: non-finite losses are said, not compared)
@@ -1007,10 +1005,11 @@ def _loss_drift(traces: list[Trace], common: int | None = None) -> LossDrift:
             first_step, first_epoch = info.step, info.epoch
         if values:
             per_step.append((info.step, info.epoch, rel))
-    # (said of the last step recorded only, where nothing after it says more: a loss still
-    # not finite after the skipped step is no skipped step's)
-    last = ref.steps[:common][-1].step if ref.steps[:common] else None
-    skipped = skipped and finite_again is None and nonfinite is not None and nonfinite[0] == last
+    # a GradScaler skipped the update of the step the loss stopped being finite at, the last
+    # recorded (nothing after it says more; a loss still not finite later is no skipped step's)
+    last = ref.steps[:common][-1] if ref.steps[:common] else None
+    skipped = (nonfinite is not None and last is not None and nonfinite[0] == last.step
+               and not last.optimizer_stepped and last.scale is not None)
     return LossDrift(first_step, first_epoch, per_step, nonfinite, finite_again, skipped)
 
 
