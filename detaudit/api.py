@@ -67,6 +67,9 @@ class Progress:
     def advance(self, description: str) -> None:
         """One unit is done; `description` says where the audit is now."""
 
+    def status(self, description: str) -> None:
+        """The unit under way has moved on (a run's steps); `description` says where."""
+
     def note(self, message: str) -> None:
         """Something the user must know before the work starts (e.g. which code will run)."""
 

@@ -881,6 +881,10 @@ class _Bar(Progress):
             self.bar.set_description(description)
             self.bar.update(1)
 
+    def status(self, description: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(description)
+
     def note(self, message: str) -> None:
         print(f"detaudit: {_safe(message)}", file=sys.stderr)
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .analysis.compare import Comparison
 from .analysis.compare import compare as compare_traces
@@ -134,7 +134,8 @@ def exec_command(
                     command, job, folder.path, repeat, probe, output, stdin=stdin,
                     since_ns=since_ns, stepped_before=any(
                         t.steps for run in runs for t in run.values()),
-                    like=runs[0] if runs else None)
+                    like=runs[0] if runs else None, on_steps=_shown_as(
+                        progress, f"run {repeat + 1}/{job.repeats}: ", job.max_steps))
                 if runs and (None in recorded) != (None in runs[0]):
                     raise DetauditError(
                         f"repeat {repeat} recorded {_what(recorded)} and repeat 0 "
@@ -358,9 +359,14 @@ def _zoom_command(
         shown.start(job.repeats, "run", f"zoom: step {step}, module and op level")
         runs = []
         for r in range(job.repeats):
-            runs.append(_run_once(command, replace(job, max_steps=step + 1, fault=planted),
-                                  folder.path, r, probe, output, zoom=step, stdin=stdin,
-                                  since_ns=since_ns)[0])
+            run = f"zoom: step {step}, run {r + 1}/{job.repeats}: "
+            detailed = f"{run}recording step {step} at module and op level"
+            shown.status(detailed if step == 0 else f"{run}replaying the steps before it")
+            runs.append(_run_once(
+                command, replace(job, max_steps=step + 1, fault=planted), folder.path, r,
+                probe, output, zoom=step, stdin=stdin, since_ns=since_ns,
+                on_steps=lambda ended, run=run, detailed=detailed: shown.status(
+                    detailed if ended >= step else f"{run}{ended}/{step} steps replayed"))[0])
             shown.advance(f"zoom: step {step}, run {r + 1}/{job.repeats} replayed")
         shown.close()
         nonlocal zoomed_rank
@@ -392,6 +398,12 @@ def _zoom_command(
     folder.info.extra["zoom"] = found
     folder.save()
     return (compare_traces(traces, comparison.idle_rng) if traces else None), zoomed_rank
+
+
+def _shown_as(progress: Progress, run: str, max_steps: int | None) -> Callable[[int], None]:
+    """What shows a run's steps as they end, after `run` (which run it is)."""
+    return lambda ended: progress.status(
+        f"{run}{ended}{f'/{max_steps}' if max_steps else ''} steps")
 
 
 @dataclass
@@ -449,14 +461,16 @@ def _repeated_stdin() -> Any:
 def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
               probe: dict[str, Any], output: Any, zoom: int | None = None, stdin: Any = None,
               since_ns: int | None = None, stepped_before: bool = False,
-              like: Recorded | None = None) -> tuple[Recorded, dict[str, Any]]:
+              like: Recorded | None = None, on_steps: Callable[[int], None] | None = None,
+              ) -> tuple[Recorded, dict[str, Any]]:
     """One run of the command in its own process group; its trace, or each rank's. `stdin`:
     its standard input (see _repeated_stdin), read from the start; `since_ns`: when the
     audit began (the run notes the files it loads that an earlier run wrote). A run that
     ends (exit 0) before its first step after an earlier run made steps is a run of no
     steps, compared with the others (a script that resumed from what an earlier run saved,
     with nothing left to train), not an error. `like`: what the first run recorded (its
-    ranks), which one stopped for its step timeout before recording anything stands as."""
+    ranks), which one stopped for its step timeout before recording anything stands as.
+    `on_steps` is given the steps the run ended, as they end (see wait_watching)."""
     path = folder.absolute() / _attach_name(repeat)  # (the command may change directory)
     fault = job.fault if job.fault is not None and repeat == job.repeats - 1 else None
     began_ns = time.time_ns()
@@ -502,7 +516,8 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
     except OSError as exc:  # not found, not executable, no interpreter line (ENOEXEC), ...
         raise DetauditError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
     try:
-        code, timed_out = wait_watching(child, path, job.step_timeout, STOP_GRACE_S)
+        code, timed_out = wait_watching(child, path, job.step_timeout, STOP_GRACE_S,
+                                        on_steps)
     except KeyboardInterrupt:  # the command saves its trace on SIGTERM, then ends
         stop_run(child, path, STOP_GRACE_S)
         clear_files(path)

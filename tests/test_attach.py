@@ -1238,20 +1238,26 @@ def test_the_step_timeout_stops_each_rank_under_a_thin_launcher_saying_where_eac
 def test_the_step_timeout_waits_on_steps_and_kills_what_does_not_end_when_asked(
         tmp_path, monkeypatch):
     """The clock restarts at each step's end, so a run longer than the timeout whose steps
-    keep ending is not stopped; a process that ignores SIGTERM is killed after the grace."""
+    keep ending is not stopped; a process that ignores SIGTERM is killed after the grace.
+    The steps ended are shown as they end, with a timeout or without."""
     from detaudit.drivers import stopping
 
     trace = tmp_path / "attach-0.json.gz"
     beats = textwrap.dedent(f"""\
-        import pathlib, time
-        for _ in range(8):
+        import pathlib, sys, time
+        for step in range(int(sys.argv[1])):
             time.sleep(0.25)
-            pathlib.Path({str(trace) + ".progress"!r}).touch()
+            pathlib.Path({str(trace) + ".progress"!r}).write_text(str(step + 1))
     """)
-    stepping = subprocess.Popen([sys.executable, "-c", beats], start_new_session=True)
-    started = time.monotonic()
-    assert stopping.wait_watching(stepping, trace, 1.0, grace=10.0) == (0, None)
-    assert time.monotonic() - started > 1.5  # (it ran past the timeout, stepping)
+    for timeout, steps in ((1.0, 8), (None, 5)):
+        stepping = subprocess.Popen([sys.executable, "-c", beats, str(steps)],
+                                    start_new_session=True)
+        started, shown = time.monotonic(), []
+        assert stopping.wait_watching(stepping, trace, timeout, grace=10.0,
+                                      on_steps=shown.append) == (0, None)
+        assert time.monotonic() - started > 1.0  # (it ran past the timeout, stepping)
+        # (seen once a second: a step or more between)
+        assert shown and shown == sorted(set(shown)) and set(shown) <= set(range(1, steps + 1))
     deaf = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""\
         import os, signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -1343,8 +1349,44 @@ def test_a_process_of_the_run_in_a_session_of_its_own_is_ended_too(tmp_path):
     assert stopping._stat(pid)[0] in ("", "Z")  # killed (reaped, or waiting to be)
 
 
-def test_the_recording_process_marks_the_end_of_each_step_for_the_step_timeout(tmp_path):
-    """What exec's watch reads: the file beside the trace, touched as each step ends."""
+def test_exec_shows_each_runs_steps_as_they_end_in_its_scans_and_its_zoom(
+        tmp_path, monkeypatch):
+    """A long command's runs show their steps as progress, and the zoom's replays which
+    step they replay and when they record the zoomed one in detail (looked at often here:
+    each step of this script is short)."""
+    from detaudit import api, execution
+    from detaudit.config import ExecJob, Fault
+    from detaudit.drivers import stopping
+
+    class Shown(api.Progress):
+        def __init__(self):
+            self.said: list[str] = []
+
+        def status(self, description: str) -> None:
+            self.said.append(description)
+
+    monkeypatch.setattr(stopping, "WATCH_INTERVAL_S", 0.02)
+    shown = Shown()
+    result = execution.exec_command(
+        [sys.executable, str(SCRIPT), "--workers", "0", "--accumulate", "1"],
+        ExecJob(seed=0, max_steps=2, fault=Fault.parse("head@backward:1")),
+        out=tmp_path / "run", output=subprocess.DEVNULL, progress=shown)
+    assert result.exit_code == 1 and result.verdict.first["module"] == "head"
+    said = list(dict.fromkeys(shown.said))
+    # (a step's end is written as the next begins; the last step's as the run ends, which
+    # may come too soon to be seen)
+    scans = [s for s in said if not s.startswith("zoom")]
+    assert scans[0] == "run 1/2: 1/2 steps" and "run 2/2: 1/2 steps" in scans
+    assert set(scans) <= {f"run {r}/2: {n}/2 steps" for r in (1, 2) for n in (1, 2)}
+    assert [s for s in said if s.startswith("zoom")] == [
+        "zoom: step 1, run 1/2: replaying the steps before it",
+        "zoom: step 1, run 1/2: recording step 1 at module and op level",
+        "zoom: step 1, run 2/2: replaying the steps before it",
+        "zoom: step 1, run 2/2: recording step 1 at module and op level"]
+
+
+def test_the_recording_process_marks_the_end_of_each_step_for_exec_to_watch(tmp_path):
+    """What exec's watch reads: the file beside the trace, written as each step ends."""
     from detaudit.drivers.stopping import step_ended
 
     model = nn.Linear(4, 1)
@@ -1352,19 +1394,22 @@ def test_the_recording_process_marks_the_end_of_each_step_for_the_step_timeout(t
     attachment = Attachment(tmp_path / "t.json.gz", {}).install()
     attachment.on_step_end = functools.partial(step_ended, attachment.path)
     beat = tmp_path / "t.json.gz.progress"
-    ends = []
+    ends, said = [], []
     try:
         for _ in range(3):
             model(torch.ones(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
             ends.append(beat.stat().st_mtime_ns if beat.exists() else None)
+            said.append(beat.read_text() if beat.exists() else None)
             time.sleep(0.02)
     finally:
         attachment.finish()
         attachment.uninstall()
-    # a step ends as the next begins: the first update leaves no mark, each later one does
+    # a step ends as the next begins: the first update leaves no mark, each later one does,
+    # with the steps ended (exec shows them as its progress)
     assert ends[0] is None and None not in ends[1:] and ends[1] < ends[2]
+    assert said == [None, "1", "2"]
     assert len(Trace.load(tmp_path / "t.json.gz").steps) == 3
 
 

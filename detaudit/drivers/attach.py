@@ -170,7 +170,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self.models = ModelFinder(model, optimizer)  # which modules are the models
         self.max_steps, self.max_epochs = max_steps, max_epochs
         self.on_limit = on_limit
-        self.on_step_end: Callable[[], None] | None = None  # (exec's --step-timeout watch)
+        # exec's watch of the run (its progress, its --step-timeout): given the steps ended
+        self.on_step_end: Callable[[int], None] | None = None
         self.finishing = False  # (saving the trace as the run ends)
         self.zoom, self.fault = zoom, fault
         # the step a fault is planted at, in whichever run: recorded at module level in all
@@ -760,6 +761,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             store_records(self.trace, self.info.step, self._carried)
             self._carried = None
         store_records(self.trace, self.info.step, self.recorder.end_step())
+        ended = self.info.step + 1
         self.info.keep_losses(self._loss_values)
         self._loss_values = {}
         self.trace.steps.append(self.info)
@@ -772,7 +774,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self.stream.due():
             self.save()
         if self.on_step_end is not None:
-            self.on_step_end()
+            self.on_step_end(ended)
 
     def stop(self) -> None:
         """The step or epoch limit is reached: save, stop recording, end the loop."""

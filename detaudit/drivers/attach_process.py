@@ -252,8 +252,7 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
     # (exec asks it to stop, and ends it if it will not)
     note_attached(job["trace"], watched=bool(job.get("step_timeout")))
     attachment.trace.probe[RECORDED_BY] = os.getpid()
-    if job.get("step_timeout"):
-        attachment.on_step_end = lambda: step_ended(attachment.path)  # (a rank's path, too)
+    attachment.on_step_end = lambda steps: step_ended(attachment.path, steps)  # (a rank's too)
     if (threading.current_thread() is threading.main_thread()  # (torch imported in a thread)
             and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
         signal.signal(signal.SIGTERM, _on_terminate(attachment, job))

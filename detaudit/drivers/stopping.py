@@ -3,9 +3,10 @@ no step ends in time, saying where it was.
 
 Every process of the run that attaches notes itself beside the run's trace (PIDS_SUFFIX):
 exec asks each to stop, and kills what is left, torchrun's ranks in sessions of their own
-too (:func:`stop_run`, :func:`kill_left`). With a step timeout the recording process (each
-rank's) touches a file as each step ends (PROGRESS_SUFFIX), and exec watches when those
-files change (:func:`wait_watching`). When no step has ended for the timeout, it leaves a
+too (:func:`stop_run`, :func:`kill_left`). The recording process (each rank's) writes the
+number of steps it ended to a file as each step ends (PROGRESS_SUFFIX), and exec watches
+those files (:func:`wait_watching`): it shows the steps as progress and, with a step
+timeout, watches when they change. When no step has ended for the timeout, it leaves a
 mark (TIMED_OUT_SUFFIX), has each noted process write its stacks from C (DUMP_SIGNAL, which
 works where Python cannot run a handler), then asks the command and each noted process to
 stop (SIGTERM). A process that finds the mark as the signal comes keeps the step it had
@@ -57,26 +58,31 @@ _SAID = "no step ended within the --step-timeout"  # (how each failure it makes 
 
 # -- in exec's own process --------------------------------------------------------------
 def wait_watching(child: subprocess.Popen, trace: Path, timeout: float | None,
-                  grace: float) -> tuple[int, str | None]:
+                  grace: float, on_steps: Callable[[int], None] | None = None,
+                  ) -> tuple[int, str | None]:
     """The command's exit code, and how it was stopped for `timeout` (None: it was not). A
     run in which no step ends for that long (from the start, then from each step's end in
     any rank) is marked timed out and its processes asked to stop; whatever of them has not
-    ended within `grace` seconds is killed."""
-    if timeout is None:
+    ended within `grace` seconds is killed. `on_steps` is given the steps ended (the most
+    of any rank) when that changes."""
+    if timeout is None and on_steps is None:
         return child.wait(), None
     seen: dict[Path, int] = {}
     last = time.monotonic()  # (the files' changes, not their times: no clock of theirs)
     while True:
         try:
-            return child.wait(timeout=min(timeout, WATCH_INTERVAL_S)), None
+            return child.wait(timeout=min(timeout or WATCH_INTERVAL_S, WATCH_INTERVAL_S)), None
         except subprocess.TimeoutExpired:
             pass
-        for beat in beside(trace, PROGRESS_SUFFIX):
+        beats, moved = beside(trace, PROGRESS_SUFFIX), False
+        for beat in beats:
             with contextlib.suppress(OSError):
                 changed = beat.stat().st_mtime_ns
                 if seen.get(beat) != changed:
-                    seen[beat], last = changed, time.monotonic()
-        if time.monotonic() - last > timeout:
+                    seen[beat], last, moved = changed, time.monotonic(), True
+        if moved and on_steps is not None:
+            on_steps(max(map(_steps_ended, beats)))
+        if timeout is not None and time.monotonic() - last > timeout:
             break
     mark = trace.with_name(trace.name + TIMED_OUT_SUFFIX)
     mark.touch()
@@ -87,6 +93,14 @@ def wait_watching(child: subprocess.Popen, trace: Path, timeout: float | None,
     _ask_for_stacks(child, trace)
     ended = stop_run(child, trace, grace)
     return child.wait(), UNSTARTED if unstarted else ASKED if ended else KILLED
+
+
+def _steps_ended(beat: Path) -> int:
+    """The steps a progress file says its process ended (0 while it is being written)."""
+    try:
+        return int(beat.read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 def _ask_for_stacks(child: subprocess.Popen, trace: Path) -> None:
@@ -305,10 +319,10 @@ def note_attached(trace: str, watched: bool = False) -> None:
         pids.write(f"{os.getpid()} {_stat('self')[1]}\n")
 
 
-def step_ended(path: Path) -> None:
-    """This process ended a step of the trace at `path`."""
+def step_ended(path: Path, steps: int) -> None:
+    """This process ended a step of the trace at `path`, its `steps`-th."""
     with contextlib.suppress(OSError):
-        path.with_name(path.name + PROGRESS_SUFFIX).touch()
+        path.with_name(path.name + PROGRESS_SUFFIX).write_text(str(steps))
 
 
 def timed_out(trace: str) -> bool:
