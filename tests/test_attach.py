@@ -2457,11 +2457,16 @@ def test_which_process_of_a_command_records(tmp_path, env, records_as):
 
 
 def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):
-    """The script raises in its third step, before the update: steps 0 and 1 were
-    completed, and the headline says so."""
+    """The script raises in its third step's backward, before the update: steps 0 and 1
+    were completed, and the headline says so. Its traceback is shown as it is without
+    detaudit: the wrapper of ``backward`` it passed through is left out."""
     done = _exec(tmp_path, "--seed", "0", "--json", script_args=("--crash-at", "2",
                                                                  "--workers", "0"))
     assert done.returncode == 3, done.stdout + done.stderr
+    frames = [line for line in done.stderr.splitlines() if line.startswith('  File "')]
+    assert frames[0].startswith(f'  File "{SCRIPT}"') and f"{SCRIPT}\", line " in frames[-1]
+    assert any(f"torch{os.sep}_tensor.py" in f for f in frames), done.stderr
+    assert not [f for f in frames if f"{os.sep}detaudit{os.sep}" in f], done.stderr
     summary = json.loads(done.stdout)
     assert summary["verdict"] == "failed"
     headline = summary["headline"]

@@ -8,8 +8,10 @@ the step belongs to (``DataLoader.__iter__``, its iterators' ``__next__``), a sk
 of a distributed command, the parameters as built (``DistributedDataParallel.__init__``).
 Each wrapper here calls the original and calls back into the attachment (the
 :class:`Callbacks` it is made for); a warning torch aims at the caller of a wrapped function
-is shown at the user's line, not at the wrapper (:func:`shown_past_wrappers`). :class:`Installing`, a part of the attachment (a mixin),
-puts them and the global hooks in and takes them out again.
+is shown at the user's line, not at the wrapper (:func:`shown_past_wrappers`), and a
+script's error is shown without the wrappers it passed through (:func:`without_wrappers`).
+:class:`Installing`, a part of the attachment (a mixin), puts them and the global hooks in
+and takes them out again.
 """
 
 from __future__ import annotations
@@ -415,6 +417,21 @@ def shown_past_wrappers(show: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return show(message)
 
     return _showwarnmsg
+
+
+def without_wrappers(tb: Any) -> Any:
+    """Traceback `tb` without the frames of detaudit's wrappers that the error passed
+    through (``torch.load``'s, ``backward``'s): a script's own error is shown as it is
+    without detaudit. A wrapper's frame the error was raised in stays."""
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code in WRAPPERS:
+        tb = tb.tb_next
+    entry = tb
+    while entry is not None:
+        after = entry.tb_next
+        while after is not None and after.tb_next is not None and after.tb_frame.f_code in WRAPPERS:
+            after = after.tb_next
+        entry.tb_next, entry = after, after
+    return tb
 
 
 def _past_wrappers(frame: Any, filename: str, lineno: int) -> Any:

@@ -37,6 +37,7 @@ from ..config import (
 )
 from ..record.sites import user_call_site
 from .attach import Attachment
+from .attach_patches import without_wrappers
 from .rankprobe import RankWatch
 from .runner import describe_user_error
 from .stopping import note_attached, step_ended, stopped_by_the_timeout, timed_out
@@ -49,7 +50,12 @@ def failure_hook(attachment: Attachment) -> Callable[..., None]:
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         with contextlib.suppress(Exception):
             attachment.trace.failure = describe_user_error(exc.with_traceback(tb), "while running")
-        previous(kind, exc, tb)
+        shown, seen = exc, set()
+        while shown is not None and id(shown) not in seen:  # (and the errors it was raised in)
+            seen.add(id(shown))
+            shown.__traceback__ = without_wrappers(shown.__traceback__)
+            shown = shown.__cause__ or shown.__context__
+        previous(kind, exc, exc.__traceback__)
 
     return hook
 

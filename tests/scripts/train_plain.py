@@ -67,7 +67,7 @@ def main():
     p.add_argument("--seed-self", action="store_true")
     p.add_argument("--forever", action="store_true", help="loop until stopped, catching exits")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long each step")
-    p.add_argument("--crash-at", type=int, help="raise at this optimizer step")
+    p.add_argument("--crash-at", type=int, help="raise in the backward of this optimizer step")
     p.add_argument("--race", action="store_true", help="a duplicate-index gather (2 threads)")
     p.add_argument("--tied", action="store_true", help="a layer sharing the head's weight")
     p.add_argument("--by-hand", action="store_true", help="SGD written out, no torch.optim")
@@ -94,10 +94,15 @@ def main():
     def loss_of(x, y):
         return nn.functional.cross_entropy(model(x), y) / args.accumulate
 
-    def backward_of(x, y):
+    def backward_of(x, y, crash=False):
         loss = loss_of(x, y)
+        if crash:  # (raised inside backward, as a hook's or a custom Function's error is)
+            loss.register_hook(bug)
         loss.backward()
         return loss
+
+    def bug(grad):
+        raise RuntimeError("the script's own bug")
 
     if args.compile == "function":
         loss_of = torch.compile(loss_of, backend="aot_eager")
@@ -131,10 +136,9 @@ def main():
         model.train()
         for i, (x, y) in enumerate(loader):
             try:
-                backward_of(x, y)
-                if i % args.accumulate == args.accumulate - 1:
-                    if steps == args.crash_at:
-                        raise RuntimeError("the script's own bug")
+                updating = i % args.accumulate == args.accumulate - 1
+                backward_of(x, y, crash=updating and steps == args.crash_at)
+                if updating:
                     update()
                     steps += 1
                     time.sleep(args.step_seconds)
