@@ -101,6 +101,9 @@ OP_FORWARD, OP_BACKWARD = "op.forward", "op.backward"
 # model's outputs, and its backward); "" is the model's own call
 OUTSIDE_MODEL = "(outside the model)"
 MODEL_STATE = ("param.", "buffer.")  # the model's state records' slots, as a step begins
+# the slot prefix of a gradient record as a backward left it, before the loop's own code
+# could rescale it (at module-level steps; the update's own are "param.<name>")
+LEFT_BY_BACKWARD = "left."
 LOADER_BATCH = "batch.loader"  # a state record: a batch as the DataLoader yielded it (exec, watch)
 OP_PHASES = (OP_FORWARD, OP_BACKWARD)
 PHASES = (STATE, FORWARD, BACKWARD, GRAD, OPTIMIZER, OUTPUT, *OP_PHASES)

@@ -492,6 +492,52 @@ def test_a_fault_in_an_ensemble_members_own_forward_is_named_there(tmp_path, op)
     assert set(ops[ops.phase == "op.forward"].module) == {"Member", "Member.fc"}
 
 
+@pytest.mark.parametrize("fault", ["a@forward", "b@backward", "b/aten.mm@backward"])
+def test_gradients_clipping_rescales_are_no_origins_of_the_modules_they_belong_to(
+        tmp_path, fault):
+    """``clip_grad_norm_`` that always clips (Ultralytics') scales every gradient by a norm
+    the planted fault made differ: each module whose own backward agreed was an origin of
+    its own ("its inputs agree"). The gradients are also recorded as backward left them,
+    before the loop's code: a difference made after is no module's; one a module's
+    backward made, with clipping after it, is still that module's."""
+    from detaudit.analysis.compare import compare
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(32, 8)
+
+        def forward(self, x):
+            h = torch.relu(self.stem(x))
+            return self.a(h), self.b(h.detach())  # (b's gradient does not depend on a's)
+
+    def loop():
+        torch.manual_seed(0)
+        model = Heads()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            ya, yb = model(torch.randn(64, 16))
+            # (a's loss magnifies a 1-ULP change: the norm every gradient is clipped by
+            # differs in its last bits)
+            ((ya * 1e5).sin().mean() + yb.square().mean()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+            opt.zero_grad()
+
+    def run(path, planted=None):
+        return _attached(path, loop, fault=planted, planted_step=1, zoom=1)
+
+    module, phase = fault.split("@")[0].split("/")[0], fault.split("@")[1]
+    op = fault.split("@")[0].split("/")[1] if "/" in fault else None
+    plain = run(tmp_path / "plain.json.gz")
+    faulted = run(tmp_path / "faulted.json.gz", detaudit.Fault(module, phase, 1, op))
+    c = compare([plain, faulted])
+    assert (c.first_step, c.cause) == (1, phase)
+    assert [(o.module, o.phase) for o in c.origins] == [(module, phase)]
+    if phase == "forward":  # (the clipping made every gradient the update took differ)
+        assert {m for _, m, _ in c.grad_diffs} == {"a", "b", "stem"}
+
+
 def test_a_parametrized_layer_in_inference_leaves_one_model_and_a_step_per_call(tmp_path):
     """Reading a parametrized weight calls its parametrizations: the layers after it are
     no top-level calls (each was taken for another model, its output a step of its own)."""
@@ -3857,6 +3903,43 @@ def test_watch_keeps_the_steps_before_an_error_in_the_loop(tmp_path):
     assert (result.verdict.kind, result.exit_code) == ("failed", 3), result.verdict.headline
     assert "the repeats agree over the 2 steps every repeat completed" in (
         result.verdict.headline)
+
+
+@pytest.mark.parametrize("apart", ["in the batch", "nowhere"])
+def test_backward_passes_a_run_ends_without_applying_are_its_last_step(tmp_path, apart):
+    """A loop that ends after backward, before the update that would apply it (passes
+    accumulated toward a nominal batch larger than the data: Ultralytics' at nbs 64), keeps
+    them as its last step, without an update. Runs that differed only there, in the batch,
+    its loss and the BatchNorm statistics it left, were DETERMINISTIC."""
+    def train(run: int) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detaudit.watch(model, opt, out=tmp_path / "runs"):
+            for i in range(5):  # accumulating 2 batches: the last is never applied
+                x = torch.arange(32.0).reshape(8, 4) / (i + 1)
+                if i == 4 and apart == "in the batch":
+                    x[0, 0] += run  # (the second run's last batch)
+                model(x).square().mean().backward()
+                if i % 2 == 1:
+                    opt.step()
+                    opt.zero_grad()
+
+    train(0), train(1)
+    result = detaudit.compare(tmp_path / "runs")
+    steps = result.traces[0].steps
+    assert [s.optimizer_stepped for s in steps] == [True, True, False]
+    assert len(steps[2].losses) == 1  # (the pass it holds)
+    records = result.traces[0].frame()
+    assert {"param.weight", "param.bias"} <= set(
+        records[(records.step == 2) & (records.phase == "grad")].slot)  # the gradients left
+    if apart == "nowhere":
+        assert result.verdict.headline == (
+            "DETERMINISTIC: 2 repeats bit-identical over 3 steps"), result.verdict.headline
+        return
+    assert result.exit_code == 1, result.verdict.headline
+    assert result.verdict.headline.startswith("DIVERGENT: first at step 2 (epoch 1), state, ")
+    assert result.comparison.cause == "data"
 
 
 def test_exec_keeps_the_steps_before_an_error_between_two_updates(tmp_path):

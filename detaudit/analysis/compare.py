@@ -29,6 +29,7 @@ from ..trace import (
     BACKWARD,
     FORWARD,
     GRAD,
+    LEFT_BY_BACKWARD,
     LOADER_BATCH,
     MODEL_STATE,
     OP_BACKWARD,
@@ -625,7 +626,7 @@ class _StepDiffs:
             stress=stressed_ops(traces),
             rng_gap=gap,
             grad_diffs=[(d.step, d.module, d.slot.removeprefix("param.")) for d in kept
-                        if d.phase == GRAD],
+                        if d.phase == GRAD and d.slot.startswith("param.")],
             # a stream only missing where a run ended (runs of different lengths) is no
             # state that differs
             idle_rng=sorted(slot.removeprefix("rng.") for slot in idle & self.rng_valued),
@@ -693,6 +694,17 @@ class _StepCalls:
         inside = f"{module}." if module else ""
         return module in self.changed or module not in self.holding_calls and any(
             m.startswith(inside) for m in self.changed)
+
+    def rescaled_after_backward(self, module: str) -> bool:
+        """The module's gradients as backward left them were recorded in the step and
+        agree: a difference in those the update took was made after backward, by the
+        loop's own code over every gradient (clipping by a norm that other gradients made
+        differ; unscaling)."""
+        left = [slot.startswith(LEFT_BY_BACKWARD) for slot in
+                (key[3] for key in self.position if key[0] == GRAD and key[1] == module)]
+        return any(left) and not any(
+            d.slot.startswith(LEFT_BY_BACKWARD) for (at, p, m, _), ds in self.slots.items()
+            if at == self.step and p == GRAD and m == module for d in ds)
 
     def first_position(self, phase: str, module: str, call: int) -> int:
         return min((self.position.get((phase, module, call, d.slot), -1)
@@ -778,10 +790,12 @@ class _StepCalls:
                 readers[read].add((module, index))
         pending: list[_Pending] = []
         for (s, phase, module, call), ds in slots.items():
-            if s != step or phase != GRAD:
+            ds = [d for d in ds if not d.slot.startswith(LEFT_BY_BACKWARD)]  # (see below)
+            if s != step or phase != GRAD or not ds:
                 continue
             mine = self.first_position(GRAD, module, call)
-            upstream = self.params_differ(module) or self.after_carried(GRAD, module, call) or any(
+            upstream = self.params_differ(module) or self.after_carried(GRAD, module, call) or (
+                self.rescaled_after_backward(module)) or any(
                 (p == FORWARD or self.differs(BACKWARD, module, c, "grad_out"))
                 and (self.carried is None or self.first_position(p, m, c) < mine)
                 for (at, p, m, c) in slots if at == step and m == module
@@ -872,13 +886,14 @@ def _evaluations(ref: Trace, step: int,
     last_evaluation = 0
     for i, key in enumerate(zip(r["phase"], r["module"], r["call"], r["slot"])):
         position.setdefault(key, i)
-        if key[0] == GRAD:
+        if key[0] == GRAD and not key[3].startswith(LEFT_BY_BACKWARD):
             last_evaluation = max(last_evaluation, key[2])
     if not last_evaluation:
         return position, None
     carried = [position.get((GRAD, module, call, d.slot), -1)
                for (at, phase, module, call), ds in slots.items()
-               if at == step and phase == GRAD and call < last_evaluation for d in ds]
+               if at == step and phase == GRAD and call < last_evaluation for d in ds
+               if not d.slot.startswith(LEFT_BY_BACKWARD)]
     return position, min((p for p in carried if p >= 0), default=None)
 
 

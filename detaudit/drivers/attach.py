@@ -820,15 +820,25 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self._record_update_by_hand(last=True)
         if self.info is not None and self._discarded and not self._updated:
             self._drop_step()
-        if self.info is not None and self.recorder is not None and (
+        unapplied = (self.info is not None and self.recorder is not None
+                     and self.trace.failure is None and not self._updated
+                     and bool(self._losses) and bool(self._optimizers))
+        if unapplied:
+            # the run ended after backward, before the update that would have applied it
+            # (accumulated passes the loop never applied): kept as a step without an
+            # update, with the gradients it left, whose runs may differ as any step's may
+            assert self.info is not None and self.recorder is not None
+            self._end_ops()
+            self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE)
+        elif self.info is not None and self.recorder is not None and (
                 (self.trace.failure is not None and not self._moved_on) or (
                     not self._updated and (self._optimizers or not self._losses))):
             # the step that failed (after its update too: what the loop does after it, a
             # w.step naming its losses, a scheduler's step, never ran; but not once the loop
             # has taken the next batch, or ended its pass: the failure is not the step's),
-            # or that the process ended in before its update (a script that exits on a NaN
-            # loss before backward), is not kept half-recorded; nor calls in training mode
-            # that no backward or update followed (nothing trained)
+            # or that the process ended in before backward (a script that exits on a NaN
+            # loss), is not kept half-recorded; nor calls in training mode that no backward
+            # or update followed (nothing trained)
             self.recorder.end_step()
             self.info = None
         self.end_step()

@@ -25,7 +25,7 @@ from torch._C._autograd import _get_sequence_nr
 
 from ..config import CALLS_UNSEEN, DROPPED_STEPS
 from ..record.environment import capture_environment
-from ..record.recorder import WATCH_NONE, StepRecords, printed_now
+from ..record.recorder import WATCH_MODULE, WATCH_NONE, StepRecords, printed_now
 from ..trace import OPTIMIZER, OUTPUT, STATE
 from .attach_models import MAX_MODEL_SEARCHES, held_by_an_optimizer, parameters_of
 
@@ -247,9 +247,13 @@ class Updates:
         """A backward is over, outside any module call. In a loop that may update by hand
         (an update found only at the next call, inside it), the parameters' versions are
         taken, and the module hooks are set now for the next step, as an optimizer's update
-        would set them."""
-        if self.info is None or self.recorder is None or self.stopped or (
-                not self._updates_by_hand()):
+        would set them. At a module-level step, the gradients are recorded as it left
+        them (see Recorder.record_grads_left_by_backward)."""
+        if self.info is None or self.recorder is None or self.stopped:
+            return
+        if self._watch(self.info.step) == WATCH_MODULE:
+            self.recorder.record_grads_left_by_backward()
+        if not self._updates_by_hand():
             return
         model = self.models.current()
         assert model is not None

@@ -28,7 +28,7 @@ from torch.nn.parameter import UninitializedBuffer
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..config import Fault
-from ..trace import FORWARD, GRAD, OPTIMIZER, STATE
+from ..trace import FORWARD, GRAD, LEFT_BY_BACKWARD, OPTIMIZER, STATE
 from .backward import BackwardBoundaries, Call, CallIndex, SeqIndex, index_call, slot_name
 from .fingerprint import Fingerprinter, TensorPrint
 from .structure import iter_leaves, iter_tensors, next_ulp, replace_first_float
@@ -183,6 +183,7 @@ class Recorder(BackwardBoundaries):
         # later backward through the same graph (`retain_graph=True`) runs those hooks again
         self._backward_seen: dict[RecordKey, int] = {}
         self._hooked: set[Any] = set()
+        self._backwards_left = 0  # the backward passes whose gradients are recorded so far
 
     def begin_step(self, step: int, watch: str | None = None, rehook: bool = True) -> None:
         """Start recording global step `step`, watching its modules as `watch` says (default:
@@ -348,6 +349,18 @@ class Recorder(BackwardBoundaries):
         skips their passes over every gradient. `call` counts the evaluations of an
         optimizer that takes several in one step (LBFGS's closure)."""
         self._record_per_parameter(GRAD, stats, self._grads(of), call)
+
+    def record_grads_left_by_backward(self) -> None:
+        """Every parameter's ``.grad`` as a backward of the step has just left it, before
+        the loop's own code can rescale it (clipping, unscaling), keyed (grad, owning
+        module, n, left.param.<name>) for the step's n-th backward: what tells a gradient
+        its backward made differ from one the loop rescaled by a norm another made differ."""
+        items = self._grads(None)
+        self._keys += [(GRAD, owner, self._backwards_left, f"{LEFT_BY_BACKWARD}{slot}")
+                       for _, owner, _, slot in _parameter_keys(GRAD, items)]
+        with _disable_current_modes():  # (an op-level step's mode: these ops are not the model's)
+            self.fp.add_many([t for _, t in items], stats=True)
+        self._backwards_left += 1
 
     def _grads(self, of: Iterable[torch.Tensor] | None) -> list[tuple[str, torch.Tensor]]:
         grads = [(name, p.grad) for name, p in self._among(of) if p.grad is not None]
