@@ -3940,6 +3940,8 @@ def test_backward_passes_a_run_ends_without_applying_are_its_last_step(tmp_path,
     assert result.exit_code == 1, result.verdict.headline
     assert result.verdict.headline.startswith("DIVERGENT: first at step 2 (epoch 1), state, ")
     assert result.comparison.cause == "data"
+    assert ("; step 2 is the backward passes the run ended without applying (no update "
+            "followed them)") in result.verdict.headline
 
 
 def test_exec_keeps_the_steps_before_an_error_between_two_updates(tmp_path):

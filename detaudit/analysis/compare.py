@@ -211,6 +211,9 @@ class Comparison:
     per_process: str | None = None
     # the model's buffers (module.buffer) whose prints as built differ (see `as_built`)
     built_buffers: list[str] = field(default_factory=list)
+    # the last step, where it holds backward passes that no update followed: the run ended
+    # first (accumulation toward a batch it never reached)
+    unapplied_step: int | None = None
 
     @property
     def proven(self) -> list[StressedOp]:
@@ -637,6 +640,7 @@ class _StepDiffs:
             side_models=list(probe_value(traces[0], SIDE_MODELS) or []),
             scripted=list(probe_value(traces[0], SCRIPTED) or []),
             built_buffers=sorted({state_name(d.module, d.slot) for d in self.built}),
+            unapplied_step=_unapplied(traces[0].steps),
         )
 
     def _drawn_during(
@@ -776,7 +780,9 @@ class _StepCalls:
         that took its parameter as an input (DETR's decoder is passed `query_embed.weight`).
         They are upstream where such a call's backward or forward differs. (Where no call
         but the model's own did, nothing tells its own difference from one that reached it,
-        so it stays an origin.)"""
+        so it stays an origin.) Gradients that backward left equal and the update took
+        differing were rescaled after backward by the loop's code (clipping by a norm that
+        other gradients made differ): upstream too."""
         step, slots = self.step, self.slots
         called = {m for m, _ in self.calls} | {m for (at, p, m, _) in slots if at == step
                                                and p in (FORWARD, BACKWARD)}
@@ -895,6 +901,15 @@ def _evaluations(ref: Trace, step: int,
                if at == step and phase == GRAD and call < last_evaluation for d in ds
                if not d.slot.startswith(LEFT_BY_BACKWARD)]
     return position, min((p for p in carried if p >= 0), default=None)
+
+
+def _unapplied(steps: list[StepInfo]) -> int | None:
+    """The last of `steps` where the run ended after its backward passes, before an update
+    (not one a GradScaler skipped) in a run that updated before: None where it did not."""
+    if len(steps) < 2 or not any(s.optimizer_stepped for s in steps[:-1]):
+        return None
+    last = steps[-1]
+    return last.step if not last.optimizer_stepped and last.scale is None and last.losses else None
 
 
 def _model_of(module: str, models: list[str]) -> str:

@@ -307,6 +307,9 @@ def _headline(
                  "inputs")
     if hidden:
         text += f"; the loss stayed bit-identical while {hidden} diverged"
+    if first["step"] == c.unapplied_step:
+        text += (f"; step {first['step']} is the backward passes the run ended without "
+                 "applying (no update followed them)")
     if c.failures:
         text += f"; then {_stopped(c)}"
     return text
