@@ -607,11 +607,12 @@ def resolve_device(name: str) -> str:
 
 
 def environment() -> tuple[dict[str, Any], dict[str, str]]:
-    """The determinism-relevant environment, and the risky settings in it with the reason."""
+    """The determinism-relevant environment, on the device `run` would audit on by default,
+    and the risky settings in it with the reason."""
     from .analysis.risks import risks
     from .record.environment import capture_environment
 
-    env = capture_environment()
+    env = capture_environment(resolve_device("auto"))
     return env, risks(env)
 
 

@@ -46,7 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     own), 130 interrupted."""
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _CommandLineRefused as exc:
+        print(exc.line, file=sys.stderr)
+        _ended_without_verdict(_options_said(argv), exc.line, EXIT_USAGE, time.perf_counter())
+        return EXIT_USAGE
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_USAGE
@@ -89,10 +94,21 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
                 "for the traceback)")
     print(f"detaudit: {line}", file=sys.stderr)
     _ended_without_verdict(args, line, code, started)
-    for folder in _MADE_FOLDERS:  # refused before anything was written: no empty folder left
-        with contextlib.suppress(OSError):
-            folder.rmdir()
+    for folder in _MADE_FOLDERS:  # refused before anything was recorded: no folder left
+        _remove_if_nothing_recorded(folder)
     return code
+
+
+def _remove_if_nothing_recorded(folder: Path) -> None:
+    """Remove a run folder this command made that holds nothing recorded: empty, or its
+    run.json alone, listing no trace (a command exec could not start, say)."""
+    with contextlib.suppress(OSError, ValueError):
+        entries = list(folder.iterdir())
+        if [p.name for p in entries] == ["run.json"]:
+            if json.loads(entries[0].read_text()).get("traces"):
+                return
+            entries[0].unlink()
+        folder.rmdir()
 
 
 def _ended_without_verdict(args: argparse.Namespace, line: str, code: int,
@@ -187,12 +203,43 @@ def _safe(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
+class _CommandLineRefused(Exception):
+    """The command line is wrong: `line` says how, in one line."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
 class _OneLineErrors(argparse.ArgumentParser):
     """A parser whose usage errors are one line, as every other error is (argparse prints
-    the whole usage first)."""
+    the whole usage first), and end as they do (see main: --json and --junit still say so)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise _CommandLineRefused(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _options_said(argv: list[str]) -> argparse.Namespace:
+    """What a command line the parser refused asks for, as far as a CI job reads it: the
+    command, --json, --junit PATH, --model or --probe (before any `--`: what follows it is
+    the audited command's own)."""
+    said = argv[:argv.index("--")] if "--" in argv else argv
+    values: dict[str, Any] = {"command": next((a for a in said if not a.startswith("-")), "detaudit"),
+                              "json": "--json" in said}
+    for option in ("junit", "model", "probe"):
+        flag = f"--{option}"
+        for i, arg in enumerate(said):
+            if arg == flag and i + 1 < len(said):
+                values[option] = said[i + 1]
+            elif arg.startswith(f"{flag}="):
+                values[option] = arg.split("=", 1)[1]
+    return argparse.Namespace(**values)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -203,10 +250,12 @@ def _parser() -> argparse.ArgumentParser:
         "2 usage or input error (or one run, not compared), 3 a crash, 130 interrupted.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"detaudit {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser(
-        "run", help="audit a model: repeat it, record every module, compare",
+        "run", help="audit a model: repeat it, record every step, compare, then record the first "
+        "divergent step in detail",
         description="Run a probe N times from the same seed under recording hooks and report "
         "the first divergence: step, epoch, phase, module, origin or propagated, and cause.",
     )
@@ -219,7 +268,9 @@ def _parser() -> argparse.ArgumentParser:
     baseline = sub.add_parser(
         "baseline", help="run a probe and store its fingerprints as a CI baseline",
         description="Run the probe (default 1 repeat) and store repeat 0's fingerprints, stats, "
-        "configuration and environment in a baseline file for `detaudit check`.",
+        "configuration and environment in a baseline file for `detaudit check` (a file there "
+        "is replaced: a baseline is updated by writing it again). The run's own folder, with "
+        "its reports, is written under reports/ as `run` writes one.",
     )
     _add_run_arguments(baseline, out_help="baseline file to write, e.g. reports/baselines/NAME.json")
     baseline.set_defaults(func=cmd_baseline)
@@ -353,7 +404,8 @@ def _parser() -> argparse.ArgumentParser:
         "report", help="re-render the reports of a saved run folder (no model needed)"
     )
     report.add_argument("folder", help="a run folder written by `detaudit run`, `exec`, "
-                        "`check`, `compare` or `baseline`")
+                        "`check`, `compare` or `baseline` (the run folder `baseline` writes "
+                        "under reports/, not its baseline file)")
     report.add_argument("--json", action="store_true", help="print summary.json to stdout")
     report.set_defaults(func=cmd_report)
     for p in (run, baseline, check, diff, execute, compare, models, env, report):

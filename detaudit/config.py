@@ -340,6 +340,7 @@ LOADER_IN_A_THREAD = "loader_in_a_thread"  # a DataLoader was iterated outside t
 DROPPED_STEPS = "dropped_steps"  # backward passes whose gradients were zeroed unused: no steps
 RECORDED_BY = "recorded_by"  # exec: the pid of the process that recorded a trace
 MODEL_CLASS = "model_class"  # the class of the model a trace recorded (Recorder.model_class)
+PROBE_FILE_MODULE = "detaudit_probe_"  # how a probe file's module is named as it is imported
 SIDE_MODELS = "side_models"  # models a trace recorded that no optimizer trains (an EMA copy)
 # where in the user's code each op recorded outside the model ran ("file:line"; a backward
 # op, that of the forward op whose autograd node it runs), by op_site_key

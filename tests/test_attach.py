@@ -2685,14 +2685,16 @@ def test_a_fault_in_a_module_that_exists_but_was_not_seen_says_why(tmp_path, scr
     (["{no_shebang}"], "Exec format error"),  # an executable script without #!
 ])
 def test_exec_refuses_clearly(tmp_path, command, message):
+    """... and leaves no run folder of its own making where nothing was recorded."""
     script = tmp_path / "train.py"
     script.write_text("import torch\n")
     script.chmod(0o755)
     command = [str(script) if c == "{no_shebang}" else c for c in command]
-    done = run_cli("exec", "--out", str(tmp_path / "run"), "--", *command)
+    done = run_cli("exec", "--", *command, cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) <= 2
+    assert not list(tmp_path.glob("reports/*")), list(tmp_path.glob("reports/*/*"))
 
 
 def test_exec_with_a_python_that_cannot_import_detaudit_says_so(tmp_path):

@@ -410,3 +410,12 @@ def test_a_backward_fault_that_never_fired_says_a_frozen_layer_runs_no_backward(
     assert "frozen layer, runs no backward: plant @forward" in said, said
     said = fault_not_fired(Fault("conv1", "backward", 2, "aten.gather"), 3, ran=["aten.mm"])
     assert "the ops it ran backward there: aten.mm" in said and "frozen" not in said, said
+
+
+def test_version_is_the_installed_packages(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as ended:
+        main(["--version"])
+    assert ended.value.code == 0
+    assert capsys.readouterr().out.strip() == f"detaudit {version('detaudit')}"

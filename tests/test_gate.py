@@ -237,6 +237,13 @@ def test_a_diff_of_two_configurations_says_so_and_names_no_place_it_cannot_locat
     assert "  steps: 2 -> 3" in result.message
     assert "audited" not in diff_traces(a, b, audited_alike=True).message  # (a baseline's)
     assert "at step 0 (its first differing record: state (model) batch.0)" in result.headline
+    # two runs of a built-in model at other recipe options (the image size was unsaid)
+    for t, size in ((a, 96), (b, 64)):
+        t.probe["info"] = {"kind": "builtin", "name": "maskrcnn",
+                           "options": {"image_size": size, "num_images": 3}}
+    said = diff_traces(a, b).message
+    assert "  option image_size: 96 -> 64" in said and "num_images" not in said
+    assert "audited" not in said
 
 
 class Energy(nn.Module):

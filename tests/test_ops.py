@@ -329,6 +329,8 @@ def test_env_flags_risky_settings(monkeypatch):
     done = run_cli("env", "--json")
     data = json.loads(done.stdout)
     assert done.returncode == 0 and "deterministic_algorithms" in data["risks"]
+    # (the device `run` audits on by default: its row was blank)
+    assert data["env"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_seed_everything_with_workers_fixes_the_hash_seed_of_child_processes(monkeypatch):

@@ -78,6 +78,37 @@ def test_a_run_that_ends_before_its_verdict_still_gives_json_and_junit(tmp_path)
     assert "ZeroDivisionError" in error.get("message")
 
 
+@pytest.mark.parametrize("wrong", [["--repeats", "0"], ["--no-such-option"]])
+def test_a_command_line_the_parser_refuses_still_gives_json_and_junit(tmp_path, capsys, wrong):
+    """A mistake the parser finds (a value out of range, an unknown option) ended with its
+    line alone: no --json object, no --junit case, where a CI job looks for them."""
+    junit = tmp_path / "j.xml"
+    code = main(["run", "--model", "maskrcnn", "--json", "--junit", str(junit), *wrong,
+                 "--", "--junit", str(tmp_path / "not-ours.xml")])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err.startswith(("detaudit run: error: ", "detaudit: error: ")) and err.count("\n") == 1
+    said = json.loads(out)
+    assert (said["verdict"], said["exit_code"]) == ("usage", 2)
+    assert said["headline"] == err.strip()
+    error = ET.parse(junit).getroot().find("testsuite/testcase")
+    assert error.get("name") == "maskrcnn" and error.find("error").get("type") == "usage"
+    assert not (tmp_path / "not-ours.xml").exists()
+
+
+def test_a_probe_files_model_is_named_by_the_file(tmp_path, capsys):
+    """A model class the probe file defines was named by the module detaudit imported the
+    file as (``detaudit_probe_3358152465494179932.Net``)."""
+    probe = _probe_file(tmp_path, "class Net(torch.nn.Linear):\n    pass\n\n\n"
+                        "def probe(device):\n"
+                        "    model = Net(4, 1)\n"
+                        "    return detaudit.Probe(model=model, batches=[torch.ones(2, 4)] * 2,\n"
+                        "                          step=lambda m, b: m(b).sum())\n")
+    assert main(["run", "--probe", str(probe), "--out", str(tmp_path / "run"), "--json",
+                 "--no-census", "--stress", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_class"] == "user_probe.Net"
+
+
 def test_an_internal_error_is_exit_3_in_one_line(tmp_path, capsys, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in detaudit")

@@ -277,6 +277,24 @@ def test_optional_sections_render_when_present(planted: tuple[Path, dict[str, An
             assert expected in text, (name, expected)
 
 
+def test_the_proof_by_re_execution_says_which_run_made_it_and_how_often(
+        clean: dict[str, Any]) -> None:
+    """run's last repeat re-executes the risky ops, exec's first run: report.md said "the
+    first run" of every run with a command to reproduce it (all of them). A parallel op
+    whose results agreed runs on: the console said every op ran as often as the most."""
+    from detaudit.report import render_console
+
+    summary = copy.deepcopy(clean)
+    summary["stress"] = [
+        {"module": "pool", "phase": "forward", "op": op, "epoch": 1, "calls": 1,
+         "distinct": 1, "runs": runs, "steps": [0], "proven": False}
+        for op, runs in (("torchvision.roi_align", 16), ("aten.index_put", 64))]
+    assert "the last repeat re-ran each op" in render_markdown(summary)
+    assert "2 risky ops re-run 16 to 64 times on identical inputs" in render_console(summary)
+    summary["probe"] = {**summary["probe"], "kind": "command"}  # (exec's)
+    assert "the first run re-ran each op" in render_markdown(summary)
+
+
 def test_the_map_shows_a_module_called_several_times_by_its_role_nearest_the_origin(
         planted: tuple[Path, dict[str, Any]]) -> None:
     """An RNN's cell, called at every time step: its first call the origin, the later ones

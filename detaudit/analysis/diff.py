@@ -121,11 +121,24 @@ def config_differences(a: AnyTrace, b: AnyTrace, audited_alike: bool = False
     audited = _audited(a), _audited(b)
     if not audited_alike and None not in audited and audited[0] != audited[1]:
         said["audited"] = audited
+    said.update(_option_differences(a, b))
     ca, cb = (t.probe.get(PROBE_CONFIG) for t in (a, b))
     if not isinstance(ca, dict) or not isinstance(cb, dict):
         return said
     return {**said, **{k: (ca.get(k), cb.get(k)) for k in CONFIG_KEYS
                        if k in ca and k in cb and ca[k] != cb[k]}}
+
+
+def _option_differences(a: AnyTrace, b: AnyTrace) -> dict[str, tuple[Any, Any]]:
+    """The built-in recipe options (``--image-size``, ...) whose values differ, keyed
+    ``option <name>`` (a default left unsaid stands as None)."""
+    options = [spec.get("options") if isinstance(spec := t.probe.get(PROBE_SPEC), dict) else None
+               for t in (a, b)]
+    if not all(isinstance(o, dict) for o in options):
+        return {}
+    oa, ob = options
+    return {f"option {k}": (oa.get(k), ob.get(k)) for k in sorted({*oa, *ob})
+            if oa.get(k) != ob.get(k)}
 
 
 def _audited(trace: AnyTrace) -> str | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..config import ProbeSpec
+from ..config import PROBE_FILE_MODULE, ProbeSpec
 from ..errors import DetauditError, ProbeError
 from .runner import ProbeFactory, describe_user_error
 
@@ -73,7 +73,7 @@ def _load_file_function(source: str, func: str) -> ProbeFactory:
     """The probe function `func` of the file `source`, imported as Python runs a script:
     with the file's folder on ``sys.path``, so that it can import the modules beside it."""
     path = Path(source)
-    module_name = f"detaudit_probe_{abs(hash(str(path.resolve())))}"
+    module_name = f"{PROBE_FILE_MODULE}{abs(hash(str(path.resolve())))}"
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:
         raise DetauditError(f"cannot load probe file {path} (is it a .py file?)")

@@ -11,6 +11,7 @@ calls a reentrant checkpoint recomputes).
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import threading
@@ -27,7 +28,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.nn.parameter import UninitializedBuffer
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..config import Fault
+from ..config import PROBE_FILE_MODULE, Fault
 from ..trace import FORWARD, GRAD, LEFT_BY_BACKWARD, OPTIMIZER, STATE
 from .backward import BackwardBoundaries, Call, CallIndex, SeqIndex, index_call, slot_name
 from .fingerprint import Fingerprinter, TensorPrint
@@ -457,10 +458,15 @@ class Recorder(BackwardBoundaries):
 
     def model_class(self) -> str:
         """The recorded model's class, qualified by its module
-        (``torchvision.models.segmentation.lraspp.LRASPP``); a wrapper's (DDP, a compiled
-        model) with the class it wraps (``...DistributedDataParallel(__main__.Net)``)."""
+        (``torchvision.models.segmentation.lraspp.LRASPP``; a probe file's by the file's
+        name: ``my_probe.Detector``); a wrapper's (DDP, a compiled model) with the class it
+        wraps (``...DistributedDataParallel(__main__.Net)``)."""
         def named(module: nn.Module) -> str:
-            return f"{type(module).__module__}.{type(module).__qualname__}"
+            where = type(module).__module__
+            if where.startswith(PROBE_FILE_MODULE):
+                origin = getattr(sys.modules.get(where), "__file__", None) or where
+                where = os.path.splitext(os.path.basename(origin))[0]
+            return f"{where}.{type(module).__qualname__}"
 
         inner = getattr(self.model, "_orig_mod", None)
         if not isinstance(inner, nn.Module) and type(self.model).__name__ in (

@@ -164,7 +164,8 @@ def _stress_lines(summary: dict[str, Any]) -> list[str]:
         return []
     proven = [op for op in stress if op.get("proven")]
     if not proven:
-        runs = max(op.get("runs") or 0 for op in stress)
+        fewest, most = (f(op.get("runs") or 0 for op in stress) for f in (min, max))
+        runs = f"{most}" if fewest == most else f"{fewest} to {most}"  # (see stress.py)
         steps = sorted({step for op in stress for step in op.get("steps") or ()})
         at = f" at step{'s' if len(steps) > 1 else ''} {joined(steps)}" if steps else ""
         return ["", (f"proof by re-execution{at}: {counted(len(stress), 'risky op')} re-run {runs} "

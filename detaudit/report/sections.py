@@ -593,7 +593,8 @@ def _stress(s: dict[str, Any]) -> Section | None:
     blocks: list[Block] = [Text(
         # (exec's first run re-runs them; run's last repeat, and its replay of a step)
         "At the first step of every epoch " + (
-            "the first run" if s.get("command") else "(and at the first divergent step, "
+            "the first run" if (s.get("probe") or {}).get("kind") == "command" else
+            "(and at the first divergent step, "
             "when it was replayed) the last repeat")
         + " re-ran each op known to be possibly nondeterministic on this device up to "
         f"{runs} times on identical copies of its inputs: two or more distinct results prove "
