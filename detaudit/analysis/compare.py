@@ -479,7 +479,8 @@ class _StepDiffs:
             self.missing += sum(1 for d in rest if d.missing)
             # in the step's order: the parameters it began with, its gradients, the update
             began = any(d.phase == STATE and d.slot.startswith("param.") for d in rest)
-            gradients = any(d.phase == GRAD for d in rest)
+            # (as the update took them: one only backward left differing, clipping erased)
+            gradients = any(d.phase == GRAD and d.slot.startswith("param.") for d in rest)
             if (began or gradients or any(d.phase == OPTIMIZER for d in rest)) and (
                     self.param_drift is None):
                 self.param_drift = step
