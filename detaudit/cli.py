@@ -703,7 +703,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     if args.json:
         _print_gate_json(gate, folder=str(out))
     else:
-        print(_safe(gate.message + ("" if gate.ok else f"\nreport folder: {out}")))
+        print(_safe(f"{gate.message}\nreport folder: {out}"))  # (as run says, either way)
     if args.junit:
         _write_junit(args.junit, _gate_case(gate, Path(args.baseline).stem, "detaudit.check",
                                             started))

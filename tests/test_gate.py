@@ -552,6 +552,7 @@ def test_a_baseline_checks_out_in_another_folder_with_its_probe_file(
     assert main(["check", "baselines/tiny.json", "--out", str(tmp_path / "check")]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("MATCH") and f"probe file {checkout / 'tiny_cnn.py'}" in err
+    assert out.rstrip().endswith(f"report folder: {tmp_path / 'check'}")  # (a mismatch's only)
     (checkout / "tiny_cnn.py").unlink()
     assert main(["check", "baselines/tiny.json", "--out", str(tmp_path / "again")]) == 2
     err = capsys.readouterr().err.strip()
