@@ -687,6 +687,12 @@ class _StepCalls:
                               for k in range(m.count(".") + 1)}
         self.position, self.carried = _evaluations(ref, step, slots)
         self.forward_calls = [(m, c) for (s, p, m, c) in slots if s == step and p == FORWARD]
+        # the modules whose gradients as backward left them were recorded, and differ
+        self.left_by_backward = {key[1] for key in self.position
+                                 if key[0] == GRAD and key[3].startswith(LEFT_BY_BACKWARD)}
+        self.left_differing = {m for (at, p, m, _), ds in slots.items() if at == step
+                               and p == GRAD and any(d.slot.startswith(LEFT_BY_BACKWARD)
+                                                     for d in ds)}
 
     def differs(self, phase: str, module: str, call: int, prefix: str) -> bool:
         return any(d.slot.startswith(prefix)
@@ -705,11 +711,7 @@ class _StepCalls:
         agree: a difference in those the update took was made after backward, by the
         loop's own code over every gradient (clipping by a norm that other gradients made
         differ; unscaling)."""
-        left = [slot.startswith(LEFT_BY_BACKWARD) for slot in
-                (key[3] for key in self.position if key[0] == GRAD and key[1] == module)]
-        return any(left) and not any(
-            d.slot.startswith(LEFT_BY_BACKWARD) for (at, p, m, _), ds in self.slots.items()
-            if at == self.step and p == GRAD and m == module for d in ds)
+        return module in self.left_by_backward and module not in self.left_differing
 
     def first_position(self, phase: str, module: str, call: int) -> int:
         return min((self.position.get((phase, module, call, d.slot), -1)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..analysis.knowledge import applicable, lookup
@@ -95,6 +96,18 @@ def without_scratch(func: Any, args: tuple, kwargs: dict, out: Any
     if scratch is not None and isinstance(out, (tuple, list)):
         out = tuple(None if i == scratch else o for i, o in enumerate(out))
     return args, kwargs, out
+
+
+def _bump_versions(func: Any, args: tuple, kwargs: dict) -> None:
+    """Move the version counters an in-place foreach op leaves unmoved under a dispatch
+    mode (see written_arguments), as the op moves them outside one: a print taken of those
+    tensors before (a gradient before clipping's ``_foreach_mul_``) must not pass for them
+    after, in a step recorded at any level."""
+    for written in written_arguments(func, args, kwargs):
+        if isinstance(written, (list, tuple)):
+            for t in written:
+                if isinstance(t, torch.Tensor) and not t.is_inference():
+                    increment_version(t)
 
 
 def written_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
@@ -321,6 +334,8 @@ class OpRecorder(ModelOpMode):
             out = self._run_catching_alert(func, args, kwargs, Alert(module, phase, name, ""))
         else:
             out = func(*args, **kwargs)
+        if func._schema.is_mutable:
+            _bump_versions(func, args, kwargs)
         fault = self.fault
         if fault is not None and fault.phase == phase and fault.module in (ANY_MODULE, module):
             if not skip:

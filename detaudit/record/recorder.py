@@ -357,12 +357,10 @@ class Recorder(BackwardBoundaries):
         module, n, left.param.<name>) for the step's n-th backward: what tells a gradient
         its backward made differ from one the loop rescaled by a norm another made differ."""
         items = self._grads(None)
-        keys = [(GRAD, owner, self._backwards_left, f"{LEFT_BY_BACKWARD}{slot}")
-                for _, owner, _, slot in _parameter_keys(GRAD, items)]
-        # printed aside: the step's fingerprinter would reuse these prints for the gradients
-        # the update takes, where the loop's in-place rescale (clipping's `_foreach_mul_`)
-        # ran under an op-level step's dispatch mode, which bumps no version counter
-        self.add_records(_printed_aside(keys, [t for _, t in items], True, self.fp.algorithm))
+        self._keys += [(GRAD, owner, self._backwards_left, f"{LEFT_BY_BACKWARD}{slot}")
+                       for _, owner, _, slot in _parameter_keys(GRAD, items)]
+        with _disable_current_modes():  # (an op-level step's mode: these ops are not the model's)
+            self.fp.add_many([t for _, t in items], stats=True)
         self._backwards_left += 1
 
     def _grads(self, of: Iterable[torch.Tensor] | None) -> list[tuple[str, torch.Tensor]]:
