@@ -1281,6 +1281,45 @@ def test_the_step_timeout_stops_each_rank_under_a_thin_launcher_saying_where_eac
                       f"{script}:16, in _engine_run_backward of torch/autograd/graph.py"], stacks
 
 
+def test_a_sigterm_that_comes_as_the_first_begins_says_where_the_first_found_the_script(
+        monkeypatch, tmp_path):
+    """exec's SIGTERM and the one a launcher passes on can come a bytecode apart: the
+    second handler then runs in the first's frame before the first has noted anything,
+    and says where the first found the script, never "in handler"."""
+    from detaudit.drivers import attach_process
+
+    class Ended(Exception):
+        pass
+
+    def end_process(code: int = 0) -> None:
+        raise Ended(code)
+
+    said: list[str] = []
+    monkeypatch.setattr(attach_process, "timed_out", lambda trace: True)
+    monkeypatch.setattr(attach_process, "_end_process", end_process)
+    monkeypatch.setattr(attach_process, "stopped_by_the_timeout",
+                        lambda path, frame, seconds, finish: said.append(frame.f_code.co_name))
+    attachment = types.SimpleNamespace(finishing=False, path=tmp_path / "attach-0.json.gz",
+                                       end_updated_step=lambda: None, finish=lambda why: None)
+    handler = attach_process._on_terminate(attachment, {"trace": "t", "step_timeout": 5})
+
+    def second_as_the_first_begins(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is handler.__code__:
+            sys.setprofile(None)
+            handler(signal.SIGTERM, frame)
+
+    def where_the_script_waits() -> None:
+        sys.setprofile(second_as_the_first_begins)
+        try:
+            handler(signal.SIGTERM, sys._getframe())
+        finally:
+            sys.setprofile(None)
+
+    with pytest.raises(Ended):
+        where_the_script_waits()
+    assert said == ["where_the_script_waits"]
+
+
 def test_the_step_timeout_waits_on_steps_and_kills_what_does_not_end_when_asked(
         tmp_path, monkeypatch):
     """The clock restarts at each step's end, so a run longer than the timeout whose steps

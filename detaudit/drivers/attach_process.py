@@ -358,6 +358,8 @@ def _on_terminate(attachment: Attachment, job: dict[str, Any]) -> Callable[..., 
         if handling or attachment.finishing:  # (a second SIGTERM: a launcher's, passed on)
             return
         handling.append(signum)
+        while frame is not None and frame.f_code is handler.__code__:
+            frame = frame.f_back  # (a second came as the first began: where that one was)
         try:
             if timed_out(job["trace"]):
                 attachment.end_updated_step()  # (the hang came after it: it is complete)
