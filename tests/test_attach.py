@@ -1470,14 +1470,16 @@ def test_exec_shows_each_runs_steps_as_they_end_in_its_scans_and_its_zoom(
         "zoom: step 1, run 2/2: recording step 1 at module and op level"]
 
 
-def test_the_recording_process_marks_the_end_of_each_step_for_exec_to_watch(tmp_path):
-    """What exec's watch reads: the file beside the trace, written as each step ends."""
-    from detaudit.drivers.stopping import step_ended
+@pytest.mark.parametrize("every", [0.0, 60.0])
+def test_the_recording_process_marks_the_end_of_its_steps_for_exec_to_watch(tmp_path, every):
+    """What exec's watch reads: the file beside the trace, written as steps end, at most
+    every so often (a short step pays for no write)."""
+    from detaudit.drivers.stopping import step_end_notes
 
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     attachment = Attachment(tmp_path / "t.json.gz", {}).install()
-    attachment.on_step_end = functools.partial(step_ended, attachment.path)
+    attachment.on_step_end = step_end_notes(attachment.path, every)
     beat = tmp_path / "t.json.gz.progress"
     ends, said = [], []
     try:
@@ -1492,9 +1494,14 @@ def test_the_recording_process_marks_the_end_of_each_step_for_exec_to_watch(tmp_
         attachment.finish()
         attachment.uninstall()
     # a step ends as the next begins: the first update leaves no mark, each later one does,
-    # with the steps ended (exec shows them as its progress)
-    assert ends[0] is None and None not in ends[1:] and ends[1] < ends[2]
-    assert said == [None, "1", "2"]
+    # with the steps ended (exec shows them as its progress), or the first one only within
+    # the time between writes
+    if every == 0:
+        assert ends[0] is None and None not in ends[1:] and ends[1] < ends[2]
+        assert said == [None, "1", "2"]
+    else:
+        assert ends[0] is None and ends[1] == ends[2]
+        assert said == [None, "1", "1"] and beat.read_text() == "1"  # (the run's end too)
     assert len(Trace.load(tmp_path / "t.json.gz").steps) == 3
 
 

@@ -40,7 +40,7 @@ from .attach import Attachment
 from .attach_patches import without_wrappers
 from .rankprobe import RankWatch
 from .runner import describe_user_error
-from .stopping import note_attached, step_ended, stopped_by_the_timeout, timed_out
+from .stopping import note_attached, step_end_notes, stopped_by_the_timeout, timed_out
 
 
 def failure_hook(attachment: Attachment) -> Callable[..., None]:
@@ -258,7 +258,7 @@ def _attach(job: dict[str, Any], rank: RankWatch | None = None,
     # (exec asks it to stop, and ends it if it will not)
     note_attached(job["trace"], watched=bool(job.get("step_timeout")))
     attachment.trace.probe[RECORDED_BY] = os.getpid()
-    attachment.on_step_end = lambda steps: step_ended(attachment.path, steps)  # (a rank's too)
+    attachment.on_step_end = step_end_notes(attachment.path)  # (a rank's too)
     if (threading.current_thread() is threading.main_thread()  # (torch imported in a thread)
             and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
         signal.signal(signal.SIGTERM, _on_terminate(attachment, job))

@@ -4,7 +4,8 @@ no step ends in time, saying where it was.
 Every process of the run that attaches notes itself beside the run's trace (PIDS_SUFFIX):
 exec asks each to stop, and kills what is left, torchrun's ranks in sessions of their own
 too (:func:`stop_run`, :func:`kill_left`). The recording process (each rank's) writes the
-number of steps it ended to a file as each step ends (PROGRESS_SUFFIX), and exec watches
+number of steps it ended to a file as steps end (PROGRESS_SUFFIX; at most every
+NOTE_STEPS_EVERY_S), and exec watches
 those files (:func:`wait_watching`): it shows the steps as progress and, with a step
 timeout, watches when they change. When no step has ended for the timeout, it leaves a
 mark (TIMED_OUT_SUFFIX), has each noted process write its stacks from C (DUMP_SIGNAL, which
@@ -43,6 +44,7 @@ from ..record.sites import dumped_site, stopped_site
 from ..trace import Trace
 
 WATCH_INTERVAL_S = 1.0  # how often exec looks for a step's end
+NOTE_STEPS_EVERY_S = 0.2  # the most often a recording process writes its steps ended
 DUMP_WAIT_S = 0.5  # after the dump signal, how long exec gives the processes to write
 # the signal that makes a watched process write its stacks from C (see note_attached): a
 # real-time one no library claims, where there are such
@@ -319,10 +321,21 @@ def note_attached(trace: str, watched: bool = False) -> None:
         pids.write(f"{os.getpid()} {_stat('self')[1]}\n")
 
 
-def step_ended(path: Path, steps: int) -> None:
-    """This process ended a step of the trace at `path`, its `steps`-th."""
-    with contextlib.suppress(OSError):
-        path.with_name(path.name + PROGRESS_SUFFIX).write_text(str(steps))
+def step_end_notes(path: Path, every: float = NOTE_STEPS_EVERY_S) -> Callable[[int], None]:
+    """What notes that this process ended a step of the trace at `path` (the steps it
+    ended, as each ends): written at most every `every` seconds, so that a short step
+    pays for no write; exec reads them each WATCH_INTERVAL_S, and a step timeout is
+    seconds long."""
+    path, written = path.with_name(path.name + PROGRESS_SUFFIX), [-float("inf")]
+
+    def step_ended(steps: int) -> None:
+        now = time.monotonic()
+        if now - written[0] >= every:
+            written[0] = now
+            with contextlib.suppress(OSError):
+                path.write_text(str(steps))
+
+    return step_ended
 
 
 def timed_out(trace: str) -> bool:
