@@ -488,3 +488,53 @@ def test_gradients_that_differ_while_parameters_and_loss_agree_are_called_gradie
     assert (c.first_step, c.cause, c.drifted) == (1, "backward", "gradients")
     assert "the loss stayed bit-identical while gradients diverged" in result.verdict.headline
     assert "gradients diverged from step 1" in render_console(_summary(result))
+
+
+class _SharedActivationConv(nn.Module):
+    """Ultralytics' Conv: every instance holds the one activation of its class."""
+
+    default_act = nn.SiLU()
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.act = self.default_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.conv(x))
+
+
+def _shared_activation_probe(device: torch.device) -> Probe:
+    torch.manual_seed(0)
+    model = nn.Sequential(_SharedActivationConv(3, 4), _SharedActivationConv(4, 4),
+                          _SharedActivationConv(4, 4), nn.Flatten(), nn.Linear(256, 2))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 3, 8, 8, generator=g), torch.randn(2, 2, generator=g))
+               for _ in range(3)]
+
+    def step(m: nn.Module, batch):
+        return {"mse": (m(batch[0]) - batch[1]).pow(2).mean()}
+
+    return Probe(model=model.to(device), batches=batches, step=step,
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("fault", [Fault("1.act", "forward", 2, op="aten.silu"),
+                                   Fault("1.act", "backward", 1)],
+                         ids=lambda f: f"{f.module}/{f.op}@{f.phase}")
+def test_a_module_every_block_shares_is_named_by_the_block_it_ran_in(fault):
+    """One activation held by every block (Ultralytics' Conv.default_act) is named where it
+    ran: a fault planted in block 1's is found in block 1's, not under its first name."""
+    result = audit(_shared_activation_probe, repeats=2, steps=3, fault=fault)
+    first = result.verdict.first
+    assert (first["step"], first["phase"], first["module"], first["role"]) == (
+        fault.step, fault.phase, "1.act", "origin"), result.verdict.headline
+    if fault.op:
+        op = result.investigations["ops"]["ops"][0]
+        assert (op["module"], op["op"], op["role"]) == ("1.act", "aten.silu", "origin")
+    full = module_audit(_shared_activation_probe, repeats=2, steps=3, fault=fault)
+    assert [(o.module, o.phase, o.step) for o in full.comparison.origins] == [
+        ("1.act", fault.phase, fault.step)]
+    roles = _roles(full.comparison, fault.step, fault.phase)
+    # (block 0's ran before it in forward, after it in backward)
+    assert roles.get("0.act") == (None if fault.phase == "forward" else PROPAGATED), roles

@@ -80,6 +80,7 @@ from ..record.recorder import (
     Recorder,
     RecordKey,
     StepRecords,
+    module_call_names,
 )
 from ..record.sites import user_call_site
 from ..record.stress import StressMode
@@ -645,7 +646,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self.recorder is not None:
             return self.recorder.module_names()
         model = self.models.current()
-        return {name for name, _ in model.named_modules()} if model is not None else set()
+        return set(module_call_names(model)) if model is not None else set()
 
     def _recorded_parameters(self) -> set[int]:
         """The ids of the recorded models' parameters (the model's, before its recording

@@ -34,7 +34,13 @@ from ..probe import Probe
 from ..record.environment import capture_environment
 from ..record.fingerprint import Fingerprinter, widest_float
 from ..record.oprecorder import OpRecorder
-from ..record.recorder import WATCH_CALLS, WATCH_MODULE, WATCH_NONE, Recorder
+from ..record.recorder import (
+    WATCH_CALLS,
+    WATCH_MODULE,
+    WATCH_NONE,
+    Recorder,
+    module_call_names,
+)
 from ..record.sites import PACKAGE_DIR, in_a_library
 from ..record.stress import StressMode
 from ..runfolder import partial_path, trace_probe
@@ -593,7 +599,7 @@ def store_records(trace: Trace, step: int, records: Any) -> None:
 def _check_fault_module(fault: Fault, model: torch.nn.Module) -> None:
     """A fault planted in a module the model does not have is refused before any step runs
     (it ran the whole audit, then said the module did not run), with the names nearest."""
-    names = [name for name, _ in model.named_modules() if name]
+    names = [name for name in module_call_names(model) if name]
     if fault.module in ("", ANY_MODULE) or fault.module in names:
         return
     hint = nearest_modules(fault.module, names, "its modules") if names else (

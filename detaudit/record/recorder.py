@@ -109,6 +109,7 @@ class Recorder(BackwardBoundaries):
         self._buffers_seen: dict[str, tuple[weakref.ref, int | None]] = {}
         self._buffers_recorded = False  # (the first time: every buffer, as built)
         self._names = {id(m): name for name, m in self._models[0].named_modules()}
+        self._aliases = shared_module_aliases(self._models[0], "")  # (see _pre_hook)
         self._params = dict(self._models[0].named_parameters())
         self._param_owners: dict[int, str] | None = None  # (see _note_read)
         self._partial: set[str] = set()  # see partial_gradients
@@ -430,6 +431,8 @@ class Recorder(BackwardBoundaries):
         self._prefixes.append(name)
         self._names.update({id(m): n for n, m in model.named_modules(prefix=name)
                             if id(m) not in hooked})
+        for key, aliases in shared_module_aliases(model, name).items():
+            self._aliases.setdefault(key, {}).update(aliases)
         self._params.update(model.named_parameters(prefix=name))
         self._param_owners = None
         if self._handles:
@@ -506,8 +509,10 @@ class Recorder(BackwardBoundaries):
         return list(self._prefixes)
 
     def module_names(self) -> set[str]:
-        """The names of the recorded models' modules, and of the models."""
-        return {*self._names.values(), *self._prefixes}
+        """The names of the recorded models' modules (a shared one's every name that calls
+        are named by: see shared_module_aliases), and of the models."""
+        return {*self._names.values(), *self._prefixes,
+                *(name for aliases in self._aliases.values() for name in aliases.values())}
 
     def trainable_parameters(self) -> list[torch.Tensor]:
         """The recorded parameters that take gradients (not inference tensors)."""
@@ -566,6 +571,8 @@ class Recorder(BackwardBoundaries):
         parent = self._stack[-1][0] if self._stack else -1
         if parent >= 0 and self._calls[parent].backward_node is not node:
             parent = -1  # begun anew in backward (or after it), not in the calls left open
+        if parent >= 0 and (aliases := self._aliases.get(id(module))) is not None:
+            name = aliases.get(self._calls[parent].module, name)  # (named where it ran)
         # (a recomputation is run by an autograd Function's backward, as a reentrant
         # checkpoint's; a non-reentrant one recomputes from a built-in node: new calls)
         original = (self._recomputes(name, node, parent)
@@ -683,6 +690,34 @@ def uncompiled(model: nn.Module) -> nn.Module:
     (A wrapper exists only once torch's compiler is imported: nothing is imported here.)"""
     wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     return model._orig_mod if wrapper is not None and isinstance(model, wrapper) else model
+
+
+def shared_module_aliases(model: nn.Module, prefix: str) -> dict[int, dict[str, str]]:
+    """The modules `model` holds under several names that hold no parameter and no buffer
+    (one activation every block calls, as Ultralytics' ``Conv.default_act``): for each
+    (by id), the name of each module holding it once -> the name it has there. A call of
+    one is named by the module it ran in, not by its first name only; one with a parameter
+    or a buffer keeps its first name, which its records go under."""
+    found: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, module in nn.Module.named_modules(model, prefix=prefix, remove_duplicate=False):
+        found.setdefault(id(module), (module, []))[1].append(name)
+    aliases: dict[int, dict[str, str]] = {}
+    for key, (module, names) in found.items():
+        if len(names) < 2 or any(True for _ in module.parameters()) or any(
+                True for _ in module.buffers()):
+            continue
+        holders = [name.rpartition(".")[0] for name in names]
+        aliases[key] = {holder: name for holder, name in zip(holders, names)
+                        if holders.count(holder) == 1}
+    return aliases
+
+
+def module_call_names(model: nn.Module) -> list[str]:
+    """The names the calls of `model`'s modules are recorded under: each module's first
+    name, and a shared one's others (see shared_module_aliases)."""
+    names = [name for name, _ in model.named_modules()]
+    return names + [name for aliases in shared_module_aliases(model, "").values()
+                    for name in aliases.values() if name not in names]
 
 
 def _iter_inputs(args: tuple, kwargs: dict):
