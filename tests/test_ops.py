@@ -8,6 +8,9 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -315,12 +318,29 @@ def test_capturing_the_environment_leaves_the_scripts_warnings_alone(monkeypatch
     assert mutated == [] and env["cpu"] and env["platform"]
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"),
+                    reason="only Linux keeps the environment a process started with")
+@pytest.mark.parametrize("started_with", ["7", None])
+def test_the_hash_seed_recorded_is_the_one_the_process_started_with(started_with):
+    """Its str hashes follow that one: a script that removes PYTHONHASHSEED (Ultralytics)
+    or sets it after the start (a common seed_everything) changes only the processes it
+    starts, and the recorded environment says so."""
+    script = ("import os\n"
+              "from detaudit.record.environment import capture_environment\n"
+              "os.environ.pop('PYTHONHASHSEED', None) if 'PYTHONHASHSEED' in os.environ "
+              "else os.environ.update(PYTHONHASHSEED='0')\n"
+              "print(capture_environment()['PYTHONHASHSEED'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**env, **({"PYTHONHASHSEED": started_with} if started_with
+                                         else {})}, timeout=120, check=True)
+    assert done.stdout.strip() == str(started_with)
+
+
 def test_env_flags_risky_settings(monkeypatch):
-    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    flagged = risks(capture_environment())
+    flagged = risks({**capture_environment(), "PYTHONHASHSEED": None})
     assert "deterministic_algorithms" in flagged and "PYTHONHASHSEED" in flagged
-    monkeypatch.setenv("PYTHONHASHSEED", "0")
-    assert "PYTHONHASHSEED" not in risks(capture_environment())
+    assert "PYTHONHASHSEED" not in risks({**capture_environment(), "PYTHONHASHSEED": "0"})
     if torch.backends.mkl.is_available():  # MKL's run-time code paths, unless pinned
         monkeypatch.delenv("MKL_CBWR", raising=False)
         assert "MKL_CBWR" in risks({**capture_environment(), "device": "cpu"})

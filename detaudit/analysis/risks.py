@@ -18,7 +18,8 @@ def risks(env: dict[str, Any]) -> dict[str, str]:
     if env.get("PYTHONHASHSEED") in (None, "random"):
         out["PYTHONHASHSEED"] = (
             "unset: set/dict-of-str iteration order changes per process (label maps built "
-            "from sets, file lists); export PYTHONHASHSEED=0"
+            "from sets, file lists); export PYTHONHASHSEED=0 before Python starts (set in "
+            "a script, it reaches only the processes the script starts)"
         )
     if (env.get("threads") or 1) > 1:
         out["threads"] = (

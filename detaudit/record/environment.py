@@ -45,12 +45,28 @@ def capture_environment(device: str | torch.device | None = None) -> dict[str, A
         "tf32_cudnn": _read(lambda: _tf32(torch.backends.cudnn)),
         "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"),
+        "PYTHONHASHSEED": hash_seed_at_start(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "mkl": torch.backends.mkl.is_available(),
         "MKL_CBWR": os.environ.get("MKL_CBWR"),
     }
     return env
+
+
+def hash_seed_at_start() -> str | None:
+    """PYTHONHASHSEED as this interpreter read it when it started, which is what its str
+    hashes follow: a script that sets it later (a common ``seed_everything``) or removes it
+    (Ultralytics does) changes only what the processes it starts get. Linux keeps the
+    environment a process started with (/proc/self/environ); elsewhere, today's."""
+    try:
+        with open("/proc/self/environ", "rb") as started_with:
+            entries = started_with.read().split(b"\0")
+    except OSError:
+        return os.environ.get("PYTHONHASHSEED")
+    for entry in entries:
+        if entry.startswith(b"PYTHONHASHSEED="):
+            return entry.partition(b"=")[2].decode(errors="replace")
+    return None
 
 
 def _platform() -> str:
