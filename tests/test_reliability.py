@@ -760,6 +760,33 @@ def test_an_op_fault_named_on_a_parent_module_says_to_name_the_innermost(tmp_pat
     assert main([*args, "--overwrite", "--inject-fault", "0.0/aten.convolution@forward:1"]) == 1
 
 
+class _UnreadableImages(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        raise ValueError(f"image {index} could not be read\n(a second line)")
+
+
+def test_an_error_in_a_dataloader_worker_is_named_where_the_worker_raised_it():
+    """The loop raises it again as "Caught ValueError in DataLoader worker process 0.": the
+    failure names the worker's error, message and line in the user's dataset, and the
+    line of the loop that received it."""
+    from detaudit.drivers.runner import describe_user_error
+
+    loader = torch.utils.data.DataLoader(_UnreadableImages(), num_workers=1)
+    try:
+        next(iter(loader))
+    except ValueError as exc:
+        said = describe_user_error(exc, "while running")
+    lines = Path(__file__).read_text().splitlines()
+    raised = lines.index('        raise ValueError(f"image {index} could not be read\\n(a second line)")')
+    received = lines.index("        next(iter(loader))")
+    assert said == (f"ValueError while running in DataLoader worker process 0 at {__file__}:"
+                    f"{raised + 1}: image 0 could not be read (the loop received it at "
+                    f"{__file__}:{received + 1})")
+
+
 def test_a_users_error_is_one_line_without_terminal_colour_codes():
     """torch.load's error text is coloured for a terminal; the reports show it as text."""
     from detaudit.drivers.runner import describe_user_error

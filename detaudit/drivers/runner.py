@@ -632,6 +632,8 @@ def describe_user_error(exc: BaseException, when: str) -> str:
     user = [f for f in frames if not in_a_library(f.filename)]
     frame = (user or frames or [None])[-1]
     where = f" at {frame.filename}:{frame.lineno}" if frame is not None else ""
+    if (in_worker := _raised_in_a_worker(exc)) is not None:
+        return f"{in_worker[0]} {when} in {in_worker[1]} (the loop received it{where})"
     if raised_in_detaudit(exc):
         inner = frames[-1]
         return (f"detaudit's own recording failed {when}{where} ({type(exc).__name__} "
@@ -640,6 +642,32 @@ def describe_user_error(exc: BaseException, when: str) -> str:
     if isinstance(exc, SystemExit):
         return f"the audited code called sys.exit({exc.code!r}) {when}{where}"
     return f"{type(exc).__name__} {when}{where}: {_first_line(exc)}".rstrip(": ")
+
+
+def _raised_in_a_worker(exc: BaseException) -> tuple[str, str] | None:
+    """An error a DataLoader worker raised, as the loop raises it again (torch's
+    ExceptionWrapper: "Caught ValueError in DataLoader worker process 0.", then the worker's
+    traceback as text), named as the worker raised it: ("ValueError", "DataLoader worker
+    process 0 at data.py:98: bad image 3"), the innermost frame outside the libraries; None
+    for any other error."""
+    said = _WORKER_ERROR.match(_TERMINAL_CODES.sub("", str(exc)).strip())
+    if said is None:
+        return None
+    kind, worker, lines = said[1], said[2], said[3].splitlines()
+    files = [n for n, line in enumerate(lines) if line.startswith('  File "')]
+    sites = [_FRAME_LINE.match(lines[n]) for n in files]
+    user = [m for m in sites if m is not None and not in_a_library(m[1])]
+    site = (user or [m for m in sites if m is not None] or [None])[-1]
+    error = next((line for line in lines[files[-1] + 1 if files else 0:]
+                  if line and not line.startswith(" ")), "")
+    name, _, message = error.partition(": ")
+    return (name or kind, f"{worker}{f' at {site[1]}:{site[2]}' if site else ''}"
+            + (f": {message}" if message else ""))
+
+
+_WORKER_ERROR = re.compile(r"Caught (\S+) in (.+?)\.\nOriginal Traceback \(most recent call "
+                           r"last\):\n(.*)", re.DOTALL)
+_FRAME_LINE = re.compile(r'  File "(.+)", line (\d+), in ')
 
 
 def raised_in_detaudit(exc: BaseException) -> bool:
