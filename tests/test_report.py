@@ -321,6 +321,14 @@ def test_a_loss_that_differs_after_the_runs_part_says_how_long_it_hid_the_differ
         "2): the loss hid the difference until then")
     summary["first_divergence"] = {"step": 4, "epoch": 3}
     assert loss_first_differs(summary) == "loss first differs at step 4 (epoch 3)"
+    # a step's loss is computed before its backward: the next one is the first to show it
+    for phase in ("backward", "grad", "optimizer"):
+        summary["first_divergence"] = {"step": 3, "epoch": 3, "phase": phase}
+        assert loss_first_differs(summary) == (
+            f"loss first differs at step 4 (epoch 3), 1 step after the runs part (step 3, "
+            f"epoch 3, in {phase}, after that step's loss was computed)")
+    summary["first_divergence"] = {"step": 3, "epoch": 3, "phase": "forward"}
+    assert loss_first_differs(summary).endswith("the loss hid the difference until then")
 
 
 class _OneLayerTwice(nn.Module):

@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from ..analysis.compare import GRADIENTS_DIFFER, RUN_ENDED
 from ..analysis.verdict import LAST_GRADIENT, OP_OUTSIDE, crash_line
-from ..trace import BACKWARD, FORWARD
+from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER
 from ..words import counted, op_place
 
 FORWARD_BACKWARD = (FORWARD, BACKWARD)
@@ -473,14 +473,19 @@ def identical_loss(s: dict[str, Any]) -> str:
 
 def loss_first_differs(s: dict[str, Any]) -> str:
     """"loss first differs at step k (epoch e)", and how long after the runs parted where
-    the loss hid the first steps that differ (a difference in the gradients only)."""
+    the loss hid the first steps that differ (a difference in the gradients only); at the
+    next step after one that parted after its loss was computed, nothing was hidden."""
     loss = s["loss"]
     said = f"loss first differs at step {loss['first_step']} (epoch {loss['first_epoch']})"
     first = s.get("first_divergence") or {}
     if first.get("step") is not None and first["step"] < loss["first_step"]:
-        said += (f", {counted(loss['first_step'] - first['step'], 'step')} after the runs "
-                 f"part (step {first['step']}, epoch {first['epoch']}): the loss hid the "
-                 "difference until then")
+        gap = loss["first_step"] - first["step"]
+        said += (f", {counted(gap, 'step')} after the runs part (step {first['step']}, epoch "
+                 f"{first['epoch']}")
+        if gap == 1 and first.get("phase") in (BACKWARD, GRAD, OPTIMIZER):
+            said += f", in {first['phase']}, after that step's loss was computed)"
+        else:
+            said += "): the loss hid the difference until then"
     return said
 
 
