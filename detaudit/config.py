@@ -16,6 +16,11 @@ from .errors import DetauditError
 from .trace import BACKWARD, FORWARD
 from .words import counted
 
+# Augmentation libraries whose draws seeding python's, numpy's and torch's RNGs may not
+# reach (albumentations 2 gives each Compose a generator of its own): the version of each
+# one a run imported is in its environment, for the cause of a batch that differs to name.
+AUGMENTATION_LIBRARIES = ("albumentations",)
+
 TRAIN, INFER = "train", "infer"
 AUTO = "auto"  # exec and watch: inference if the model's first call is in eval mode, no optimizer
 ATTACH_MODES = (AUTO, TRAIN, INFER)

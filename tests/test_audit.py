@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
+import types
 from typing import ClassVar
 
 import pytest
@@ -248,6 +250,25 @@ def test_unseeded_augmentation_is_a_data_cause():
     first = first_divergence(dataclasses.replace(c, findings=[seen, *c.findings]))
     assert (first["phase"], first["role"]) == ("state", "first record")
     assert first["slots"][0].startswith("batch")
+
+
+@pytest.mark.parametrize("version", ["2.0.8", "1.4.24", None])
+def test_a_data_cause_says_how_to_seed_an_augmentation_library_no_global_seed_reaches(
+        monkeypatch, version):
+    """albumentations 2's Compose draws from a generator of its own: a Kaggle-style script
+    seeded everything and ran under --seed 0, and its batches still differed. Where the run
+    imported it, the cause says how to seed it; not for an older one (it drew from the
+    global RNGs), nor where it was not imported."""
+    if version is None:
+        monkeypatch.delitem(sys.modules, "albumentations", raising=False)
+    else:
+        monkeypatch.setitem(sys.modules, "albumentations",
+                            types.SimpleNamespace(__version__=version))
+    result = module_audit(unseeded_probe, repeats=2)
+    text = result.summary["cause"]["text"]
+    assert result.comparison.cause == "data"
+    assert (f"the run imported albumentations {version}" in text) == (version == "2.0.8")
+    assert ("(fix: A.Compose([...], seed=0))" in text) == (version == "2.0.8")
 
 
 class _LossInside(nn.Module):

@@ -88,15 +88,30 @@ def cause_text(c: Comparison) -> str:
         text += (f"; the model's buffers ({_listed(c.built_buffers)}) differ as built, before "
                  f"the first step: where the step reads them, they part the runs ({BUILT_APART}; "
                  "fix: compute them the same way in every run)")
-    if (c.cause == "init" and c.continued_from is None
-            and any(d.phase == STATE and d.slot.startswith("batch") for d in c.first_diffs)):
+    batch_differs = any(d.phase == STATE and d.slot.startswith("batch") for d in c.first_diffs)
+    if c.cause == "init" and c.continued_from is None and batch_differs:
         text += ("; the first batch differs as well: the data order or augmentation draws "
                  "from an unseeded RNG too (the same seeding, done before the data is "
                  "drawn, fixes both" + ("; for a DataLoader's workers, e.g. "
                                         "detaudit.seeded_loader_kwargs)" if c.loader_batch
                                         else "; an environment that seeds itself, reset "
                                         "without a seed, needs env.reset(seed=...) too)"))
+    if c.cause == "data" or (c.cause == "init" and batch_differs):
+        text += _augmentations_of_their_own(c)
     return text
+
+
+def _augmentations_of_their_own(c: Comparison) -> str:
+    """What an augmentation library the run imported needs seeded that no global seed
+    reaches (albumentations 2: each Compose's generator), or nothing."""
+    version = c.augmentation_libraries.get("albumentations")
+    major = (version or "").split(".")[0]
+    if not major.isdigit() or int(major) < 2:
+        return ""  # (before 2, it drew from python's random and numpy's global RNG)
+    return (f"; the run imported albumentations {version}, whose Compose draws its "
+            "augmentations from a generator of its own, made without a seed unless given "
+            "one, which seeding python, numpy and torch does not reach (fix: "
+            "A.Compose([...], seed=0))")
 
 
 def seeds_apart(c: Comparison) -> str | None:

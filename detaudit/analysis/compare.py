@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from ..config import (
+    AUGMENTATION_LIBRARIES,
     FIRST_SEED,
     LOADED_FROM_EARLIER_RUNS,
     MODELS,
@@ -214,6 +215,8 @@ class Comparison:
     # the last step, where it holds backward passes that no update followed: the run ended
     # first (accumulation toward a batch it never reached)
     unapplied_step: int | None = None
+    # the AUGMENTATION_LIBRARIES the first repeat imported, with their versions
+    augmentation_libraries: dict[str, str] = field(default_factory=dict)
 
     @property
     def proven(self) -> list[StressedOp]:
@@ -603,6 +606,7 @@ class _StepDiffs:
                                    and f.phase == FORWARD and not f.rng for f in findings):
             gap = None  # a call differing on equal inputs, drawing nothing, leads: what the
             # RNG then draws outside any module follows from what it computed (a count)
+        env = getattr(traces[0], "env", None) or {}
         return Comparison(
             repeats=self.n,
             steps=[(s.step, s.epoch, s.index) for s in traces[0].steps[:common]],
@@ -642,6 +646,8 @@ class _StepDiffs:
             scripted=list(probe_value(traces[0], SCRIPTED) or []),
             built_buffers=sorted({state_name(d.module, d.slot) for d in self.built}),
             unapplied_step=_unapplied(traces[0].steps),
+            augmentation_libraries={name: str(env[name]) for name in AUGMENTATION_LIBRARIES
+                                    if name in env},
         )
 
     def _drawn_during(

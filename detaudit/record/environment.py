@@ -12,11 +12,13 @@ from typing import Any
 
 import torch
 
+from ..config import AUGMENTATION_LIBRARIES
 from .fingerprint import scheme
 
 
 def capture_environment(device: str | torch.device | None = None) -> dict[str, Any]:
-    """A plain-data snapshot of everything that can change a run's numbers."""
+    """A plain-data snapshot of everything that can change a run's numbers (and the
+    versions of the AUGMENTATION_LIBRARIES imported)."""
     import numpy
 
     cuda = torch.cuda.is_available()
@@ -50,6 +52,9 @@ def capture_environment(device: str | torch.device | None = None) -> dict[str, A
         "mkl": torch.backends.mkl.is_available(),
         "MKL_CBWR": os.environ.get("MKL_CBWR"),
     }
+    for name in AUGMENTATION_LIBRARIES:
+        if (library := sys.modules.get(name)) is not None:
+            env[name] = str(getattr(library, "__version__", "unknown"))
     return env
 
 
