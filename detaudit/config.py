@@ -340,6 +340,8 @@ ENDED = "ended"  # a trace's recording ended as it should (its loop ended, faile
 # (Ray ends its workers so) loses only the step it was in
 FLUSHED_EACH_STEP = "flushed_each_step"
 EXIT_CALL = "exit_call"  # where the command last called sys.exit, and with what
+# the step a run failed in after its update, before the step ended (not kept: see attach)
+FAILED_AFTER_UPDATE = "failed_after_update"
 CALLS_UNSEEN = "calls_unseen"  # a trace's model ran where module hooks do not (compiled code)
 LOADER_IN_A_THREAD = "loader_in_a_thread"  # a DataLoader was iterated outside the loop's thread
 DROPPED_STEPS = "dropped_steps"  # backward passes whose gradients were zeroed unused: no steps

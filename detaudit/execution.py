@@ -37,6 +37,7 @@ from .config import (
     CLAIM_SUFFIX,
     ENDED,
     EXIT_CALL,
+    FAILED_AFTER_UPDATE,
     FAULT_FIRED,
     FLUSHED_EACH_STEP,
     INFER,
@@ -585,8 +586,11 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
             and trace.steps[-1].epoch + 1 >= job.max_epochs)
         how = "ended" if code == 0 else f"exited with code {code}"
         if trace.failure is not None:  # the command's own error: where in the run it came
-            trace.failure += (f" (the last step it completed: {len(trace.steps) - 1})"
-                              if trace.steps else " (before its first step completed)")
+            after = trace.probe.get(FAILED_AFTER_UPDATE)
+            trace.failure += (
+                f" (after step {after}'s update, before that step ended: " if after is not None
+                else " (") + (f"the last step it completed: {len(trace.steps) - 1})"
+                              if trace.steps else "before its first step completed)")
             written = _written_by_earlier_runs(trace.failure, since_ns, began_ns)
             named = {os.path.realpath(f) for f in written}  # (a load through a link: its file)
             loaded = [f for f in trace.probe.get(LOADED_FROM_EARLIER_RUNS, ())

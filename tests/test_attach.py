@@ -42,7 +42,12 @@ from detaudit.analysis.compare import compare as compare_traces
 from detaudit.analysis.diff import diff_traces
 from detaudit.analysis.ranks import _rank_row
 from detaudit.analysis.verdict import judge
-from detaudit.config import FIRST_PASS_UNFINISHED, LOADED_FROM_EARLIER_RUNS, OP_SITES
+from detaudit.config import (
+    FAILED_AFTER_UPDATE,
+    FIRST_PASS_UNFINISHED,
+    LOADED_FROM_EARLIER_RUNS,
+    OP_SITES,
+)
 from detaudit.drivers.attach import Attachment
 from detaudit.drivers.attach_process import _loading_noted
 from detaudit.execution import _is_launcher, _script_name
@@ -2628,6 +2633,8 @@ def test_a_failure_after_an_update_is_the_next_steps_once_the_loop_took_its_batc
     assert len(trace.steps) == {"the next batch taken": 2, "after the update": 1,
                                 "after the pass": 4}[where]
     assert trace.failure in ("a check of the batch", "the scheduler", "the results")
+    # (the step whose update ran is said: "after step 1's update, before that step ended")
+    assert trace.probe.get(FAILED_AFTER_UPDATE) == (1 if where == "after the update" else None)
 
 
 @pytest.mark.parametrize(("fault", "message"), [

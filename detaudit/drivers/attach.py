@@ -45,6 +45,7 @@ from ..config import (
     AUTO,
     ENDED,
     EPOCHS_UNSEEN,
+    FAILED_AFTER_UPDATE,
     FAULT_FIRED,
     FIRST_PASS_UNFINISHED,
     FIRST_SEED,
@@ -840,6 +841,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             # or that the process ended in before backward (a script that exits on a NaN
             # loss), is not kept half-recorded; nor calls in training mode that no backward
             # or update followed (nothing trained)
+            if self._updated and self.trace.failure is not None:
+                self.trace.probe[FAILED_AFTER_UPDATE] = self.info.step
             self.recorder.end_step()
             self.info = None
         self.end_step()
