@@ -5914,6 +5914,28 @@ def test_a_loss_whose_class_weights_differ_is_said_to_differ_outside_the_model(
 
 
 
+def test_the_zoomed_step_records_the_optimizers_state_after_its_update(tmp_path):
+    """As docs/exec.md says: Adam's moments and step count, and each group's learning
+    rate, at the zoomed step only (a scan records the parameters after each update)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    attachment = Attachment(tmp_path / "t.json.gz", {}, zoom=1).install()
+    try:
+        for step in range(3):
+            model(torch.full((3, 4), float(step))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        attachment.finish()
+    finally:
+        attachment.uninstall()
+    frame = Trace.load(tmp_path / "t.json.gz").frame()
+    state = frame[(frame.phase == "optimizer") & ~frame.slot.str.startswith("param.")]
+    assert set(state.step) == {1}
+    assert set(state.slot) == {"lr.0", *(f"state.{p}.{key}" for p in ("weight", "bias")
+                                          for key in ("exp_avg", "exp_avg_sq", "step"))}
+
+
 @pytest.mark.parametrize("change", ["lr", "reseed"])
 def test_a_change_between_steps_is_said_for_what_it_is(tmp_path, change):
     """A learning rate set differently at step 2 is named with its values; an RNG reseeded
