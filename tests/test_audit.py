@@ -559,3 +559,51 @@ def test_a_module_every_block_shares_is_named_by_the_block_it_ran_in(fault):
     roles = _roles(full.comparison, fault.step, fault.phase)
     # (block 0's ran before it in forward, after it in backward)
     assert roles.get("0.act") == (None if fault.phase == "forward" else PROPAGATED), roles
+
+
+class _PassedThrough(nn.Module):
+    """Returns its input as it is (effdet's resampling, where no resampling is needed)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _Combine(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.resample = _PassedThrough()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.resample(x) * self.weight
+
+
+class _TwoConsumers(nn.Module):
+    """The stem's output feeds `combine` (through a module that passes it on) and `head`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.combine, self.head = nn.Linear(8, 8), _Combine(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        return self.combine(h).sum() + self.head(h).sum()
+
+
+def _two_consumers_probe(device: torch.device) -> Probe:
+    torch.manual_seed(0)
+    model = _TwoConsumers().to(device)
+    batches = list(torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1)))
+    return Probe(model=model, batches=batches, step=lambda m, b: m(b.to(device)),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_module_that_passes_its_input_on_is_no_origin_of_anothers_backward():
+    """The gradient of a tensor a module returns as it got it sums every use of it: a
+    backward fault in `head`, the stem's other consumer, made `combine` an origin through
+    its child's gradient (effdet's BiFPN listed four such). Only `head` is."""
+    result = module_audit(_two_consumers_probe, repeats=2, steps=3,
+                          fault=Fault("head", "backward", 1))
+    c = result.comparison
+    assert [(o.module, o.phase, o.step) for o in c.origins] == [("head", "backward", 1)]
+    assert module_audit(_two_consumers_probe, repeats=2, steps=3).comparison.deterministic

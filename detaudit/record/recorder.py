@@ -665,7 +665,7 @@ class Recorder(BackwardBoundaries):
             if call.original < 0:
                 self._keys.append((FORWARD, call.module, call.index, slot_name("out", path)))
                 self.fp.add(tensor)
-            if tensor.requires_grad:
+            if tensor.requires_grad and _computed_in(call, tensor):
                 handle = tensor.register_hook(self._grad_out_hook(call, slot_name("grad_out", path)))
                 self._step_handles.append(handle)
         if rng_before is not None:
@@ -683,6 +683,15 @@ class Recorder(BackwardBoundaries):
                 self.fp.add(grad)
 
         return hook
+
+def _computed_in(call: Call, tensor: torch.Tensor) -> bool:
+    """Whether output `tensor` was computed in `call` (its autograd node is no older than
+    the call), not passed through from before it: an input returned as it is (effdet's
+    resampling, where no resampling is needed), a parameter. The gradient of such a tensor
+    sums every use of it, the module's or not: it is no gradient of the module's output."""
+    node = tensor.grad_fn
+    return node is not None and node._sequence_nr() >= call.seq_start
+
 
 def uncompiled(model: nn.Module) -> nn.Module:
     """The module a ``torch.compile(model)`` wrapper holds: its names are the user's (the
