@@ -607,3 +607,51 @@ def test_a_module_that_passes_its_input_on_is_no_origin_of_anothers_backward():
     c = result.comparison
     assert [(o.module, o.phase, o.step) for o in c.origins] == [("head", "backward", 1)]
     assert module_audit(_two_consumers_probe, repeats=2, steps=3).comparison.deterministic
+
+
+class _UsesItsOwnOutput(nn.Module):
+    """Returns `a`'s output and uses it itself too (a BiFPN cell's node that feeds the
+    next node and is one of the cell's outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return h, self.b(h)
+
+
+class _CellNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.head = _UsesItsOwnOutput(), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, g = self.cell(x)
+        return (self.head(h) * 3 + g).sum()
+
+
+def _cell_probe(device: torch.device) -> Probe:
+    torch.manual_seed(0)
+    model = _CellNet().to(device)
+    batches = list(torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1)))
+    return Probe(model=model, batches=batches, step=lambda m, b: m(b.to(device)),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_forward_fault_in_a_module_that_uses_its_own_output_moves_its_gradient_by_little():
+    """The fault is planted in a copy of the output, which the module's own use of it does
+    not read: the copy's gradient lacked that use, and the report's size of the difference
+    showed the module's received gradient 12 % apart in effdet. It is the gradient of what
+    the module computed, as in the other runs: apart by rounding only."""
+    result = module_audit(_cell_probe, repeats=2, steps=3, fault=Fault("cell", "forward", 1))
+    assert [(o.module, o.phase, o.step) for o in result.comparison.origins][:1] == [
+        ("cell", "forward", 1)]
+    norms = []
+    for trace in result.traces:
+        frame = trace.frame()
+        row = frame[(frame.step == 1) & (frame.phase == "backward") & (frame.module == "cell")
+                    & (frame.slot == "grad_out.0")]
+        norms.append(float(row.norm.iloc[0]))
+    assert math.isclose(norms[0], norms[1], rel_tol=1e-5), norms

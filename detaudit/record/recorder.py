@@ -644,7 +644,7 @@ class Recorder(BackwardBoundaries):
         call.seq_end = _get_sequence_nr()
         if call.backward_node is None:
             self._seq_index = None
-        replaced = None
+        replaced, computed = None, output
         fault = self.fault
         if (
             fault is not None and fault.phase == FORWARD and fault.step == self._step
@@ -660,11 +660,13 @@ class Recorder(BackwardBoundaries):
             self._hook_recomputation(position, output)
         if not self._records_modules:
             return replaced
-        outputs = (("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)
-        for path, tensor in outputs:
-            if call.original < 0:
-                self._keys.append((FORWARD, call.module, call.index, slot_name("out", path)))
-                self.fp.add(tensor)
+        for path, tensor in _tensors_of(output) if call.original < 0 else ():
+            self._keys.append((FORWARD, call.module, call.index, slot_name("out", path)))
+            self.fp.add(tensor)
+        # (the gradient of what the call computed, not of a planted fault's copy of it: the
+        # copy's lacks the module's own use of its output, where it makes one, as effdet's
+        # BiFPN cells do, and would differ from the other runs' by far more than the fault)
+        for path, tensor in _tensors_of(computed):
             if tensor.requires_grad and _computed_in(call, tensor):
                 handle = tensor.register_hook(self._grad_out_hook(call, slot_name("grad_out", path)))
                 self._step_handles.append(handle)
@@ -683,6 +685,11 @@ class Recorder(BackwardBoundaries):
                 self.fp.add(grad)
 
         return hook
+
+def _tensors_of(output: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    """A call's output tensors by path (a lone tensor, the common case, without a walk)."""
+    return (("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)
+
 
 def _computed_in(call: Call, tensor: torch.Tensor) -> bool:
     """Whether output `tensor` was computed in `call` (its autograd node is no older than
