@@ -5934,6 +5934,9 @@ def test_the_zoomed_step_records_the_optimizers_state_after_its_update(tmp_path)
     assert set(state.step) == {1}
     assert set(state.slot) == {"lr.0", *(f"state.{p}.{key}" for p in ("weight", "bias")
                                           for key in ("exp_avg", "exp_avg_sq", "step"))}
+    # with their sizes, and the parameters' there (the report's size of the difference)
+    updated = frame[(frame.phase == "optimizer") & frame.slot.str.startswith("param.")]
+    assert set(updated[updated.norm.notna()].step) == {1} and state.norm.notna().all()
 
 
 @pytest.mark.parametrize("change", ["lr", "reseed"])

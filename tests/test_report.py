@@ -386,3 +386,16 @@ def test_a_module_called_twice_in_the_step_is_named_with_each_call():
     markdown = render_markdown(summary)
     assert "| op | module | call | phase | role |" in markdown
     assert "| aten.addmm | shared | 1 | forward | origin |" in markdown
+
+
+def test_a_size_the_step_did_not_record_is_said_to_be_missing_not_shown_as_a_dash_alone():
+    """A scanned step keeps prints without sizes: the table's dashes were left unexplained."""
+    from detaudit.report.sections import _size
+
+    record = {"module": "fc", "call": 0, "slot": "param.weight", "step": 2,
+              "ref": {"shape": [2, 4], "dtype": "float32"}, "other": {}}
+    summary = {"first_divergence": {"role": "origin"}, "first_by_phase": {"grad": record}}
+    said = _size(summary).blocks[0].text
+    assert "A dash: no size was recorded" in said
+    record["ref"]["norm"], record["other"]["norm"] = 1.0, 1.5
+    assert "A dash" not in _size(summary).blocks[0].text

@@ -126,8 +126,9 @@ class Updates:
             self._end_ops()
             self.recorder.record_param_grads(stats=self._watch(self.info.step) != WATCH_NONE,
                                              of=params, call=self._closure_step[1])
-        self.recorder.record_parameters(OPTIMIZER, of=params)
-        if self._watch(self.info.step) == WATCH_MODULE:  # (a zoomed or planted step)
+        detailed = self._watch(self.info.step) == WATCH_MODULE  # (a zoomed or planted step)
+        self.recorder.record_parameters(OPTIMIZER, of=params, stats=detailed)
+        if detailed:
             self.recorder.record_optimizer(optimizer, stats=True)
         if self.info.step == 0:  # the settings the step ran under: the code may set them
             # after its first forward (taken as the step began)

@@ -576,9 +576,13 @@ def _size(s: dict[str, Any]) -> Section | None:
         "phase", "record", "step", "shape", "dtype", "norm (repeat 0)", "norm (other)",
         "relative Δnorm", "absmax (repeat 0)", "absmax (other)",
     ]
+    unsized = any(row[5] == "–" for row in rows)
     return Section("size", "Size of the difference", [
         Text("The first differing record of each phase: repeat 0 against the first repeat that "
-             "differs. A relative Δnorm of 0 means the values differ below what the norm shows."),
+             "differs. A relative Δnorm of 0 means the values differ below what the norm shows."
+             + (" A dash: no size was recorded (a scanned step keeps each tensor's print "
+                "alone; a zoomed step, or one recorded module by module, keeps sizes too)."
+                if unsized else "")),
         Table("first differing record per phase", headers, rows),
     ])
 
