@@ -399,3 +399,16 @@ def test_a_size_the_step_did_not_record_is_said_to_be_missing_not_shown_as_a_das
     assert "A dash: no size was recorded" in said
     record["ref"]["norm"], record["other"]["norm"] = 1.0, 1.5
     assert "A dash" not in _size(summary).blocks[0].text
+
+
+def test_runs_of_other_lengths_are_not_said_to_differ_in_length_when_one_stopped_early():
+    """An interrupted or failed run is shorter because it stopped: the run line said "the
+    runs differ in length", as if that were a finding."""
+    from detaudit.report.sections import _run_line
+
+    summary = {"repeats": 2, "steps_per_repeat": [3, 8], "epochs_per_repeat": [1, 2]}
+    for verdict, said in (("divergent", "(the runs differ in length)"),
+                          ("interrupted", "(not every run ran to its end)"),
+                          ("failed", "(not every run ran to its end)")):
+        line = _run_line({**summary, "verdict": verdict})
+        assert line.endswith(f"2 repeats: 3 steps in 1 epoch and 8 steps in 2 epochs {said}")

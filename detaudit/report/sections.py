@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from ..analysis.compare import GRADIENTS_DIFFER, RUN_ENDED
-from ..analysis.verdict import LAST_GRADIENT, OP_OUTSIDE, crash_line
+from ..analysis.compare import FAILED, GRADIENTS_DIFFER, RUN_ENDED
+from ..analysis.verdict import INTERRUPTED, LAST_GRADIENT, OP_OUTSIDE, crash_line
 from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER
 from ..words import counted, op_place
 
@@ -284,7 +284,8 @@ def _run_line(s: dict[str, Any]) -> str:
     else:
         parts.append(f"{runs}: " + " and ".join(
             f"{counted(n, 'step')} in {counted(e, 'epoch')}" for n, e in zip(lengths, epochs))
-            + " (the runs differ in length)")
+            + (" (not every run ran to its end)" if s.get("verdict") in (INTERRUPTED, FAILED)
+               else " (the runs differ in length)"))
     # the device the model was on, as the runs recorded it (exec and watch choose none)
     device = (s.get("env") or {}).get("device") or config.get("device")
     for key, value in (("mode", config.get("mode")), ("device", device),
