@@ -519,3 +519,30 @@ def test_module_hooks_removed_while_a_call_begins_do_nothing_in_that_call():
         assert not recorder._handles
         model(torch.ones(1, 2))  # (and no hook is left on the model)
         assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+class _LossMadeAtItsFirstCall(torch.nn.Module):
+    """Ultralytics' models make their loss module at their first loss call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 1)
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "criterion"):
+            self.criterion = torch.nn.SmoothL1Loss()
+        return self.criterion(self.body(x), torch.zeros(len(x), 1))
+
+
+def test_a_module_the_model_gains_after_its_hooks_went_in_is_recorded_by_its_name():
+    """Hooked for step 0 (a stressed epoch's first step follows its calls) before its loss
+    module existed, the first run of an RT-DETR audit never recorded that module's calls;
+    the second, hooked at step 1, did, and the audit said control flow forked there."""
+    model = _LossMadeAtItsFirstCall()
+    with Recorder(model, watch="none") as recorder:
+        modules_called = []
+        for step, watch in enumerate(("calls", "module")):
+            recorder.begin_step(step, watch)
+            model.loss(torch.ones(2, 4)).backward()
+            modules_called.append({call.module for call in recorder.end_step().calls})
+    assert modules_called[1] == {"body", "criterion"}

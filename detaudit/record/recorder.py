@@ -114,6 +114,7 @@ class Recorder(BackwardBoundaries):
         self._param_owners: dict[int, str] | None = None  # (see _note_read)
         self._partial: set[str] = set()  # see partial_gradients
         self._handles: list[tuple[Any, _Hook]] = []  # (a module hook's handle, the hook)
+        self._hooked_modules: set[int] = set()  # the ids of the modules _handles hook
         self._step_handles: list[Any] = []
         self._step = -1
         self._thread = threading.get_ident()  # (see begin_step)
@@ -148,20 +149,23 @@ class Recorder(BackwardBoundaries):
             handle.remove()
             hook.hook = _no_hook
         self._handles = []
+        self._hooked_modules = set()
 
-    def _install(self, models: list[nn.Module] | None = None, skip: set[int] | None = None,
-                 ) -> None:
-        """Hook every module of `models` (default: of every model recorded) once, but those
-        in `skip`."""
-        seen = set(skip or ())
-        for root in models if models is not None else self._models:
-            for module in root.modules():
+    def _install(self, skip: set[int] | None = None) -> None:
+        """Hook every module of every model recorded once, but those hooked already and
+        those in `skip`. A module a model gained since the recorder was made (a loss module
+        its first loss call makes, as Ultralytics' models do) is named by its place in it."""
+        seen = set(skip or ()) | self._hooked_modules
+        for root, prefix in zip(self._models, self._prefixes):
+            for name, module in nn.Module.named_modules(root, prefix=prefix):
                 if id(module) in seen or isinstance(module, torch.jit.ScriptModule):
                     continue  # (a TorchScript module takes no hooks: see scripted_modules)
                 seen.add(id(module))
+                self._names[id(module)] = name
                 self._hook(module)
 
     def _hook(self, module: nn.Module) -> None:
+        self._hooked_modules.add(id(module))
         pre, post = _Hook(self._pre_hook), _Hook(self._post_hook)
         self._handles.append((module.register_forward_pre_hook(pre, with_kwargs=True), pre))
         # (called when forward raises too, with no output: the call ends there, as one that
@@ -207,8 +211,8 @@ class Recorder(BackwardBoundaries):
         runs from the next call on."""
         if watch == WATCH_NONE and self._handles:
             self._remove_module_hooks()
-        elif watch != WATCH_NONE and not self._handles:
-            self._install()
+        elif watch != WATCH_NONE:
+            self._install()  # (and the modules the models gained since it last did)
 
     def end_step(self) -> StepRecords:
         """Finish the step: fetch device values once and hand over its records."""
@@ -436,7 +440,7 @@ class Recorder(BackwardBoundaries):
         self._params.update(model.named_parameters(prefix=name))
         self._param_owners = None
         if self._handles:
-            self._install([model], skip=hooked)
+            self._install(skip=hooked)
 
     def join_call(self, module: nn.Module, args: tuple, hooks_before: set[int]) -> None:
         """`module`'s call began with the forward pre-hooks `hooks_before` (their ids), and
