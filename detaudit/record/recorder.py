@@ -544,9 +544,9 @@ class Recorder(BackwardBoundaries):
                 owner, _, local = names.get(id(param), f"?.{gi}").rpartition(".")
                 for key in sorted(state):
                     value = state[key]
-                    if not isinstance(value, torch.Tensor):
+                    if isinstance(value, (int, float)):  # (a count: Adam's step, at times)
                         value = torch.tensor(float(value), dtype=torch.float64)
-                    for path, tensor in iter_tensors(value):
+                    for path, tensor in iter_tensors(value):  # (LBFGS keeps lists of them)
                         keys.append((OPTIMIZER, owner, 0, slot_name(f"state.{local}.{key}", path)))
                         tensors.append(tensor)
         self._keys += keys
