@@ -690,6 +690,7 @@ class Recorder(BackwardBoundaries):
 
         return hook
 
+
 def _tensors_of(output: Any) -> Iterable[tuple[str, torch.Tensor]]:
     """A call's output tensors by path (a lone tensor, the common case, without a walk)."""
     return (("", output),) if isinstance(output, torch.Tensor) else iter_tensors(output)
