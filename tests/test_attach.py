@@ -5941,6 +5941,39 @@ def test_the_zoomed_step_records_the_optimizers_state_after_its_update(tmp_path)
     assert set(updated[updated.norm.notna()].step) == {1} and state.norm.notna().all()
 
 
+@pytest.mark.parametrize("zoom", [None, 3])
+def test_each_epochs_last_step_records_the_state_of_the_optimizers_that_updated_in_it(
+        tmp_path, zoom):
+    """As a scan of `run` does: the moments of both of a loop's optimizers as each pass over
+    the training data ends (the zoomed step has them already: once), none in between."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    first = torch.optim.Adam(model[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[1].parameters(), lr=0.1, momentum=0.9)
+    loader = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
+    attachment = Attachment(tmp_path / "t.json.gz", {}, zoom=zoom).install()
+    try:
+        for _ in range(2):
+            for x in loader:
+                model(x).pow(2).mean().backward()
+                first.step()
+                second.step()
+                first.zero_grad()
+                second.zero_grad()
+        attachment.finish()
+    finally:
+        attachment.uninstall()
+    frame = Trace.load(tmp_path / "t.json.gz").frame()
+    state = frame[(frame.phase == "optimizer") & frame.slot.str.startswith("state.")]
+    assert set(state.step) == {3, 7}
+    assert not state.duplicated(["step", "module", "call", "slot"]).any()
+    at_the_end = state[state.step == 7]
+    assert set(zip(at_the_end.module, at_the_end.call, at_the_end.slot)) == {
+        *(("0", 0, f"state.{p}.{key}") for p in ("weight", "bias")
+          for key in ("exp_avg", "exp_avg_sq", "step")),
+        *(("1", 1, f"state.{p}.momentum_buffer") for p in ("weight", "bias"))}
+
+
 @pytest.mark.parametrize("change", ["lr", "reseed"])
 def test_a_change_between_steps_is_said_for_what_it_is(tmp_path, change):
     """A learning rate set differently at step 2 is named with its values; an RNG reseeded

@@ -206,6 +206,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         # work, not data
         self._step_outputs: list[Any] = []
         self._stepped: set[int] = set()  # the optimizers (ids) that updated in the open step
+        self._stepped_optimizers: list[torch.optim.Optimizer] = []  # (those optimizers)
         self._optimizers: set[int] = set()  # every optimizer that has updated
         self._carried: StepRecords | None = None  # the open step's state, of another model
         self._grads_pending = False  # step(closure): gradients recorded after the update
@@ -771,7 +772,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._moved_on = False
         self._step_outputs = []
         self._fetched = 0
-        self._stepped = set()
+        self._stepped, self._stepped_optimizers = set(), []
         self.index += 1
         if self.stream.due():
             self.save()

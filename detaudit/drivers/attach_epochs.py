@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..config import LOADER_IN_A_THREAD
-from ..record.recorder import printed_now
+from ..record.recorder import WATCH_MODULE, printed_now
 from ..record.sites import in_a_library
 from ..trace import LOADER_BATCH, STATE
 from .rankprobe import sampler_snapshot
@@ -90,7 +90,18 @@ class Epochs:
         evaluation, saving the results) is not the step's."""
         started = self._iterators.pop(iterator, None)
         if started is not None and started == self._train_pass:
+            if self.info is not None and self._updated and not self._moved_on:
+                self._record_optimizers_at_epoch_end()
             self._moved_on = self._moved_on or (self.info is not None and self._updated)
+
+    def _record_optimizers_at_epoch_end(self) -> None:
+        """The open step is the epoch's last: the state of the optimizers that updated in it
+        (momentum, moments), as a scan keeps it once an epoch; a zoomed step has it already."""
+        if self.recorder is None or self.info is None or self._watch(self.info.step) == (
+                WATCH_MODULE):
+            return
+        for n, optimizer in enumerate(self._stepped_optimizers):
+            self.recorder.record_optimizer(optimizer, call=n)
 
     def on_loader_batch(self, iterator: Any, batch: Any, fetched_by: CodeType | None = None
                         ) -> None:

@@ -128,8 +128,11 @@ class Updates:
                                              of=params, call=self._closure_step[1])
         detailed = self._watch(self.info.step) == WATCH_MODULE  # (a zoomed or planted step)
         self.recorder.record_parameters(OPTIMIZER, of=params, stats=detailed)
+        if id(optimizer) not in self._stepped:
+            self._stepped_optimizers.append(optimizer)
         if detailed:
-            self.recorder.record_optimizer(optimizer, stats=True)
+            self.recorder.record_optimizer(optimizer, stats=True,
+                                           call=self._stepped_optimizers.index(optimizer))
         if self.info.step == 0:  # the settings the step ran under: the code may set them
             # after its first forward (taken as the step began)
             self.trace.env = capture_environment(self.trace.env.get("device"))

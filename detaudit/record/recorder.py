@@ -527,15 +527,16 @@ class Recorder(BackwardBoundaries):
         return {id(p) for p in self._params.values()}
 
     def record_optimizer(self, optimizer: torch.optim.Optimizer | None,
-                         stats: bool = False) -> None:
+                         stats: bool = False, call: int = 0) -> None:
         """Optimizer state (momentum buffers, steps) per parameter, and each group's lr (with
-        stats when asked, as :meth:`record_parameters`)."""
+        stats when asked, as :meth:`record_parameters`); `call`: which of the step's
+        optimizers it is (a GAN's two each have a group 0)."""
         if optimizer is None:
             return
         names = {id(p): name for name, p in self._params.items()}
         keys, tensors = [], []
         for gi, group in enumerate(optimizer.param_groups):
-            keys.append((OPTIMIZER, "", 0, f"lr.{gi}"))
+            keys.append((OPTIMIZER, "", call, f"lr.{gi}"))
             tensors.append(torch.tensor(float(group["lr"]), dtype=torch.float64))
             for param in group["params"]:
                 state = optimizer.state.get(param)
@@ -547,7 +548,8 @@ class Recorder(BackwardBoundaries):
                     if isinstance(value, (int, float)):  # (a count: Adam's step, at times)
                         value = torch.tensor(float(value), dtype=torch.float64)
                     for path, tensor in iter_tensors(value):  # (LBFGS keeps lists of them)
-                        keys.append((OPTIMIZER, owner, 0, slot_name(f"state.{local}.{key}", path)))
+                        keys.append((OPTIMIZER, owner, call,
+                                     slot_name(f"state.{local}.{key}", path)))
                         tensors.append(tensor)
         self._keys += keys
         self.fp.add_many(tensors, stats=stats)
