@@ -206,7 +206,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         # work, not data
         self._step_outputs: list[Any] = []
         self._stepped: set[int] = set()  # the optimizers (ids) that updated in the open step
-        self._stepped_optimizers: list[torch.optim.Optimizer] = []  # (those optimizers)
+        # (those optimizers, weakly: a loop that builds its model and optimizer anew lets
+        # the old ones go, and that makes the new model the model: see ModelFinder)
+        self._stepped_optimizers: list[weakref.ref] = []
         self._optimizers: set[int] = set()  # every optimizer that has updated
         self._carried: StepRecords | None = None  # the open step's state, of another model
         self._grads_pending = False  # step(closure): gradients recorded after the update

@@ -96,12 +96,15 @@ class Epochs:
 
     def _record_optimizers_at_epoch_end(self) -> None:
         """The open step is the epoch's last: the state of the optimizers that updated in it
-        (momentum, moments), as a scan keeps it once an epoch; a zoomed step has it already."""
+        (momentum, moments), as a scan keeps it once an epoch; a zoomed step has it already.
+        Not where a thread of its own iterates the loader: when its pass ends is a race."""
         if self.recorder is None or self.info is None or self._watch(self.info.step) == (
-                WATCH_MODULE):
+                WATCH_MODULE) or self.trace.probe.get(LOADER_IN_A_THREAD) or (
+                not self._in_the_loops_thread()):
             return
-        for n, optimizer in enumerate(self._stepped_optimizers):
-            self.recorder.record_optimizer(optimizer, call=n)
+        for n, ref in enumerate(self._stepped_optimizers):
+            if (optimizer := ref()) is not None:
+                self.recorder.record_optimizer(optimizer, call=n)
 
     def on_loader_batch(self, iterator: Any, batch: Any, fetched_by: CodeType | None = None
                         ) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -129,10 +130,10 @@ class Updates:
         detailed = self._watch(self.info.step) == WATCH_MODULE  # (a zoomed or planted step)
         self.recorder.record_parameters(OPTIMIZER, of=params, stats=detailed)
         if id(optimizer) not in self._stepped:
-            self._stepped_optimizers.append(optimizer)
+            self._stepped_optimizers.append(weakref.ref(optimizer))
         if detailed:
-            self.recorder.record_optimizer(optimizer, stats=True,
-                                           call=self._stepped_optimizers.index(optimizer))
+            self.recorder.record_optimizer(optimizer, stats=True, call=next(
+                n for n, ref in enumerate(self._stepped_optimizers) if ref() is optimizer))
         if self.info.step == 0:  # the settings the step ran under: the code may set them
             # after its first forward (taken as the step began)
             self.trace.env = capture_environment(self.trace.env.get("device"))
