@@ -590,9 +590,10 @@ class _TwoConsumers(nn.Module):
         return self.combine(h).sum() + self.head(h).sum()
 
 
-def _two_consumers_probe(device: torch.device) -> Probe:
+def _loss_model_probe(build: type[nn.Module], device: torch.device) -> Probe:
+    """A model that returns its loss, trained on 3 batches of 4 × 8."""
     torch.manual_seed(0)
-    model = _TwoConsumers().to(device)
+    model = build().to(device)
     batches = list(torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1)))
     return Probe(model=model, batches=batches, step=lambda m, b: m(b.to(device)),
                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
@@ -602,11 +603,11 @@ def test_a_module_that_passes_its_input_on_is_no_origin_of_anothers_backward():
     """The gradient of a tensor a module returns as it got it sums every use of it: a
     backward fault in `head`, the stem's other consumer, made `combine` an origin through
     its child's gradient (effdet's BiFPN listed four such). Only `head` is."""
-    result = module_audit(_two_consumers_probe, repeats=2, steps=3,
-                          fault=Fault("head", "backward", 1))
+    probe = functools.partial(_loss_model_probe, _TwoConsumers)
+    result = module_audit(probe, repeats=2, steps=3, fault=Fault("head", "backward", 1))
     c = result.comparison
     assert [(o.module, o.phase, o.step) for o in c.origins] == [("head", "backward", 1)]
-    assert module_audit(_two_consumers_probe, repeats=2, steps=3).comparison.deterministic
+    assert module_audit(probe, repeats=2, steps=3).comparison.deterministic
 
 
 class _UsesItsOwnOutput(nn.Module):
@@ -632,20 +633,13 @@ class _CellNet(nn.Module):
         return (self.head(h) * 3 + g).sum()
 
 
-def _cell_probe(device: torch.device) -> Probe:
-    torch.manual_seed(0)
-    model = _CellNet().to(device)
-    batches = list(torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1)))
-    return Probe(model=model, batches=batches, step=lambda m, b: m(b.to(device)),
-                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-
-
 def test_a_forward_fault_in_a_module_that_uses_its_own_output_moves_its_gradient_by_little():
     """The fault is planted in a copy of the output, which the module's own use of it does
     not read: the copy's gradient lacked that use, and the report's size of the difference
     showed the module's received gradient 12 % apart in effdet. It is the gradient of what
     the module computed, as in the other runs: apart by rounding only."""
-    result = module_audit(_cell_probe, repeats=2, steps=3, fault=Fault("cell", "forward", 1))
+    result = module_audit(functools.partial(_loss_model_probe, _CellNet), repeats=2, steps=3,
+                          fault=Fault("cell", "forward", 1))
     assert [(o.module, o.phase, o.step) for o in result.comparison.origins][:1] == [
         ("cell", "forward", 1)]
     norms = []

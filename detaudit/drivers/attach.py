@@ -205,10 +205,10 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         # call given it (a discriminator given the generator's fakes) is given the step's
         # work, not data
         self._step_outputs: list[Any] = []
-        self._stepped: set[int] = set()  # the optimizers (ids) that updated in the open step
-        # (those optimizers, weakly: a loop that builds its model and optimizer anew lets
-        # the old ones go, and that makes the new model the model: see ModelFinder)
-        self._stepped_optimizers: list[weakref.ref] = []
+        # the optimizers that updated in the open step, in their order: id -> the optimizer,
+        # weakly (a loop that builds its model and optimizer anew lets the old ones go, and
+        # that makes the new model the model: see ModelFinder)
+        self._stepped: dict[int, weakref.ref] = {}
         self._optimizers: set[int] = set()  # every optimizer that has updated
         self._carried: StepRecords | None = None  # the open step's state, of another model
         self._grads_pending = False  # step(closure): gradients recorded after the update
@@ -774,7 +774,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._moved_on = False
         self._step_outputs = []
         self._fetched = 0
-        self._stepped, self._stepped_optimizers = set(), []
+        self._stepped = {}
         self.index += 1
         if self.stream.due():
             self.save()

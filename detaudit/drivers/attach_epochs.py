@@ -102,7 +102,7 @@ class Epochs:
                 WATCH_MODULE) or self.trace.probe.get(LOADER_IN_A_THREAD) or (
                 not self._in_the_loops_thread()):
             return
-        for n, ref in enumerate(self._stepped_optimizers):
+        for n, ref in enumerate(self._stepped.values()):
             if (optimizer := ref()) is not None:
                 self.recorder.record_optimizer(optimizer, call=n)
 

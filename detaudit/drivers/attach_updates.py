@@ -129,22 +129,20 @@ class Updates:
                                              of=params, call=self._closure_step[1])
         detailed = self._watch(self.info.step) == WATCH_MODULE  # (a zoomed or planted step)
         self.recorder.record_parameters(OPTIMIZER, of=params, stats=detailed)
-        if id(optimizer) not in self._stepped:
-            self._stepped_optimizers.append(weakref.ref(optimizer))
+        self._stepped.setdefault(id(optimizer), weakref.ref(optimizer))
         if detailed:
-            self.recorder.record_optimizer(optimizer, stats=True, call=next(
-                n for n, ref in enumerate(self._stepped_optimizers) if ref() is optimizer))
+            self.recorder.record_optimizer(optimizer, stats=True,
+                                           call=list(self._stepped).index(id(optimizer)))
         if self.info.step == 0:  # the settings the step ran under: the code may set them
             # after its first forward (taken as the step began)
             self.trace.env = capture_environment(self.trace.env.get("device"))
         self._versions.update({id(p): (p, p._version) for p in params if not p.is_inference()})
         self.info.optimizer_stepped = True
         self.info.lr += [_finite(group.get("lr")) for group in optimizer.param_groups]
-        self._stepped.add(id(optimizer))
         self._optimizers.add(id(optimizer))
         # complete once every optimizer seen so far has updated; the first step never is
         # (its optimizers are not known until it ends): the limit then stops the next one
-        self._step_done(complete=self.info.step > 0 and self._optimizers <= self._stepped)
+        self._step_done(complete=self.info.step > 0 and self._optimizers <= self._stepped.keys())
 
     def on_zero_grad(self, owner: Any) -> None:
         """Gradients are zeroed (an optimizer's or a module's zero_grad). Those the open
@@ -284,7 +282,7 @@ class Updates:
         updating after an evaluation call in that step would not be recorded)."""
         return (self._updated and self.info is not None and self.max_steps is not None
                 and self.info.step + 1 >= self.max_steps
-                and (self.info.step == 0 or self._optimizers <= self._stepped))
+                and (self.info.step == 0 or self._optimizers <= self._stepped.keys()))
 
     def _last_step_over(self) -> bool:
         """Whether the step at the step limit has updated, by its optimizers or by the loop's

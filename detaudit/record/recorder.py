@@ -666,13 +666,14 @@ class Recorder(BackwardBoundaries):
             self._hook_recomputation(position, output)
         if not self._records_modules:
             return replaced
-        for path, tensor in _tensors_of(output) if call.original < 0 else ():
+        outputs = list(_tensors_of(output))
+        for path, tensor in outputs if call.original < 0 else ():
             self._keys.append((FORWARD, call.module, call.index, slot_name("out", path)))
             self.fp.add(tensor)
         # (the gradient of what the call computed, not of a planted fault's copy of it: the
         # copy's lacks the module's own use of its output, where it makes one, as effdet's
         # BiFPN cells do, and would differ from the other runs' by far more than the fault)
-        for path, tensor in _tensors_of(computed):
+        for path, tensor in outputs if computed is output else _tensors_of(computed):
             if tensor.requires_grad and _computed_in(call, tensor):
                 handle = tensor.register_hook(self._grad_out_hook(call, slot_name("grad_out", path)))
                 self._step_handles.append(handle)
