@@ -32,6 +32,7 @@ from .config import (
     ProbeSpec,
 )
 from .errors import EXIT_USAGE, DetauditError, FaultRefused, ProbeError
+from .planting import check_op_known
 from .report import render_console, summarize, write_reports
 from .report.junit import JUnitCase, junit_case
 from .runfolder import (
@@ -192,6 +193,7 @@ def audit(
     repeat re-runs each risky op `stress` times on identical inputs at the first step of
     every epoch (every op with `stress_every_op`; 0: off): see ``result.comparison.proven``.
     """
+    check_op_known(fault)
     config = AuditConfig(
         repeats=repeats, epochs=epochs, steps=steps, mode=mode, device=device, seed=seed,
         deterministic=deterministic, fault=fault, granularity=granularity, stress=stress,

@@ -822,10 +822,14 @@ def _fault(text: str | None) -> Fault | None:
     if text is not None and not text.strip():  # (an unset variable in a CI script, say)
         raise DetauditError("--inject-fault is empty: give MODULE[/OP][@forward|@backward]"
                             "[:STEP], or leave the option out")
+    from .planting import check_op_known
+
     try:
-        return Fault.parse(text) if text else None
+        fault = Fault.parse(text) if text else None
     except DetauditError as exc:
         raise DetauditError(f"--inject-fault: {exc}") from None
+    check_op_known(fault)
+    return fault
 
 
 def _probe_spec(args: argparse.Namespace, preset: Preset, nproc: int | None) -> ProbeSpec:

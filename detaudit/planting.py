@@ -9,6 +9,8 @@ that a misspelt name is not refused only after the whole script has run).
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 from dataclasses import replace
 
 from .config import (
@@ -102,6 +104,50 @@ def check_side_fault(fault: Fault, sides: list[str]) -> None:
         f"--inject-fault: {where} a model the loop calls apart (no optimizer trains it), recorded by its calls' inputs and output: plant at its output "
         f"(--inject-fault {side}@forward:{fault.step}) or at an op in it "
         f"({side}/OP@forward:{fault.step})")
+
+
+# namespaces all of whose ops are registered once torch and torchvision are imported; a
+# library's own namespace registers its ops as its code loads, in the run
+_BUILT_IN_NAMESPACES = ("aten", "prims", "torchvision")
+
+
+def check_op_known(fault: Fault | None) -> None:
+    """An op fault naming an op that neither PyTorch nor torchvision has is refused before
+    any run, with the nearest names (it could only be found never to have run); an op of a
+    library's own namespace is left to the run, which loads it."""
+    if fault is None or not fault.op:
+        return
+    namespace, _, name = fault.op.rpartition(".")
+    if namespace and namespace not in _BUILT_IN_NAMESPACES:
+        return
+    ops = _registered_ops()
+    if namespace == "torchvision" and not any(op.startswith("torchvision.") for op in ops):
+        return  # (torchvision is not installed here, or did not load)
+    if namespace:
+        known, names = fault.op in ops, sorted(op for op in ops if op.startswith(namespace + "."))
+    else:
+        names = sorted({op.rpartition(".")[2] for op in ops})
+        known = name in names
+    if known:
+        return
+    close = difflib.get_close_matches(fault.op, names, n=3, cutoff=0.6)
+    raise FaultRefused(
+        f"--inject-fault: no op {fault.op!r} in PyTorch or torchvision"
+        + (f" (did you mean {', '.join(close)}?)" if close else "")
+        + ("" if namespace else
+           f"; an op a library of its own registers: name it with its namespace "
+           f"(LIBRARY.{name})"))
+
+
+def _registered_ops() -> set[str]:
+    """``namespace.op`` of every op registered with PyTorch's dispatcher, torchvision's
+    included where it is installed."""
+    import torch
+
+    with contextlib.suppress(Exception):  # (not installed, or built for another torch)
+        import torchvision  # noqa: F401
+    return {"{}.{}".format(*n.split(".")[0].split("::"))
+            for n in torch._C._dispatch_get_all_op_names()}
 
 
 def backward_name(op: str) -> str:

@@ -19,8 +19,9 @@ from conftest import small_cnn_probe
 
 from detaudit import Probe, api, audit
 from detaudit.cli import main
-from detaudit.config import AuditConfig
+from detaudit.config import AuditConfig, Fault
 from detaudit.errors import DetauditError, TraceError
+from detaudit.planting import check_op_known
 from detaudit.runfolder import LOCK_FILE, RunFolder, RunInfo, load_run, new_folder
 from detaudit.seeding import seed_everything
 from detaudit.trace import open_trace
@@ -519,6 +520,27 @@ def test_more_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert main(["run", *args, "--out", str(tmp_path), "--no-census"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("command, fault, said", [
+    ("run", "1/aten.convolutoin", "(did you mean aten.convolution"),
+    ("exec", "op:roi_algin@backward:1", "(did you mean roi_align"),
+])
+def test_an_op_pytorch_does_not_have_is_refused_before_any_run(tmp_path, capsys, command, fault,
+                                                               said):
+    target = (["--", sys.executable, "-c", "pass"] if command == "exec" else
+              ["--probe", str(PROBES / "tiny_cnn.py")])
+    code = main([command, "--inject-fault", fault, "--out", str(tmp_path / "out"), *target])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "in PyTorch or torchvision " + said in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fault", ["x/aten.index_put_", "x/torchvision.roi_align@backward",
+                                   "op:nms", "x/mylib.an_op_its_code_registers"])
+def test_an_op_pytorch_torchvision_or_a_library_of_its_own_has_is_planted(fault):
+    assert check_op_known(Fault.parse(fault)) is None
 
 
 _RECIPE_SIZES = ("--image-size", "--batch-size", "--num-images", "--instances", "--num-classes",
