@@ -325,11 +325,6 @@ class SideModels:
         # every live object: an evaluation loop would pay that at each call)
         self._rejected: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
-    def name_of(self, module: nn.Module) -> str | None:
-        """The name `module` is recorded under, if it is a side model."""
-        known = self._models.get(id(module))
-        return known[0] if known is not None else None
-
     def begin_call(self, module: nn.Module, step: int) -> tuple[str, int] | None:
         """A top-level call of `module` begins, working for step `step`: the name its
         records take and its index among the model's calls for that step (None if it is no
