@@ -2062,6 +2062,50 @@ def test_max_epochs_that_an_endless_sampler_never_lets_fire_is_said_to(tmp_path)
     assert len(trace.steps) == 2 and FIRST_PASS_UNFINISHED not in trace.probe
 
 
+class _Endless(torch.utils.data.Sampler):
+    """detectron2's TrainingSampler: indices drawn forever, and no len()."""
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        while True:
+            yield from torch.randperm(8, generator=generator).tolist()
+
+
+class _Streamed(torch.utils.data.IterableDataset):
+    """A stream of 8 samples whose length is not told."""
+
+    def __iter__(self):
+        return iter(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.parametrize("sampled, told", [("endless", True), ("streamed", False)])
+def test_max_epochs_is_said_not_to_fire_on_a_loader_of_no_length_whose_pass_never_ended(
+        tmp_path, sampled, told):
+    """A loader of no length (detectron2's endless sampler, an iterable dataset) ended by
+    the loop's own count within its first pass: --max-epochs never fired, and nothing said
+    so (the note needed the pass's length); one whose pass ran out needs no note."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    loader = (torch.utils.data.DataLoader(data, batch_size=2, sampler=_Endless())
+              if sampled == "endless" else
+              torch.utils.data.DataLoader(_Streamed(), batch_size=2))
+
+    def loop():
+        for step, batch in zip(range(6), loader):  # detectron2: iterations, not epochs
+            x = batch[0] if isinstance(batch, list) else batch
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    trace = _attached(tmp_path / "t.json.gz", loop, max_epochs=3)
+    assert len(trace.steps) == (6 if told else 4)
+    assert (FIRST_PASS_UNFINISHED in trace.probe) is told
+    if told:
+        assert trace.probe[FIRST_PASS_UNFINISHED] is None
+
+
 SWA_SCRIPT = """
 import torch
 from torch import nn

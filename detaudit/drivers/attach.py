@@ -262,9 +262,11 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._step_loaders: set[int] = set()
         self._fed = False
         self._passes: dict[int, int] = {}
-        # with max_epochs: loader -> its len, and (loader, pass) -> the batches it yielded
+        # with max_epochs: loader -> its len, (loader, pass) -> the batches it yielded, and
+        # the passes that ran out
         self._pass_lengths: dict[int, int | None] = {}
         self._pass_batches: dict[tuple[int, int], int] = {}
+        self._passes_ended: set[tuple[int, int]] = set()
         self.rank = rank
         self._samplers: dict[int, list[dict[str, Any]]] = {}  # loader -> its passes' orders
         self._handles: list[Any] = []
@@ -853,14 +855,17 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
 
     def _first_pass_unfinished(self) -> bool:
         """Whether --max-epochs was given and the run, not stopped by a limit, ends within
-        its first pass over the training loader, of a known length (a sampler drawing with
-        replacement makes a pass endless in effect)."""
+        its first pass over the training loader: short of its length, or, a loader of no
+        length (an endless sampler, as detectron2's), before the pass ran out (a sampler
+        drawing with replacement makes a pass endless in effect)."""
         if (self.max_epochs is None or not self.stream.steps or self.epoch != 0 or self.stopped
                 or self.trace.failure is not None or self.explicit_epoch is not None
                 or self._train_pass is None):
             return False
         length = self._pass_lengths.get(self._train_loader)
-        return length is not None and self._pass_batches.get(self._train_pass, 0) < length
+        if length is None:
+            return self._train_pass not in self._passes_ended
+        return self._pass_batches.get(self._train_pass, 0) < length
 
     def save(self) -> None:
         if self.fault is not None:

@@ -89,6 +89,8 @@ class Epochs:
         the open step's update, the step's code is over too: a failure from then on (in an
         evaluation, saving the results) is not the step's."""
         started = self._iterators.pop(iterator, None)
+        if started is not None and self.max_epochs is not None:  # (see _first_pass_unfinished)
+            self._passes_ended.add(started)
         if started is not None and started == self._train_pass:
             if self.info is not None and self._updated and not self._moved_on:
                 self._record_optimizers_at_epoch_end()

@@ -238,7 +238,9 @@ def first_pass_note(s: dict[str, Any]) -> str:
     """That ``--max-epochs`` never fired: the runs ended in their first pass over the
     training DataLoader (a sentence to put after "note: ")."""
     length = s["first_pass_unfinished"]["batches"]
-    long = f", which is {length:,} batches long" if isinstance(length, int) else ""
+    long = (f", which is {length:,} batches long" if isinstance(length, int) else
+            ", which has no length (its sampler or dataset has no len(): an endless sampler, "
+            "as detectron2's TrainingSampler, never ends a pass)")
     return ("--max-epochs did not end the runs: they ended within their first pass over the "
             f"training DataLoader{long}, by a step count of the script's own, or their pass "
             "never ends (a sampler that draws with replacement, RandomSampler(replacement="
