@@ -140,9 +140,10 @@ def _seeded_apart(c: Comparison) -> str | None:
             "rng": "an RNG stream differs", "data": "the batch differs"}[c.cause]
     return (f"{what}: the code seeds torch with a different value in each run ({apart}), "
             "a seed drawn at random where none is given (random.randint, the time); fix: "
-            "give the script a fixed seed (its own seed option), or seed the RNG it draws "
-            "the seed from (`detaudit exec --seed 0` seeds python's random, numpy and "
-            "torch before the code runs)")
+            "give the script a fixed seed (its own seed option); `detaudit exec --seed 0`, "
+            "which seeds python's random, numpy and torch before the code runs, fixes it "
+            "only where the seed is drawn from one of those, not from the clock, os.urandom "
+            "or the process id (detectron2's seed_all_rng(None))")
 
 
 def _cause_text(c: Comparison) -> str:
