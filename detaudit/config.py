@@ -368,6 +368,10 @@ EPOCHS_UNSEEN = "epochs_unseen"
 # a step limit in epochs was given, and the run ended within its first pass over the
 # training DataLoader: that pass's length in batches (None where the loader has no len)
 FIRST_PASS_UNFINISHED = "first_pass_unfinished"
+# the training DataLoader's worker processes, and the worker_init_fn each runs as it starts
+# ({"workers": n, "worker_init_fn": "name (file:line)" or None}): what reseeds their RNGs,
+# which a recording in the loop's process does not see
+TRAIN_LOADER_WORKERS = "train_loader_workers"
 # where the code seeded torch's RNG after parameters were made, before the first step (a
 # model built, then seeded: Hugging Face's Trainer seeds in its __init__)
 SEEDED_AFTER_PARAMETERS = "seeded_after_parameters"

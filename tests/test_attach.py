@@ -279,6 +279,72 @@ def _attached(path: Path, loop: Callable[[], None], **options: Any) -> Trace:
     return Trace.load(path)
 
 
+class _Noisy(torch.utils.data.Dataset):
+    """Samples with noise drawn from numpy's global RNG in the worker, as a detectron2
+    DatasetMapper draws its flips and resizes."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.full((4,), float(index)) + torch.from_numpy(np.random.rand(4)).float()
+
+
+class _NoisyOwnRng(_Noisy):
+    """Noise drawn from a generator the dataset makes without a seed."""
+
+    def __init__(self):
+        self.rng = np.random.default_rng()
+
+    def __getitem__(self, index):
+        return torch.full((4,), float(index)) + torch.from_numpy(self.rng.random(4)).float()
+
+
+def _reseeds_from_urandom(worker_id):
+    """detectron2's worker_init_reset_seed: seed_all_rng(None) seeds from the clock,
+    os.urandom and the process id."""
+    np.random.seed(int.from_bytes(os.urandom(4), "big") + worker_id)
+
+
+@pytest.mark.parametrize("init, dataset, cause", [
+    (_reseeds_from_urandom, _Noisy, "data"), (detaudit.seed_worker, _Noisy, "none"),
+    (None, _NoisyOwnRng, "data")], ids=["reseeds", "fixed", "none"])
+def test_a_data_cause_names_the_worker_init_fn_its_workers_ran(tmp_path, init, dataset, cause):
+    """Workers that reseed from the clock in their worker_init_fn make each run's batches
+    differ while every RNG of the loop's process agrees: the cause named the loader's
+    generator and a dataset's default_rng, whose fixes do not help, never the function
+    that reseeds. The fix it gives makes the runs agree; a loader without one gets no word
+    of it."""
+    import random
+
+    def loop():
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = torch.utils.data.DataLoader(
+            dataset(), batch_size=4, num_workers=2, worker_init_fn=init,
+            multiprocessing_context="fork")
+        for x in loader:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    with torch.random.fork_rng():
+        for run in range(2):
+            random.seed(0)
+            np.random.seed(0)
+            torch.manual_seed(0)
+            _attached(tmp_path / f"trace-{run}.json.gz", loop)
+    c = detaudit.compare(tmp_path).comparison
+    said = cause_text(c)
+    named = ("; its 2 worker processes each run worker_init_fn _reseeds_from_urandom "
+             f"({__file__}:")
+    assert c.cause == cause, said
+    if cause == "data":
+        assert c.first_step == 0
+        assert (named in said) is (init is not None), said
+        assert ("torch.initial_seed() % 2**32" in said) is (init is not None), said
+
+
 class _MeasuredAsBuilt(nn.Module):
     """Calls its layers as it is built, each a top-level call (``self.forward`` is no module
     call): in training mode, as Ultralytics' YOLO measures its strides, then without

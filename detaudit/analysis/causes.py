@@ -300,7 +300,7 @@ def _data_text(c: Comparison, differing_rng: list[str]) -> str:
                 "a dataset's np.random.default_rng() made without a seed), or it reads data "
                 "that differs (fix: seed that generator with a constant, e.g. "
                 "DataLoader(..., generator=torch.Generator().manual_seed(0)), "
-                "default_rng(seed))")
+                "default_rng(seed))" + _reseeded_workers(c))
     if differing_rng:
         text += (f"; the {', '.join(differing_rng)} RNG state differs as well as the step "
                  "begins (not seeded, or reseeded by the code from a source that differs "
@@ -309,6 +309,20 @@ def _data_text(c: Comparison, differing_rng: list[str]) -> str:
                  "detaudit.seed_everything(0), and the DataLoader's workers, e.g. "
                  "detaudit.seeded_loader_kwargs)")
     return text
+
+
+def _reseeded_workers(c: Comparison) -> str:
+    """What the training loader's worker_init_fn may do to its workers' RNGs, which the
+    recording (in the loop's process) does not see; empty without one."""
+    workers = c.loader_workers or {}
+    if not workers.get("worker_init_fn"):
+        return ""
+    return (f"; its {workers['workers']} worker processes each run worker_init_fn "
+            f"{workers['worker_init_fn']} as they start, whose draws detaudit does not see: "
+            "one that reseeds their RNGs from the clock, os.urandom or the process id "
+            "(detectron2's seed_all_rng(None)) makes their augmentations differ in every run, "
+            "whatever the loader's generator (fix: seed them from the seed torch gives each "
+            "worker, torch.initial_seed() % 2**32, as detaudit.seed_worker does)")
 
 
 def _loaded_note(c: Comparison) -> str:

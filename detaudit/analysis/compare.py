@@ -24,6 +24,7 @@ from ..config import (
     SHARED_PARAMETERS,
     SIDE_MODELS,
     TIED_PARAMETERS,
+    TRAIN_LOADER_WORKERS,
     op_site_key,
 )
 from ..trace import (
@@ -184,6 +185,8 @@ class Comparison:
     # each repeat's first seed given to torch before its first step, and where ([value,
     # "file:line"], or None where it gave none)
     first_seeds: list[list[Any] | None] = field(default_factory=list)
+    # the training DataLoader's workers and their worker_init_fn (see TRAIN_LOADER_WORKERS)
+    loader_workers: dict[str, Any] | None = None
     # what differs at param_drift_step: "parameters", or only their "gradients" (an update
     # that rounds a difference in them away); None where nothing does
     drifted: str | None = None
@@ -319,6 +322,7 @@ def compare(traces: Iterable[AnyTrace], idle_rng: Iterable[str] = ()) -> Compari
         seen.add(step, cuts)
     comparison = seen.comparison(traces, common)
     comparison.first_seeds = [probe_value(t, FIRST_SEED) for t in traces]
+    comparison.loader_workers = probe_value(traces[0], TRAIN_LOADER_WORKERS)
     comparison.shared_parameters = any(probe_value(t, SHARED_PARAMETERS) for t in traces)
     comparison.tied = probe_value(traces[0], TIED_PARAMETERS) or {}
     comparison.lengths = {t.repeat: len(t.steps) for t in traces}

@@ -63,6 +63,7 @@ from ..config import (
     STEPLESS_LOADS,
     TIED_PARAMETERS,
     TRAIN,
+    TRAIN_LOADER_WORKERS,
     Fault,
     kept_path,
     measured_path,
@@ -267,6 +268,7 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         self._pass_lengths: dict[int, int | None] = {}
         self._pass_batches: dict[tuple[int, int], int] = {}
         self._passes_ended: set[tuple[int, int]] = set()
+        self._loader_workers: dict[int, dict[str, Any]] = {}  # loader -> its workers
         self.rank = rank
         self._samplers: dict[int, list[dict[str, Any]]] = {}  # loader -> its passes' orders
         self._handles: list[Any] = []
@@ -884,6 +886,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if (self.max_epochs is not None and self.stream.steps and self._train_pass is None
                 and self.explicit_epoch is None):
             self.trace.probe[EPOCHS_UNSEEN] = True
+        if (workers := self._loader_workers.get(self._train_loader or -1)) is not None:
+            self.trace.probe[TRAIN_LOADER_WORKERS] = workers
         self.trace.probe.pop(FIRST_PASS_UNFINISHED, None)
         if self._first_pass_unfinished():
             self.trace.probe[FIRST_PASS_UNFINISHED] = self._pass_lengths[self._train_loader]

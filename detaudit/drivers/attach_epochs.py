@@ -48,6 +48,16 @@ def _may_fetch_ahead(fetched_by: CodeType | None) -> bool:
     return fetched_by is not None and in_a_library(fetched_by.co_filename)
 
 
+def _named(function: Any) -> str | None:
+    """A function as a report names it: ``name (file:line)``; None for none."""
+    if function is None:
+        return None
+    inner = getattr(function, "func", function)  # (a functools.partial)
+    name = getattr(inner, "__qualname__", type(inner).__name__)
+    code = getattr(inner, "__code__", None)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
 class Epochs:
     """The DataLoader callbacks, the epoch of a step and whether a call is an evaluation:
     mixed into :class:`.attach.Attachment`."""
@@ -68,6 +78,9 @@ class Epochs:
                 self._pass_lengths[key] = len(loader)
             except Exception:  # noqa: BLE001 -- an iterable dataset's loader, a len that fails
                 self._pass_lengths[key] = None
+        if getattr(loader, "num_workers", 0) and key not in self._loader_workers:
+            self._loader_workers[key] = {"workers": loader.num_workers,
+                                         "worker_init_fn": _named(loader.worker_init_fn)}
         if self.rank is not None:
             self._samplers.setdefault(key, []).append(
                 {"epoch": self._passes[key] - 1, "sampler": sampler_snapshot(loader)})
