@@ -279,6 +279,56 @@ def _attached(path: Path, loop: Callable[[], None], **options: Any) -> Trace:
     return Trace.load(path)
 
 
+def test_where_a_shorter_run_ended_is_no_fork_whatever_parted_the_runs_first(tmp_path):
+    """A run resumed from another's checkpoint ran a step fewer, and the runs part at step 0
+    (init): the step where it had ended was said to be a control-flow fork ("batch.0.0.image
+    is missing in 1 repeat")."""
+    lengths = iter([4, 3])
+
+    def loop():
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(next(lengths)):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    _unseeded_runs(tmp_path, loop)
+    result = detaudit.compare(tmp_path)
+    assert (result.comparison.first_step, result.comparison.cause) == (0, "init")
+    assert result.comparison.fork is None and result.summary["fork"] is None
+
+
+def test_a_step_that_takes_more_of_the_loaders_batches_in_one_run_is_a_fork_said_so(tmp_path):
+    """The fork was named by the record one run lacks, `batch.loader`, which says nothing
+    to a user: it is a batch the DataLoader yielded, which that run's step did not take."""
+    takes = iter([1, 2])
+
+    def loop():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = iter(torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=2))
+        extra = next(takes)
+        for step in range(3):
+            x = next(batches)
+            if step == 1 and extra == 2:  # (a batch it skips)
+                x = next(batches)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    for run in range(2):
+        _attached(tmp_path / f"trace-{run}.json.gz", loop)
+    result = detaudit.compare(tmp_path)
+    fork = result.summary["fork"]
+    assert fork["step"] == 1 and fork["slot"].startswith("batch.loader"), fork
+    said = render_console(result.summary)
+    assert ("control flow forked at step 1: (model) batch.loader, call 1, is missing in 1 "
+            "repeat (a batch the DataLoader yielded: the repeats' steps took other numbers of "
+            "its batches)") in said, said
+
+
 class _Noisy(torch.utils.data.Dataset):
     """Samples with noise drawn from numpy's global RNG in the worker, as a detectron2
     DatasetMapper draws its flips and resizes."""

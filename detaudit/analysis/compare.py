@@ -467,11 +467,12 @@ class _StepDiffs:
             self.built += [d for _, _, d in found if as_built(d) and not d.missing]
             found = [(o, j, d) for o, j, d in found if not as_built(d)]
         diffs = [d for _, _, d in found]
+        run_by_all = all(len(cut) for cut in cuts)  # (else: runs of other lengths, no fork)
         for o, j, d in found:
             # (a parameter or buffer is recorded as a later step begins only where it was
             # changed: missing there is a value that differs, not a fork)
-            if d.missing and not (step > 0 and d.phase == STATE
-                                  and d.slot.startswith(MODEL_STATE)):
+            if d.missing and run_by_all and not (step > 0 and d.phase == STATE
+                                                 and d.slot.startswith(MODEL_STATE)):
                 self._note_fork((o, step, j), d)
         rng = [d for d in diffs if d.rng_state]
         rest = [d for d in diffs if not d.rng_state]

@@ -18,6 +18,7 @@ from .sections import (
     ended,
     first_module,
     first_pass_note,
+    fork_text,
     identical_loss,
     loss_first_differs,
     nonfinite_line,
@@ -62,11 +63,7 @@ def render_console(summary: dict[str, Any]) -> str:
                   ", ".join(o["slots"][:3])) for o in others],
                 headers=["phase", "module", *(["call"] if calls else []), "records"]))
         if summary.get("fork"):
-            f = summary["fork"]
-            lines.append(
-                f"control flow forked at step {f['step']}: {f['module'] or '(model)'} {f['slot']} "
-                f"is missing in {counted(f['missing'], 'repeat')}"
-            )
+            lines.append(f"control flow forked {fork_text(summary['fork'])}")
     if summary.get("idle_rng"):
         # (the runs may have drawn from it: draws that happened to agree, a coin flip, are
         # luck, not proof that nothing uses it)

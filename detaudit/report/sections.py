@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from ..analysis.compare import FAILED, GRADIENTS_DIFFER, RUN_ENDED
 from ..analysis.verdict import INTERRUPTED, LAST_GRADIENT, OP_OUTSIDE, crash_line
-from ..trace import BACKWARD, FORWARD, GRAD, OPTIMIZER
+from ..trace import BACKWARD, FORWARD, GRAD, LOADER_BATCH, OPTIMIZER
 from ..words import counted, op_place
 
 FORWARD_BACKWARD = (FORWARD, BACKWARD)
@@ -234,6 +234,16 @@ EPOCHS_UNSEEN_NOTE = (
     "the run went on (use --max-steps).")
 
 
+def fork_text(fork: dict[str, Any]) -> str:
+    """Where the repeats first took other paths (after "control flow forked "): the record
+    some repeats lack, and what its lack means where it is a DataLoader's batch."""
+    call = f", call {fork['call']}," if fork.get("call") else ""
+    loader = (" (a batch the DataLoader yielded: the repeats' steps took other numbers of its "
+              "batches)" if fork["slot"].startswith(LOADER_BATCH) else "")
+    return (f"at step {fork['step']}: {fork['module'] or '(model)'} {fork['slot']}{call} is "
+            f"missing in {counted(fork['missing'], 'repeat')}{loader}")
+
+
 def first_pass_note(s: dict[str, Any]) -> str:
     """That ``--max-epochs`` never fired: the runs ended in their first pass over the
     training DataLoader (a sentence to put after "note: ")."""
@@ -390,10 +400,7 @@ def _first(s: dict[str, Any]) -> Section | None:
     blocks: list[Block] = [Table("", ["", ""], rows)]
     fork = s.get("fork")
     if fork:
-        blocks.append(Text(
-            f"Control flow forked at step {fork['step']}: {fork['module'] or '(model)'} "
-            f"{fork['slot']} is missing in {counted(fork['missing'], 'repeat')}."
-        ))
+        blocks.append(Text(f"Control flow forked {fork_text(fork)}."))
     origins = _origins(s)
     if origins.rows:
         blocks.append(origins)
