@@ -329,6 +329,37 @@ def test_a_step_that_takes_more_of_the_loaders_batches_in_one_run_is_a_fork_said
             "its batches)") in said, said
 
 
+@pytest.mark.parametrize("foreach", [True, False])
+def test_a_stressed_step_recorded_module_by_module_records_the_gradients_after_clipping(
+        tmp_path, foreach):
+    """The stress (a dispatch mode) left the gradients' version counters where clipping's
+    in-place `_foreach_mul_` found them: at a step it stressed that was also recorded module
+    by module (a planted fault's, in the run that goes without it), the gradients the
+    optimizer received were taken for those backward left, unclipped, and differed from
+    the planted run's: "gradients diverged" for a fault that changed no gradient."""
+    def loop():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            (model(torch.randn(4, 8)) * 10).square().sum().backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=foreach)
+            opt.step()
+            opt.zero_grad()
+
+    def grads(trace):
+        records = trace.frame()
+        return records[(records.phase == "grad") & (records.step == 0)].set_index("slot").fp
+
+    stressed = _attached(tmp_path / "stressed.json.gz", loop, planted_step=0, stress=16)
+    plain = _attached(tmp_path / "plain.json.gz", loop, planted_step=0)
+    received = grads(stressed)[lambda fp: ~fp.index.str.startswith("left.")]
+    assert len(received) == 4 and received.equals(
+        grads(plain)[lambda fp: ~fp.index.str.startswith("left.")])
+    left = grads(stressed)[lambda fp: fp.index.str.startswith("left.")]
+    assert set(left.values).isdisjoint(received.values)  # (clipped: other values)
+
+
 class _Noisy(torch.utils.data.Dataset):
     """Samples with noise drawn from numpy's global RNG in the worker, as a detectron2
     DatasetMapper draws its flips and resizes."""

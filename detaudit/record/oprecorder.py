@@ -98,11 +98,12 @@ def without_scratch(func: Any, args: tuple, kwargs: dict, out: Any
     return args, kwargs, out
 
 
-def _bump_versions(func: Any, args: tuple, kwargs: dict) -> None:
+def bump_versions(func: Any, args: tuple, kwargs: dict) -> None:
     """Move the version counters an in-place foreach op leaves unmoved under a dispatch
     mode (see written_arguments), as the op moves them outside one: a print taken of those
     tensors before (a gradient before clipping's ``_foreach_mul_``) must not pass for them
-    after, in a step recorded at any level."""
+    after, in a step recorded at any level. Every mode that runs ops calls it (the op
+    recorder, the stress)."""
     for written in written_arguments(func, args, kwargs):
         if isinstance(written, (list, tuple)):
             for t in written:
@@ -335,7 +336,7 @@ class OpRecorder(ModelOpMode):
         else:
             out = func(*args, **kwargs)
         if func._schema.is_mutable:
-            _bump_versions(func, args, kwargs)
+            bump_versions(func, args, kwargs)
         fault = self.fault
         if fault is not None and fault.phase == phase and fault.module in (ANY_MODULE, module):
             if not skip:

@@ -35,6 +35,7 @@ from .oprecorder import (
     UNINITIALIZED_OPS,
     ModelOpMode,
     accumulate_arg,
+    bump_versions,
     collective,
     op_name,
     without_scratch,
@@ -107,6 +108,8 @@ class StressMode(ModelOpMode):
         module, _ = self.located(call)
         site = self.site(phase, module, sys._getframe(1))
         out = self._stressed(func, args, kwargs, name, phase, module, site)
+        if func._schema.is_mutable:
+            bump_versions(func, args, kwargs)
         self.mark_nodes(phase, module, out, site)
         return out
 
