@@ -95,12 +95,13 @@ def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None,
     if said is not None:
         return said
     of = f"at step {fault.step} of {counted(steps, 'recorded step')}"
-    if fault.module == ANY_MODULE:
-        return f"op {fault.op!r} did not run {fault.phase} in any module {of}"
     ran = sorted(ran)
-    ops = (f"; the ops it ran {fault.phase} there: {', '.join(ran[:_OPS_LISTED])}"
-           + (f" and {len(ran) - _OPS_LISTED} more" if len(ran) > _OPS_LISTED else "")
-           if ran else "")
+    listed = (f"{', '.join(ran[:_OPS_LISTED])}"
+              + (f" and {len(ran) - _OPS_LISTED} more" if len(ran) > _OPS_LISTED else ""))
+    if fault.module == ANY_MODULE:
+        return (f"op {fault.op!r} did not run {fault.phase} in any module {of}"
+                + (f" (the ops that ran {fault.phase} there: {listed})" if ran else ""))
+    ops = f"; the ops it ran {fault.phase} there: {listed}" if ran else ""
     where = f"op {fault.op!r} in " if fault.op else ""
     return (f"{where}module {fault.named!r} did not run {fault.phase} {of}"
             + (f" ({OP_FAULT_MODULE}{ops})" if fault.op else "")

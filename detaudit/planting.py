@@ -150,21 +150,25 @@ def _registered_ops() -> set[str]:
             for n in torch._C._dispatch_get_all_op_names()}
 
 
-def backward_name(op: str) -> str:
-    """The name of the backward op of a custom forward op: torchvision.roi_align ->
-    torchvision._roi_align_backward."""
-    namespace, _, base = op.rpartition(".")
-    return f"{namespace}._{base}_backward"
+# forward ops whose backward op is named otherwise than OP_backward (the names of
+# derivatives.yaml's formulas, as they dispatch)
+_BACKWARD_OPS = {"relu": ("threshold_backward",), "embedding": ("embedding_dense_backward",),
+                 "gather": ("scatter_add",), "index_select": ("index_add",),
+                 "index": ("index_put", "_index_put_impl")}
 
 
 def op_matches(pattern: str, op: str, phase: str) -> bool:
     """`op` is `pattern`, or (in backward) `pattern`'s own backward op, named the
-    torchvision way (``_roi_align_backward``) or the aten way (``convolution_backward``). A
-    pattern without a namespace (``addmm``) names the op in any namespace."""
-    if "." in pattern:
-        backward = (backward_name(pattern), f"{pattern}_backward")
-    else:
-        op, backward = op.rpartition(".")[2], (f"_{pattern}_backward", f"{pattern}_backward")
+    torchvision way (``_roi_align_backward``), the aten way (``convolution_backward``,
+    ``_softmax_backward_data``), or otherwise (relu's ``threshold_backward``, gather's
+    ``scatter_add``: see _BACKWARD_OPS). A pattern without a namespace (``addmm``) names the
+    op in any namespace."""
+    namespace, _, base = pattern.rpartition(".")
+    if not namespace:
+        op = op.rpartition(".")[2]
+    names = (f"_{base}_backward", f"{base}_backward", f"{base}_backward_data",
+             *(_BACKWARD_OPS.get(base, ()) if namespace in ("", "aten") else ()))
+    backward = {f"{namespace}.{name}" if namespace else name for name in names}
     return op == pattern or (phase == BACKWARD and op in backward)
 
 

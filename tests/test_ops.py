@@ -94,6 +94,15 @@ def test_gather_on_cli_with_census_and_verified_fix(tmp_path):
     ("aten.addmm", "aten.addmm", "forward", True),
     ("mm", "aten.addmm", "forward", False),
     ("aten.addmm", "other.addmm", "forward", False),
+    # backward ops named otherwise than OP_backward: a fault named by the forward op it
+    # belongs to was refused as never run (`_softmax_backward_data` ran)
+    ("aten._softmax", "aten._softmax_backward_data", "backward", True),
+    ("_log_softmax", "aten._log_softmax_backward_data", "backward", True),
+    ("relu", "aten.threshold_backward", "backward", True),
+    ("aten.gather", "aten.scatter_add", "backward", True),
+    ("aten.gather", "aten.scatter_add", "forward", False),
+    ("embedding", "aten.embedding_dense_backward", "backward", True),
+    ("torchvision.gather", "aten.scatter_add", "backward", False),
 ])
 def test_an_op_fault_names_its_op_with_or_without_the_namespace(pattern, op, phase, matches):
     assert op_matches(pattern, op, phase) is matches
