@@ -369,6 +369,8 @@ EPOCHS_UNSEEN = "epochs_unseen"
 # a step limit in epochs was given, and the run ended within its first pass over the
 # training DataLoader: that pass's length in batches (None where the loader has no len)
 FIRST_PASS_UNFINISHED = "first_pass_unfinished"
+# the seconds a run spent re-executing risky ops (see record.stress)
+STRESS_SECONDS = "stress_seconds"
 # the training DataLoader's worker processes, and the worker_init_fn each runs as it starts
 # ({"workers": n, "worker_init_fn": "name (file:line)" or None}): what reseeds their RNGs,
 # which a recording in the loop's process does not see

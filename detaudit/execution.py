@@ -49,6 +49,7 @@ from .config import (
     SCAN,
     SCRIPTED,
     STEPLESS_LOADS,
+    STRESS_SECONDS,
     TRAIN,
     AuditConfig,
     ExecJob,
@@ -635,6 +636,9 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         )
     timing = {"repeat": repeat, "seconds": seconds,
               "steps": max(len(t.steps) for t in recorded.values()), "exit_code": code}
+    stressed = [t.probe[STRESS_SECONDS] for t in recorded.values() if STRESS_SECONDS in t.probe]
+    if stressed:  # (its ranks re-execute side by side)
+        timing["stress_seconds"] = max(stressed)
     return recorded, timing
 
 

@@ -61,6 +61,7 @@ from ..config import (
     SHARED_PARAMETERS,
     SIDE_MODELS,
     STEPLESS_LOADS,
+    STRESS_SECONDS,
     TIED_PARAMETERS,
     TRAIN,
     TRAIN_LOADER_WORKERS,
@@ -723,6 +724,8 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             stress.__exit__(None, None, None)
             for row in stress.rows():
                 self.trace.add_stress(row)
+            self.trace.probe[STRESS_SECONDS] = (self.trace.probe.get(STRESS_SECONDS, 0.0)
+                                                + stress.seconds)
 
     @property
     def model(self) -> nn.Module | None:
