@@ -707,9 +707,11 @@ def _zoom(
     """A scanned run that parted in forward or backward (or drew a different amount of
     randomness in a step that began alike): replay to that step and record it at module and
     op level (the zoomed traces join the run folder); their comparison. Runs recorded each in
-    its own process are replayed so too when a replay here does not part."""
+    its own process are replayed so too when a replay here does not part. A repeat that
+    failed later does not stop it: the steps compared are those every repeat completed, and
+    the replays end at the zoomed step."""
     if not (config.granularity == SCAN and wanted.drill_down and comparison.first_step
-            is not None and not comparison.failures and needs_zoom(comparison)):
+            is not None and needs_zoom(comparison)):
         return None
     from .investigate.zoom import zoom
 

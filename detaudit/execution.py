@@ -180,8 +180,8 @@ def exec_command(
                 folder.info.extra["ranks"] = ranks.to_dict()
                 folder.info.traces = [trace_name(t.repeat, primary) for t in traces]
             zoomed = None
-            if (job.zoom and comparison.first_step is not None and not comparison.failures
-                    and needs_zoom(comparison)):
+            # (a repeat that failed later does not stop it: see api._zoom)
+            if job.zoom and comparison.first_step is not None and needs_zoom(comparison):
                 folder.set_state(f"investigating: {STAGE_NAMES['zoom']}")
                 progress.stage("zoom")
                 zoomed, zoomed_rank = _zoom_command(command, job, folder, probe, comparison,

@@ -2779,6 +2779,22 @@ def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):
     assert "train_plain.py" in trace.failure
 
 
+def test_a_divergence_before_a_crash_is_zoomed_into(tmp_path):
+    """The runs part at step 1, and crash in step 3: the zoom was skipped whenever a repeat
+    had failed, and the module was named only by the scan's gradients; the replays end at
+    the zoomed step, before the crash."""
+    done = _exec(tmp_path, "--seed", "0", "--json", "--inject-fault", "head@backward:1",
+                 script_args=("--crash-at", "3", "--workers", "0"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["headline"].startswith(
+        "DIVERGENT: first at step 1 (epoch 1), backward, head (origin)"), summary["headline"]
+    assert "zoomed in on step 1 after a scan" in summary["headline"]
+    assert "then repeat 0 stopped: RuntimeError" in summary["headline"]
+    zoom = json.loads((tmp_path / "run" / "run.json").read_text())["extra"]["zoom"]
+    assert (zoom["status"], zoom["step"]) == ("found", 1), zoom
+
+
 def test_a_script_that_crashes_before_its_first_step_is_run_once(tmp_path):
     """A run that fails before its first step leaves nothing to compare, and the verdict
     is FAILED whatever the others do: they were run all the same (a script that loads its

@@ -93,7 +93,7 @@ def judge(
         c.param_drift_step is not None and c.loss.first_step is None and c.first_step is not None
         and c.cause != "length" and bool(c.loss.per_step)
     ) else None
-    headline = _headline(kind, located, first, hidden, ops or {})
+    headline = _headline(kind, located, first, hidden, ops or {}, c)
     if _rounded_away(c):
         headline += ("; the training stayed bit-identical: no loss, gradient or parameter "
                      "differs, in that step or after (the difference rounded away, or went "
@@ -279,7 +279,9 @@ def _steps(c: Comparison) -> str:
 
 def _headline(
     kind: str, c: Comparison, first: dict[str, Any] | None, hidden: str | None,
-    ops: dict[str, Any]) -> str:
+    ops: dict[str, Any], whole: Comparison) -> str:
+    """`c` locates the first divergence (the zoom's comparison, where one was made); `whole`
+    is the scan's, of every step compared: where the runs ended and which failed."""
     if kind == FAILED:
         return f"FAILED: {_stopped(c)}; {_common(c)}"
     if first is None:
@@ -307,11 +309,11 @@ def _headline(
                  "inputs")
     if hidden:
         text += f"; the loss stayed bit-identical while {hidden} diverged"
-    if first["step"] == c.unapplied_step:
+    if first["step"] == whole.unapplied_step:
         text += (f"; step {first['step']} is the backward passes the run ended without "
                  "applying (no update followed them)")
-    if c.failures:
-        text += f"; then {_stopped(c)}"
+    if whole.failures:
+        text += f"; then {_stopped(whole)}"
     return text
 
 
