@@ -618,8 +618,9 @@ def cmd_exec(args: argparse.Namespace, argv: list[str]) -> int:
     _check_output_file(args.junit, "--junit")
     out = _out_folder(args.out, "exec")
     job = ExecJob(repeats=args.repeats, seed=args.seed, max_steps=args.max_steps,
-                  max_epochs=args.max_epochs, fault=_fault(args.inject_fault), zoom=args.zoom,
-                  zoom_tries=args.zoom_tries, mode=args.mode, step_timeout=args.step_timeout,
+                  max_epochs=args.max_epochs, fault=_fault(args.inject_fault, check_op=False),
+                  zoom=args.zoom, zoom_tries=args.zoom_tries, mode=args.mode,
+                  step_timeout=args.step_timeout,
                   **_stress(args.stress))
     result = exec_command(command, job, out=out, overwrite=args.overwrite,
                           progress=_Bar(args.quiet or args.json),
@@ -818,7 +819,9 @@ def _stress(text: str) -> dict[str, Any]:
     return {"stress": runs, "stress_every_op": every}
 
 
-def _fault(text: str | None) -> Fault | None:
+def _fault(text: str | None, check_op: bool = True) -> Fault | None:
+    """--inject-fault's fault; its op checked here unless `check_op` is False (exec, whose
+    own process never imports torch: its first run checks it)."""
     if text is not None and not text.strip():  # (an unset variable in a CI script, say)
         raise DetauditError("--inject-fault is empty: give MODULE[/OP][@forward|@backward]"
                             "[:STEP], or leave the option out")
@@ -828,7 +831,8 @@ def _fault(text: str | None) -> Fault | None:
         fault = Fault.parse(text) if text else None
     except DetauditError as exc:
         raise DetauditError(f"--inject-fault: {exc}") from None
-    check_op_known(fault)
+    if check_op:
+        check_op_known(fault)
     return fault
 
 

@@ -369,6 +369,9 @@ EPOCHS_UNSEEN = "epochs_unseen"
 # a step limit in epochs was given, and the run ended within its first pass over the
 # training DataLoader: that pass's length in batches (None where the loader has no len)
 FIRST_PASS_UNFINISHED = "first_pass_unfinished"
+# why the first run of an exec audit refused its fault's op, a name neither PyTorch nor
+# torchvision has (see planting.check_op_known: exec's own process never imports torch)
+UNKNOWN_OP = "unknown_op"
 # the seconds a run spent re-executing risky ops (see record.stress)
 STRESS_SECONDS = "stress_seconds"
 # the training DataLoader's worker processes, and the worker_init_fn each runs as it starts

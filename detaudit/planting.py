@@ -18,6 +18,7 @@ from .config import (
     ROOT_NAME,
     SCRIPTED,
     SIDE_MODELS,
+    UNKNOWN_OP,
     Fault,
     nearest_modules,
     scripted_fault,
@@ -38,6 +39,8 @@ def fault_target(fault: Fault, trace: AnyTrace) -> Fault:
     named) is left to the run itself, which says if the op never ran. Returns the fault to
     plant: a module named as in the user's model is named inside the wrappers around it
     (DDP's ``module.``, Lightning Fabric's ``_forward_module.``)."""
+    if (unknown := trace.probe.get(UNKNOWN_OP)) is not None:
+        raise FaultRefused(unknown)
     if trace.failure is not None:
         return fault  # the failure is the finding
     if len(trace.steps) <= fault.step:
@@ -113,7 +116,8 @@ _BUILT_IN_NAMESPACES = ("aten", "prims", "torchvision")
 
 def check_op_known(fault: Fault | None) -> None:
     """An op fault naming an op that neither PyTorch nor torchvision has is refused before
-    any run, with the nearest names (it could only be found never to have run); an op of a
+    any run (by exec's first run, at its first step: exec's own process never imports
+    torch), with the nearest names (it could only be found never to have run); an op of a
     library's own namespace is left to the run, which loads it."""
     if fault is None or not fault.op:
         return

@@ -2779,6 +2779,19 @@ def test_a_crash_in_the_script_is_kept_and_named_never_a_pass(tmp_path):
     assert "train_plain.py" in trace.failure
 
 
+def test_exec_refuses_an_op_pytorch_does_not_have_at_its_first_runs_first_step(tmp_path):
+    """A misspelt op was refused only after every run (the fault never fired); exec's own
+    process never imports torch, so its first run checks the name, and ends after its
+    first step."""
+    done = _exec(tmp_path, "--seed", "0", "--inject-fault", "op:roi_algin@backward:2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    said = done.stderr.strip().splitlines()[-1]
+    assert said.startswith("detaudit: error: --inject-fault: no op 'roi_algin' in PyTorch or "
+                           "torchvision (did you mean roi_align"), said
+    assert len(Trace.load(tmp_path / "run" / "trace-0.json.gz").steps) == 1
+    assert not (tmp_path / "run" / "trace-1.json.gz").exists()
+
+
 def test_a_divergence_before_a_crash_is_zoomed_into(tmp_path):
     """The runs part at step 1, and crash in step 3: the zoom was skipped whenever a repeat
     had failed, and the module was named only by the scan's gradients; the replays end at

@@ -261,6 +261,38 @@ def test_a_forward_op_whose_difference_only_the_gradients_show_is_a_forward_caus
         result.summary["cause"]["text"])
 
 
+@pytest.mark.parametrize("planted", [True, False])
+def test_an_origin_op_in_a_loss_outside_the_model_is_the_cause_and_the_first_divergence(planted):
+    """An op of the loss, outside the model, that differs on equal inputs: a planted one was
+    headlined at the first module whose gradient differed ("(first record)"), a real one at
+    the op; and the cause listed what the loss might be computed from (targets, class
+    weights, host draws), which the op's equal inputs rule out."""
+    from detaudit.analysis.causes import cause_of
+
+    def probe(device):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+        return Probe(model=model, batches=[torch.randn(2, 8) for _ in range(3)],
+                     step=lambda m, b: m(b).cumsum(1).square().sum(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    result = audit(probe, repeats=2, epochs=1, stress=0,
+                   fault=Fault(ANY_MODULE, "backward", 1, op="aten.cumsum"))
+    ops = result.investigations["ops"]
+    origin = ops["ops"][0]
+    assert (origin["module"], origin["role"], origin["planted"]) == (
+        "(outside the model)", ORIGIN, True), origin
+    if not planted:  # (as a race there is found: the same records, no fault to name)
+        ops = {**ops, "ops": [{**origin, "planted": False}, *ops["ops"][1:]]}
+    kind, text = cause_of(result.comparison, ops)
+    assert kind == "backward" and text.startswith(
+        "aten.cumsum in (outside the model) at test_ops.py:"), text  # (its backward: a cumsum)
+    assert "class weights" not in text
+    first = result.verdict.first
+    assert (first["module"], first["role"], first["slots"]) == (
+        "(outside the model)", "origin op", ["aten.cumsum"]), result.verdict.headline
+
+
 def test_the_known_fixes_of_the_origin_op_are_those_of_the_device_the_runs_recorded_on():
     """exec's audit knows the device only from its runs' traces (its configuration says
     cpu): a convolution backward that parted on a GPU was given the CPU's remedies, not

@@ -19,6 +19,7 @@ from ..trace import (
     STATE,
     state_name,
 )
+from ..words import op_place
 from .compare import ORIGIN, CallFinding, Comparison, draws_random_numbers
 
 _CAUSE_TEXT = {
@@ -384,9 +385,9 @@ def random_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def outside_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
     """The drill-down's origin op when it ran outside the model (in the loop's own code: a
-    loss term)."""
-    op = _found_origin_op(ops)
-    return op if op is not None and op.get("module") == OUTSIDE_MODEL else None
+    loss term), planted there or not."""
+    op = first_op(ops)
+    return op if op.get("role") == ORIGIN and op.get("module") == OUTSIDE_MODEL else None
 
 
 def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None, *,
@@ -437,7 +438,12 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
         text = text.removesuffix(UNCONFIRMED)
     outside = outside_origin_op(ops)
     if outside is not None and c.cause in ("forward", "backward"):
-        return outside["phase"], text  # (a backward difference its forward op made)
+        # (its phase: a backward difference its forward op made is a forward cause; what
+        # the loss might be computed from, the text's guesses, the op's equal inputs rule out)
+        return outside["phase"], (
+            f"{outside['op']} in {op_place(outside)}, code outside the model, gave different "
+            f"results from equal inputs ({outside['phase']}): the model's outputs agree in "
+            "every repeat, and the runs part where the loss is computed from them")
     op = first_op(ops)
     if c.cause == "backward" and op and op.get("role") == ORIGIN and op.get("phase") == FORWARD:
         # (the module's outputs agreed: what its backward saved of the forward did not)

@@ -65,13 +65,14 @@ from ..config import (
     TIED_PARAMETERS,
     TRAIN,
     TRAIN_LOADER_WORKERS,
+    UNKNOWN_OP,
     Fault,
     kept_path,
     measured_path,
     rank_trace_path,
 )
-from ..errors import DetauditError
-from ..planting import fault_target
+from ..errors import DetauditError, FaultRefused
+from ..planting import check_op_known, fault_target
 from ..record.difference import differences_from
 from ..record.environment import capture_environment
 from ..record.fingerprint import TensorPrint, storages_of
@@ -566,7 +567,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         if self.max_steps is not None and self.stream.steps >= self.max_steps:
             self.stop()  # the last step was not complete when it updated
             return False
-        if (self.check_fault is not None and self.stream.steps == self.check_fault.step + 1
+        if self.check_fault is not None and (
+                self.stream.steps == 1 and not self._op_known(self.check_fault)
+                or self.stream.steps == self.check_fault.step + 1
                 and not self._fault_can_fire(self.check_fault)):
             self.stop()
             return False
@@ -697,6 +700,16 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
         every run, so that the planted change is compared where it is planted even when
         rounding absorbs it further on); step state only elsewhere."""
         return WATCH_MODULE if step in (self.zoom, self.planted_step) else WATCH_NONE
+
+    def _op_known(self, fault: Fault) -> bool:
+        """Whether `fault`'s op, if it names one, is one torch or torchvision has; where not,
+        the refusal is noted for the audit (see planting.check_op_known)."""
+        try:
+            check_op_known(fault)
+        except FaultRefused as exc:
+            self.trace.probe[UNKNOWN_OP] = str(exc)
+            return False
+        return True
 
     def _fault_can_fire(self, fault: Fault) -> bool:
         """Whether `fault` passes the check the audit makes of it after this run (see
