@@ -145,7 +145,8 @@ def _op_lines(summary: dict[str, Any]) -> list[str]:
     lines = ["", said]
     if o.get("elements") is not None:
         lines.append(
-            f"    {o['elements']} of {o['of']} elements differ; max |Δ| {_g(o.get('max_abs_diff'))}, "
+            f"    between the repeats: {o['elements']} of {o['of']} elements differ; "
+            f"max |Δ| {_g(o.get('max_abs_diff'))}, "
             f"max ULP {_g(o.get('max_ulp'))}, relative error {_g(o.get('rel_error'))}"
         )
     for k in summary.get("knowledge") or []:
@@ -170,8 +171,9 @@ def _stress_lines(summary: dict[str, Any]) -> list[str]:
     lines = [""]
     for op in proven[:6]:
         proof = op.get("proof") or {}
-        lines.append(f"proven nondeterministic: {op['line']}; {proof.get('differing')} of "
-                     f"{proof.get('elements')} elements differ, max ULP {_g(proof.get('max_ulp'))}")
+        lines.append(f"proven nondeterministic: {op['line']}; between two of its "
+                     f"re-executions: {proof.get('differing')} of {proof.get('elements')} "
+                     f"elements differ, max ULP {_g(proof.get('max_ulp'))}")
         if op.get("remedy"):
             lines.append(f"    fix: {op['remedy']}")
     if len(proven) > 6:
