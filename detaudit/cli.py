@@ -775,8 +775,10 @@ def cmd_report(args: argparse.Namespace, argv: list[str]) -> int:
     from .report import render_console, summary_json
 
     summary = api.render_folder(args.folder)
-    print(summary_json(summary) if args.json else _safe(render_console(summary)))
-    return exit_code(summary["verdict"])
+    code = exit_code(summary["verdict"])
+    print(summary_json({**summary, "exit_code": code}) if args.json
+          else _safe(render_console(summary)))
+    return code
 
 
 # -- from options to typed configuration ---------------------------------------------------

@@ -234,7 +234,9 @@ def test_report_command_rerenders_a_saved_run(tmp_path, capsys):
     (folder / "summary.json").unlink()
     capsys.readouterr()
     assert main(["report", str(folder), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["headline"] == first["headline"]
+    said = json.loads(capsys.readouterr().out)
+    assert said["headline"] == first["headline"]
+    assert said["exit_code"] == 0  # (as run --json gives it: the README says --json does)
     for name in ("report.html", "report.md", "report.github.html", "summary.json"):
         assert (folder / name).exists()
     (folder / "trace-1.json.gz").write_bytes(b"\x1f\x8b garbage")
