@@ -338,8 +338,9 @@ def _failures(s: dict[str, Any]) -> Section | None:
     rows = [[r, clip(str(m))] for r, m in s.get("failures", {}).items()]
     if not rows:
         return None
-    table = Table("failed repeats", ["repeat", "error"], rows)
-    return Section("failures", "Failed repeats", [table])
+    # (a repeat cut short, by Ctrl-C or by the others' end, is listed too: it failed nothing)
+    table = Table("repeats that did not finish", ["repeat", "why"], rows)
+    return Section("failures", "Repeats that did not finish", [table])
 
 
 def _ranks(s: dict[str, Any]) -> Section | None:
