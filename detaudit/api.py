@@ -12,6 +12,7 @@ Torch is imported only by the functions that record (:func:`run` and what calls 
 
 from __future__ import annotations
 
+import os
 import shlex
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -103,11 +104,14 @@ def unreplayed(verdict: Verdict, comparison: Comparison, traces: list[AnyTrace])
     script a watch ran in, where it was one)."""
     if verdict.kind == DIVERGENT and needs_zoom(comparison) and not any(
             d.phase in (FORWARD, BACKWARD) for d in comparison.first_diffs):
-        script = next((p for t in traces if (p := probe_value(t, WATCHED_SCRIPT))), "train.py")
+        command = next((p for t in traces if (p := probe_value(t, WATCHED_SCRIPT))),
+                       "train.py")
+        if not os.path.basename(shlex.split(command)[0]).startswith("python"):
+            command = f"python {command}"  # (a script recorded without its Python)
         return replace(verdict, headline=(
             f"{verdict.headline}; the runs were recorded at scan level and compare cannot "
-            f"replay them, so the module and op are not named (`detaudit exec -- python "
-            f"{script}` replays that step module by module)"))
+            f"replay them, so the module and op are not named (`detaudit exec -- {command}` "
+            "replays that step module by module)"))
     return verdict
 
 

@@ -271,8 +271,10 @@ class watch:
         del probe[PROBE_CONFIG]["seed"], probe[PROBE_CONFIG]["device"]
         script = sys.argv[0] if sys.argv else ""
         if script.endswith(".py") and not in_a_library(os.path.abspath(script)):
-            # (a notebook's kernel, pytest: a library's)
-            probe[WATCHED_SCRIPT] = shlex.join([os.path.relpath(script), *sys.argv[1:]])
+            # (a notebook's kernel, pytest: a library's; the Python it ran in, which has
+            # torch, for the command exec would replay it by)
+            probe[WATCHED_SCRIPT] = shlex.join([sys.executable, os.path.relpath(script),
+                                                *sys.argv[1:]])
         self._attachment = Attachment(self.path, probe, model=self.model,
                                       optimizer=self.optimizer, max_steps=self.max_steps,
                                       on_limit=self._limit, mode=self.mode).install()

@@ -3688,8 +3688,9 @@ def test_compare_of_watched_runs_names_the_script_exec_would_replay(tmp_path):
                        cwd=tmp_path, capture_output=True)
     headline = detaudit.compare(watched, out=tmp_path / "compared").verdict.headline
     assert headline.startswith("DIVERGENT: first at step 2 (epoch 1), grad"), headline
-    assert headline.endswith(f"(`detaudit exec -- python watching.py {watched}` replays that "
-                             "step module by module)")
+    # (the Python the script ran in: a `python` on the PATH may have no torch)
+    assert headline.endswith(f"(`detaudit exec -- {sys.executable} watching.py {watched}` "
+                             "replays that step module by module)"), headline
 
 
 def test_a_loader_shuffling_from_a_generator_seeded_by_the_os_is_said_to(tmp_path):
