@@ -4349,6 +4349,27 @@ def test_watch_records_a_step_the_grad_scaler_skipped_as_a_step_without_update(t
     assert [len(s.losses) for s in steps] == [1, 1, 1]  # three steps, not two merged
 
 
+def test_a_loss_a_grad_scaler_scaled_is_said_to_be_the_scaled_one(tmp_path):
+    """The size table showed the loss backward was called on, 65,536 times the script's
+    own, without a word of the scale."""
+    for run in range(2):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        with detaudit.watch(model, opt, out=tmp_path):
+            for step in range(2):
+                x = torch.full((2, 3), 2.0 if step == 1 and run == 1 else 1.0)
+                scaler.scale(model(x).sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+    result = detaudit.compare(tmp_path, out=tmp_path / "report")
+    assert result.summary["loss_scale"] == 4.0
+    assert ("A loss is what backward was called on: under a GradScaler, the scaled loss (its "
+            "scale after that step: 4).") in (tmp_path / "report" / "report.md").read_text()
+
+
 def test_a_run_that_trains_on_the_model_of_the_run_before_is_told_apart_from_unseeded(tmp_path):
     # a notebook's training cell run twice, the cell that builds the model once
     torch.manual_seed(0)

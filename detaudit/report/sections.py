@@ -588,12 +588,17 @@ def _size(s: dict[str, Any]) -> Section | None:
         "relative Δnorm", "absmax (repeat 0)", "absmax (other)",
     ]
     unsized = any(row[5] == "–" for row in rows)
+    scale = s.get("loss_scale")
+    scaled = scale is not None and any(
+        d["slot"].startswith("loss") for d in s.get("first_by_phase", {}).values())
     return Section("size", "Size of the difference", [
         Text("The first differing record of each phase: repeat 0 against the first repeat that "
              "differs. A relative Δnorm of 0 means the values differ below what the norm shows."
              + (" A dash: no size was recorded (a scanned step keeps each tensor's print "
                 "alone; a zoomed step, or one recorded module by module, keeps sizes too)."
-                if unsized else "")),
+                if unsized else "")
+             + (" A loss is what backward was called on: under a GradScaler, the scaled loss "
+                f"(its scale after that step: {num(scale)})." if scaled else "")),
         Table("first differing record per phase", headers, rows),
     ])
 

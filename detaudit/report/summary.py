@@ -146,6 +146,7 @@ def summarize(
         "first_pass_unfinished": {"batches": traces[0].probe[FIRST_PASS_UNFINISHED]} if (
             traces and all(FIRST_PASS_UNFINISHED in t.probe for t in traces)) else None,
         "zoom": (info.extra or {}).get("zoom"),
+        "loss_scale": _loss_scale(traces, c.first_step),
         "modules": _modules(traces),
         "model_class": next((t.probe[MODEL_CLASS] for t in traces if t.probe.get(MODEL_CLASS)),
                             None),
@@ -222,6 +223,13 @@ def _census_ops(ops: list[Any], c: Comparison) -> list[dict[str, Any]]:
             rows.append({"module": row["module"], "phase": row["phase"], "op": row["op"],
                          "count": op.calls, "what": row["what"], "epoch": row["epoch"]})
     return rows
+
+
+def _loss_scale(traces: list[Any], step: int | None) -> float | None:
+    """A GradScaler's scale after `step` in repeat 0, where one scaled its losses: the loss
+    recorded is what backward was called on, the scaled loss (None: no scaler)."""
+    steps = traces[0].steps if traces else []
+    return steps[step].scale if step is not None and step < len(steps) else None
 
 
 def _stress_seconds(info: RunInfo) -> float | None:
