@@ -291,6 +291,9 @@ def test_an_origin_op_in_a_loss_outside_the_model_is_the_cause_and_the_first_div
     first = result.verdict.first
     assert (first["module"], first["role"], first["slots"]) == (
         "(outside the model)", "origin op", ["aten.cumsum"]), result.verdict.headline
+    # and the divergence map has a row for it (every row said "origin at steps: -")
+    assert {"step": 1, "module": "(outside the model)", "phase": "backward",
+            "role": "origin"} in result.summary["map"]
 
 
 def test_the_known_fixes_of_the_origin_op_are_those_of_the_device_the_runs_recorded_on():

@@ -10,8 +10,8 @@ import math
 from collections import Counter
 from typing import Any
 
-from ..analysis.causes import cause_of
-from ..analysis.compare import GRADIENTS_DIFFER, Comparison, RecordDiff
+from ..analysis.causes import cause_of, outside_origin_op
+from ..analysis.compare import GRADIENTS_DIFFER, ORIGIN, Comparison, RecordDiff
 from ..analysis.ranks import RankAnalysis
 from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, stressed_op_rows
@@ -28,7 +28,7 @@ from ..config import (
     TIED_PARAMETERS,
 )
 from ..runfolder import RunInfo
-from ..trace import STATE, Trace, probe_value, state_name
+from ..trace import OUTSIDE_MODEL, STATE, Trace, probe_value, state_name
 from ..words import one_based
 
 SUMMARY_SCHEMA = 1
@@ -113,6 +113,10 @@ def summarize(
     cells = _map_cells(c, zoom) if info.config.get("granularity") == "scan" else [
         {"step": f.step, "module": f.module or "(model)", "phase": f.phase, "role": f.role}
         for f in c.findings]
+    if (outside := outside_origin_op(ops)) is not None and located.first_step is not None:
+        # (no module call began it: the op in the loop's own code did)
+        cells.append({"step": located.first_step, "module": OUTSIDE_MODEL,
+                      "phase": outside["phase"], "role": ORIGIN})
     summary = {
         "schema": SUMMARY_SCHEMA,
         "verdict": verdict.kind,
