@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import xml.etree.ElementTree as ET
@@ -218,6 +219,30 @@ def test_tolerance_never_passes_a_difference_it_cannot_measure(tmp_path: Path) -
     unmeasured = diff_traces(a, b, rtol=1e-3)
     assert not unmeasured.ok and unmeasured.first.unmeasured
     assert "a run stored no stats to measure it within tolerance by" in unmeasured.message
+
+
+def _batchnorm_probe(momentum: float, device: torch.device) -> Probe:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum),
+                          nn.ReLU(), nn.Flatten(), nn.LazyLinear(1)).to(device)
+    model(torch.zeros(2, 3, 8, 8))  # (the lazy layer's shape)
+    model[1].reset_running_stats()
+    g = torch.Generator().manual_seed(1)
+    return Probe(model=model, batches=[torch.randn(2, 3, 8, 8, generator=g) for _ in range(3)],
+                 step=lambda m, b: m(b).square().mean(),
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+def test_tolerance_measures_a_norm_layers_running_statistics(tmp_path: Path) -> None:
+    """A BatchNorm whose momentum moved in its last digits: its running statistics differ
+    by a few ULPs, and `check --rtol` could never pass, as a module-level run stored the
+    buffers without the stats every other float record has."""
+    path = store_baseline(tmp_path / "bn.json", module_audit(
+        functools.partial(_batchnorm_probe, 0.1), repeats=1, steps=3))
+    nudged = functools.partial(_batchnorm_probe, 0.1 + 1e-7)
+    assert api.check(path, factory=nudged).gate.exit_code == 1  # bitwise: they differ
+    gate = api.check(path, factory=nudged, rtol=1e-4, atol=1e-7).gate
+    assert gate.ok and gate.tolerance, gate.message
 
 
 def test_a_diff_of_two_configurations_says_so_and_names_no_place_it_cannot_locate(

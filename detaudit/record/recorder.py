@@ -325,7 +325,9 @@ class Recorder(BackwardBoundaries):
                         or (layer is not None and layer.training)):
                     changed.append((name, buffer))
         self._keys += _parameter_keys(STATE, changed, kind="buffer")
-        self.fp.add_many([t for _, t in changed], stats=False)
+        # (stats where parameters have them: a step recorded module by module, which a
+        # tolerance diff measures, a running mean a few ULPs off included)
+        self.fp.add_many([t for _, t in changed], stats=self._watch == WATCH_MODULE)
 
     def record_parameters(self, phase: str, of: Iterable[torch.Tensor] | None = None,
                           stats: bool = False) -> None:
@@ -345,7 +347,8 @@ class Recorder(BackwardBoundaries):
         named in full, as the step's state."""
         self._keys += _parameter_keys(STATE, params) + _parameter_keys(STATE, buffers,
                                                                        kind="buffer")
-        self.fp.add_many([t for _, t in params] + [t for _, t in buffers], stats=False)
+        self.fp.add_many([t for _, t in params] + [t for _, t in buffers],
+                         stats=self._watch == WATCH_MODULE)
 
     def record_param_grads(self, stats: bool = True,
                            of: Iterable[torch.Tensor] | None = None, call: int = 0) -> None:
