@@ -61,6 +61,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         _forget_interrupts_already_handled()
 
 
+def _renders(folder: Path) -> bool:
+    """Whether `detaudit report` renders `folder`: it holds a trace (an interrupted run
+    whose first repeat recorded no step holds none)."""
+    from .errors import TraceError
+    from .runfolder import load_run
+
+    try:
+        load_run(folder)
+    except TraceError:
+        return False
+    return True
+
+
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     """Run the command; each way it can end becomes one line on stderr and its exit code."""
     started = time.perf_counter()
@@ -77,7 +90,9 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
         code = EXIT_INTERRUPTED
         kept = next((f for f in _RUN_FOLDERS if (f / "run.json").exists()), None)
         line = (f"interrupted; what was recorded is kept in {kept} (`detaudit report {kept}` "
-                "renders it)" if kept is not None else
+                "renders it)" if kept is not None and _renders(kept) else
+                f"interrupted before a step was recorded ({kept}/run.json says what was "
+                "asked; there is no report to render)" if kept is not None else
                 "interrupted; what was recorded is kept (see run.json in the run folder; "
                 "`detaudit report FOLDER` renders it)")
     except SystemExit as exc:  # raised by the user's code outside a repeat

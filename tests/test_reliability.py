@@ -373,6 +373,29 @@ def test_an_interrupt_that_lands_in_string_compiled_code_still_exits_130(tmp_pat
     assert result.returncode == 130 and "interrupted" in result.stderr, result.stderr
 
 
+def test_an_audit_interrupted_before_its_first_step_promises_no_report(tmp_path):
+    """Ctrl-C before the first step was recorded: the message said `detaudit report FOLDER`
+    renders it, and report refused the folder (it lists no traces)."""
+    folder = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "detaudit", "run", "--probe", str(PROBES / "slow_steps.py"),
+         "--out", str(folder), "--repeats", "2", "--epochs", "1", "--steps", "2", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "DETAUDIT_TEST_STEP_SECONDS": "60"},
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None and not (
+            _state(folder) == "recording"):
+        time.sleep(0.05)
+    time.sleep(1.0)  # (inside the first step, which sleeps a minute)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    assert f"interrupted before a step was recorded ({folder}/run.json" in err, err[-3000:]
+    assert "renders it" not in err
+    assert run_cli("report", str(folder)).returncode == 2
+
+
 def test_an_audit_interrupted_in_its_first_repeat_keeps_what_that_repeat_recorded(tmp_path):
     """Ctrl-C before any repeat ended: the steps the first repeat flushed are kept as its
     trace (marked interrupted), so `report` renders the folder rather than refusing it."""
