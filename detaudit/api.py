@@ -506,7 +506,8 @@ def check(
                          "again: record the baseline again without --inject-fault")
     if result.folder is not None:  # the folder's reports give the check's verdict
         checked = {"baseline": str(path), "verdict": gate.verdict, "headline": gate.headline,
-                   "message": gate.message}
+                   "message": gate.message,  # (and what differs in the environment since)
+                   "env_differences": {k: list(v) for k, v in gate.env_differences.items()}}
         result.info.extra["check"] = checked
         save_run(result.folder, result.info)
         write_reports(result.folder, with_check(result.summary, checked))
@@ -533,8 +534,9 @@ def with_check(summary: dict[str, Any], checked: dict[str, Any]) -> dict[str, An
         where = [line for line in checked["message"].splitlines()
                  if line.startswith(("origin:", "first difference:"))]
         said["cause"] = {"kind": "baseline", "text": (
-            "the repeats of this run agree, and differ from the baseline: the code, its data "
-            "or the environment changed since the baseline was recorded"
+            ("the repeats of this run agree, and differ" if summary["repeats"] > 1 else
+             "this run differs") + " from the baseline: the code, its data or the "
+            "environment changed since the baseline was recorded"
             + (f" ({where[-1]})" if where else ""))}
     return said
 

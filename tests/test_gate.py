@@ -171,6 +171,17 @@ def test_a_check_folder_reports_the_checks_verdict(
     assert said["verdict"] == "mismatch"
     # its repeats agree: the cause is what changed since the baseline, not "no divergence"
     assert said["cause"]["kind"] == "baseline" and "(origin: act (forward))" in said["cause"]["text"]
+    # (one repeat: none to agree with)
+    assert said["cause"]["text"].startswith(
+        "this run differs from the baseline" if said["repeats"] == 1 else
+        "the repeats of this run agree, and differ from the baseline"), said["cause"]["text"]
+    # what differs in the environment since the baseline, in the artifact a CI job reads (it
+    # was on the console and in --json only)
+    assert said["check"]["env_differences"] == {}
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    api.check(conv_baseline, factory=conv_probe, out=tmp_path / "moved")
+    moved = json.loads((tmp_path / "moved" / "summary.json").read_text())["check"]
+    assert moved["env_differences"]["torch"][1] == "9.9.9", moved
 
 
 def test_a_check_whose_run_crashes_is_failed_never_a_mismatch(conv_baseline: Path) -> None:

@@ -384,8 +384,8 @@ def test_an_audit_interrupted_before_its_first_step_promises_no_report(tmp_path)
         env={**os.environ, "DETAUDIT_TEST_STEP_SECONDS": "60"},
     )
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None and not (
-            _state(folder) == "recording"):
+    while (time.monotonic() < deadline and process.poll() is None
+           and _state(folder) != "recording"):
         time.sleep(0.05)
     time.sleep(1.0)  # (inside the first step, which sleeps a minute)
     process.send_signal(signal.SIGINT)
