@@ -657,9 +657,12 @@ def _shape(v: Any) -> bool:
 
 
 _INTEGER = "an integer >= 0"
+_FINGERPRINT = re.compile(r"[0-9a-f]{16}")  # (every print: 64 bits, in hex)
 _RECORD_CHECKS = {
-    "step": (_count, _INTEGER), "phase": (_text, "a string"), "module": (_text, "a string"),
-    "call": (_count, _INTEGER), "slot": (_text, "a string"), "fp": (_text, "a string"),
+    "step": (_count, _INTEGER), "phase": (lambda v: v in PHASES, f"one of {', '.join(PHASES)}"),
+    "module": (_text, "a string"), "call": (_count, _INTEGER), "slot": (_text, "a string"),
+    "fp": (lambda v: type(v) is str and _FINGERPRINT.fullmatch(v) is not None,
+           "16 hexadecimal digits"),
     "shape": (_shape, "a list of integers >= 0"), "dtype": (_text, "a string"),
     "norm": (_stat, "a finite number or null"), "absmax": (_stat, "a finite number or null"),
     "nonfinite": (_count, _INTEGER),
