@@ -256,6 +256,22 @@ def test_tolerance_measures_a_norm_layers_running_statistics(tmp_path: Path) -> 
     assert gate.ok and gate.tolerance, gate.message
 
 
+def test_a_module_level_step_records_the_learning_rate_its_update_used(tmp_path: Path) -> None:
+    """A scheduler stepped each step: `lr.0` held the rate after the scheduler's step (0.009
+    where the update used 0.01), as the scheduler stepped before the optimizer's record."""
+    def scheduled(device: torch.device) -> Probe:
+        probe = conv_probe(device)
+        probe.scheduler = torch.optim.lr_scheduler.StepLR(probe.optimizer, 1, gamma=0.5)
+        probe.scheduler_interval = "step"
+        return probe
+
+    trace = module_audit(scheduled, repeats=1, steps=2).traces[0]
+    records = trace.frame()
+    rates = records[(records.phase == "optimizer") & (records.slot == "lr.0")]
+    assert list(rates.norm) == [0.1, 0.05]  # (a scalar's norm: itself)
+    assert [s.lr for s in trace.steps] == [[0.1], [0.05]]
+
+
 def test_a_diff_of_two_configurations_says_so_and_names_no_place_it_cannot_locate(
         conv_baseline: Path) -> None:
     """Runs of other step counts part where their batches do: the diff says their

@@ -568,11 +568,11 @@ def _train_step(
     optimizer.zero_grad(set_to_none=True)
     info.optimizer_stepped = stepped
     info.lr = [_finite(float(group["lr"])) for group in optimizer.param_groups]  # what it used
+    recorder.record_parameters(OPTIMIZER, stats=modules)
+    if modules:  # (before the scheduler's step: the learning rates the update used)
+        recorder.record_optimizer(optimizer, stats=True)
     if probe.scheduler is not None and probe.scheduler_interval == "step":
         probe.scheduler.step()
-    recorder.record_parameters(OPTIMIZER, stats=modules)
-    if modules:
-        recorder.record_optimizer(optimizer, stats=True)
     return losses
 
 
