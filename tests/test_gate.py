@@ -272,6 +272,27 @@ def test_a_module_level_step_records_the_learning_rate_its_update_used(tmp_path:
     assert [s.lr for s in trace.steps] == [[0.1], [0.05]]
 
 
+def test_a_renamed_module_is_said_to_be_one_not_parameters_built_otherwise() -> None:
+    """A submodule renamed, every value the same: the origin was "the parameters of lat,
+    different before step 0 (as built, loaded or carried over)"."""
+    from collections import OrderedDict
+
+    def named(name: str) -> Callable[[torch.device], Probe]:
+        def probe(device: torch.device) -> Probe:
+            torch.manual_seed(0)
+            model = nn.Sequential(OrderedDict([(name, nn.Linear(4, 4)), ("head", nn.Linear(4, 1))]))
+            return Probe(model=model, batches=[torch.ones(2, 4)], step=lambda m, b: m(b).sum(),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        return probe
+
+    before, after = (module_audit(named(n), repeats=1, steps=1).traces[0] for n in ("lat", "lateral"))
+    result = diff_traces(before, after)
+    assert result.exit_code == 1
+    assert "origin: the model's modules differ: lat weight is a parameter of one run only" in (
+        result.message), result.message
+    assert "as built, loaded or carried over" not in result.message
+
+
 def test_a_diff_of_two_configurations_says_so_and_names_no_place_it_cannot_locate(
         conv_baseline: Path) -> None:
     """Runs of other step counts part where their batches do: the diff says their

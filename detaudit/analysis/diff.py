@@ -437,7 +437,12 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
             default=float("inf")) < 1e-6:
         lines.append("  (with --atol 0, a value this close to zero fails any --rtol: give an "
                      "--atol)")
-    if first.phase == "state" and first.slot.startswith("param."):
+    if first.phase == "state" and first.slot.startswith("param.") and first.missing:
+        # (a module renamed, added or removed: its values may all agree)
+        lines.append(f"origin: the model's modules differ: {first.module or '(model)'} "
+                     f"{first.slot.removeprefix('param.')} is a parameter of one run only (a "
+                     "module renamed, added or removed)")
+    elif first.phase == "state" and first.slot.startswith("param."):
         # no computation: the model differs as built (or loaded) before this step
         lines.append(f"origin: the parameters of {first.module or '(model)'}, different before "
                      f"step {first.step} (as built, loaded or carried over; its forward only "
