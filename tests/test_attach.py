@@ -417,8 +417,8 @@ def test_a_data_cause_names_the_worker_init_fn_its_workers_ran(tmp_path, init, d
             _attached(tmp_path / f"trace-{run}.json.gz", loop)
     c = detaudit.compare(tmp_path).comparison
     said = cause_text(c)
-    named = ("; its 2 worker processes each run worker_init_fn _reseeds_from_urandom "
-             f"({__file__}:")
+    named = ("; its 2 worker processes each run the loader's worker_init_fn "
+             f"(_reseeds_from_urandom at {__file__}:")
     assert c.cause == cause, said
     if cause == "data":
         assert c.first_step == 0
@@ -4911,6 +4911,14 @@ def test_a_weight_changed_between_steps_in_one_run_is_its_state_not_a_fork(tmp_p
     assert result.comparison.fork is None
     assert result.verdict.headline.startswith(
         "DIVERGENT: first at step 3 (epoch 1), state, 2.weight (first record); cause: params")
+    # changed by a checkpoint an earlier run wrote (a resume between epochs): named, with
+    # the fix, as at step 0 (it was not, mid-run)
+    c = result.comparison
+    c.loaded_earlier = {1: ["ckpts/ckpt_e3.pt"]}
+    assert cause_text(c).endswith(
+        "; repeat 1 loaded ckpts/ckpt_e3.pt (torch.load), written by an earlier run (fix: "
+        "remove what an earlier run left before each run, or give each run its own output "
+        "folder)"), cause_text(c)
 
 
 def test_buffers_are_the_models_state_too(tmp_path):
@@ -6255,6 +6263,10 @@ def test_a_change_between_steps_is_said_for_what_it_is(tmp_path, change):
     else:
         assert (c.first_step, c.cause) == (2, "rng")
         assert cause_text(c).startswith("the torch RNG state already differs as step 2 begins")
+        # exec without --seed: an evaluation between steps that draws once per item of a set
+        # of strings draws differently in each run, as their hash seeds order it (the note
+        # was left out wherever an RNG state differed, which is this case)
+        assert "each run had a hash seed of its own" in cause_of(c, None, own_hash_seeds=True)[1]
 
 
 def test_backward_called_by_keyword_is_seen(tmp_path):

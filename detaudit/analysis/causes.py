@@ -83,6 +83,9 @@ def cause_text(c: Comparison) -> str:
     text = _cause_text(c)
     if c.cause == "init" and c.loaded_earlier and _loaded_note(c) not in text:
         text += _loaded_note(c)  # (beside an RNG that differs: the files, said too)
+    elif c.cause == "params" and c.loaded_earlier:  # (a checkpoint reloaded between epochs)
+        text += (_loaded_note(c) + " (fix: remove what an earlier run left before each run, "
+                 "or give each run its own output folder)")
     # (a step recorded module by module says more: see the drill-down's outside_dispatcher)
     if (c.built_buffers and c.first_step == 0 and c.cause in ("forward", "backward")
             and not any(f.step == 0 for f in c.findings)):
@@ -318,8 +321,9 @@ def _reseeded_workers(c: Comparison) -> str:
     workers = c.loader_workers or {}
     if not workers.get("worker_init_fn"):
         return ""
-    return (f"; its {workers['workers']} worker processes each run worker_init_fn "
-            f"{workers['worker_init_fn']} as they start, whose draws detaudit does not see: "
+    return (f"; its {workers['workers']} worker processes each run the loader's "
+            f"worker_init_fn ({workers['worker_init_fn']}) as they start, whose draws detaudit "
+            "does not see: "
             "one that reseeds their RNGs from the clock, os.urandom or the process id "
             "(detectron2's seed_all_rng(None)) makes their augmentations differ in every run, "
             "whatever the loader's generator (fix: seed them from the seed torch gives each "
@@ -461,8 +465,11 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
             "(other ops, or the same ops on other operands or in another order: loss terms "
             "summed in the order of a set or of a dict built from one; fix: fix that order, "
             "e.g. sorted(...))")
-    explained = planted or any(o.get("role") == ORIGIN for o in (ops.get("ops") or [])) or any(
-        d.phase == STATE and d.slot.startswith("rng.") for d in c.first_diffs)
+    # (an RNG that differs as the first step begins is unseeded; one that parts later, while
+    # everything before agreed, may have been drawn from as a set of strings was ordered)
+    explained = planted or any(o.get("role") == ORIGIN for o in (ops.get("ops") or [])) or (
+        not c.first_step and any(d.phase == STATE and d.slot.startswith("rng.")
+                                 for d in c.first_diffs))
     if own_hash_seeds and not explained and c.cause in ("forward", "backward", "data", "rng"):
         text += ("; each run had a hash seed of its own (no --seed): code that iterates a "
                  "set of strings (loss terms, class names, file names) orders it differently "

@@ -49,13 +49,13 @@ def _may_fetch_ahead(fetched_by: CodeType | None) -> bool:
 
 
 def _named(function: Any) -> str | None:
-    """A function as a report names it: ``name (file:line)``; None for none."""
+    """A function as a report names it: ``name at file:line``; None for none."""
     if function is None:
         return None
     inner = getattr(function, "func", function)  # (a functools.partial)
     name = getattr(inner, "__qualname__", type(inner).__name__)
     code = getattr(inner, "__code__", None)
-    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+    return f"{name} at {code.co_filename}:{code.co_firstlineno}" if code is not None else name
 
 
 class Epochs:
