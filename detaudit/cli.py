@@ -137,11 +137,21 @@ def _ended_without_verdict(args: argparse.Namespace, line: str, code: int,
     if getattr(args, "junit", None):
         from .report.junit import junit_case
 
-        name = getattr(args, "model", None) or getattr(args, "probe", None) or args.command
-        case = junit_case(Path(str(name)).name, f"detaudit.{args.command}",
+        case = junit_case(_junit_name(args), f"detaudit.{args.command}",
                           time.perf_counter() - started, False, line, line, kind)
         with contextlib.suppress(OSError, DetauditError):  # (an unwritable --junit is the error)
             _write_junit(args.junit, case)
+
+
+def _junit_name(args: argparse.Namespace) -> str:
+    """The name of a command's --junit test case, whatever its outcome (a CI system follows
+    a test by its name): a check's baseline, a diff's two runs, a run's model or probe."""
+    if args.command == "check":
+        return Path(args.baseline).stem
+    if args.command == "diff":
+        return f"{Path(args.run_a).name}-vs-{Path(args.run_b).name}"
+    name = getattr(args, "model", None) or getattr(args, "probe", None) or args.command
+    return Path(str(name)).name
 
 
 def _forget_interrupts_already_handled() -> None:
@@ -721,7 +731,7 @@ def cmd_check(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         print(_safe(f"{gate.message}\nreport folder: {out}"))  # (as run says, either way)
     if args.junit:
-        _write_junit(args.junit, _gate_case(gate, Path(args.baseline).stem, "detaudit.check",
+        _write_junit(args.junit, _gate_case(gate, _junit_name(args), "detaudit.check",
                                             started))
     return gate.exit_code
 
@@ -739,8 +749,7 @@ def cmd_diff(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         print(_safe(gate.message))
     if args.junit:
-        name = f"{Path(args.run_a).name}-vs-{Path(args.run_b).name}"
-        _write_junit(args.junit, _gate_case(gate, name, "detaudit.diff", started))
+        _write_junit(args.junit, _gate_case(gate, _junit_name(args), "detaudit.diff", started))
     return gate.exit_code
 
 

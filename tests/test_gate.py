@@ -622,14 +622,20 @@ def test_a_baseline_checks_out_in_another_folder_with_its_probe_file(
     shutil.rmtree(recorded)
     monkeypatch.chdir(checkout)
     capsys.readouterr()
-    assert main(["check", "baselines/tiny.json", "--out", str(tmp_path / "check")]) == 0
+    assert main(["check", "baselines/tiny.json", "--out", str(tmp_path / "check"),
+                 "--junit", str(tmp_path / "match.xml")]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("MATCH") and f"probe file {checkout / 'tiny_cnn.py'}" in err
     assert out.rstrip().endswith(f"report folder: {tmp_path / 'check'}")  # (a mismatch's only)
     (checkout / "tiny_cnn.py").unlink()
-    assert main(["check", "baselines/tiny.json", "--out", str(tmp_path / "again")]) == 2
+    assert main(["check", "baselines/tiny.json", "--out", str(tmp_path / "again"),
+                 "--junit", str(tmp_path / "error.xml")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "tiny_cnn.py, which does not exist" in err
+    # one test case, whatever the outcome (the error's was named "check", the match's "tiny")
+    names = [ET.parse(tmp_path / f"{kind}.xml").getroot().find("testsuite/testcase").get("name")
+             for kind in ("match", "error")]
+    assert names == ["tiny", "tiny"], names
 
 
 NOT_REPEATABLE = '''
