@@ -101,6 +101,12 @@ def read_json(path: str | Path, what: str) -> Any:
 def check_format(data: Any, name: str, version: int, source: str, remedy: str) -> dict[str, Any]:
     """`data` as a dict after checking its ``format`` and ``version`` header fields."""
     if not isinstance(data, dict) or data.get("format") != name:
+        other = data.get("format") if isinstance(data, dict) else None
+        if isinstance(other, str) and other.startswith("detaudit-"):  # (another of ours)
+            hint = (" (`detaudit check` runs a baseline; compare the folder a check writes)"
+                    if other == "detaudit-baseline" else "")
+            raise TraceError(f"{source} is a {other[:40].replace('-', ' ')} file, not a "
+                             f"{name.replace('-', ' ')} file{hint}")
         raise TraceError(f"{source} is not a {name.replace('-', ' ')} file")
     found = data.get("version")
     if type(found) is not int or found != version:  # not True, not 1.0

@@ -184,6 +184,13 @@ def test_a_check_folder_reports_the_checks_verdict(
     assert moved["env_differences"]["torch"][1] == "9.9.9", moved
 
 
+def test_a_baseline_given_to_diff_is_named_for_what_it_is(conv_baseline: Path) -> None:
+    """It was "not a detaudit trace file", as any JSON would be."""
+    with pytest.raises(TraceError, match=r"is a detaudit baseline file, not a detaudit trace "
+                       r"file \(`detaudit check` runs a baseline"):
+        api.diff(conv_baseline, conv_baseline)
+
+
 def test_a_check_whose_run_crashes_is_failed_never_a_mismatch(conv_baseline: Path) -> None:
     """The new code raising at step 1 is a crash (exit 3), even though the steps both runs
     completed agree; it was MISMATCH (exit 1), a divergence."""

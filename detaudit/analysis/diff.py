@@ -430,8 +430,8 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
             lines.append(f"  {name}: {la} {x:.9g}  {lb} {y:.9g}  (abs. diff {abs(x - y):.3g})")
     if first.unmeasured:
         lines.append("  it differs bitwise, and a run stored no stats to measure it within "
-                     "tolerance by (a run at scan level stores none; baseline records at "
-                     "module level, with them)")
+                     "tolerance by (a run at scan level stores none; one at module level, "
+                     "as a baseline is, stores them)")
     elif result.tolerance and not atol and max(
             (abs(v) for v in (*first.norm, *first.absmax) if v is not None),
             default=float("inf")) < 1e-6:
