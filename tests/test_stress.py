@@ -528,3 +528,21 @@ def test_a_parallel_op_whose_runs_agree_runs_on_until_it_parts(limit, distinct, 
     _re_execute(entry, LateRace(), ((torch.ones(4), torch.ones(4)), {}), [], [], 16, limit)
     assert (entry.distinct, entry.runs) == (distinct, runs)
     assert (entry.differing, entry.max_ulp) == ((4, 1) if distinct > 1 else (0, None))
+
+
+def test_a_proof_counts_the_runs_of_the_step_that_proved_it():
+    """Stressed at two steps: one result in 64 runs at step 4, 16 in 16 at step 8. The line
+    said "16 different results in 64 runs", the largest of each from other steps."""
+    from detaudit.analysis.stress import stressed_ops
+
+    trace = Trace(probe={}, repeat=0, env={})
+    for step, runs, distinct in ((4, 64, 1), (8, 16, 16)):
+        trace.add_stress({
+            "step": step, "epoch": step // 4, "phase": "backward", "module": "head",
+            "op": "aten.index_put(accumulate=True)", "calls": 1, "stressed": 1, "runs": runs,
+            "distinct": distinct, "elements": 8, "differing": 0 if distinct == 1 else 3,
+            "max_abs": None if distinct == 1 else 1e-9, "max_ulp": None if distinct == 1 else 2,
+            "rel_err": None if distinct == 1 else 1e-8, "site": ""})
+    [op] = stressed_ops([trace])
+    assert op.line() == ("aten.index_put in head (backward, step 8, epoch 3) gave 16 different "
+                         "results in 16 runs on identical inputs"), op.line()

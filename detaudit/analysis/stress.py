@@ -76,7 +76,6 @@ def stressed_ops(traces: list[Trace]) -> list[StressedOp]:
                 op = found[key] = StressedOp(*key, first_epoch=row["epoch"])
             op.calls += row["calls"]
             op.stressed += row["stressed"]
-            op.runs = max(op.runs, row["runs"])
             op.first_epoch = min(op.first_epoch, row["epoch"])
             if row["step"] not in op.steps:
                 op.steps.append(row["step"])
@@ -84,8 +83,11 @@ def stressed_ops(traces: list[Trace]) -> list[StressedOp]:
                 op.proof = {k: row[k] for k in ("step", "epoch", "elements", "differing",
                                                  "max_abs", "max_ulp", "rel_err")}
                 op.site = row["site"] or op.site
+                # (the proving step's own counts: another step's runs are no part of it)
+                op.runs, op.distinct = row["runs"], row["distinct"]
+            elif op.proof is None:
+                op.runs = max(op.runs, row["runs"])
             op.site = op.site or row["site"]
-            op.distinct = max(op.distinct, row["distinct"])
     ops = list(found.values())
     proven = sorted((o for o in ops if o.proven), key=lambda o: o.proof["step"])
     return proven + [o for o in ops if not o.proven]
