@@ -1014,6 +1014,15 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
     line = SCRIPT.read_text().splitlines().index("        torch.manual_seed(0)") + 1
     report = (tmp_path / "run" / "report.md").read_text().replace("\\_", "_")
     assert f"device cpu; seeded by the code (0 at {SCRIPT}:{line});" in report
+    assert "run without --seed" not in report  # (audited without it: nothing to say)
+    # with --seed as well: the runs agree, and what --seed fixed for the script is said
+    # (a hash-seed-dependent draw the script's users get was hidden by it without a word)
+    done = _exec(tmp_path, "--seed", "0", "--max-steps", "2", "--overwrite",
+                 script_args=("--seed-self",))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = (tmp_path / "run" / "report.md").read_text().replace("\\_", "_")
+    assert (f"Note: the script seeds torch itself (0 at {SCRIPT}:{line}), and --seed also "
+            "fixed what its seeding leaves to each run") in report
 
 
 # A loader that fetches one batch ahead of the loop, as accelerate's does (to know which

@@ -199,6 +199,8 @@ def _verdict(s: dict[str, Any]) -> Section:
         blocks.append(Text(f"Note: {EPOCHS_UNSEEN_NOTE}"))
     if s.get("first_pass_unfinished"):
         blocks.append(Text(f"Note: {first_pass_note(s)}"))
+    if seeded_over := seeded_over_note(s):
+        blocks.append(Text(f"Note: {seeded_over}"))
     return Section("verdict", "Verdict", blocks)
 
 
@@ -232,6 +234,19 @@ EPOCHS_UNSEEN_NOTE = (
     "--max-epochs had no effect: no DataLoader fed the training steps (an epoch is a pass "
     "over the DataLoader whose batches the steps train on), so every step is in epoch 1 and "
     "the run went on (use --max-steps).")
+
+
+def seeded_over_note(s: dict[str, Any]) -> str | None:
+    """exec with --seed found nothing, in a script that seeds itself: --seed fixed what the
+    script's own seeding leaves to each run (the hash seed above all), so say how to audit
+    that (a sentence to put after "note: "); None otherwise."""
+    code = s.get("code_seed")
+    if (s.get("probe") or {}).get("kind") != "command" or s.get("verdict") != "deterministic" \
+            or (s.get("config") or {}).get("seed") is None or not code:
+        return None
+    return (f"the script seeds torch itself ({code[0]} at {code[1] or 'a library call'}), and "
+            "--seed also fixed what its seeding leaves to each run (PYTHONHASHSEED, and any RNG "
+            "it does not seed): run without --seed to audit the script's own seeding")
 
 
 def fork_text(fork: dict[str, Any]) -> str:
