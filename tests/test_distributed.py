@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -306,6 +307,11 @@ def test_the_zoom_details_the_tensor_parallel_rank_whose_step_parts_first(model)
         (1, [0]) if model == "tensor parallel" else (0, []))
 
 
+def _print_of(label: str) -> str:
+    """A print, as a trace file holds one (16 hex digits), standing for `label`'s value."""
+    return hashlib.blake2b(label.encode(), digest_size=8).hexdigest()
+
+
 def _steps_trace(rank: int, steps: int, desync_at: int) -> Trace:
     """A rank's trace of `steps` steps whose parameter goes out of sync at `desync_at`."""
     trace = Trace(probe={}, repeat=0, env={})
@@ -317,7 +323,7 @@ def _steps_trace(rank: int, steps: int, desync_at: int) -> Trace:
                                 ("optimizer", "param.weight", param),
                                 ("optimizer", "param.bias", f"q{step}")):
             trace.add_record(step, (phase, "module.fc", 0, slot),
-                             TensorPrint(fp, (2,), "float32", 1.0, 1.0, 0))
+                             TensorPrint(_print_of(fp), (2,), "float32", 1.0, 1.0, 0))
     return trace
 
 

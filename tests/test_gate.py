@@ -481,7 +481,8 @@ def test_bad_baselines_are_one_clear_error(conv_baseline: Path, tmp_path: Path) 
         load_baseline(tmp_path / "missing.json")
     other = tmp_path / "trace.json"
     other.write_text(json.dumps(data["trace"]))
-    with pytest.raises(TraceError, match=r"trace\.json is not a detaudit baseline"):
+    with pytest.raises(TraceError, match=r"trace\.json is a detaudit trace file, not a "
+                       r"detaudit baseline file"):
         load_baseline(other)
     # a run folder's trace, streamed as runs write them (it was "truncated or corrupt")
     api.audit(conv_probe, repeats=1, epochs=1, steps=1, stress=0, out=tmp_path / "run")
