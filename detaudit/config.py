@@ -375,7 +375,7 @@ UNKNOWN_OP = "unknown_op"
 # the seconds a run spent re-executing risky ops (see record.stress)
 STRESS_SECONDS = "stress_seconds"
 # the training DataLoader's worker processes, and the worker_init_fn each runs as it starts
-# ({"workers": n, "worker_init_fn": "name (file:line)" or None}): what reseeds their RNGs,
+# ({"workers": n, "worker_init_fn": "name at file:line" or None}): what reseeds their RNGs,
 # which a recording in the loop's process does not see
 TRAIN_LOADER_WORKERS = "train_loader_workers"
 # where the code seeded torch's RNG after parameters were made, before the first step (a

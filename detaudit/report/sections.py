@@ -241,8 +241,9 @@ def seeded_over_note(s: dict[str, Any]) -> str | None:
     script's own seeding leaves to each run (the hash seed above all), so say how to audit
     that (a sentence to put after "note: "); None otherwise."""
     code = s.get("code_seed")
-    if (s.get("probe") or {}).get("kind") != "command" or s.get("verdict") != "deterministic" \
-            or (s.get("config") or {}).get("seed") is None or not code:
+    exec_seeded = ((s.get("probe") or {}).get("kind") == "command"
+                   and (s.get("config") or {}).get("seed") is not None)
+    if not (exec_seeded and s.get("verdict") == "deterministic" and code):
         return None
     return (f"the script seeds torch itself ({code[0]} at {code[1] or 'a library call'}), and "
             "--seed also fixed what its seeding leaves to each run (PYTHONHASHSEED, and any RNG "
