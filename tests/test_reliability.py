@@ -373,16 +373,23 @@ def test_an_interrupt_that_lands_in_string_compiled_code_still_exits_130(tmp_pat
     assert result.returncode == 130 and "interrupted" in result.stderr, result.stderr
 
 
+def _slow_audit(folder: Path, steps: int, pause: float) -> subprocess.Popen:
+    """`detaudit run` of 2 repeats of a probe whose every step pauses `pause` seconds, into
+    `folder`, started in the background (to be interrupted)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "detaudit", "run", "--probe", str(PROBES / "slow_steps.py"),
+         "--out", str(folder), "--repeats", "2", "--epochs", "1", "--steps", str(steps),
+         "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "DETAUDIT_TEST_STEP_SECONDS": str(pause)},
+    )
+
+
 def test_an_audit_interrupted_before_its_first_step_promises_no_report(tmp_path):
     """Ctrl-C before the first step was recorded: the message said `detaudit report FOLDER`
     renders it, and report refused the folder (it lists no traces)."""
     folder = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "detaudit", "run", "--probe", str(PROBES / "slow_steps.py"),
-         "--out", str(folder), "--repeats", "2", "--epochs", "1", "--steps", "2", "--quiet"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "DETAUDIT_TEST_STEP_SECONDS": "60"},
-    )
+    process = _slow_audit(folder, steps=2, pause=60)
     deadline = time.monotonic() + 120
     while (time.monotonic() < deadline and process.poll() is None
            and _state(folder) != "recording"):
@@ -400,12 +407,7 @@ def test_an_audit_interrupted_in_its_first_repeat_keeps_what_that_repeat_recorde
     """Ctrl-C before any repeat ended: the steps the first repeat flushed are kept as its
     trace (marked interrupted), so `report` renders the folder rather than refusing it."""
     folder = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "detaudit", "run", "--probe", str(PROBES / "slow_steps.py"),
-         "--out", str(folder), "--repeats", "2", "--epochs", "1", "--steps", "3", "--quiet"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "DETAUDIT_TEST_STEP_SECONDS": "0.5"},
-    )
+    process = _slow_audit(folder, steps=3, pause=0.5)
     partial = folder / "partial-trace-0.json.gz"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None and not (
