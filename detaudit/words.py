@@ -33,3 +33,8 @@ def steps_run(lengths: dict[int, int]) -> str:
     """How many steps each repeat ran, by repeat: ``repeat 0 ran 6 steps, repeat 1 ran 3``."""
     return ", ".join(f"repeat {n} ran {steps if i else counted(steps, 'step')}"
                      for i, (n, steps) in enumerate(sorted(lengths.items())))
+
+
+def rates_text(rates: list[float | None]) -> str:
+    """Learning rates, one per parameter group: "0.1, 0.01" ("non-finite" where one is)."""
+    return ", ".join("non-finite" if r is None else f"{r:.9g}" for r in rates) or "none"

@@ -239,6 +239,33 @@ def test_tolerance_never_passes_a_difference_it_cannot_measure(tmp_path: Path) -
     assert "a run stored no stats to measure it within tolerance by" in unmeasured.message
 
 
+def _conv_probe_with(device: torch.device, **group: float) -> Probe:
+    """conv_probe, its optimizer's parameter group set to `group`."""
+    probe = conv_probe(device)
+    probe.optimizer.param_groups[0].update(group)
+    return probe
+
+
+@pytest.mark.parametrize("granularity", ["module", "scan"])
+def test_a_changed_learning_rate_is_named_as_the_rate_not_as_the_first_parameter(
+        tmp_path: Path, granularity: str) -> None:
+    """New code whose learning rate is 0.11 where the baseline's was 0.1: every parameter the
+    update wrote differs, and the gate named the first of them. It names the rate, with each
+    run's value; an update changed otherwise (weight decay) is not said to be the rate."""
+    runs = {name: api.audit(functools.partial(_conv_probe_with, **group), repeats=1, steps=2,
+                            granularity=granularity, drill_down=False).traces
+            for name, group in (("old", {}), ("faster", {"lr": 0.11}),
+                                ("decayed", {"weight_decay": 0.01}))}
+    faster = diff_traces(runs["old"], runs["faster"], labels=("baseline", "now"))
+    assert faster.exit_code == 1 and (faster.first.step, faster.first.phase) == (0, "optimizer")
+    assert ("at step 0 in the learning rate its update read (baseline 0.1, now 0.11)"
+            in faster.headline), faster.message
+    assert "origin: the learning rate differs (baseline 0.1, now 0.11)" in faster.message
+    decayed = diff_traces(runs["old"], runs["decayed"], labels=("baseline", "now"))
+    assert decayed.exit_code == 1 and decayed.first.phase == "optimizer", decayed.message
+    assert "learning rate" not in decayed.message
+
+
 def _batchnorm_probe(momentum: float, device: torch.device) -> Probe:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum),

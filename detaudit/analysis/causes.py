@@ -19,7 +19,7 @@ from ..trace import (
     STATE,
     state_name,
 )
-from ..words import op_place
+from ..words import op_place, rates_text
 from .compare import ORIGIN, CallFinding, Comparison, draws_random_numbers
 
 _CAUSE_TEXT = {
@@ -231,7 +231,7 @@ def _cause_text(c: Comparison) -> str:
                 "state cannot say (a zoom's module records do, when the step parts again)")
     at_step = [f for f in c.findings if f.step == c.first_step]
     if c.lr_by_repeat is not None:
-        rates = " and ".join(f"{_rates(r)} in repeat {n}"
+        rates = " and ".join(f"{rates_text(r)} in repeat {n}"
                              for n, r in enumerate(c.lr_by_repeat[:2]))
         return (f"{_CAUSE_TEXT['optimizer']}: the learning rate differs ({rates}), so the "
                 "schedule, or whatever sets it, depends on something that differs between "
@@ -359,10 +359,6 @@ def _outside_the_model(c: Comparison, at_step: list[CallFinding]) -> str | None:
             "or masks made in the training loop rather than loaded, a value drawn on the "
             "host, the outputs of a model called apart such as a frozen teacher), or by "
             "code outside the model, forward or backward")
-
-
-def _rates(rates: list[float | None]) -> str:
-    return ", ".join("non-finite" if r is None else f"{r:.9g}" for r in rates) or "none"
 
 
 def _listed(names: list[str], most: int = 3) -> str:

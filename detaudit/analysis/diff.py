@@ -24,7 +24,7 @@ from ..trace import (
     AnyTrace,
     Trace,
 )
-from ..words import counted
+from ..words import counted, rates_text
 from .compare import FAILED, Comparison, aligned_steps, compare
 from .verdict import MATCH, MISMATCH, exit_code
 
@@ -88,6 +88,9 @@ class GateResult:
     planted_apart: list[str] = field(default_factory=list)  # labels: a fault not in repeat 0
     # each run's number of steps, where they first part because one had ended (cause: length)
     lengths: tuple[int, int] | None = None
+    # each run's learning rates at the first divergent step, where only its update parts
+    # them and the rates differ: the update read a different rate
+    learning_rates: tuple[list[float | None], list[float | None]] | None = None
 
     @property
     def verdict(self) -> str:
@@ -230,6 +233,7 @@ def diff_traces(
         planted_apart=[label for label, t in zip(labels, (whole_a, whole_b))
                        if _planted_after_repeat_0(t)],
         lengths=(len(ta.steps), len(tb.steps)) if comparison.cause == "length" else None,
+        learning_rates=tuple(comparison.lr_by_repeat) if comparison.lr_by_repeat else None,
     )
     if zoom is not None and first is not None:
         result.zoom = zoom(first.step)
@@ -447,6 +451,10 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
         lines.append(f"origin: the parameters of {first.module or '(model)'}, different before "
                      f"step {first.step} (as built, loaded or carried over; its forward only "
                      "shows it)")
+    elif result.learning_rates is not None:
+        lines.append(f"origin: the learning rate differs ({_learning_rates(result)}), so "
+                     "every parameter the update wrote differs: a schedule changed, or a rate "
+                     "set from something that differs between the runs")
     elif result.origin_module is not None:
         lines.append(f"origin: {result.origin_module or '(model)'} ({result.origin_phase})")
     elif result.zoom is None and result.scan_level and result.replayable and first.phase not in (
@@ -474,6 +482,12 @@ def _ended(result: GateResult) -> str:
     """Where two runs of different lengths part: the first step one never reached."""
     (la, lb), (na, nb) = result.labels, result.lengths or (0, 0)
     return f"where a run had ended ({la} ran {counted(na, 'step')}, {lb} ran {nb})"
+
+
+def _learning_rates(result: GateResult) -> str:
+    """Each run's learning rates, one per parameter group: "A 0.1, B 0.11"."""
+    return ", ".join(f"{label} {rates_text(rates)}"
+                     for label, rates in zip(result.labels, result.learning_rates or ()))
 
 
 def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
@@ -504,6 +518,8 @@ def _headline(result: GateResult, steps: int, rtol: float, atol: float) -> str:
         where = _ended(result)
     elif first.phase == STATE and first.slot.startswith("param."):
         where = f"in the parameters of {first.module or '(model)'}, before the step"
+    elif result.learning_rates is not None:
+        where = f"in the learning rate its update read ({_learning_rates(result)})"
     elif result.origin_module is not None:
         where = f"in {result.origin_module or '(model)'} ({result.origin_phase})"
     else:
