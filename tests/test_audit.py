@@ -252,6 +252,19 @@ def test_unseeded_augmentation_is_a_data_cause():
     assert first["slots"][0].startswith("batch")
 
 
+@pytest.mark.parametrize("fault_step", [1, 0])
+def test_a_fault_planted_after_the_runs_already_part_is_said_not_to_be_the_finding(fault_step):
+    """Unseeded data parts the runs at step 0; a fault planted at step 1 was never mentioned,
+    so the finding read as the fault's. The report says the fault came later and what to
+    do; a fault at the step where they part gets no such note."""
+    result = module_audit(unseeded_probe, repeats=2, fault=Fault("2", "forward", fault_step))
+    assert (result.comparison.first_step, result.comparison.cause) == (0, "data")
+    console = render_console(_summary(result))
+    note = ("note: the fault planted at step 1 (2@forward:1) comes after step 0, where the "
+            "runs already part, so it is not what was found there")
+    assert (note in console) == (fault_step == 1), console
+
+
 @pytest.mark.parametrize("version", ["2.0.8", "1.4.24", None])
 def test_a_data_cause_says_how_to_seed_an_augmentation_library_no_global_seed_reaches(
         monkeypatch, version):

@@ -23,6 +23,7 @@ from .sections import (
     loss_first_differs,
     nonfinite_line,
     other_origins,
+    planted_after_note,
     seeded_over_note,
     short_epochs_note,
     side_rows,
@@ -85,6 +86,8 @@ def render_console(summary: dict[str, Any]) -> str:
         lines.append(f"note: {EPOCHS_UNSEEN_NOTE}")
     if seeded_over := seeded_over_note(summary):
         lines.append(f"note: {seeded_over}")
+    if planted_after := planted_after_note(summary):
+        lines.append(f"note: {planted_after}")
     if summary.get("first_pass_unfinished"):
         lines.append(f"note: {first_pass_note(summary)}")
     flagged = summary.get("env_risks") or {}

@@ -201,6 +201,8 @@ def _verdict(s: dict[str, Any]) -> Section:
         blocks.append(Text(f"Note: {first_pass_note(s)}"))
     if seeded_over := seeded_over_note(s):
         blocks.append(Text(f"Note: {seeded_over}"))
+    if planted_after := planted_after_note(s):
+        blocks.append(Text(f"Note: {planted_after}"))
     return Section("verdict", "Verdict", blocks)
 
 
@@ -248,6 +250,27 @@ def seeded_over_note(s: dict[str, Any]) -> str | None:
     return (f"the script seeds torch itself ({code[0]} at {code[1] or 'a library call'}), and "
             "--seed also fixed what its seeding leaves to each run (PYTHONHASHSEED, and any RNG "
             "it does not seed): run without --seed to audit the script's own seeding")
+
+
+def planted_after_note(s: dict[str, Any]) -> str | None:
+    """A fault planted at a step after the one where the runs first part: what was found
+    there is not the fault, and the fault's own effect, mixed with it, was not located (a
+    sentence to put after "note: "); None otherwise."""
+    fault = (s.get("config") or {}).get("fault")
+    first = (s.get("first_divergence") or {}).get("step")
+    if not fault or first is None or not isinstance(fault.get("step"), int) \
+            or fault["step"] <= first:
+        return None
+    return (f"the fault planted at step {fault['step']} ({planted_where(fault)}) comes after "
+            f"step {first}, where the runs already part, so it is not what was found there; "
+            "its own effect, mixed with that divergence's, is not located (plant it at step "
+            f"{first} or before to see it found, or fix this divergence first)")
+
+
+def planted_where(fault: dict[str, Any]) -> str:
+    """A planted fault as --inject-fault names it: MODULE[/OP]@PHASE:STEP."""
+    op = f"/{fault['op']}" if fault.get("op") else ""
+    return f"{fault.get('module')}{op}@{fault.get('phase')}:{fault.get('step')}"
 
 
 def fork_text(fork: dict[str, Any]) -> str:
@@ -328,9 +351,7 @@ def _run_line(s: dict[str, Any]) -> str:
         parts.append(f"deterministic algorithms {'on' if config['deterministic'] else 'off'}")
     fault = config.get("fault")
     if fault:
-        op = f"/{fault['op']}" if fault.get("op") else ""
-        where = f"{fault.get('module')}{op}@{fault.get('phase')}:{fault.get('step')}"
-        parts.append(f"planted fault {where}")
+        parts.append(f"planted fault {planted_where(fault)}")
     return "; ".join(parts)
 
 
