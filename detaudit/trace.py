@@ -56,7 +56,9 @@ FLUSH_ROWS = 20_000
 #   env       the determinism-relevant environment (versions, device, threads, flags).
 #   steps     one StepInfo per step: global step, epoch, index in epoch, exact losses.
 #   records   columnar: one row per fingerprinted tensor, RECORD_COLUMNS; a row's key is
-#             (step, phase, module, call, slot).
+#             (step, phase, module, call, slot). `signed` (the sum of the elements under
+#             fixed signs, see detaudit.record.fingerprint) is absent where no record has
+#             one (no stats, or a trace written before it was kept): null in every row.
 #   calls     columnar: the module call tree of every step, CALL_COLUMNS; `reads` lists
 #             the modules whose parameters the call took as inputs (DETR's decoder is
 #             passed `query_embed.weight`); absent where no call read one (and in traces
@@ -116,6 +118,7 @@ PROBE_RECORD_SET, RECORD_SET = "record_set", 3
 _BACKWARD_LOSS = re.compile(r"loss(\.\d+)?")  # the names of the tensors backward was called on
 RECORD_COLUMNS = (
     "step", "phase", "module", "call", "slot", "fp", "shape", "dtype", "norm", "absmax", "nonfinite",
+    "signed",
 )
 CALL_COLUMNS = ("step", "module", "index", "parent", "reads")
 STRESS_COLUMNS = (
@@ -178,7 +181,7 @@ class Trace:
             ("step", step), ("phase", phase), ("module", module), ("call", call), ("slot", slot),
             ("fp", print_.fp), ("shape", list(print_.shape)), ("dtype", print_.dtype),
             ("norm", _finite(print_.norm)), ("absmax", _finite(print_.absmax)),
-            ("nonfinite", print_.nonfinite),
+            ("nonfinite", print_.nonfinite), ("signed", _finite(print_.signed)),
         ):
             cols[name].append(value)
 
@@ -238,7 +241,7 @@ class Trace:
             "repeat": self.repeat,
             "env": jsonable(self.env),
             "steps": [vars(s) for s in self.steps],
-            "records": self.records,
+            "records": _written_records(self.records),
             "calls": _written_calls(self.calls),
             "failure": self.failure,
             **({"stress": self.stress} if self.stress["step"] else {}),
@@ -340,7 +343,7 @@ class TraceFile:
                 continue
             part = self._checked(lambda item=item, n=n: (
                 _columns(f"line {n + 1}: records", item.get("records", {}), _RECORD_CHECKS,
-                         required=False),
+                         required=False, defaults=_RECORD_DEFAULTS),
                 _columns(f"line {n + 1}: calls", item.get("calls", {}), _CALL_CHECKS,
                          required=False, defaults=_CALL_DEFAULTS)))
             self._checked(lambda part=part: _check_records(part[0]))
@@ -524,7 +527,8 @@ class TraceStream:
         t = self.trace
         lines = [] if self._started else [{"format": FORMAT_NAME, "version": STREAM_VERSION}]
         if t.steps or t.records["step"] or t.calls["step"]:
-            lines.append({"steps": [vars(s) for s in t.steps], "records": t.records,
+            lines.append({"steps": [vars(s) for s in t.steps],
+                          "records": _written_records(t.records),
                           "calls": _written_calls(t.calls)})
         lines.append({"end": {
             "probe": jsonable(t.probe), "repeat": t.repeat, "env": jsonable(t.env),
@@ -599,9 +603,10 @@ def _stream_data(path: Path, source: str) -> dict[str, Any]:
             if not isinstance(part, dict):
                 raise _Damaged(f"line {n + 1}: {table} is {describe(part)}, not a dict")
             rows = len(_listed(part, "step", n))
+            defaults = _RECORD_DEFAULTS if table == "records" else _CALL_DEFAULTS
             for name, column in into.items():
-                if table == "calls" and name in _CALL_DEFAULTS and name not in part:
-                    column += [_CALL_DEFAULTS[name]() for _ in range(rows)]
+                if name in defaults and name not in part:
+                    column += [defaults[name]() for _ in range(rows)]
                 else:
                     column += _listed(part, name, n)
     if not isinstance(end, dict):
@@ -665,8 +670,9 @@ _RECORD_CHECKS = {
            "16 hexadecimal digits"),
     "shape": (_shape, "a list of integers >= 0"), "dtype": (_text, "a string"),
     "norm": (_stat, "a finite number or null"), "absmax": (_stat, "a finite number or null"),
-    "nonfinite": (_count, _INTEGER),
+    "nonfinite": (_count, _INTEGER), "signed": (_stat, "a finite number or null"),
 }
+_RECORD_DEFAULTS = {"signed": lambda: None}  # a column a trace written before it was kept lacks
 _MAYBE_COUNT = (lambda v: v is None or _count(v), "an integer >= 0 or null")
 _STRESS_CHECKS = {
     "step": (_count, _INTEGER), "epoch": (_count, _INTEGER), "phase": (_text, "a string"),
@@ -691,6 +697,13 @@ def _written_calls(calls: dict[str, list]) -> dict[str, list]:
     """The calls as a trace file holds them: `reads` only where a call read a parameter."""
     return calls if any(calls.get("reads", ())) else {k: v for k, v in calls.items()
                                                        if k != "reads"}
+
+
+def _written_records(records: dict[str, list]) -> dict[str, list]:
+    """The records as a trace file holds them: `signed` only where a record has one (a
+    trace without stats, as a scan's, or written before it was kept, has none)."""
+    return records if any(v is not None for v in records.get("signed", ())) else {
+        k: v for k, v in records.items() if k != "signed"}
 
 
 def _bad(where: str, value: Any, expected: str) -> _Damaged:
@@ -826,7 +839,8 @@ def _validated(data: dict[str, Any]) -> dict[str, Any]:
         raise _bad("steps", steps, "a list")
     if "records" not in data:
         raise _Damaged("records is missing")
-    records = _columns("records", data["records"], _RECORD_CHECKS, required=True)
+    records = _columns("records", data["records"], _RECORD_CHECKS, required=True,
+                       defaults=_RECORD_DEFAULTS)
     _check_records(records)
     calls = _columns("calls", data.get("calls", {}), _CALL_CHECKS, required=False,
                      defaults=_CALL_DEFAULTS)

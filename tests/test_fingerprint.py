@@ -17,7 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from detaudit.record import fingerprint as fpmod
 from detaudit.record import fused
-from detaudit.record.fingerprint import Fingerprinter, fingerprint, wsum_device_value
+from detaudit.record.fingerprint import (
+    Fingerprinter,
+    fingerprint,
+    position_signs,
+    wsum_device_value,
+)
 
 pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
@@ -197,6 +202,7 @@ def _stats_case(dtype, kind):
 
 def _assert_same_stats(p, q, rel=1e-6):
     assert abs(p.norm - q.norm) <= rel * q.norm
+    assert abs(p.signed - q.signed) <= rel * q.norm
     assert (p.absmax, p.nonfinite) == (q.absmax, q.nonfinite)
 
 
@@ -224,15 +230,15 @@ def test_device_stats_without_float64_scale_and_do_not_overflow(dtype, kind, mon
     if kind == "huge":  # an increasing absmax: every chunk rescales the sum so far
         x = x.abs().sort().values
     _assert_same_stats(fingerprint(x, "wsum"), fingerprint(x, "xxh3"))
-    assert fingerprint(torch.zeros(3000, dtype=dtype), "wsum")[3:] == (0.0, 0.0, 0)
-    assert fingerprint(torch.zeros(0, dtype=dtype), "wsum")[3:] == (0.0, 0.0, 0)
+    assert fingerprint(torch.zeros(3000, dtype=dtype), "wsum")[3:] == (0.0, 0.0, 0, 0.0)
+    assert fingerprint(torch.zeros(0, dtype=dtype), "wsum")[3:] == (0.0, 0.0, 0, 0.0)
 
 
 def test_device_stats_without_float64_count_past_2_pow_24(monkeypatch):
     monkeypatch.setattr(fpmod, "widest_float", lambda device: torch.float32)
     x = torch.full(((1 << 24) + 3,), float("inf"), dtype=torch.float16)
     x[5] = -2.0
-    assert fingerprint(x, "wsum")[3:] == (2.0, 2.0, (1 << 24) + 2)
+    assert fingerprint(x, "wsum")[3:] == (2.0, 2.0, (1 << 24) + 2, -2.0 * position_signs(6)[5])
 
 
 def test_device_stats_temporaries_stay_within_a_chunk(monkeypatch):
@@ -241,6 +247,36 @@ def test_device_stats_temporaries_stay_within_a_chunk(monkeypatch):
     with _Ops() as ops:
         fpmod._device_float_stats(x)
     assert 0 < ops.largest <= 1024 * 8  # one chunk in float64; the tensor in float32: 400 kB
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_signed_sum_moves_where_elements_trade_places_and_norm_and_absmax_do_not(algorithm):
+    """What tolerance compares a record by: a flip, a swap of two images of a batch, a
+    transpose and a roll keep norm and absmax, and move the sum under fixed signs (by about
+    the norm, as a random-sign sum: here 4 % to 170 %), far past what `diff --rtol 1e-4`
+    allows (8e-4 of the norm); the same values give the same sum, and a 1-ULP change moves
+    it by no more than its rounding."""
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    base = fingerprint(x, algorithm)
+    assert fingerprint(x.clone(), algorithm).signed == base.signed
+    for moved in (x.flip(-1), x[[1, 0]], x.transpose(-1, -2), x.roll(1)):
+        p = fingerprint(moved.contiguous(), algorithm)
+        assert (p.norm, p.absmax) == pytest.approx((base.norm, base.absmax), rel=1e-6)
+        assert abs(p.signed - base.signed) > 0.01 * base.norm
+    nudged = x.clone()
+    nudged.view(-1)[100] = torch.nextafter(nudged.view(-1)[100], torch.tensor(9.0))
+    assert abs(fingerprint(nudged, algorithm).signed - base.signed) < 1e-6 * base.norm
+
+
+def test_position_signs_repeat_no_block_of_positions():
+    """Rows, channels and images start at multiples of a power of two: no such block's
+    signs repeat the first one's, and about half the signs are each."""
+    signs = position_signs(1 << 16)
+    assert abs(signs.mean()) < 0.02
+    for size in (64, 256, 1024, 4096):
+        blocks = signs.reshape(-1, size)
+        assert not any((blocks[k] == blocks[0]).all() or (blocks[k] == -blocks[0]).all()
+                       for k in range(1, len(blocks)))
 
 
 M64 = (1 << 64) - 1

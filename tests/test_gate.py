@@ -266,6 +266,28 @@ def test_a_changed_learning_rate_is_named_as_the_rate_not_as_the_first_parameter
     assert "learning rate" not in decayed.message
 
 
+def _flipped_probe(device: torch.device) -> Probe:
+    """conv_probe, each input image flipped left to right (the same values, other places)."""
+    probe = conv_probe(device)
+    probe.batches = [(x.flip(-1), y) for x, y in probe.batches]
+    return probe
+
+
+def test_tolerance_sees_a_flipped_image_in_the_batch_not_in_the_first_layer(tmp_path: Path):
+    """A data change that moves values without changing them: a flipped image has its
+    norm and its absmax, so under --rtol the batch passed and the first conv was blamed.
+    The sum under fixed signs moves, so the batch is the first difference, said as such;
+    the same run checked against itself still passes within tolerance."""
+    path = store_baseline(tmp_path / "conv.json", module_audit(conv_probe, repeats=1, steps=1))
+    gate = api.check(path, factory=_flipped_probe, rtol=1e-4, atol=1e-6).gate
+    assert gate.exit_code == 1 and gate.tolerance, gate.message
+    assert (gate.first.phase, gate.first.slot) == ("state", "batch.0"), gate.message
+    assert gate.first.norm[0] == pytest.approx(gate.first.norm[1], rel=1e-6)
+    assert "elements moved or traded places (a flip, a shuffled batch" in gate.message
+    assert "origin: the batch of step 0, different before the model ran" in gate.message
+    assert api.check(path, factory=conv_probe, rtol=1e-4, atol=1e-6).gate.ok
+
+
 def _batchnorm_probe(momentum: float, device: torch.device) -> Probe:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum),

@@ -286,7 +286,11 @@ class _Index:
         if i is None:
             return {}
         r = self.trace.records
-        return {c: r[c][i] for c in ("shape", "dtype", "norm", "absmax", "nonfinite")}
+        stats = {c: r[c][i] for c in ("shape", "dtype", "norm", "absmax", "nonfinite")}
+        signed = r.get("signed")
+        if signed and signed[i] is not None:
+            stats["signed"] = signed[i]
+        return stats
 
 
 def as_built(d: RecordDiff | Key) -> bool:

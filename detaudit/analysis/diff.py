@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -53,6 +54,10 @@ class FirstDifference:
     absmax: tuple[float | None, float | None]
     missing: bool  # present in only one of the runs
     unmeasured: bool = False  # a tolerance diff, but no stats were stored to measure it by
+    # the sums under fixed signs (see `_signed_within`); None where a run stored none
+    signed: tuple[float | None, float | None] = (None, None)
+    # a tolerance diff whose norm and absmax agree within it, and only that sum does not
+    reordered: bool = False
 
     @property
     def where(self) -> str:
@@ -217,7 +222,7 @@ def diff_traces(
         comparison = compare([ta, tb])
     envs = env_differences(ta.env, tb.env)
     failures = [f"{name} stopped early: {t.failure}" for name, t in zip(labels, (ta, tb)) if t.failure]
-    first = _first(comparison, tolerance)
+    first = _first(comparison, tolerance, rtol, atol)
     origin = comparison.origins[0] if comparison.origins else None
     result = GateResult(
         ok=first is None and ta.failure == tb.failure, env_differences=envs, first=first,
@@ -369,24 +374,52 @@ def _within(
     if ra["nonfinite"][i] != rb["nonfinite"][j]:
         return False
     stats = [(ra[c][i], rb[c][j]) for c in ("norm", "absmax")]
-    if all(x is not None and y is not None for x, y in stats):
-        return all(abs(x - y) <= atol + rtol * abs(y) for x, y in stats)
     dtype = str(ra["dtype"][i])
+    if all(x is not None and y is not None for x, y in stats):
+        return all(abs(x - y) <= atol + rtol * abs(y) for x, y in stats) and _signed_within(
+            _signed(ra, i), _signed(rb, j), max(stats[0]), math.prod(ra["shape"][i]), dtype,
+            rtol, atol)
     if dtype.startswith(_FLOAT_PREFIXES):
         return None if floats_unjudged else False
     return None if ints_unjudged and dtype != "bytes" else False  # integers compare exactly
 
 
-def _first(comparison: Comparison, tolerance: bool) -> FirstDifference | None:
+def _signed(records: dict[str, list[Any]], i: int) -> float | None:
+    column = records.get("signed")
+    return column[i] if column else None
+
+
+def _signed_within(a: float | None, b: float | None, norm: float, n: int, dtype: str,
+                   rtol: float, atol: float) -> bool:
+    """Whether two sums of a record's elements under fixed signs agree as records within
+    tolerance do (True where a run stored none). Elements that trade places (a flipped
+    image, a shuffled batch) keep norm and absmax but move this sum by about the norm;
+    elements that each move within tolerance move it by about the norm of their
+    differences, at most rtol * norm + atol * sqrt(n): 8 times that is allowed (a
+    random-sign sum passes 8 of its standard deviations about once in 1e15), and the
+    rounding of the sums themselves (float32 accumulation but for float64 data)."""
+    if a is None or b is None:
+        return True
+    rounding = (2.0**-53 if dtype == "float64" else 2.0**-24) * math.sqrt(n) * norm
+    return abs(a - b) <= 8 * (rtol * norm + atol * math.sqrt(n)) + rounding
+
+
+def _first(comparison: Comparison, tolerance: bool, rtol: float = 0.0, atol: float = 0.0
+           ) -> FirstDifference | None:
     """The first differing record of the first divergent step."""
     if not comparison.first_diffs:
         return None
     d = comparison.first_diffs[0]
     norm = (d.ref.get("norm"), d.other.get("norm"))
+    stats = [(d.ref.get(c), d.other.get(c)) for c in ("norm", "absmax", "signed")]
+    reordered = tolerance and not d.missing and all(
+        None not in pair for pair in stats) and all(
+        abs(x - y) <= atol + rtol * abs(y) for x, y in stats[:2])
     return FirstDifference(
         d.step, d.phase, d.module, d.call, d.slot, norm=norm,
         absmax=(d.ref.get("absmax"), d.other.get("absmax")),
         missing=bool(d.missing), unmeasured=tolerance and not d.missing and None in norm,
+        signed=stats[2], reordered=reordered,
     )
 
 
@@ -432,6 +465,11 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
     for name, (x, y) in (("norm", first.norm), ("absmax", first.absmax)):
         if x is not None and y is not None:
             lines.append(f"  {name}: {la} {x:.9g}  {lb} {y:.9g}  (abs. diff {abs(x - y):.3g})")
+    if first.reordered:
+        x, y = first.signed
+        lines.append(f"  sum under fixed signs: {la} {x:.9g}  {lb} {y:.9g}: norm and absmax "
+                     "agree within tolerance, but elements moved or traded places (a flip, a "
+                     "shuffled batch, a transpose)")
     if first.unmeasured:
         lines.append("  it differs bitwise, and a run stored no stats to measure it within "
                      "tolerance by (a run at scan level stores none; one at module level, "
@@ -451,6 +489,9 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
         lines.append(f"origin: the parameters of {first.module or '(model)'}, different before "
                      f"step {first.step} (as built, loaded or carried over; its forward only "
                      "shows it)")
+    elif first.phase == STATE and first.slot.startswith("batch") and not first.missing:
+        lines.append(f"origin: the batch of step {first.step}, different before the model ran "
+                     "(the data changed: its files, loading, order or augmentation)")
     elif result.learning_rates is not None:
         lines.append(f"origin: the learning rate differs ({_learning_rates(result)}), so "
                      "every parameter the update wrote differs: a schedule changed, or a rate "

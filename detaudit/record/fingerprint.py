@@ -54,6 +54,9 @@ class TensorPrint(NamedTuple):
     norm: float | None  # None where stats were not asked for (non-float, optimizer state)
     absmax: float | None
     nonfinite: int
+    # the sum of the elements under fixed signs, one per position (`position_signs`): moves
+    # when elements trade places (a flip, a shuffled batch), which norm and absmax do not
+    signed: float | None = None
 
 
 _print = TensorPrint._make  # a third of the cost of TensorPrint(...), which parses keywords
@@ -143,10 +146,11 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 def _hash_piece(
     a: np.ndarray, start: int, stop: int, header: bytes | None, stats: bool, alone: bool = True
-) -> tuple[int, tuple[float, Any, Any] | None]:
+) -> tuple[int, tuple[float, Any, Any, float] | None]:
     """xxh3 of elements [start, stop) of a flat array (after `header`, if given) and, with
-    stats, their (sum of squares, max, min); the sum is inf or NaN if any element is.
-    `alone`: no other hashing runs meanwhile, so torch's threads may take the max and min."""
+    stats, their (sum of squares, max, min, signed sum); the sums are inf or NaN if any
+    element is. `alone`: no other hashing runs meanwhile, so torch's threads may take the
+    max and min."""
     part = a[start:stop]
     if header is None:
         digest = xxhash.xxh3_64_intdigest(part)
@@ -159,10 +163,12 @@ def _hash_piece(
     wide = part.astype(np.float32) if part.dtype == np.float16 else part
     with np.errstate(over="ignore", invalid="ignore"):  # inf or NaN is the answer then
         sq = float(wide.dot(wide))
+        end = start + part.size  # (the last piece may end before `stop`)
+        signed = float(wide.dot(_numpy_signs(end, wide.dtype)[start:end]))
     if alone and part.size >= _TORCH_MINMAX:
         lo, hi = torch.aminmax(torch.from_numpy(part))
-        return digest, (sq, float(hi), float(lo))
-    return digest, (sq, part[part.argmax()], part[part.argmin()])  # argmax: less overhead
+        return digest, (sq, float(hi), float(lo), signed)
+    return digest, (sq, part[part.argmax()], part[part.argmin()], signed)  # argmax: cheaper
 
 
 def _hash_pieces(pieces: list[tuple]) -> list[tuple[int, tuple[float, Any, Any] | None]]:
@@ -199,6 +205,14 @@ def _cpu_prints(tensors: list[torch.Tensor], stats: bool) -> list[TensorPrint]:
     1 MiB chunks hashed on their own, and its print is the hash of the header and the chunk
     digests. The pieces of all the tensors are hashed together."""
     views, pieces, piece_ranges = [], [], []
+    if stats:  # the signs grown here, before the pieces share them among threads
+        longest: dict[type, int] = {}
+        for t in tensors:
+            if t.dtype in _NUMPY_FLOATS:
+                dtype = np.float64 if t.dtype == torch.float64 else np.float32
+                longest[dtype] = max(longest.get(dtype, 0), t.numel())
+        for dtype, n in longest.items():
+            _numpy_signs(n, dtype)
     for t in tensors:
         header, _, _ = described = _describe(t)
         a = _flat_view(t)
@@ -228,35 +242,65 @@ def _cpu_prints(tensors: list[torch.Tensor], stats: bool) -> list[TensorPrint]:
 
 def _finish(
     t: torch.Tensor, a: np.ndarray, fp: str, shape: tuple[int, ...], dtype: str, stats: bool,
-    sums: list[tuple[float, Any, Any]] | None,
+    sums: list[tuple[float, Any, Any, float]] | None,
 ) -> TensorPrint:
     """A print from its hash and, if `stats`, the per-piece sums (None: stats in float64)."""
     if not stats or not t.is_floating_point():
-        return _print((fp, shape, dtype, None, None, 0))
+        return _print((fp, shape, dtype, None, None, 0, None))
     if a.size == 0:
-        return _print((fp, shape, dtype, 0.0, 0.0, 0))
+        return _print((fp, shape, dtype, 0.0, 0.0, 0, 0.0))
     if sums is not None:
         if len(sums) == 1:
-            sq, hi, lo = sums[0]
+            sq, hi, lo, signed = sums[0]
         else:
             sq, hi, lo = math.fsum(s[0] for s in sums), max(s[1] for s in sums), min(
                 s[2] for s in sums
             )
+            signed = math.fsum(s[3] for s in sums)
         norm = math.sqrt(sq)
         if math.isfinite(norm):  # then no element is NaN or Inf
-            return _print((fp, shape, dtype, norm, max(float(hi), -float(lo)), 0))
+            return _print((fp, shape, dtype, norm, max(float(hi), -float(lo)), 0, signed))
     return _print((fp, shape, dtype, *_exact_stats(t)))
 
 
-def _exact_stats(t: torch.Tensor) -> tuple[float, float, int]:
-    """(L2 norm, absmax, count of NaN/Inf) in float64, skipping the non-finite elements."""
-    x = t.detach().double()
+def _exact_stats(t: torch.Tensor) -> tuple[float, float, int, float]:
+    """(L2 norm, absmax, count of NaN/Inf, signed sum) in float64, skipping the non-finite
+    elements."""
+    x = t.detach().double().flatten()
     finite = torch.isfinite(x)
     good = x[finite]
     nonfinite = int(x.numel() - good.numel())
     if good.numel() == 0:
-        return 0.0, 0.0, nonfinite
-    return float(good.norm()), float(good.abs().max()), nonfinite
+        return 0.0, 0.0, nonfinite, 0.0
+    signed = float(np.dot(x.where(finite, 0.0).numpy(), _numpy_signs(x.numel(), np.float64)[
+        : x.numel()]))
+    return float(good.norm()), float(good.abs().max()), nonfinite, signed
+
+
+_SIGN_MIX = 0xBF58476D1CE4E5B9  # splitmix64's first multiplier
+_numpy_sign_cache: dict[np.dtype, np.ndarray] = {}
+
+
+def position_signs(n: int) -> np.ndarray:
+    """The sign (+1 or -1) of each position 0..n-1 that the signed sum weighs elements by:
+    the top bit of a 64-bit mix of the position, so no pattern of positions (a row, a
+    channel, an image of a batch) is mapped onto itself with the same signs."""
+    x = np.arange(n, dtype=np.uint64) * np.uint64(_MIX & (2**64 - 1))
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(_SIGN_MIX)
+    x ^= x >> np.uint64(31)
+    return np.where(x >> np.uint64(63), -1.0, 1.0)
+
+
+def _numpy_signs(n: int, dtype: np.dtype) -> np.ndarray:
+    """`position_signs` of at least n positions, as `dtype` (float32 or float64): cached, and
+    grown (doubled) as larger tensors come."""
+    cached = _numpy_sign_cache.get(np.dtype(dtype))
+    if cached is None or len(cached) < n:
+        size = max(n, 2 * len(cached) if cached is not None else 1 << 16)
+        cached = _numpy_sign_cache[np.dtype(dtype)] = position_signs(size).astype(dtype)
+        cached.flags.writeable = False
+    return cached
 
 
 def _cpu_print(t: torch.Tensor, stats: bool) -> TensorPrint:
@@ -429,16 +473,18 @@ def _device_float_stats(flat: torch.Tensor) -> torch.Tensor:
     """The stats of a flat floating tensor as one device vector (no sync), for `_read_stats`.
 
     Like the CPU's, they skip NaN and Inf. Taken chunk by chunk, so the temporaries stay
-    within a chunk's size. In float64: [norm, absmax, nonfinite]. A device without float64
-    (MPS) divides each chunk by the absmax so far before squaring, so no finite square
-    overflows, and gives [norm / absmax, absmax, nonfinite >> 24, nonfinite & 0xFFFFFF]: the
-    host multiplies (the norm may pass float32's range where no element does), and a float32
-    holds integers exactly only to 2**24."""
+    within a chunk's size. In float64: [norm, absmax, nonfinite, signed sum]. A device
+    without float64 (MPS) divides each chunk by the absmax so far before squaring, so no
+    finite square overflows, and gives [norm / absmax, absmax, nonfinite >> 24,
+    nonfinite & 0xFFFFFF, signed sum / absmax]: the host multiplies (the norm may pass
+    float32's range where no element does), and a float32 holds integers exactly only to
+    2**24."""
     wide = widest_float(flat.device)
     scaled = wide != torch.float64
     if flat.numel() == 0:
-        return torch.zeros(4 if scaled else 3, dtype=wide, device=flat.device)
-    sq = absmax = finite = None
+        return torch.zeros(5 if scaled else 4, dtype=wide, device=flat.device)
+    signs = _device_signs(flat.numel(), wide, flat.device)
+    sq = absmax = finite = signed = None
     for start in range(0, flat.numel(), _WSUM_CHUNK):
         part = flat[start : start + _WSUM_CHUNK]
         part_finite = torch.isfinite(part).sum()
@@ -449,28 +495,47 @@ def _device_float_stats(flat: torch.Tensor) -> torch.Tensor:
             top, finite = peak, part_finite
         else:
             top, finite = torch.maximum(absmax, peak), finite + part_finite
-        if scaled:  # sq holds the sum of (x / absmax)**2
+        if scaled:  # sq holds the sum of (x / absmax)**2, signed that of x / absmax
             unit = torch.where(top > 0, top, 1.0)
             x.div_(unit)
-            part_sq = torch.dot(x, x)
-            sq = part_sq if sq is None else sq * (absmax / unit).square() + part_sq
+        part_sq, part_signed = torch.dot(x, x), torch.dot(x, signs[start : start + x.numel()])
+        if sq is None:
+            sq, signed = part_sq, part_signed
+        elif scaled:
+            sq = sq * (absmax / unit).square() + part_sq
+            signed = signed * (absmax / unit) + part_signed
         else:
-            part_sq = torch.dot(x, x)
-            sq = part_sq if sq is None else sq + part_sq
+            sq, signed = sq + part_sq, signed + part_signed
         absmax = top
     nonfinite = flat.numel() - finite
     if scaled:
         return torch.stack([sq.sqrt(), absmax, (nonfinite >> 24).to(wide),
-                            (nonfinite & 0xFFFFFF).to(wide)])
-    return torch.stack([sq.sqrt(), absmax, nonfinite.to(wide)])
+                            (nonfinite & 0xFFFFFF).to(wide), signed])
+    return torch.stack([sq.sqrt(), absmax, nonfinite.to(wide), signed])
 
 
-def _read_stats(stats: list[float]) -> tuple[float, float, int]:
-    """(norm, absmax, nonfinite) from the host values of a `_device_float_stats` vector."""
-    if len(stats) == 3:
-        return stats[0], stats[1], int(stats[2])
-    root, absmax, high, low = stats
-    return root * absmax, absmax, (int(high) << 24) + int(low)
+_device_sign_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _device_signs(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`position_signs` of at least n positions on `device`: cached per device and dtype,
+    grown (doubled) as larger tensors come."""
+    key = (device, dtype)
+    cached = _device_sign_cache.get(key)
+    if cached is None or cached.numel() < n:
+        size = max(n, 2 * cached.numel() if cached is not None else 1 << 16)
+        cached = _device_sign_cache[key] = torch.from_numpy(position_signs(size)).to(
+            device=device, dtype=dtype)
+    return cached
+
+
+def _read_stats(stats: list[float]) -> tuple[float, float, int, float]:
+    """(norm, absmax, nonfinite, signed sum) from the host values of a
+    `_device_float_stats` vector."""
+    if len(stats) == 4:
+        return stats[0], stats[1], int(stats[2]), stats[3]
+    root, absmax, high, low, signed = stats
+    return root * absmax, absmax, (int(high) << 24) + int(low), signed * absmax
 
 
 WSUM = "wsum2"  # the device algorithm's version: 2 has a bijective mixer for 64-bit values
@@ -708,12 +773,13 @@ class Fingerprinter:
             stats = _fetch([p[2] for p in self._pending if p[2] is not None])
             stats_iter = iter(stats)
             for (slot, _, has_stats, (header, shape, dtype)), value in zip(self._pending, values):
-                norm, absmax, nonfinite = (
-                    _read_stats(next(stats_iter)) if has_stats is not None else (None, None, 0)
+                norm, absmax, nonfinite, signed = (
+                    _read_stats(next(stats_iter)) if has_stats is not None
+                    else (None, None, 0, None)
                 )
                 self._done[slot] = TensorPrint(
                     f"{_finish_wsum(header, int(value)):016x}", shape, dtype,
-                    norm, absmax, nonfinite,
+                    norm, absmax, nonfinite, signed,
                 )
         done = [p if not isinstance(p, int) else self._done[p] for p in self._done]
         self._done, self._pending, self._seen = [], [], {}
