@@ -507,7 +507,8 @@ def check(
     if result.folder is not None:  # the folder's reports give the check's verdict
         checked = {"baseline": str(path), "verdict": gate.verdict, "headline": gate.headline,
                    "message": gate.message,  # (and what differs in the environment since)
-                   "env_differences": {k: list(v) for k, v in gate.env_differences.items()}}
+                   "env_differences": {k: list(v) for k, v in gate.env_differences.items()},
+                   "steps_apart": gate.steps_apart, "steps_apart_total": gate.steps_apart_total}
         result.info.extra["check"] = checked
         save_run(result.folder, result.info)
         write_reports(result.folder, with_check(result.summary, checked))

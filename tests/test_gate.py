@@ -261,6 +261,9 @@ def test_a_changed_learning_rate_is_named_as_the_rate_not_as_the_first_parameter
     assert ("at step 0 in the learning rate its update read (baseline 0.1, now 0.11)"
             in faster.headline), faster.message
     assert "origin: the learning rate differs (baseline 0.1, now 0.11)" in faster.message
+    assert [row["step"] for row in faster.steps_apart] == [0, 1]
+    assert f"records differ at 2 steps: 0 ({faster.steps_apart[0]['records']} records), 1 (" \
+        in faster.message
     decayed = diff_traces(runs["old"], runs["decayed"], labels=("baseline", "now"))
     assert decayed.exit_code == 1 and decayed.first.phase == "optimizer", decayed.message
     assert "learning rate" not in decayed.message
@@ -286,6 +289,22 @@ def test_tolerance_sees_a_flipped_image_in_the_batch_not_in_the_first_layer(tmp_
     assert "elements moved or traded places (a flip, a shuffled batch" in gate.message
     assert "origin: the batch of step 0, different before the model ran" in gate.message
     assert api.check(path, factory=conv_probe, rtol=1e-4, atol=1e-6).gate.ok
+
+
+def test_a_checks_report_lists_every_step_where_it_differs_from_the_baseline(tmp_path: Path):
+    """A check's report gave its first difference only: it lists each step that differs,
+    with its epoch, how many records differ and the loss's relative difference."""
+    path = store_baseline(tmp_path / "conv.json", module_audit(conv_probe, repeats=1, epochs=2,
+                                                               steps=2))
+    check = api.check(path, factory=functools.partial(_conv_probe_with, lr=0.11),
+                      out=tmp_path / "check")
+    rows = check.gate.steps_apart
+    assert [(r["step"], r["epoch"]) for r in rows] == [(0, 1), (1, 1), (2, 2), (3, 2)]
+    assert check.gate.steps_apart_total == 4
+    assert rows[0]["loss"] == 0 and rows[1]["loss"] > 0  # (step 0's update alone differs)
+    report = (tmp_path / "check" / "report.md").read_text()
+    assert "steps where the baseline and this run differ (4)" in report
+    assert f"| 2 | 2 | {rows[2]['records']} |" in report, report
 
 
 def _batchnorm_probe(momentum: float, device: torch.device) -> Probe:

@@ -39,6 +39,8 @@ ENV_KEYS = (
 _FLOAT_PREFIXES = ("float", "bfloat", "complex")
 # Configuration keys that change what a run computes (not how many repeats or what is recorded).
 CONFIG_KEYS = ("mode", "device", "seed", "deterministic", "epochs", "steps", "fault")
+STEPS_LISTED = 50  # steps that differ listed one by one (the count says how many in all)
+STEPS_SAID = 5  # of them, in the one-screen message
 
 
 @dataclass
@@ -96,6 +98,10 @@ class GateResult:
     # each run's learning rates at the first divergent step, where only its update parts
     # them and the rates differ: the update read a different rate
     learning_rates: tuple[list[float | None], list[float | None]] | None = None
+    # every step where records differ, in order (at most STEPS_LISTED): its step, epoch
+    # (1-based), records that differ and the loss's relative difference
+    steps_apart: list[dict[str, Any]] = field(default_factory=list)
+    steps_apart_total: int = 0  # how many steps differ in all
 
     @property
     def verdict(self) -> str:
@@ -239,6 +245,8 @@ def diff_traces(
                        if _planted_after_repeat_0(t)],
         lengths=(len(ta.steps), len(tb.steps)) if comparison.cause == "length" else None,
         learning_rates=tuple(comparison.lr_by_repeat) if comparison.lr_by_repeat else None,
+        steps_apart=_steps_apart(comparison)[:STEPS_LISTED],
+        steps_apart_total=sum(1 for n in comparison.differing_by_step.values() if n),
     )
     if zoom is not None and first is not None:
         result.zoom = zoom(first.step)
@@ -384,6 +392,17 @@ def _within(
     return None if ints_unjudged and dtype != "bytes" else False  # integers compare exactly
 
 
+def _steps_apart(c: Comparison) -> list[dict[str, Any]]:
+    """Each step where records differ: where it is, how many differ and the loss's
+    relative difference (after the first, each step also carries what the ones before
+    changed, so where it parts is the first step's to say)."""
+    epochs = {step: epoch for step, epoch, _ in c.steps}
+    loss = {step: rel for step, _, rel in c.loss.per_step}
+    return [{"step": step, "epoch": epochs[step] + 1 if step in epochs else None,
+             "records": n, "loss": loss.get(step)}
+            for step, n in c.differing_by_step.items() if n]
+
+
 def _signed(records: dict[str, list[Any]], i: int) -> float | None:
     column = records.get("signed")
     return column[i] if column else None
@@ -502,9 +521,20 @@ def _message(result: GateResult, algorithms: tuple[str | None, str | None] | Non
             "forward", "backward"):
         lines.append("(recorded at scan level: `detaudit diff --zoom` replays both runs to that "
                      "step at module and op level, where this machine can run them)")
+    if result.steps_apart_total > 1:
+        lines.append(steps_apart_line(result))
     if result.zoom is not None:
         lines.append(zoom_line(result.zoom, la, lb))
     return "\n".join(lines)
+
+
+def steps_apart_line(result: GateResult) -> str:
+    """The steps where the runs differ, the first few with their counts."""
+    said = [f"{row['step']} ({counted(row['records'], 'record')})"
+            for row in result.steps_apart[:STEPS_SAID]]
+    more = result.steps_apart_total - len(said)
+    return (f"records differ at {counted(result.steps_apart_total, 'step')}: "
+            + ", ".join(said) + (f" and {more} more" if more > 0 else ""))
 
 
 def zoom_line(zoom: dict[str, Any], la: str, lb: str) -> str:

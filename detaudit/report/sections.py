@@ -185,6 +185,15 @@ def _verdict(s: dict[str, Any]) -> Section:
         details = [line for line in s["check"]["message"].splitlines() if line != s["headline"]]
         blocks.append(Text(f"baseline {s['check']['baseline']}" + (
             f": {' '.join(details)}" if details else "")))
+        apart = s["check"].get("steps_apart") or []
+        if len(apart) > 1:
+            total = s["check"].get("steps_apart_total", len(apart))
+            shown = f"the first {len(apart)} of {total}" if total > len(apart) else str(total)
+            blocks.append(Table(
+                f"steps where the baseline and this run differ ({shown})",
+                ["step", "epoch", "records that differ", "loss, relative difference"],
+                [[str(r["step"]), num(r["epoch"]), str(r["records"]), num(r["loss"], 3)]
+                 for r in apart], key="steps_apart", fold=True))
     if s.get("updates_without_backward"):
         blocks.append(Text(f"Note: {updates_note(s['updates_without_backward'])}"))
     if s.get("short_epochs"):
