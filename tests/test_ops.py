@@ -20,7 +20,7 @@ from test_recorder import _Checkpointed, _maskrcnn_probe, _mean_square_probe, _S
 from torch import nn
 
 from detaudit import Fault, Probe, audit, seed_everything
-from detaudit.analysis.compare import ORIGIN
+from detaudit.analysis.compare import ORIGIN, CallFinding
 from detaudit.analysis.knowledge import KNOWN, lookup
 from detaudit.analysis.risks import risks
 from detaudit.config import ANY_MODULE
@@ -288,6 +288,18 @@ def test_an_origin_op_in_a_loss_outside_the_model_is_the_cause_and_the_first_div
     assert kind == "backward" and text.startswith(
         "aten.cumsum in (outside the model) at test_ops.py:"), text  # (its backward: a cumsum)
     assert "class weights" not in text
+    # a module call whose backward sent other gradients to its inputs from an equal output
+    # gradient, or whose forward differs on equal inputs, began a difference the op cannot
+    # have made (it ran after it: an evaluation, a FLOPs count of what torch.empty made),
+    # unlike a weight's gradient, which the loop may add to itself
+    for slots, phase, op_is_cause in ((["grad_in.0"], "backward", False),
+                                      (["out"], "forward", False),
+                                      (["param.weight"], "backward", True)):
+        began = CallFinding(1, phase, "2", 0, ORIGIN, slots, 1, 2)
+        apart = dataclasses.replace(result.comparison,
+                                    findings=[began, *result.comparison.findings])
+        _, said = cause_of(apart, ops)
+        assert said.startswith("aten.cumsum in (outside the model)") is op_is_cause, said
     first = result.verdict.first
     assert (first["module"], first["role"], first["slots"]) == (
         "(outside the model)", "origin op", ["aten.cumsum"]), result.verdict.headline

@@ -383,11 +383,24 @@ def random_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
     return op if op is not None and draws_random_numbers(op["op"]) else None
 
 
-def outside_origin_op(ops: dict[str, Any] | None) -> dict[str, Any] | None:
+def outside_origin_op(ops: dict[str, Any] | None, origins: list[CallFinding] | None = None
+                      ) -> dict[str, Any] | None:
     """The drill-down's origin op when it ran outside the model (in the loop's own code: a
-    loss term), planted there or not."""
+    loss term), planted there or not, and no module call of `origins` (the step's) began a
+    difference that op cannot have made: a forward that differs on equal inputs, or a
+    backward whose input gradients differ where its output's gradient agrees (an op
+    outside the model reaches a module's backward only through that gradient, or through
+    the gradient of a weight the loop also reads itself: `w[idx]` in a penalty). Such a
+    module call is the first divergence, and an op outside the model that differs too is
+    another origin (code that ran after the step's backward: an evaluation, a FLOPs count
+    of a tensor torch.empty made)."""
     op = first_op(ops)
-    return op if op.get("role") == ORIGIN and op.get("module") == OUTSIDE_MODEL else None
+    if op.get("role") != ORIGIN or op.get("module") != OUTSIDE_MODEL:
+        return None
+    if any(f.phase == FORWARD or any(slot.startswith("grad_in") for slot in f.slots)
+           for f in origins or ()):
+        return None
+    return op
 
 
 def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None, *,
@@ -436,7 +449,7 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
     text = cause_text(c)
     if ops.get("reproduced"):  # the zoom's op-level replay parted again: its records say which
         text = text.removesuffix(UNCONFIRMED)
-    outside = outside_origin_op(ops)
+    outside = outside_origin_op(ops, c.origins)
     if outside is not None and c.cause in ("forward", "backward"):
         # (its phase: a backward difference its forward op made is a forward cause; what
         # the loss might be computed from, the text's guesses, the op's equal inputs rule out)

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import EXIT_CRASH, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from ..runfolder import INTERRUPTED as CUT_SHORT
 from ..runfolder import REFUSED
-from ..trace import FORWARD, GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE, state_name
+from ..trace import GRAD, MODEL_STATE, OPTIMIZER, OUTSIDE_MODEL, STATE, state_name
 from ..words import counted, joined, one_based, op_place, steps_run
 from .causes import cause_of, first_op, outside_origin_op
 from .compare import (
@@ -20,6 +20,7 @@ from .compare import (
     FAILED,
     ORIGIN,
     RUN_ENDED,
+    CallFinding,
     Comparison,
 )
 from .ranks import NO_PROCESS_GROUP, NOT_CHECKED, RankAnalysis
@@ -85,7 +86,7 @@ def judge(
     divergence found all the same; after a divergence it confirms the origin."""
     located = zoom if zoom is not None and zoom.first_step is not None else c
     first = _held_where_op_ran(first_divergence(located), located.tied, ops or {})
-    first = _at_an_op_outside_the_model(first, ops or {})
+    first = _at_an_op_outside_the_model(first, ops or {}, located.origins)
     kind = c.verdict
     # what diverged while the loss stayed bit-identical, if anything did (parameters of a
     # run that ended are missing, not diverged; inference has no loss to hide it)
@@ -253,15 +254,16 @@ def _rounded_away(c: Comparison) -> bool:
             and bool(c.loss.per_step) and set(c.differing_by_step) == {c.first_step})
 
 
-def _at_an_op_outside_the_model(first: dict[str, Any] | None, ops: dict[str, Any]
-                                ) -> dict[str, Any] | None:
+def _at_an_op_outside_the_model(first: dict[str, Any] | None, ops: dict[str, Any],
+                                origins: list[CallFinding]) -> dict[str, Any] | None:
     """Where the drill-down's origin op ran outside the model, in a loss term, that op is
     the first divergence: no module call began the difference (each only saw the gradient
     entering the model's outputs), or only the gradient of a weight the loop also reads
     itself did (`w[idx]` in a penalty: its backward runs before the model's). A module
-    whose forward differs on equal inputs stays the origin."""
-    op = outside_origin_op(ops)
-    if first is None or op is None or (first["role"] == ORIGIN and first["phase"] == FORWARD):
+    call that began a difference the op cannot have made stays the origin (see
+    outside_origin_op)."""
+    op = outside_origin_op(ops, origins)
+    if first is None or op is None:
         return first
     return {**first, "phase": op["phase"], "module": OUTSIDE_MODEL, "call": 0,
             "slots": [op["op"]], "role": OP_OUTSIDE}

@@ -113,7 +113,8 @@ def summarize(
     cells = _map_cells(c, zoom) if info.config.get("granularity") == "scan" else [
         {"step": f.step, "module": f.module or "(model)", "phase": f.phase, "role": f.role}
         for f in c.findings]
-    if (outside := outside_origin_op(ops)) is not None and located.first_step is not None:
+    if (outside := outside_origin_op(ops, located.origins)) is not None \
+            and located.first_step is not None:
         # (no module call began it: the op in the loop's own code did)
         cells.append({"step": located.first_step, "module": OUTSIDE_MODEL,
                       "phase": outside["phase"], "role": ORIGIN})
