@@ -1031,8 +1031,7 @@ def test_exec_without_seed_finds_the_unseeded_initialisation(tmp_path):
 # batch is the last), and a trainer that takes a step's every micro-batch before its first
 # (the Hugging Face Trainer's get_batch_samples), compiled as library code (installed under
 # the Python's packages) is.
-_LIBRARY_NAMESPACE: dict[str, Any] = {"torch": torch}
-exec(compile(  # noqa: S102
+_LIBRARY_CODE = (
     "class FetchingAhead(torch.utils.data.DataLoader):\n"
     "    def __iter__(self):\n"
     "        batches = super().__iter__()\n"
@@ -1043,11 +1042,33 @@ exec(compile(  # noqa: S102
     "        yield current\n"
     "def micro_batches(batches, n):\n"
     "    while taken := [b for _, b in zip(range(n), batches)]:\n"
-    "        yield taken\n",
-    str(Path(sysconfig.get_paths()["purelib"]) / "fetching" / "loader.py"), "exec"),
-    _LIBRARY_NAMESPACE)
+    "        yield taken\n")
+
+
+def _library(path: Path) -> dict[str, Any]:
+    """The library code above, compiled as the module at `path`."""
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(compile(_LIBRARY_CODE, str(path), "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+_LIBRARY_NAMESPACE = _library(Path(sysconfig.get_paths()["purelib"]) / "fetching" / "loader.py")
 _FetchingAhead = _LIBRARY_NAMESPACE["FetchingAhead"]
 _micro_batches = _LIBRARY_NAMESPACE["micro_batches"]
+
+
+def _installed_on_pythonpath(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The library code as a package pip installed into a folder on PYTHONPATH (`pip
+    install --target`): a distribution, outside the Python's own packages."""
+    site = tmp_path / "site"
+    info = site / "fetching_elsewhere-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fetching-elsewhere\n"
+                                   "Version: 1.0\n")
+    (info / "top_level.txt").write_text("fetching_elsewhere\n")
+    (site / "fetching_elsewhere").mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    return _library(site / "fetching_elsewhere" / "loader.py")
 
 
 class _ShiftedAt(torch.utils.data.Dataset):
@@ -1077,13 +1098,14 @@ def _in_a_thread(loader: Any) -> Iterator[Any]:
 # the loop; the step fed sample 5 (where the noise is); the loader batches of each step
 _FEEDS = {
     "fetching ahead": (2, [1] * 4), "two batches a step": (2, [2] * 4),
+    "fetching ahead, installed on PYTHONPATH": (2, [1] * 4),
     "mixed in place": (2, [1] * 4), "micro-batches fetched first": (1, [2] * 2),
     "accumulated while fetching ahead": (1, [2] * 2), "fetched in a thread": (2, []),
 }
 
 
 @pytest.mark.parametrize("loop", _FEEDS)
-def test_each_loader_batch_is_recorded_in_the_step_it_feeds(tmp_path, loop):
+def test_each_loader_batch_is_recorded_in_the_step_it_feeds(tmp_path, loop, monkeypatch):
     """A loader that fetches ahead of the loop (accelerate's) yields the next step's batch
     during this one: it was filed there, and a difference in it was reported a step early.
     A loop that takes two batches a step keeps both in it; so does a step of two micro-
@@ -1091,7 +1113,11 @@ def test_each_loader_batch_is_recorded_in_the_step_it_feeds(tmp_path, loop):
     through accelerate; the look-ahead was taken for 2), or one by one (accumulation by the
     loop). A batch the loop changes in place (a Mixup) is recorded as the loader yielded
     it. A loader a thread of its own iterates is not followed: when the loop takes a batch
-    is a race, and filing it by that gave runs that differ."""
+    is a race, and filing it by that gave runs that differ. A library installed in a folder
+    on PYTHONPATH is a library too (the loop's own code was thought to fetch ahead)."""
+    fetching_ahead = (_installed_on_pythonpath(tmp_path, monkeypatch)["FetchingAhead"]
+                      if loop.endswith("PYTHONPATH") else _FetchingAhead)
+
     def train(noise: float) -> None:  # in sample 5: the third batch of 2
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
@@ -1108,7 +1134,7 @@ def test_each_loader_batch_is_recorded_in_the_step_it_feeds(tmp_path, loop):
         elif loop == "fetched in a thread":
             steps = ([x] for x in _in_a_thread(torch.utils.data.DataLoader(data, batch_size=2)))
         else:
-            steps = ([x] for x in (_FetchingAhead if loop == "fetching ahead" else
+            steps = ([x] for x in (fetching_ahead if loop.startswith("fetching ahead") else
                                    torch.utils.data.DataLoader)(data, batch_size=2))
         for step, micro in enumerate(steps):
             for x in micro:

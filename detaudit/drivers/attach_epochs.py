@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import LOADER_IN_A_THREAD
 from ..record.recorder import WATCH_MODULE, printed_now
-from ..record.sites import in_a_library
+from ..record.sites import in_an_installed_package
 from ..trace import LOADER_BATCH, STATE
 from .rankprobe import sampler_snapshot
 
@@ -45,7 +45,7 @@ def _may_fetch_ahead(fetched_by: CodeType | None) -> bool:
     ahead of the loop (accelerate's loader): library code. The loop's own code is taken at
     its word (a generator of its own that takes two batches a step fetches two before its
     first step, and ahead of nothing)."""
-    return fetched_by is not None and in_a_library(fetched_by.co_filename)
+    return fetched_by is not None and in_an_installed_package(fetched_by.co_filename)
 
 
 def _named(function: Any) -> str | None:

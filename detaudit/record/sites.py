@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import site
+import sys
 import sysconfig
 from types import FrameType
 
@@ -44,6 +45,28 @@ def in_a_library(filename: str) -> bool:
     run by /usr/bin/python is the user's)."""
     return filename.startswith("<frozen ") or os.path.abspath(filename).startswith(
         _library_dirs())
+
+
+def in_an_installed_package(filename: str) -> bool:
+    """Whether `filename` is a module of a package installed as a distribution, wherever its
+    folder lies: the Python's packages, a `pip install --target` folder on PYTHONPATH, an
+    editable checkout (a script run as a file, or a folder of modules, is none)."""
+    path = os.path.abspath(filename)
+    for entry in sys.path:
+        root = os.path.join(os.path.abspath(entry or os.curdir), "")
+        if entry and path.startswith(root):
+            top = path[len(root):].split(os.sep)[0]
+            if os.sep in path[len(root):] and top in _installed_packages(tuple(sys.path)):
+                return True
+    return in_a_library(filename)
+
+
+@functools.lru_cache(maxsize=4)
+def _installed_packages(path: tuple[str, ...]) -> frozenset[str]:
+    """The top-level packages the distributions on the import `path` install."""
+    import importlib.metadata
+
+    return frozenset(importlib.metadata.packages_distributions())
 
 
 @functools.cache
