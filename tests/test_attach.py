@@ -4549,6 +4549,26 @@ def test_a_model_built_before_the_code_seeds_is_told_so_with_where_it_seeds(tmp_
     assert c.cause == "init" and c.seeded_late is None, cause_text(c)
 
 
+def test_a_model_built_again_after_a_seed_drawn_each_run_is_said_to_be_seeded_apart(tmp_path):
+    """YOLO builds a model, then its trainer seeds torch (from the clock, where the user
+    asks for it) and builds the model it trains: the seed came after the first model, so
+    the unseeded initialisation was blamed, with `--seed` as its fix, which does not help.
+    The model it trains was built after the seed: the seed, different in each run, is the
+    cause."""
+    def loop() -> None:
+        nn.Linear(4, 1)  # YOLO("yolov8n.yaml")
+        torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # seed=time
+        model = nn.Linear(4, 1)  # the trainer's own
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+
+    _unseeded_runs(tmp_path, loop)
+    c = detaudit.compare(tmp_path).comparison
+    assert (c.first_step, c.cause, c.seeded_late) == (0, "init", None)
+    assert "the code seeds torch with a different value in each run" in cause_text(c)
+
+
 def test_an_evaluation_without_gradients_in_a_loop_with_no_loader_begins_no_step(tmp_path):
     """PyTorch's time-sequence example trains on tensors, then predicts under no_grad
     without eval(): that call began the next step, its input taken for the step's batch and

@@ -506,8 +506,15 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self.recorder.before_backward(tensor)  # module-level backward records, faults
 
     def on_parameter_made(self, module: nn.Module, name: str, param: Any) -> None:
-        """A module registered a parameter (a model being built)."""
+        """A module registered a parameter (a model being built). One built after the code
+        seeded late, before the first step, may be the model it trains, built seeded (YOLO
+        builds a model, then its trainer seeds and builds the one it trains): the late seed
+        is not said to come after the model."""
         self._parameters_made = self._parameters_made or param is not None
+        if param is not None and SEEDED_AFTER_PARAMETERS in self.trace.probe \
+                and self.info is None and not self.stream.steps:
+            del self.trace.probe[SEEDED_AFTER_PARAMETERS]
+            self._seeded_first = True
 
     def on_manual_seed(self, frame: FrameType, seed: Any) -> None:
         """The code seeds torch's RNG with `seed` (called from `frame`): the first seed
