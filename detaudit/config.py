@@ -61,6 +61,8 @@ MODELS = "models"
 # the ops a planted op fault's module ran in its phase at its step, where the fault's op
 # never ran (see Recorder.ops_at_fault)
 OPS_AT_FAULT = "ops_at_fault"
+# a backward fault's module ran backward at its step, sending only all-zero gradients
+FAULT_MET_ZEROS = "fault_met_zeros"
 
 
 def nearest_modules(name: str, names: list[str], listed: str) -> str:
@@ -84,17 +86,23 @@ _OPS_LISTED = 30  # of the ops an op fault's module ran, where its op did not ru
 
 
 def fault_not_fired(fault: Fault, steps: int, scripted: list[str] | None = None,
-                    ran: Iterable[str] = ()) -> str:
+                    ran: Iterable[str] = (), met_zeros: bool = False) -> str:
     """Why a planted fault never fired in a run of `steps` steps (after "the planted fault
     never fired: "); `scripted`: the TorchScript modules of the model (see
     Recorder.scripted_modules); `ran`: the ops an op fault's module ran in its phase at its
-    step (see Recorder.ops_at_fault)."""
+    step (see Recorder.ops_at_fault); `met_zeros`: the module ran backward there, every
+    gradient it sent to its inputs all zero."""
     if steps <= fault.step:
         return f"the run has only {steps} steps (0 to {steps - 1})"
     said = scripted_fault(fault.module, scripted or ())
     if said is not None:
         return said
     of = f"at step {fault.step} of {counted(steps, 'recorded step')}"
+    if met_zeros and not fault.op:
+        return (f"module {fault.named!r} ran backward {of}, but every gradient it sent to its "
+                "inputs was all zero (nothing reached them, as where a layer's input is the "
+                "same in every row and its softmax's backward cancels), and a zero gradient "
+                "cannot carry 1 ULP: plant it @forward, or at another step")
     ran = sorted(ran)
     listed = (f"{', '.join(ran[:_OPS_LISTED])}"
               + (f" and {len(ran) - _OPS_LISTED} more" if len(ran) > _OPS_LISTED else ""))

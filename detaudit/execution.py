@@ -39,6 +39,7 @@ from .config import (
     EXIT_CALL,
     FAILED_AFTER_UPDATE,
     FAULT_FIRED,
+    FAULT_MET_ZEROS,
     FLUSHED_EACH_STEP,
     INFER,
     JOB_VARIABLE,
@@ -627,8 +628,10 @@ def _run_once(command: list[str], job: ExecJob, folder: Path, repeat: int,
         steps = max(len(t.steps) for t in recorded.values())
         scripted = next((t.probe[SCRIPTED] for t in recorded.values() if SCRIPTED in t.probe), [])
         ran = {op for t in recorded.values() for op in t.probe.get(OPS_AT_FAULT, ())}
+        zeros = any(t.probe.get(FAULT_MET_ZEROS) for t in recorded.values())
         raise DetauditError(
-            f"the planted fault never fired: {fault_not_fired(fault, steps, scripted, ran)}"
+            "the planted fault never fired: "
+            + fault_not_fired(fault, steps, scripted, ran, zeros)
             + ("; the model runs inside a compiled function, whose first step runs compiled "
                "before detaudit knows the model: plant at step 1 or later"
                if fault.step == 0 and any(t.probe.get(CALLS_UNSEEN) for t in recorded.values())

@@ -21,6 +21,7 @@ from detaudit.analysis.causes import cause_text
 from detaudit.analysis.compare import CONTAINS, ORIGIN, PROPAGATED, CallFinding
 from detaudit.analysis.verdict import first_divergence
 from detaudit.drivers.loading import builtin_spec, make_factory
+from detaudit.errors import DetauditError
 from detaudit.report import render_console
 
 pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
@@ -250,6 +251,28 @@ def test_unseeded_augmentation_is_a_data_cause():
     first = first_divergence(dataclasses.replace(c, findings=[seen, *c.findings]))
     assert (first["phase"], first["role"]) == ("state", "first record")
     assert first["slots"][0].startswith("batch")
+
+
+def test_a_backward_fault_where_the_module_sends_only_zero_gradients_says_so():
+    """A module whose every input gradient is zero (what follows it multiplies by zero, as
+    DETR's first decoder layer's softmax cancels) did run backward: the fault was refused
+    as planted in a module that "did not run backward", a frozen layer."""
+    class Zero(nn.Module):
+        def forward(self, x):
+            return x * 0
+
+    def probe(device: torch.device) -> Probe:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Zero(), nn.Linear(4, 1))
+        return Probe(model=model, batches=[torch.randn(2, 4)], step=lambda m, b: m(b).sum(),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    with pytest.raises(DetauditError) as refused:
+        module_audit(probe, repeats=2, epochs=1, steps=1, fault=Fault("1", "backward", 0))
+    said = str(refused.value)
+    assert ("module '1' ran backward at step 0 of 1 recorded step, but every gradient it sent "
+            "to its inputs was all zero") in said, said
+    assert "frozen" not in said
 
 
 @pytest.mark.parametrize("fault_step", [1, 0])

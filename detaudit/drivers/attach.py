@@ -47,6 +47,7 @@ from ..config import (
     EPOCHS_UNSEEN,
     FAILED_AFTER_UPDATE,
     FAULT_FIRED,
+    FAULT_MET_ZEROS,
     FIRST_PASS_UNFINISHED,
     FIRST_SEED,
     INFER,
@@ -897,6 +898,9 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self.trace.probe[FAULT_FIRED] = self.fault_fired
             if not self.fault_fired and self.recorder is not None and self.recorder.ops_at_fault:
                 self.trace.probe[OPS_AT_FAULT] = sorted(self.recorder.ops_at_fault)
+            if not self.fault_fired and self.recorder is not None \
+                    and self.recorder.fault_met_zeros:
+                self.trace.probe[FAULT_MET_ZEROS] = True
         if self.recorder is not None and (scripted := self.recorder.scripted_modules()):
             self.trace.probe[SCRIPTED] = scripted
         if self.recorder is not None and len(models := self.recorder.model_names()) > 1:

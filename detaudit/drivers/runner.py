@@ -381,7 +381,7 @@ def run_repeat(
             raise FaultRefused(
                 "the planted fault never fired: "
                 + fault_not_fired(fault, steps_done, recorder.scripted_modules(),
-                                  recorder.ops_at_fault))
+                                  recorder.ops_at_fault, recorder.fault_met_zeros))
     steady = ends[-1] - ends[0] if len(ends) >= 2 else None
     timing = RepeatTiming(repeat, time.perf_counter() - started, steps_done, peak.peak_bytes,
                           steady, stress.seconds if stress is not None else 0.0)

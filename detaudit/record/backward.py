@@ -256,6 +256,8 @@ class BackwardBoundaries:
                         if some_nonzero(grad):
                             grads[k] = next_ulp(grad, largest=True)
                             changed = self.fault_fired = True
+                        else:
+                            self.fault_met_zeros = True
                 if slot is not None and self._records_modules:
                     with self._lock:
                         self._keys.append(self.backward_key(call, slot))

@@ -96,6 +96,9 @@ class Recorder(BackwardBoundaries):
         self.fault = fault if fault is not None and not fault.op else None  # op faults: OpRecorder
         self.track_rng = track_rng
         self.fault_fired = False
+        # a backward fault's module ran backward at its step, every gradient it sent to its
+        # inputs all zero: none could carry 1 ULP
+        self.fault_met_zeros = False
         # the ops an op fault's module ran in its phase at its step (see OpRecorder): what
         # to name where the fault's op never ran
         self.ops_at_fault: set[str] = set()
