@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "detaudit"
 GOLDEN = Path(__file__).parent / "golden" / "planted"
+
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
 
 # Stages from the bottom up: a module may import its own stage and the stages below it.
 STAGES: list[tuple[str, tuple[str, ...]]] = [

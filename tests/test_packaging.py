@@ -14,6 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.shares_cores  # under pytest-xdist: see conftest.py
+
 
 def test_the_wheel_holds_every_module_and_the_exec_bootstrap(tmp_path):
     setuptools = pytest.importorskip("setuptools")
