@@ -74,12 +74,12 @@ def train_step(probe, batch, recorder=None, step=0, scope=None):
 
 def _read_once(a, start, stop, header, stats, alone=True):
     """Stands in for the xxh3 kernel: one read of the same bytes, nothing computed."""
-    return int(a[start:stop].view(np.uint8).max()), (0.0, 0.0, 0.0) if stats else None
+    return int(a[start:stop].view(np.uint8).max()), (0.0, 0.0, 0.0, 0.0) if stats else None
 
 
 def _read_nothing(a, start, stop, header, stats, alone=True):
     """Stands in for the xxh3 kernel: no byte read at all (the hooks' bookkeeping only)."""
-    return 0, (0.0, 0.0, 0.0) if stats else None
+    return 0, (0.0, 0.0, 0.0, 0.0) if stats else None
 
 
 def _maskrcnn_warmed_up():
