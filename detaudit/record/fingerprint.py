@@ -283,8 +283,9 @@ _numpy_sign_cache: dict[np.dtype, np.ndarray] = {}
 
 def position_signs(n: int) -> np.ndarray:
     """The sign (+1 or -1) of each position 0..n-1 that the signed sum weighs elements by:
-    the top bit of a 64-bit mix of the position, so no pattern of positions (a row, a
-    channel, an image of a batch) is mapped onto itself with the same signs."""
+    the top bit of a 64-bit mix of the position, so the signs of a block of positions (a
+    row, a channel, an image of a batch) do not repeat another block's. The host's copy is
+    kept as long as the largest float tensor printed with stats (twice at most)."""
     x = np.arange(n, dtype=np.uint64) * np.uint64(_MIX & (2**64 - 1))
     x ^= x >> np.uint64(30)
     x *= np.uint64(_SIGN_MIX)
