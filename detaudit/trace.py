@@ -112,8 +112,11 @@ PHASES = (STATE, FORWARD, BACKWARD, GRAD, OPTIMIZER, OUTPUT, *OP_PHASES)
 PROBE_SPEC, PROBE_CONFIG, PROBE_DISTRIBUTED = "info", "config", "distributed"
 PROBE_RUN = "run"  # the id of the run the trace belongs to (run.json has the same)
 # which records a trace holds: 2 adds the buffers written in a step and plain (non-tensor)
-# output values, 3 an op's plain arguments; a trace without it (older) has none of them
-PROBE_RECORD_SET, RECORD_SET = "record_set", 3
+# output values, 3 an op's plain arguments, 4 the mark of an op that read memory an
+# uninitialized op made and nothing wrote since (UNINITIALIZED_READ); a trace without it
+# (older) has none of them
+PROBE_RECORD_SET, RECORD_SET = "record_set", 4
+UNINITIALIZED_READ = "in.uninitialized"  # an op record's slot: op<k>/<op>/in.uninitialized
 
 _BACKWARD_LOSS = re.compile(r"loss(\.\d+)?")  # the names of the tensors backward was called on
 RECORD_COLUMNS = (

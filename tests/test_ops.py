@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -306,6 +307,37 @@ def test_an_origin_op_in_a_loss_outside_the_model_is_the_cause_and_the_first_div
     # and the divergence map has a row for it (every row said "origin at steps: -")
     assert {"step": 1, "module": "(outside the model)", "phase": "backward",
             "role": "origin"} in result.summary["map"]
+
+
+def test_an_op_that_reads_what_torch_empty_made_is_no_nondeterministic_op():
+    """A FLOPs count after training (Ultralytics' model.info) runs the model on a tensor
+    torch.empty made: what that memory held differs from run to run, and the op that read
+    it was named an origin, "different results from equal inputs", as a nondeterministic
+    op is. It reads an input its record leaves out (noise, whatever its inputs say): it is
+    marked so, named by the cause, and no origin."""
+    built = itertools.count()
+
+    def probe(device):  # (built for each repeat in turn, and again for the zoom's replays)
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        run = next(built) % 2
+
+        def step(m, x):
+            held = torch.empty(2, 1)
+            held.numpy()[:] = run  # what the memory held: written behind torch's back
+            return (m(x) + held.mul(2.0)).sum()
+
+        return Probe(model=model, batches=[torch.randn(2, 4)], step=step,
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    result = audit(probe, repeats=2, epochs=1, steps=1, stress=0)
+    ops = result.investigations["ops"]
+    read = [o for o in ops["ops"] if o.get("uninitialized")]
+    assert [(o["op"], o["module"], o["role"]) for o in read] == [
+        ("aten.mul", "(outside the model)", "propagated")], ops["ops"]
+    assert ops["origin_ops"] == 0
+    assert "aten.mul in (outside the model) at test_ops.py:" in result.summary["cause"]["text"]
+    assert "read memory that torch.empty" in result.summary["cause"]["text"]
 
 
 def test_the_known_fixes_of_the_origin_op_are_those_of_the_device_the_runs_recorded_on():

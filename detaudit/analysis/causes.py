@@ -464,6 +464,14 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
             f"a forward computation gave different results from equal inputs ({op['op']} in "
             f"{op['module']}), which the module's outputs did not show: its difference shows "
             "first in the gradients, computed from what the forward saved")
+    uninitialized = next((o for o in ops.get("ops") or () if o.get("uninitialized")), None)
+    if (c.cause in ("forward", "backward") and ops.get("reproduced") and uninitialized
+            and not ops.get("origin_ops")):
+        return c.cause, (
+            f"{uninitialized['op']} in {op_place(uninitialized)} ({uninitialized['phase']}) "
+            "read memory that torch.empty (or empty_like, new_empty) made and nothing had "
+            "written: its result is whatever that memory held, which differs from run to run "
+            "(fix: make it with torch.zeros, or write every element before it is read)")
     if (c.cause in ("forward", "backward") and ops.get("reproduced") and op
             and not ops.get("origin_ops") and not ops.get("outside_dispatcher")
             and op.get("role") != ORIGIN):

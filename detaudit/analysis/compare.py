@@ -41,6 +41,7 @@ from ..trace import (
     OUTPUT,
     OUTSIDE_MODEL,
     STATE,
+    UNINITIALIZED_READ,
     AnyTrace,
     StepInfo,
     Trace,
@@ -1078,6 +1079,9 @@ class OpFinding:
     other_repeat: int  # the first repeat whose outputs differ from repeat 0's
     ref: dict[str, Any] = field(default_factory=dict)  # stats of the first differing output
     site: str = ""  # outside the model: where the user's code ran it, or its forward op ("file:line")
+    # it read memory an uninitialized op (torch.empty) made that nothing wrote since: what
+    # that memory held, which differs between runs, is an input it was not recorded with
+    uninitialized: bool = False
 
     @property
     def key(self) -> tuple[int, str, str, int, str]:
@@ -1116,6 +1120,7 @@ def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
         if not outputs:
             continue
         inputs_differ = any(k[4].startswith(f"{prefix}/in") for k in differing_keys)
+        uninitialized = any(k[4] == f"{prefix}/{UNINITIALIZED_READ}" for k in keys)
         op_index, _, op = prefix.partition("/")
         # An op without tensor inputs that draws no random numbers (arange, zeros, full)
         # takes its arguments from host values made of earlier results: not an origin.
@@ -1124,10 +1129,11 @@ def compare_ops(traces: Iterable[Trace]) -> list[OpFinding]:
         differ = [idx for idx in others if any(idx.fp.get(k) != ref.fp[k] for k in outputs)]
         findings.append(OpFinding(
             step, FORWARD if phase == OP_FORWARD else BACKWARD, module, call, int(op_index[2:]),
-            op, PROPAGATED if inputs_differ or made_from_host else ORIGIN, len(differ),
+            op, PROPAGATED if inputs_differ or made_from_host or uninitialized else ORIGIN,
+            len(differ),
             len(traces), [k[4][len(prefix) + 1:] for k in outputs], differ[0].trace.repeat,
             ref.stats(outputs[0]),
             sites.get(op_site_key(step, phase == OP_BACKWARD, prefix), "")
-            if module == OUTSIDE_MODEL else "",
+            if module == OUTSIDE_MODEL else "", uninitialized,
         ))
     return findings

@@ -22,6 +22,7 @@ from ..trace import (
     PROBE_RECORD_SET,
     PROBE_SPEC,
     STATE,
+    UNINITIALIZED_READ,
     AnyTrace,
     Trace,
 )
@@ -316,7 +317,8 @@ def _newer_kind(phase: str, slot: str, dtype: str, other_set: int) -> bool:
     if other_set < 2 and ((phase == STATE and slot.startswith("buffer."))
                           or (phase == OUTPUT and dtype == "bytes")):
         return True
-    return other_set < 3 and phase in OP_PHASES and slot.endswith("/in.args")
+    return phase in OP_PHASES and ((other_set < 3 and slot.endswith("/in.args")) or (
+        other_set < 4 and slot.endswith(f"/{UNINITIALIZED_READ}")))
 
 
 class _WithinTolerance:

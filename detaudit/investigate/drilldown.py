@@ -173,6 +173,7 @@ def _op_row(f: OpFinding) -> dict[str, Any]:
         "op": f.op, "module": f.module or "(model)", "call": f.call, "phase": f.phase,
         "index": f.index, "role": f.role, "outputs": f.slots, "differing": f.differing,
         "repeats": f.repeats, **({"site": f.site} if f.site else {}),
+        **({"uninitialized": True} if f.uninitialized else {}),
     }
 
 

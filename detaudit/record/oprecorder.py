@@ -35,7 +35,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..analysis.knowledge import applicable, lookup
 from ..config import ANY_MODULE, Fault, op_site_key
 from ..planting import plants_at
-from ..trace import BACKWARD, FORWARD, OP_BACKWARD, OP_FORWARD, OUTSIDE_MODEL
+from ..trace import (
+    BACKWARD,
+    FORWARD,
+    OP_BACKWARD,
+    OP_FORWARD,
+    OUTSIDE_MODEL,
+    UNINITIALIZED_READ,
+)
 from .fingerprint import storage_address
 from .recorder import Call, Recorder
 from .sites import user_call_site
@@ -292,6 +299,9 @@ class OpRecorder(ModelOpMode):
         self._ops: Counter[tuple[str, str, int]] = Counter()
         # storage address -> (tensor, version) of outputs of empty(): skipped until written
         self._fresh: dict[int, tuple[weakref.ref, int]] = {}
+        # storage addresses a collective wrote (its result lands without a version bump):
+        # read as inputs they are still skipped, but what reads them reads no noise
+        self._landed: set[int] = set()
 
     def __enter__(self) -> OpRecorder:  # noqa: PYI034
         if self.census:  # the alerts are collected per op; keep their warnings quiet
@@ -329,7 +339,14 @@ class OpRecorder(ModelOpMode):
                 # its Python numbers too (a scale drawn on the host makes a different op call)
                 self.recorder.record_values(op_phase, module, index, f"{prefix}/in.args", inputs)
                 if self._fresh:
-                    inputs = [t for _, t in iter_tensors(inputs) if not self._uninitialized(t)]
+                    given = [t for _, t in iter_tensors(inputs)]
+                    inputs = [t for t in given if not self._uninitialized(t)]
+                    if not func._schema.is_mutable and any(
+                            storage_address(t) not in self._landed for t in given
+                            if self._uninitialized(t)):
+                        # (it reads what that memory held: noise, whatever its inputs say)
+                        self.recorder.record_values(op_phase, module, index,
+                                                    f"{prefix}/{UNINITIALIZED_READ}", [True])
                 self.recorder.record(op_phase, module, index, f"{prefix}/in", inputs)
         if self.census and torch.is_deterministic_algorithms_warn_only_enabled():
             out = self._run_catching_alert(func, args, kwargs, Alert(module, phase, name, ""))
@@ -347,8 +364,10 @@ class OpRecorder(ModelOpMode):
             if name in UNINITIALIZED_OPS:
                 self._remember_uninitialized(out)
             elif collective(func):  # read fresh wherever they are read next
-                self.recorder.fp.forget({address for _, t in iter_tensors([args, kwargs, out])
-                                         if (address := storage_address(t)) is not None})
+                written = {address for _, t in iter_tensors([args, kwargs, out])
+                           if (address := storage_address(t)) is not None}
+                self.recorder.fp.forget(written)
+                self._landed |= written
             else:
                 # an in-place or out= op's output is its input, whose version counter is
                 # bumped only after this returns: it must not pass for the unchanged input
@@ -418,6 +437,7 @@ class OpRecorder(ModelOpMode):
             # (an inference tensor has no version counter: cannot tell when it is written)
             if address is not None and not t.is_inference():
                 self._fresh[address] = (weakref.ref(t), t._version)
+                self._landed.discard(address)
 
     def _uninitialized(self, t: torch.Tensor) -> bool:
         """Whether `t` is (a view of) an uninitialized output not written since."""
