@@ -377,6 +377,10 @@ EPOCHS_UNSEEN = "epochs_unseen"
 # a step limit in epochs was given, and the run ended within its first pass over the
 # training DataLoader: that pass's length in batches (None where the loader has no len)
 FIRST_PASS_UNFINISHED = "first_pass_unfinished"
+# --max-epochs E was given, and the run, never stopped by it, made more passes over the
+# training DataLoader than E: its steps spanned passes (a step accumulating more batches
+# than a pass holds), and a run ends only as a step begins. The number of passes
+EPOCHS_SPANNED = "epochs_spanned"
 # why the first run of an exec audit refused its fault's op, a name neither PyTorch nor
 # torchvision has (see planting.check_op_known: exec's own process never imports torch)
 UNKNOWN_OP = "unknown_op"

@@ -4549,6 +4549,32 @@ def test_a_model_built_before_the_code_seeds_is_told_so_with_where_it_seeds(tmp_
     assert c.cause == "init" and c.seeded_late is None, cause_text(c)
 
 
+def test_max_epochs_is_said_not_to_fire_where_a_step_spans_passes_of_the_loader(tmp_path):
+    """Ultralytics accumulates to a nominal batch of 64: on a small data set one step takes
+    the batches of several passes, so `--max-epochs 1` never found a step beginning in
+    epoch 2, and the run trained to its end without a word."""
+    def loop() -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = torch.utils.data.DataLoader(torch.randn(4, 4), batch_size=2)
+        taken = 0
+        for _ in range(3):  # epochs of 2 batches: a step of 1 (a warm-up's), then one of 5
+            for x in loader:
+                model(x).pow(2).mean().backward()
+                taken += 1
+                if taken in (1, 6):
+                    opt.step()
+                    opt.zero_grad()
+
+    for run in range(2):
+        _attached(tmp_path / f"trace-{run}.json.gz", loop, max_epochs=1)
+    result = detaudit.compare(tmp_path)
+    assert result.summary["epochs_spanned"] == 3
+    assert ("note: --max-epochs did not end the runs: they made 3 passes over the training "
+            "DataLoader, as their steps spanned passes") in render_console(result.summary)
+
+
 def test_a_model_built_again_after_a_seed_drawn_each_run_is_said_to_be_seeded_apart(tmp_path):
     """YOLO builds a model, then its trainer seeds torch (from the clock, where the user
     asks for it) and builds the model it trains: the seed came after the first model, so

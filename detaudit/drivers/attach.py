@@ -44,6 +44,7 @@ from ..config import (
     ATTACH_MODES,
     AUTO,
     ENDED,
+    EPOCHS_SPANNED,
     EPOCHS_UNSEEN,
     FAILED_AFTER_UPDATE,
     FAULT_FIRED,
@@ -915,6 +916,11 @@ class Attachment(Installing, Updates, Epochs, SideCalls):
             self.trace.probe[EPOCHS_UNSEEN] = True
         if (workers := self._loader_workers.get(self._train_loader or -1)) is not None:
             self.trace.probe[TRAIN_LOADER_WORKERS] = workers
+        self.trace.probe.pop(EPOCHS_SPANNED, None)
+        passes = self._passes.get(self._train_loader or -1, 0)
+        if (self.max_epochs is not None and passes > self.max_epochs and not self.stopped
+                and self.explicit_epoch is None):
+            self.trace.probe[EPOCHS_SPANNED] = passes
         self.trace.probe.pop(FIRST_PASS_UNFINISHED, None)
         if self._first_pass_unfinished():
             self.trace.probe[FIRST_PASS_UNFINISHED] = self._pass_lengths[self._train_loader]

@@ -16,6 +16,7 @@ from .sections import (
     SIDE_HEADERS,
     calls_matter,
     ended,
+    epochs_spanned_note,
     first_module,
     first_pass_note,
     fork_text,
@@ -90,6 +91,8 @@ def render_console(summary: dict[str, Any]) -> str:
         lines.append(f"note: {planted_after}")
     if summary.get("first_pass_unfinished"):
         lines.append(f"note: {first_pass_note(summary)}")
+    if summary.get("epochs_spanned"):
+        lines.append(f"note: {epochs_spanned_note(summary)}")
     flagged = summary.get("env_risks") or {}
     if flagged:
         lines.append("")

@@ -208,6 +208,8 @@ def _verdict(s: dict[str, Any]) -> Section:
         blocks.append(Text(f"Note: {EPOCHS_UNSEEN_NOTE}"))
     if s.get("first_pass_unfinished"):
         blocks.append(Text(f"Note: {first_pass_note(s)}"))
+    if s.get("epochs_spanned"):
+        blocks.append(Text(f"Note: {epochs_spanned_note(s)}"))
     if seeded_over := seeded_over_note(s):
         blocks.append(Text(f"Note: {seeded_over}"))
     if planted_after := planted_after_note(s):
@@ -290,6 +292,15 @@ def fork_text(fork: dict[str, Any]) -> str:
               "batches)" if fork["slot"].startswith(LOADER_BATCH) else "")
     return (f"at step {fork['step']}: {fork['module'] or '(model)'} {fork['slot']}{call} is "
             f"missing in {counted(fork['missing'], 'repeat')}{loader}")
+
+
+def epochs_spanned_note(s: dict[str, Any]) -> str:
+    """That ``--max-epochs`` never fired: the runs' steps spanned passes over the training
+    DataLoader (a sentence to put after "note: ")."""
+    return (f"--max-epochs did not end the runs: they made {s['epochs_spanned']} passes over the "
+            "training DataLoader, as their steps spanned passes (a step that accumulates more "
+            "batches than a pass holds, as Ultralytics' nominal batch of 64 does on a small "
+            "data set), and a run ends only as a step begins: bound it with --max-steps")
 
 
 def first_pass_note(s: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from ..analysis.risks import risks
 from ..analysis.verdict import Verdict, stressed_op_rows
 from ..config import (
     CALLS_UNSEEN,
+    EPOCHS_SPANNED,
     EPOCHS_UNSEEN,
     FIRST_PASS_UNFINISHED,
     INFERRED,
@@ -150,6 +151,9 @@ def summarize(
         # --max-epochs, and every run ended within its first pass: {"batches": its length}
         "first_pass_unfinished": {"batches": traces[0].probe[FIRST_PASS_UNFINISHED]} if (
             traces and all(FIRST_PASS_UNFINISHED in t.probe for t in traces)) else None,
+        # --max-epochs never ended the runs, whose steps spanned passes: the most passes made
+        "epochs_spanned": max(t.probe[EPOCHS_SPANNED] for t in traces) if (
+            traces and all(EPOCHS_SPANNED in t.probe for t in traces)) else None,
         "zoom": (info.extra or {}).get("zoom"),
         "loss_scale": _loss_scale(traces, c.first_step),
         "modules": _modules(traces),
