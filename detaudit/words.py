@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .record.sites import split_site
+
 
 def joined(items: list) -> str:
     """``1``, ``1 and 2``, ``1, 2 and 3``."""
@@ -28,17 +30,6 @@ def op_place(op: dict) -> str:
     here, function, called_at = split_site(site)
     helper = f" (in {function}, called at {_file_line(called_at)})" if called_at else ""
     return f"{op.get('module')} at {_file_line(here)}{helper}"
-
-
-def split_site(site: str) -> tuple[str, str, str]:
-    """(`file:line`, the helper function it is in, `file:line` that called the helper) of
-    a site of the user's code (record.sites.user_call_site; the last two "" where it names
-    no caller)."""
-    here, _, called_at = site.partition(" <- ")
-    if not called_at:
-        return site, "", ""
-    place, _, function = here.rpartition(" in ")
-    return place, function, called_at
 
 
 def _file_line(site: str) -> str:

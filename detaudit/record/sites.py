@@ -24,7 +24,7 @@ def user_call_site(frame: FrameType | None, caller: bool = False) -> str:
     the Python installation (where the user's code called into them); "" if none is, or
     if detaudit's own driver called the code first. With `caller`, where that frame is a
     function the user's own code called directly (a helper), also the function and the
-    line that called it: `file:line in helper <- file:line` (see words.split_site)."""
+    line that called it: `file:line in helper <- file:line` (see `split_site`)."""
     while frame is not None and in_a_library(frame.f_code.co_filename):
         if os.path.abspath(frame.f_code.co_filename).startswith(_DRIVERS):
             return ""
@@ -37,6 +37,16 @@ def user_call_site(frame: FrameType | None, caller: bool = False) -> str:
             and not in_a_library(up.f_code.co_filename):
         site += f" in {frame.f_code.co_name} <- {up.f_code.co_filename}:{up.f_lineno}"
     return site
+
+
+def split_site(site: str) -> tuple[str, str, str]:
+    """(`file:line`, the helper function it is in, `file:line` that called the helper) of a
+    `user_call_site` (the last two "" where it has no caller)."""
+    here, _, called_at = site.partition(" <- ")
+    if not called_at:
+        return site, "", ""
+    place, _, function = here.rpartition(" in ")
+    return place, function, called_at
 
 
 def in_a_library(filename: str) -> bool:
