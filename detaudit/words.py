@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from .record.sites import split_site
-
 
 def joined(items: list) -> str:
     """``1``, ``1 and 2``, ``1, 2 and 3``."""
@@ -27,15 +25,8 @@ def op_place(op: dict) -> str:
     site = op.get("site") or ""
     if not site:
         return str(op.get("module") or "(model)")
-    here, function, called_at = split_site(site)
-    helper = f" (in {function}, called at {_file_line(called_at)})" if called_at else ""
-    return f"{op.get('module')} at {_file_line(here)}{helper}"
-
-
-def _file_line(site: str) -> str:
-    """`train.py:57` of a `/path/to/train.py:57`."""
     path, _, line = site.rpartition(":")
-    return f"{path.replace(chr(92), '/').rpartition('/')[2]}:{line}"
+    return f"{op.get('module')} at {path.replace(chr(92), '/').rpartition('/')[2]}:{line}"
 
 
 def steps_run(lengths: dict[int, int]) -> str:

@@ -71,27 +71,17 @@ def test_forward_splat_ends_nonzero_every_time_and_names_op_and_module(two_threa
         assert "aten.index_put_ in vote_head (forward, step 0, epoch 1)" in result.verdict.headline
 
 
-@pytest.mark.parametrize("helper", [False, True])
-def test_an_op_the_step_runs_outside_the_model_is_proven_there_not_in_the_model(
-        two_threads, helper):
+def test_an_op_the_step_runs_outside_the_model_is_proven_there_not_in_the_model(two_threads):
     """A target splatted in the step function, outside every module call of the model: the
-    proof names it outside the model (it said "(model)", the model's own forward), at the
-    line of the step function; in a helper the step calls, at the helper's line and the
-    line that called it (only the helper's was given)."""
+    proof names it outside the model (it said "(model)", the model's own forward)."""
     def probe(device: torch.device) -> Probe:
         model = nn.Linear(4, 1).to(device)
         g = torch.Generator().manual_seed(3)
         votes, cells = torch.randn(VOTES, 1, generator=g), torch.randint(0, CELLS, (VOTES,),
                                                                         generator=g)
 
-        def splat():
-            return votes.new_zeros(CELLS, 1).index_put_((cells,), votes, accumulate=True)
-
         def step(m: nn.Module, x: torch.Tensor):
-            if helper:
-                target = splat()  # (the helper's caller)
-            else:
-                target = votes.new_zeros(CELLS, 1).index_put_((cells,), votes, accumulate=True)
+            target = votes.new_zeros(CELLS, 1).index_put_((cells,), votes, accumulate=True)
             return (m(x) - target).pow(2).mean()
 
         return Probe(model=model, batches=[torch.ones(CELLS, 4)], step=step,
@@ -100,19 +90,12 @@ def test_an_op_the_step_runs_outside_the_model_is_proven_there_not_in_the_model(
     result = audit(probe, repeats=2, epochs=1, steps=1)
     assert [(p.module, p.phase, p.base_op) for p in result.comparison.proven] == [
         ("(outside the model)", "forward", "aten.index_put_")]
-    # with the line of the step function that ran it, or of the helper and its caller
-    lines = Path(__file__).read_text().splitlines()
-    ran = next(n for n, line in enumerate(lines, 1) if (
-        "return votes.new_zeros(CELLS, 1).index_put_(" if helper else
-        "target = votes.new_zeros(CELLS, 1).index_put_(") in line)
-    called = next(n for n, line in enumerate(lines, 1) if "target = splat()" in line)
-    site, place = f"{__file__}:{ran}", f"test_stress.py:{ran}"
-    if helper:
-        site += f" in splat <- {__file__}:{called}"
-        place += f" (in splat, called at test_stress.py:{called})"
-    assert result.comparison.proven[0].site == site
-    assert (f"aten.index_put_ in (outside the model) at {place} (forward, step 0, epoch 1)"
-            in result.verdict.headline)
+    # with the line of the step function that ran it
+    splat = next(n for n, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+                 if "target = votes.new_zeros(CELLS, 1).index_put_(" in line)
+    assert result.comparison.proven[0].site == f"{__file__}:{splat}"
+    assert (f"aten.index_put_ in (outside the model) at test_stress.py:{splat} (forward, "
+            "step 0, epoch 1)") in result.verdict.headline
 
 
 @pytest.mark.parametrize("term, phase, op", [

@@ -234,7 +234,7 @@ class ModelOpMode(TorchDispatchMode):
         if module != OUTSIDE_MODEL:
             return ""
         if phase == FORWARD:
-            return user_call_site(frame, caller=True)
+            return user_call_site(frame)
         metadata = getattr(torch._C._current_autograd_node(), "metadata", None) or {}
         return metadata.get(_SITE_OF_NODE, "")
 

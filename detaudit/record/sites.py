@@ -19,34 +19,15 @@ _DRIVERS = tuple(os.path.join(PACKAGE_DIR, name) for name in (
     os.path.join("drivers", "runner.py"), "investigate", "api.py", "cli.py", "__main__.py"))
 
 
-def user_call_site(frame: FrameType | None, caller: bool = False) -> str:
+def user_call_site(frame: FrameType | None) -> str:
     """`file:line` of the innermost frame at or above `frame` outside detaudit, torch and
     the Python installation (where the user's code called into them); "" if none is, or
-    if detaudit's own driver called the code first. With `caller`, where that frame is a
-    function the user's own code called directly (a helper), also the function and the
-    line that called it: `file:line in helper <- file:line` (see `split_site`)."""
+    if detaudit's own driver called the code first."""
     while frame is not None and in_a_library(frame.f_code.co_filename):
         if os.path.abspath(frame.f_code.co_filename).startswith(_DRIVERS):
             return ""
         frame = frame.f_back
-    if frame is None:
-        return ""
-    site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-    up = frame.f_back
-    if caller and up is not None and frame.f_code.co_name != "<module>" \
-            and not in_a_library(up.f_code.co_filename):
-        site += f" in {frame.f_code.co_name} <- {up.f_code.co_filename}:{up.f_lineno}"
-    return site
-
-
-def split_site(site: str) -> tuple[str, str, str]:
-    """(`file:line`, the helper function it is in, `file:line` that called the helper) of a
-    `user_call_site` (the last two "" where it has no caller)."""
-    here, _, called_at = site.partition(" <- ")
-    if not called_at:
-        return site, "", ""
-    place, _, function = here.rpartition(" in ")
-    return place, function, called_at
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
 
 
 def in_a_library(filename: str) -> bool:
