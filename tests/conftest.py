@@ -192,11 +192,26 @@ def temporary_folder_of_started_processes(tmp_path_factory):
     folder = tmp_path_factory.mktemp("started-processes")
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(folder)
-    yield
+    with _bytecode_kept():
+        yield
     if before is None:
         del os.environ["TMPDIR"]
     else:
         os.environ["TMPDIR"] = before
+
+
+@contextlib.contextmanager
+def _bytecode_kept():
+    """The processes the tests start (each run of `exec`, a zoom's replay, a rank) keep the
+    bytecode they compile, beside its source (`__pycache__`, which git ignores; a write is
+    atomic): where PYTHONDONTWRITEBYTECODE is set, each compiled detaudit anew, about 0.1 s
+    of every process."""
+    saved = os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["PYTHONDONTWRITEBYTECODE"] = saved
 
 
 @pytest.fixture(autouse=True)
