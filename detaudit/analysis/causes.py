@@ -465,8 +465,10 @@ def cause_of(c: Comparison, ops: dict[str, Any] | None, seed: int | None = None,
             f"{op['module']}), which the module's outputs did not show: its difference shows "
             "first in the gradients, computed from what the forward saved")
     uninitialized = next((o for o in ops.get("ops") or () if o.get("uninitialized")), None)
+    # (where a module's difference comes from outside the dispatcher, an extension that
+    # writes what torch.empty made without a version bump, that is the cause said below)
     if (c.cause in ("forward", "backward") and ops.get("reproduced") and uninitialized
-            and not ops.get("origin_ops")):
+            and not ops.get("origin_ops") and not ops.get("outside_dispatcher")):
         return c.cause, (
             f"{uninitialized['op']} in {op_place(uninitialized)} ({uninitialized['phase']}) "
             "read memory that torch.empty (or empty_like, new_empty) made and nothing had "
