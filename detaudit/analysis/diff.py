@@ -386,7 +386,7 @@ def _within(
     stats = [(ra[c][i], rb[c][j]) for c in ("norm", "absmax")]
     dtype = str(ra["dtype"][i])
     if all(x is not None and y is not None for x, y in stats):
-        return all(abs(x - y) <= atol + rtol * abs(y) for x, y in stats) and _signed_within(
+        return all(_close(x, y, rtol, atol) for x, y in stats) and _signed_within(
             _signed(ra, i), _signed(rb, j), max(stats[0]), math.prod(ra["shape"][i]), dtype,
             rtol, atol)
     if dtype.startswith(_FLOAT_PREFIXES):
@@ -403,6 +403,11 @@ def _steps_apart(c: Comparison) -> list[dict[str, Any]]:
     return [{"step": step, "epoch": epochs[step] + 1 if step in epochs else None,
              "records": n, "loss": loss.get(step)}
             for step, n in c.differing_by_step.items() if n]
+
+
+def _close(x: float, y: float, rtol: float, atol: float) -> bool:
+    """A stat of run A within tolerance of run B's."""
+    return abs(x - y) <= atol + rtol * abs(y)
 
 
 def _signed(records: dict[str, list[Any]], i: int) -> float | None:
@@ -435,7 +440,7 @@ def _first(comparison: Comparison, tolerance: bool, rtol: float = 0.0, atol: flo
     stats = [(d.ref.get(c), d.other.get(c)) for c in ("norm", "absmax", "signed")]
     reordered = tolerance and not d.missing and all(
         None not in pair for pair in stats) and all(
-        abs(x - y) <= atol + rtol * abs(y) for x, y in stats[:2])
+        _close(x, y, rtol, atol) for x, y in stats[:2])
     return FirstDifference(
         d.step, d.phase, d.module, d.call, d.slot, norm=norm,
         absmax=(d.ref.get("absmax"), d.other.get("absmax")),
